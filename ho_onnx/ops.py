@@ -1,0 +1,26 @@
+"""The cache-operator contract: domain, op names, attribute names (see docs/design.md)."""
+
+from __future__ import annotations
+
+DOMAIN = "ai.hyperoffload"
+OPSET_VERSION = 1
+
+PREFETCH = "Prefetch"
+WAIT = "Wait"
+STORE = "Store"
+DETACH = "Detach"
+ALL_OPS = (PREFETCH, WAIT, STORE, DETACH)
+
+# Attributes of a weight Prefetch.
+ATTR_LOCATION = "location"
+ATTR_OFFSET = "offset"
+ATTR_LENGTH = "length"
+ATTR_SHAPE = "shape"
+ATTR_NAME = "name"
+ATTR_BASE_DIR = "base_dir"
+
+# Session config entry the runtime helper sets so weights resolve next to the model.
+CONFIG_MODEL_DIR = "ho_onnx.model_dir"
+
+# Keys of the plan recorded in the optimized model's metadata_props.
+META_PREFIX = "ho_onnx."

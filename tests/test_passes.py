@@ -1,0 +1,163 @@
+"""The rewriter's passes on hand-written graphs: analyses, choice and insertion structure."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from graphs import chain_model, text_model
+from ho_onnx import ops
+from ho_onnx.analysis import analyse, topological_order
+from ho_onnx.choice import OffloadPolicy, choose, largest_gap
+from ho_onnx.errors import UnboundDimError
+from ho_onnx.insertion import insert_cache_ops, token_elems
+
+
+def test_lifetimes_and_sizes():
+    a = analyse(chain_model(), {"N": 4})
+    h1 = a.tensors["h1"]
+    assert (h1.producer, h1.consumers) == (0, [1, 5])
+    assert h1.nbytes({"N": 4}) == 4 * 16 * 4
+    assert a.tensors["W1"].is_initializer and a.tensors["W1"].nbytes() == 16 * 16 * 4
+    assert a.tensors["y"].is_graph_output
+    assert a.last_use("h1") == 5
+
+
+def test_unbound_dim_is_named():
+    a = analyse(chain_model())
+    with pytest.raises(UnboundDimError, match="'N'.*--dim N="):
+        a.tensors["h1"].nbytes({})
+    # min_bytes > 0 needs the size of every activation candidate
+    with pytest.raises(UnboundDimError, match="'N'"):
+        choose(a, OffloadPolicy("activations", min_bytes=1, min_gap=1))
+    # ... but forced offload of everything does not
+    c = choose(a, OffloadPolicy("activations", min_bytes=0, min_gap=1))
+    assert {x.name for x in c.activations} >= {"h1", "h2"}
+
+
+def test_largest_gap():
+    assert largest_gap(0, [1, 5]) == (4, 1)
+    assert largest_gap(0, [3, 4]) == (3, 0)
+    assert largest_gap(2, [3]) == (1, 0)
+
+
+def test_topological_order_repairs_unsorted_graph():
+    m = chain_model()
+    nodes = list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(reversed(nodes))
+    order = topological_order(m.graph)
+    produced = {i.name for i in m.graph.input} | {t.name for t in m.graph.initializer}
+    for i in order:
+        assert all(n in produced for n in m.graph.node[i].input)
+        produced.update(m.graph.node[i].output)
+
+
+def test_choice_policy():
+    a = analyse(chain_model(), {"N": 4})
+    c = choose(a, OffloadPolicy("all", min_bytes=0, min_gap=3))
+    assert {w.name for w in c.weights} == {"W1", "W2"}
+    assert [x.name for x in c.activations] == ["h1"]  # the only gap >= 3
+    h1 = c.activations[0]
+    assert (h1.producer, h1.early, h1.late) == (0, (1,), (5,))
+    assert c.skipped["y"] == "graph output"
+    c = choose(a, OffloadPolicy("weights", min_bytes=2000))
+    assert [w.name for w in c.weights] == []  # 1024 bytes each
+    assert choose(a, OffloadPolicy("none")).weights == []
+
+
+def _positions(model: onnx.ModelProto) -> dict[str, int]:
+    return {o: i for i, n in enumerate(model.graph.node) for o in n.output}
+
+
+def _check_schedule(model: onnx.ModelProto) -> None:
+    """Topologically sorted; every Wait after its Prefetch; no consumer reads a Prefetch."""
+    onnx.checker.check_model(model)
+    pos = _positions(model)
+    avail = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
+    for node in model.graph.node:
+        assert all(n in avail for n in node.input if n), node.name
+        avail.update(node.output)
+    prefetch_out = {n.output[0] for n in model.graph.node
+                    if n.domain == ops.DOMAIN and n.op_type == ops.PREFETCH}
+    for node in model.graph.node:
+        if node.domain == ops.DOMAIN and node.op_type == ops.WAIT:
+            assert node.input[0] in prefetch_out
+            continue
+        assert not set(node.input) & prefetch_out, f"{node.name} reads a Prefetch output"
+    assert all(pos[o] >= 0 for o in pos)
+
+
+def test_insertion_structure():
+    a = analyse(chain_model(), {"N": 4})
+    c = choose(a, OffloadPolicy("all", min_bytes=0, min_gap=1, prefetch_distance=2))
+    r = insert_cache_ops(a, c)
+    m = r.model
+    _check_schedule(m)
+    assert {i.domain: i.version for i in m.opset_import}[ops.DOMAIN] == ops.OPSET_VERSION
+    # offloaded weights left the initializers; an empty per-type source replaced them
+    names = {t.name for t in m.graph.initializer}
+    assert "W1" not in names and "W2" not in names
+    src = [t for t in m.graph.initializer if t.name.startswith("ho_onnx.src.")]
+    assert len(src) == 1 and list(src[0].dims) == [0]
+    assert set(r.weights) == {"W1", "W2"}
+    by_op: dict[str, int] = {}
+    for n in m.graph.node:
+        if n.domain == ops.DOMAIN:
+            by_op[n.op_type] = by_op.get(n.op_type, 0) + 1
+    n_act = len(c.activations)
+    assert by_op == {ops.PREFETCH: 2 + n_act, ops.WAIT: 2 + n_act, ops.STORE: n_act,
+                     ops.DETACH: n_act}
+    assert r.cache_nodes == sum(by_op.values())
+    # analysis' model is untouched
+    assert len(a.model.graph.node) == 6
+
+
+def test_activation_schedule_positions():
+    a = analyse(chain_model(), {"N": 4})
+    c = choose(a, OffloadPolicy("activations", min_bytes=0, min_gap=3, prefetch_distance=1))
+    m = insert_cache_ops(a, c).model
+    order = [n.name or n.op_type for n in m.graph.node]
+    idx = {n.name: i for i, n in enumerate(m.graph.node)}
+    store, detach = idx["ho.store.h1"], idx["ho.detach.h1"]
+    prefetch, wait = idx["ho.prefetch.h1"], idx["ho.wait.h1"]
+    relu = next(i for i, n in enumerate(m.graph.node) if n.op_type == "Relu")
+    add = next(i for i, n in enumerate(m.graph.node) if n.op_type == "Add")
+    sig = next(i for i, n in enumerate(m.graph.node) if n.op_type == "Sigmoid")
+    assert store < relu < detach < prefetch < wait < add, order
+    # prefetch distance 1: exactly one compute node (Sigmoid) in the prefetch window
+    assert prefetch < sig < wait
+    assert m.graph.node[prefetch].input[1:] == ["h4"]  # not before the node ahead of the window
+    # Detach depends on the early consumer, Wait on the node before the late consumer
+    det = m.graph.node[detach]
+    assert det.input[0] == "h1" and "h2" in det.input[2:]
+    assert m.graph.node[wait].input[1:] == ["h5"]
+    assert m.graph.node[add].input[1] == m.graph.node[wait].output[0]
+    # the token is 16 bytes of the tensor's own type
+    vi = {v.name: v for v in m.graph.value_info}[det.input[1]]
+    assert [d.dim_value for d in vi.type.tensor_type.shape.dim] == [token_elems(1)] == [4]
+
+
+def test_subgraph_outer_scope_values_are_not_offloaded():
+    m = text_model("""
+    g (float[4] x, bool c) => (float[4] y) {
+      h = Relu(x)
+      k = Sigmoid(h)
+      z = If(c) <then_branch = t () => (float[4] o) { o = Neg(h) },
+                  else_branch = e () => (float[4] o) { o = Identity(W) }>
+      y = Add(z, k)
+    }
+    """, W=(4,))
+    a = analyse(m)
+    assert a.tensors["h"].implicit_consumers == [2]
+    c = choose(a, OffloadPolicy("all", min_bytes=0, min_gap=1))
+    assert "h" in c.skipped and "W" in c.skipped
+    assert "subgraph" in c.skipped["W"]
+    _check_schedule(insert_cache_ops(a, c).model)
+
+
+def test_prefetch_of_first_weight_depends_on_a_graph_input():
+    a = analyse(chain_model(), {"N": 4})
+    m = insert_cache_ops(a, choose(a, OffloadPolicy("weights", min_bytes=0))).model
+    first = m.graph.node[0]
+    assert first.op_type == ops.PREFETCH and first.input[1:] == ["x"]
