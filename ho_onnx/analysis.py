@@ -217,8 +217,8 @@ def _shape_of(tp: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
     for d in tt.shape.dim:
         if d.HasField("dim_value"):
             shape.append(d.dim_value)
-        elif d.HasField("dim_param") and d.dim_param:
-            shape.append(d.dim_param)
+        elif d.HasField("dim_param") and d.dim_param and not d.dim_param.startswith("unk__"):
+            shape.append(d.dim_param)  # (unk__N: invented by shape inference, not bindable)
         else:
             shape.append(None)
     return elem, tuple(shape)

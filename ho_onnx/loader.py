@@ -166,8 +166,8 @@ def validate_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
                 )
 
 
-def check_opsets(model: onnx.ModelProto) -> None:
-    """Refuse opsets this onnx cannot interpret and models that are already rewritten."""
+def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False) -> None:
+    """Refuse opsets this onnx cannot interpret and (unless allowed) rewritten models."""
     max_onnx = onnx.defs.onnx_opset_version()
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx") and imp.version > max_onnx:
@@ -177,14 +177,15 @@ def check_opsets(model: onnx.ModelProto) -> None:
             )
         if imp.domain in ("", "ai.onnx") and imp.version < 1:
             raise UnsupportedModelError(f"invalid ai.onnx opset version {imp.version}")
-        if imp.domain == DOMAIN:
+        if imp.domain == DOMAIN and not allow_cache_ops:
             raise UnsupportedModelError(
                 f"the model already contains {DOMAIN} cache operators: optimize the original "
                 "model, not an optimized one"
             )
 
 
-def load_model(path: str | os.PathLike[str], *, check: bool = True) -> LoadedModel:
+def load_model(path: str | os.PathLike[str], *, check: bool = True,
+               allow_cache_ops: bool = False) -> LoadedModel:
     """Read ``path`` (weight bytes stay on disk), check it and its external data references."""
     p = Path(path)
     if not p.exists():
@@ -197,7 +198,7 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True) -> LoadedMod
         raise ModelLoadError(f"{str(p)!r} is not a readable ONNX model: {e}") from None
     if not model.HasField("graph") or model.ir_version == 0:
         raise ModelLoadError(f"{str(p)!r} is not an ONNX model (no graph or IR version)")
-    check_opsets(model)
+    check_opsets(model, allow_cache_ops)
     base_dir = p.resolve().parent
     validate_external_data(model, base_dir)
     if check:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import onnx
 import pytest
-
 from graphs import chain_model, text_model
+
 from ho_onnx import ops
 from ho_onnx.analysis import analyse, topological_order
 from ho_onnx.choice import OffloadPolicy, choose, largest_gap
@@ -25,7 +25,7 @@ def test_lifetimes_and_sizes():
 
 def test_unbound_dim_is_named():
     a = analyse(chain_model())
-    with pytest.raises(UnboundDimError, match="'N'.*--dim N="):
+    with pytest.raises(UnboundDimError, match=r"'N'.*--dim N="):
         a.tensors["h1"].nbytes({})
     # min_bytes > 0 needs the size of every activation candidate
     with pytest.raises(UnboundDimError, match="'N'"):

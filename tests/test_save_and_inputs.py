@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-
 from graphs import chain_model, save
+
 from ho_onnx import ops
 from ho_onnx.choice import OffloadPolicy
 from ho_onnx.cli import main
@@ -130,7 +130,7 @@ def test_failure_while_saving_leaves_nothing(tmp_path, monkeypatch, fail_at):
 def test_corrupt_file(tmp_path):
     p = tmp_path / "bad.onnx"
     p.write_bytes(os.urandom(4096))
-    with pytest.raises(ModelLoadError, match="not a (readable|valid) ONNX model|not an ONNX"):
+    with pytest.raises(ModelLoadError, match=r"not a (readable|valid) ONNX model|not an ONNX"):
         optimize(p, tmp_path / "out.onnx", ALL)
     assert not (tmp_path / "out.onnx").exists()
 
@@ -143,7 +143,7 @@ def test_missing_and_truncated_external_data(tmp_path):
     with pytest.raises(ExternalDataError, match="truncated"):
         optimize(src, tmp_path / "out.onnx", ALL)
     data.unlink()
-    with pytest.raises(ExternalDataError, match="'m.onnx.data' not found"):
+    with pytest.raises(ExternalDataError, match=r"'m\.onnx\.data' not found"):
         optimize(src, tmp_path / "out.onnx", ALL)
     assert not (tmp_path / "out.onnx").exists()
 
