@@ -8,6 +8,8 @@ offloaded.
 
 from __future__ import annotations
 
+import ast
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -54,16 +56,55 @@ class TensorInfo:
             if isinstance(d, int):
                 numel *= d
             elif isinstance(d, str):
-                if dims is None or d not in dims:
-                    raise UnboundDimError(
-                        f"tensor {self.name!r} has symbolic dimension {d!r} with no value: "
-                        f"pass --dim {d}=N"
-                    )
-                numel *= dims[d]
+                numel *= eval_dim(d, dims or {}, self.name)
             else:
                 return None
         assert self.elem_type is not None
         return tensor_nbytes(self.elem_type, numel)
+
+
+_DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+            ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
+
+
+def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
+    """Value of a symbolic dim: a bound name, or an arithmetic expression of bound names
+    (exporters write dims such as ``seq + 1`` or ``2*batch``).
+
+    Raises :class:`UnboundDimError` naming the first name without a value.
+    """
+    if dim in dims:
+        return int(dims[dim])
+    try:
+        tree = ast.parse(dim, mode="eval")
+    except SyntaxError:
+        tree = None
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in dims:
+                raise UnboundDimError(
+                    f"tensor {tensor!r} has symbolic dimension {node.id!r}"
+                    + (f" (in {dim!r})" if node.id != dim else "")
+                    + f" with no value: pass --dim {node.id}=N"
+                )
+            return int(dims[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS:
+            return _DIM_OPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(dim)
+
+    if tree is not None:
+        try:
+            return ev(tree)
+        except (ValueError, ZeroDivisionError):
+            pass
+    raise UnboundDimError(
+        f"tensor {tensor!r} has symbolic dimension {dim!r} with no value: pass --dim {dim}=N"
+    )
 
 
 @dataclass

@@ -146,12 +146,17 @@ def optimize(input_model: str, output_model: str, what: str, min_bytes: int, min
 @click.option("--prepacking/--no-prepacking", default=False, show_default=True,
               help="Let ORT pre-pack constant weights (the optimized model then differs by "
                    "rounding: use a tolerance).")
+@click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]),
+              default="all", show_default=True,
+              help="ORT graph optimization level of both sessions. Fusions that need constant "
+                   "weights do not apply to offloaded ones; 'disable' makes the paths "
+                   "identical.")
 @click.option("--provider", "providers", multiple=True, default=("CPUExecutionProvider",),
               show_default=True, help="ORT execution provider (repeatable, in priority order).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(original: str, optimized: str, dims: tuple[str, ...], runs: int, seed: int,
            int_high: int, atol: float, rtol: float, execution_order: str, prepacking: bool,
-           providers: tuple[str, ...], as_json: bool) -> None:
+           opt_level: str, providers: tuple[str, ...], as_json: bool) -> None:
     """Run ORIGINAL and OPTIMIZED on the same random inputs and compare every output.
 
     Exits 1 when an output differs beyond the tolerances (bit-exact by default).
@@ -162,15 +167,21 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], runs: int, seed
         report = run(original, optimized, dims=parse_dims(dims), runs=runs, seed=seed,
                      int_high=int_high, providers=list(providers),
                      execution_order=execution_order, prepacking=prepacking, atol=atol,
-                     rtol=rtol)
+                     rtol=rtol, opt_level=opt_level)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
+                               "seconds_original": report.seconds_original,
+                               "seconds_optimized": report.seconds_optimized,
                                "outputs": [vars(o) for o in report.outputs]}, indent=2))
     else:
         for o in report.outputs:
             status = "exact" if o.exact else ("close" if o.close else "MISMATCH")
             click.echo(f"{o.name:<24} {list(o.shape)!s:<18} max_abs={o.max_abs:.3g} "
                        f"max_rel={o.max_rel:.3g}  {status}")
+        med = sorted(report.seconds_original)[len(report.seconds_original) // 2]
+        med_opt = sorted(report.seconds_optimized)[len(report.seconds_optimized) // 2]
+        click.echo(f"median run: original {med * 1e3:.1f} ms, optimized {med_opt * 1e3:.1f} ms "
+                   "(first runs include warm-up)")
         click.echo(f"{report.runs} run(s): " + ("OK" if report.ok else "MISMATCH")
                    + (" (bit-exact)" if report.exact else ""))
     sys.exit(0 if report.ok else 1)

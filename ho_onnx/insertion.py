@@ -104,7 +104,9 @@ class _Emitter:
              **attrs: object) -> onnx.NodeProto:
         node = helper.make_node(op, list(inputs), outputs, name=self.names.fresh(node_name),
                                 domain=ops.DOMAIN)
-        node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+        for k, v in attrs.items():  # lists are ints (a scalar weight's shape is empty)
+            node.attribute.append(helper.make_attribute(
+                k, v, attr_type=onnx.AttributeProto.INTS if isinstance(v, list) else None))
         return node
 
 

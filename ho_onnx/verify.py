@@ -9,6 +9,7 @@ outputs are expected to be bit-exact.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -103,6 +104,8 @@ class VerifyReport:
 
     outputs: list[OutputDiff] = field(default_factory=list)
     runs: int = 0
+    seconds_original: list[float] = field(default_factory=list)  # per run
+    seconds_optimized: list[float] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -135,14 +138,27 @@ def compare_arrays(name: str, a: np.ndarray, b: np.ndarray, *, atol: float = 0.0
     return OutputDiff(name, tuple(a.shape), max_abs, float(rel.max()), False, close)
 
 
+OPT_LEVELS = ("disable", "basic", "extended", "all")
+
+
 def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: list[str],
-                 execution_order: str = "priority", prepacking: bool = False):  # type: ignore[no-untyped-def]
-    """An ORT session; ``optimized`` registers the ho_onnx library."""
+                 execution_order: str = "priority", prepacking: bool = False,
+                 opt_level: str = "all"):  # type: ignore[no-untyped-def]
+    """An ORT session; ``optimized`` registers the ho_onnx library.
+
+    ``opt_level`` is ORT's graph optimization level (``disable`` ... ``all``, the default).
+    """
     import onnxruntime as ort
 
     from .runtime import session_options
 
     so = ort.SessionOptions()
+    so.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[opt_level]
     if not prepacking:
         so.add_session_config_entry("session.disable_prepacking", "1")
     if optimized:
@@ -156,14 +172,14 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
            dims: Mapping[str, int] | None = None, runs: int = 1, seed: int = 0,
            int_high: int = 8, providers: list[str] | None = None,
            execution_order: str = "priority", prepacking: bool = False, atol: float = 0.0,
-           rtol: float = 0.0) -> VerifyReport:
+           rtol: float = 0.0, opt_level: str = "all") -> VerifyReport:
     """Run both models ``runs`` times on fresh random inputs; worst differences per output."""
     providers = providers or ["CPUExecutionProvider"]
     model = onnx.load(str(original), load_external_data=False)
-    s_orig = make_session(original, optimized=False, providers=providers,
-                          execution_order=execution_order, prepacking=prepacking)
-    s_opt = make_session(optimized, optimized=True, providers=providers,
-                         execution_order=execution_order, prepacking=prepacking)
+    kw = {"providers": providers, "execution_order": execution_order,
+          "prepacking": prepacking, "opt_level": opt_level}
+    s_orig = make_session(original, optimized=False, **kw)  # type: ignore[arg-type]
+    s_opt = make_session(optimized, optimized=True, **kw)  # type: ignore[arg-type]
     names = [o.name for o in s_orig.get_outputs()]
     if names != [o.name for o in s_opt.get_outputs()]:
         raise UnsupportedModelError("the two models have different outputs")
@@ -171,8 +187,12 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     report = VerifyReport()
     for r in range(runs):
         feeds = random_inputs(model, dims, seed=seed + r, int_high=int_high)
+        t0 = time.perf_counter()
         a = s_orig.run(None, feeds)
+        t1 = time.perf_counter()
         b = s_opt.run(None, feeds)
+        report.seconds_optimized.append(time.perf_counter() - t1)
+        report.seconds_original.append(t1 - t0)
         for name, x, y in zip(names, a, b, strict=True):
             d = compare_arrays(name, x, y, atol=atol, rtol=rtol)
             w = worst.get(name)

@@ -161,3 +161,15 @@ def test_prefetch_of_first_weight_depends_on_a_graph_input():
     m = insert_cache_ops(a, choose(a, OffloadPolicy("weights", min_bytes=0))).model
     first = m.graph.node[0]
     assert first.op_type == ops.PREFETCH and first.input[1:] == ["x"]
+
+
+def test_symbolic_dim_expressions():
+    from ho_onnx.analysis import eval_dim
+
+    assert eval_dim("seq + 1", {"seq": 9}) == 10
+    assert eval_dim("2*batch", {"batch": 3}) == 6
+    assert eval_dim("s // 2", {"s": 9}) == 4
+    with pytest.raises(UnboundDimError, match=r"'past' \(in 'seq \+ past'\)"):
+        eval_dim("seq + past", {"seq": 1})
+    with pytest.raises(UnboundDimError, match="'weird dim!'"):
+        eval_dim("weird dim!", {})
