@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import onnx
+
 from .analysis import GraphAnalysis, TensorInfo
 from .errors import UnboundDimError
 
@@ -40,11 +42,24 @@ class OffloadPolicy:
 
 @dataclass(frozen=True)
 class WeightOffload:
-    """An initializer reloaded once before each consumer node."""
+    """An initializer reloaded once before each consumer node that reads its data.
+
+    ``shape_readers`` (Shape/Size nodes) read only its static shape: the insertion pass
+    replaces them with constants, so they cost no transfer.
+    """
 
     name: str
     nbytes: int
     consumers: tuple[int, ...]
+    shape_readers: tuple[int, ...] = ()
+
+
+SHAPE_OPS = ("Shape", "Size")
+
+
+def reads_only_shape(node: onnx.NodeProto) -> bool:
+    """A default-domain Shape or Size node: it needs its input's shape, not its data."""
+    return node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,10 @@ def choose(
             if nbytes < policy.min_bytes:
                 choice.skipped[name] = f"{nbytes} bytes < min_bytes"
                 continue
-            choice.weights.append(WeightOffload(name, nbytes, tuple(t.consumers)))
+            shape_readers = tuple(c for c in t.consumers
+                                  if reads_only_shape(analysis.node_at(c)))
+            data = tuple(c for c in t.consumers if c not in shape_readers)
+            choice.weights.append(WeightOffload(name, nbytes, data, shape_readers))
             continue
         assert t.producer is not None
         gap, k = largest_gap(t.producer, t.consumers)

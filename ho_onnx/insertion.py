@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -123,6 +124,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     before_wait: list[list[onnx.NodeProto]] = [[] for _ in range(n)]
     after: list[list[onnx.NodeProto]] = [[] for _ in range(n)]
     rename: dict[int, dict[str, str]] = {}  # position -> {old input name: new}
+    replace: dict[int, onnx.NodeProto] = {}  # position -> node that takes its place
     d = choice.policy.prefetch_distance
     result = RewrittenModel(model)
     offloaded = {w.name for w in choice.weights}
@@ -131,6 +133,8 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
         t = analysis.tensors[w.name]
         assert t.elem_type is not None and t.shape is not None
         result.weight_prefetches[w.name] = []
+        for c in w.shape_readers:
+            replace[c] = shape_constant(analysis.node_at(c), [int(x) for x in t.shape])
         for k, c in enumerate(w.consumers):
             s = max(0, c - d)
             y = names.fresh(f"{w.name}.ho_y{k}")
@@ -184,7 +188,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
         new_nodes.extend(before_pf[pos])
         new_nodes.extend(before_wait[pos])
         node = onnx.NodeProto()
-        node.CopyFrom(analysis.node_at(pos))
+        node.CopyFrom(replace.get(pos, analysis.node_at(pos)))
         for i, name in enumerate(node.input):
             if name in rename.get(pos, {}):
                 node.input[i] = rename[pos][name]
@@ -206,6 +210,22 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
         model.opset_import.append(helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION))
     result.cache_nodes = len(new_nodes) - n
     return result
+
+
+def shape_constant(node: onnx.NodeProto, dims: list[int]) -> onnx.NodeProto:
+    """A Constant node with what ``node`` (Shape with start/end, or Size) computes from a
+    tensor of static shape ``dims``: an offloaded weight's shape needs no transfer."""
+    if node.op_type == "Size":
+        value = helper.make_tensor("value", TensorProto.INT64, [], [int(np.prod(dims))])
+    else:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        rank = len(dims)
+        start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
+        start = min(max(start + rank if start < 0 else start, 0), rank)
+        end = min(max(end + rank if end < 0 else end, 0), rank)
+        picked = dims[start:end]
+        value = helper.make_tensor("value", TensorProto.INT64, [len(picked)], picked)
+    return helper.make_node("Constant", [], list(node.output), name=node.name, value=value)
 
 
 def _first_graph_input(analysis: GraphAnalysis) -> list[str]:

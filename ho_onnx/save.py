@@ -209,7 +209,8 @@ def save_model(rewritten: RewrittenModel, loaded: LoadedModel,
                 _place_data_file(src, out_dir / loc, report, progress, temps)
 
         # 2. offloaded weights: where the runtime reads them
-        inline = [t for t in rewritten.weights.values() if external_ref(t) is None]
+        inline = [t for t in rewritten.weights.values()
+                  if external_ref(t) is None and rewritten.weight_prefetches.get(t.name)]
         sidecar_tmp = None
         if inline:
             fd, name = tempfile.mkstemp(prefix=f".{sidecar.name}.", dir=out_dir)

@@ -173,3 +173,36 @@ def test_symbolic_dim_expressions():
         eval_dim("seq + past", {"seq": 1})
     with pytest.raises(UnboundDimError, match="'weird dim!'"):
         eval_dim("weird dim!", {})
+
+
+def test_shape_readers_of_an_offloaded_weight_become_constants(tmp_path):
+    """Shape/Size need no transfer: they are replaced by constants (ORT would otherwise fold
+    them through the declared shape and silently drop the transfer we inserted)."""
+    import numpy as np
+
+    from ho_onnx.runtime import InferenceSession, counters, reset_counters
+
+    m = text_model("""
+    g (float[2, 6] x) => (float[2, 4] y, int64[1] s, int64 n) {
+      y = MatMul(x, W)
+      s = Shape <start = -1> (W)
+      n = Size(W)
+    }
+    """, W=(6, 4))
+    a = analyse(m)
+    c = choose(a, OffloadPolicy("weights", min_bytes=0))
+    assert c.weights[0].consumers == (0,) and c.weights[0].shape_readers == (1, 2)
+    r = insert_cache_ops(a, c)
+    kinds = [n.op_type for n in r.model.graph.node]
+    assert kinds.count(ops.PREFETCH) == 1 and kinds.count("Constant") == 2
+    src, out = tmp_path / "m.onnx", tmp_path / "m.ho.onnx"
+    onnx.save(m, str(src))
+    from ho_onnx.pipeline import optimize
+
+    optimize(src, out, OffloadPolicy("weights", min_bytes=0))
+    x = np.ones((2, 6), np.float32)
+    reset_counters()
+    y, s, n = InferenceSession(out).run(None, {"x": x})
+    assert counters()["bytes_loaded"] == 6 * 4 * 4
+    w = onnx.numpy_helper.to_array(m.graph.initializer[0])
+    assert np.allclose(y, x @ w) and s.tolist() == [4] and int(n) == 24
