@@ -89,9 +89,15 @@ class OffloadChoice:
         )
 
 
+# ORT 1.31 cannot register kernels for complex tensors (session creation fails).
+UNSUPPORTED_TYPES = (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128)
+
+
 def _ineligible(t: TensorInfo) -> str | None:
     if not t.fixed_size_type:
         return "not a tensor of a fixed-size element type (strings, sequences, unknown type)"
+    if t.elem_type in UNSUPPORTED_TYPES:
+        return "complex tensors cannot be offloaded (ORT has no custom-op support for them)"
     if t.is_graph_output:
         return "graph output"
     if t.implicit_consumers:

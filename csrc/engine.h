@@ -1,0 +1,77 @@
+// The engine seam: everything a kernel asks of the transfer machinery.
+//
+// An Engine is created per RegisterCustomOps call (a "registration") by the first kernel
+// that needs one, shared by that registration's kernels through std::shared_ptr, and
+// destroyed (worker threads joined, memory freed) with the last of them.
+//
+// The CPU engine (cpu_engine.cc) copies with memcpy on two worker threads. A CUDA engine
+// (csrc/cuda/, later) implements the same interface: `ExecContext::stream` then carries the
+// kernel's compute stream and the copies become cudaMemcpyAsync on copy streams.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ho {
+
+// Per-call context a kernel passes to the engine (the compute stream on a GPU EP).
+struct ExecContext {
+  void* stream = nullptr;
+};
+
+// Bytes of one weight, read once from its external data file into host memory.
+class HostBlob {
+ public:
+  virtual ~HostBlob() = default;
+  virtual const void* data() const = 0;
+  virtual size_t size() const = 0;
+};
+
+// An activation held in the slow tier, taken out of the engine by the Prefetch that
+// reloads it (one reload per store).
+class StoredTensor {
+ public:
+  virtual ~StoredTensor() = default;
+  virtual const std::vector<int64_t>& shape() const = 0;
+  virtual size_t bytes() const = 0;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // Host store: the `length` bytes at `offset` of the file `realpath` (already validated),
+  // read at most once per engine and shared by every caller asking for the same range.
+  virtual std::shared_ptr<const HostBlob> load_weight(const std::string& realpath,
+                                                      int64_t offset, int64_t length) = 0;
+
+  // Start copying `blob` into `dst` (fast tier) on the load channel; keyed by `dst`.
+  virtual void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
+                               const ExecContext& ctx) = 0;
+
+  // Start copying `bytes` at `src` into the host pool on the store channel; returns the
+  // store id written into the token.
+  virtual uint64_t store(const void* src, size_t bytes, std::vector<int64_t> shape,
+                         const ExecContext& ctx) = 0;
+
+  // Block until the store `id` finished reading its source.
+  virtual void detach(uint64_t id, const ExecContext& ctx) = 0;
+
+  // Remove the stored tensor `id` from the engine (the caller reloads it).
+  virtual std::shared_ptr<StoredTensor> take_stored(uint64_t id) = 0;
+
+  // Start copying a taken stored tensor into `dst` on the load channel (after its store
+  // completed); its host memory returns to the pool when the copy is done. Keyed by `dst`.
+  virtual void prefetch_stored(std::shared_ptr<StoredTensor> stored, void* dst,
+                               const ExecContext& ctx) = 0;
+
+  // Block until the transfer into `dst` (of `bytes` bytes) completed.
+  virtual void wait(const void* dst, size_t bytes, const ExecContext& ctx) = 0;
+};
+
+std::shared_ptr<Engine> make_cpu_engine();
+
+}  // namespace ho

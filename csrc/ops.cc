@@ -1,0 +1,569 @@
+// The ORT custom ops of domain "ai.hyperoffload" (Prefetch, Wait, Store, Detach) on the
+// CPU execution provider, and the library entry point RegisterCustomOps.
+//
+// Each op is registered once per fixed-size element type T (ORT picks the overload by the
+// type of input 0); the trailing `deps` input is a heterogeneous any-type variadic of
+// arity >= 0 that is never read. Kernels call into the registration's Engine (engine.h).
+#include <sys/stat.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "engine.h"
+
+namespace ho {
+
+namespace {
+
+constexpr const char* kDomain = "ai.hyperoffload";
+constexpr const char* kModelDirKey = "ho_onnx.model_dir";
+
+enum class OpKind { kPrefetch, kWait, kStore, kDetach };
+
+const char* op_name(OpKind k) {
+  switch (k) {
+    case OpKind::kPrefetch:
+      return "Prefetch";
+    case OpKind::kWait:
+      return "Wait";
+    case OpKind::kStore:
+      return "Store";
+    case OpKind::kDetach:
+      return "Detach";
+  }
+  return "?";
+}
+
+// Number of T-typed inputs before the variadic `deps`.
+size_t fixed_inputs(OpKind k) { return k == OpKind::kDetach ? 2 : 1; }
+
+// ---------------------------------------------------------------------------------------
+// Registration: what one RegisterCustomOps call created. The OrtCustomOpDomain and the op
+// structs must outlive every session that uses them, and ORT gives no callback when that
+// is over, so registrations are never released: they stay in a static list (a few KB each).
+// The engine, the only large thing, lives and dies with the registration's kernels.
+
+struct OpDef;
+
+struct Registration {
+  const OrtApi* api = nullptr;
+  std::string model_dir;  // from the session config entry, "" when not set
+  std::mutex mu;
+  std::weak_ptr<Engine> engine;
+  std::vector<std::unique_ptr<OpDef>> ops;
+
+  std::shared_ptr<Engine> acquire_engine() {
+    std::lock_guard<std::mutex> lock(mu);
+    std::shared_ptr<Engine> e = engine.lock();
+    if (!e) {
+      e = make_cpu_engine();
+      engine = e;
+    }
+    return e;
+  }
+};
+
+std::mutex g_regs_mu;
+std::vector<Registration*>* g_regs = new std::vector<Registration*>();  // never freed
+
+struct OpDef : OrtCustomOp {
+  OpKind kind;
+  ONNXTensorElementDataType type;
+  int bits;
+  Registration* reg;
+};
+
+const OpDef* def(const OrtCustomOp* op) { return static_cast<const OpDef*>(op); }
+
+// ---------------------------------------------------------------------------------------
+// Small RAII helpers over the C API (every failing call becomes an ho::Error).
+
+void check(const OrtApi* api, OrtStatus* st) {
+  if (st == nullptr) return;
+  const OrtErrorCode code = api->GetErrorCode(st);
+  std::string msg = api->GetErrorMessage(st);
+  api->ReleaseStatus(st);
+  throw Error(code, msg);
+}
+
+struct TensorInfo {
+  std::vector<int64_t> dims;
+  size_t numel = 0;
+};
+
+TensorInfo tensor_info(const OrtApi* api, const OrtValue* v) {
+  OrtTensorTypeAndShapeInfo* raw = nullptr;
+  check(api, api->GetTensorTypeAndShape(v, &raw));
+  std::unique_ptr<OrtTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo*)> info(
+      raw, api->ReleaseTensorTypeAndShapeInfo);
+  TensorInfo out;
+  size_t n = 0;
+  check(api, api->GetDimensionsCount(info.get(), &n));
+  out.dims.resize(n);
+  if (n != 0) check(api, api->GetDimensions(info.get(), out.dims.data(), n));
+  check(api, api->GetTensorShapeElementCount(info.get(), &out.numel));
+  return out;
+}
+
+void* tensor_data(const OrtApi* api, const OrtValue* v) {
+  void* p = nullptr;
+  check(api, api->GetTensorMutableData(const_cast<OrtValue*>(v), &p));
+  return p;
+}
+
+const OrtValue* input(const OrtApi* api, OrtKernelContext* ctx, size_t i) {
+  const OrtValue* v = nullptr;
+  check(api, api->KernelContext_GetInput(ctx, i, &v));
+  if (v == nullptr) fail(ORT_INVALID_ARGUMENT, "missing input " + std::to_string(i));
+  return v;
+}
+
+OrtValue* output(const OrtApi* api, OrtKernelContext* ctx, const std::vector<int64_t>& dims) {
+  OrtValue* v = nullptr;
+  check(api, api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &v));
+  return v;
+}
+
+// Returns false when the attribute is absent.
+bool attr_string(const OrtApi* api, const OrtKernelInfo* info, const char* name,
+                 std::string* out) {
+  size_t size = 0;
+  OrtStatus* st = api->KernelInfoGetAttribute_string(info, name, nullptr, &size);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return false;
+  }
+  std::string s(size, '\0');
+  check(api, api->KernelInfoGetAttribute_string(info, name, s.data(), &size));
+  s.resize(std::strlen(s.c_str()));
+  *out = std::move(s);
+  return true;
+}
+
+bool attr_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t* out) {
+  OrtStatus* st = api->KernelInfoGetAttribute_int64(info, name, out);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return false;
+  }
+  return true;
+}
+
+bool attr_ints(const OrtApi* api, const OrtKernelInfo* info, const char* name,
+               std::vector<int64_t>* out) {
+  size_t size = 0;
+  OrtStatus* st = api->KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return false;
+  }
+  out->assign(size, 0);
+  if (size != 0) check(api, api->KernelInfoGetAttributeArray_int64(info, name, out->data(), &size));
+  return true;
+}
+
+std::string real_path(const std::string& p) {
+  char* r = ::realpath(p.c_str(), nullptr);
+  if (r == nullptr) return {};
+  std::string s(r);
+  std::free(r);
+  return s;
+}
+
+// True when the relative path climbs above its start with "..", before any file lookup.
+bool lexically_escapes(const std::string& rel) {
+  int depth = 0;
+  size_t pos = 0;
+  while (pos <= rel.size()) {
+    size_t end = rel.find('/', pos);
+    if (end == std::string::npos) end = rel.size();
+    const std::string part = rel.substr(pos, end - pos);
+    if (part == "..") {
+      if (--depth < 0) return true;
+    } else if (!part.empty() && part != ".") {
+      ++depth;
+    }
+    pos = end + 1;
+  }
+  return false;
+}
+
+struct Token {
+  uint64_t id;
+  uint64_t magic;
+};
+
+Token read_token(const OrtApi* api, const OrtValue* v, int bits) {
+  const TensorInfo ti = tensor_info(api, v);
+  if (byte_size(ti.numel, bits) != kTokenBytes) {
+    fail(ORT_INVALID_ARGUMENT, "token input is not a 16-byte Store token");
+  }
+  Token t{};
+  std::memcpy(&t, tensor_data(api, v), sizeof(t));
+  if (t.magic != kTokenMagic) {
+    fail(ORT_INVALID_ARGUMENT, "token input is not a Store token (bad magic)");
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernels.
+
+struct Kernel {
+  const OrtApi* api;
+  OpKind kind;
+  int bits;
+  std::shared_ptr<Engine> engine;
+
+  // Prefetch of a weight (attribute `location` present).
+  bool weight = false;
+  std::vector<int64_t> shape;
+  std::shared_ptr<const HostBlob> blob;
+
+  void compute(OrtKernelContext* ctx);
+  void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
+};
+
+void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
+                         const std::string& location) {
+  std::string name;
+  if (!attr_string(api, info, "name", &name) || name.empty()) {
+    name = "?";
+    size_t size = 0;  // fall back on the node's name
+    OrtStatus* st = api->KernelInfo_GetNodeName(info, nullptr, &size);
+    if (st != nullptr) {
+      api->ReleaseStatus(st);
+    } else if (size > 1) {
+      std::string node(size, '\0');
+      check(api, api->KernelInfo_GetNodeName(info, node.data(), &size));
+      node.resize(std::strlen(node.c_str()));
+      name = "? (node '" + node + "')";
+    }
+  }
+  const std::string who = "ho_onnx Prefetch of weight '" + name + "' (location '" + location + "')";
+  auto bad = [&](OrtErrorCode code, const std::string& what) {
+    fail(code, who + ": " + what);
+  };
+
+  int64_t offset = 0;
+  int64_t length = 0;
+  if (!attr_int(api, info, "offset", &offset)) bad(ORT_INVALID_ARGUMENT, "attribute 'offset' missing");
+  if (!attr_int(api, info, "length", &length)) bad(ORT_INVALID_ARGUMENT, "attribute 'length' missing");
+  if (!attr_ints(api, info, "shape", &shape)) bad(ORT_INVALID_ARGUMENT, "attribute 'shape' missing");
+
+  uint64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0) bad(ORT_INVALID_ARGUMENT, "negative dimension in 'shape'");
+    numel *= static_cast<uint64_t>(d);
+  }
+  if (offset < 0) bad(ORT_INVALID_ARGUMENT, "negative offset " + std::to_string(offset));
+  if (length < 0) bad(ORT_INVALID_ARGUMENT, "negative length " + std::to_string(length));
+  const size_t expect = byte_size(numel, op.bits);
+  if (static_cast<uint64_t>(length) != expect) {
+    bad(ORT_INVALID_ARGUMENT, "length " + std::to_string(length) + " does not match shape (" +
+                                  std::to_string(expect) + " bytes expected)");
+  }
+
+  std::string dir = op.reg->model_dir;
+  if (dir.empty()) attr_string(api, info, "base_dir", &dir);
+  if (dir.empty()) {
+    bad(ORT_INVALID_ARGUMENT, std::string("no model directory: set the session config entry '") +
+                                  kModelDirKey + "' or the attribute 'base_dir'");
+  }
+  if (location.empty()) bad(ORT_INVALID_ARGUMENT, "empty location");
+  if (location.front() == '/') bad(ORT_INVALID_ARGUMENT, "location must be relative to the model directory");
+  if (lexically_escapes(location)) bad(ORT_INVALID_ARGUMENT, "location escapes the model directory");
+  const std::string real_dir = real_path(dir);
+  if (real_dir.empty()) bad(ORT_NO_SUCHFILE, "model directory '" + dir + "' does not exist");
+  const std::string joined = real_dir + "/" + location;
+  const std::string real_file = real_path(joined);
+  if (real_file.empty()) bad(ORT_NO_SUCHFILE, "file '" + joined + "' does not exist");
+  const std::string prefix = real_dir == "/" ? real_dir : real_dir + "/";
+  if (real_file.compare(0, prefix.size(), prefix) != 0) {
+    bad(ORT_INVALID_ARGUMENT, "location escapes the model directory '" + real_dir + "'");
+  }
+  struct stat st {};
+  if (::stat(real_file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    bad(ORT_NO_SUCHFILE, "'" + real_file + "' is not a regular file");
+  }
+  const auto file_size = static_cast<uint64_t>(st.st_size);
+  if (static_cast<uint64_t>(offset) > file_size ||
+      static_cast<uint64_t>(length) > file_size - static_cast<uint64_t>(offset)) {
+    bad(ORT_INVALID_ARGUMENT, "offset " + std::to_string(offset) + " + length " +
+                                  std::to_string(length) + " is past the end of '" + real_file +
+                                  "' (" + std::to_string(file_size) + " bytes)");
+  }
+  try {
+    blob = engine->load_weight(real_file, offset, length);
+  } catch (const Error& e) {
+    bad(e.code(), e.what());
+  }
+}
+
+void Kernel::compute(OrtKernelContext* ctx) {
+  const ExecContext ec{};
+  switch (kind) {
+    case OpKind::kPrefetch: {
+      if (weight) {
+        OrtValue* y = output(api, ctx, shape);
+        engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
+        return;
+      }
+      const Token t = read_token(api, input(api, ctx, 0), bits);
+      std::shared_ptr<StoredTensor> rec = engine->take_stored(t.id);
+      OrtValue* y = output(api, ctx, rec->shape());
+      void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
+      engine->prefetch_stored(std::move(rec), dst, ec);
+      return;
+    }
+    case OpKind::kWait: {
+      const OrtValue* y = input(api, ctx, 0);
+      const TensorInfo ti = tensor_info(api, y);
+      const size_t bytes = byte_size(ti.numel, bits);
+      OrtValue* z = output(api, ctx, ti.dims);
+      if (bytes == 0) return;
+      const void* src = tensor_data(api, y);
+      engine->wait(src, bytes, ec);
+      void* dst = tensor_data(api, z);
+      if (dst != src) {
+        std::memcpy(dst, src, bytes);
+        counters().alias_copies += 1;
+      }
+      return;
+    }
+    case OpKind::kStore: {
+      const OrtValue* x = input(api, ctx, 0);
+      const TensorInfo ti = tensor_info(api, x);
+      const size_t bytes = byte_size(ti.numel, bits);
+      const std::vector<int64_t> token_dims{static_cast<int64_t>((128 + bits - 1) / bits)};
+      OrtValue* tok = output(api, ctx, token_dims);
+      const uint64_t id =
+          engine->store(bytes ? tensor_data(api, x) : nullptr, bytes, ti.dims, ec);
+      const Token t{id, kTokenMagic};
+      std::memcpy(tensor_data(api, tok), &t, sizeof(t));
+      return;
+    }
+    case OpKind::kDetach: {
+      const OrtValue* tok = input(api, ctx, 1);
+      const Token t = read_token(api, tok, bits);
+      const TensorInfo ti = tensor_info(api, tok);
+      OrtValue* tok2 = output(api, ctx, ti.dims);
+      engine->detach(t.id, ec);
+      void* dst = tensor_data(api, tok2);
+      const void* src = tensor_data(api, tok);
+      if (dst != src) {
+        std::memcpy(dst, src, kTokenBytes);
+        counters().alias_copies += 1;
+      }
+      return;
+    }
+  }
+}
+
+OrtStatus* to_status(const OrtApi* api, OpKind kind, const char* what, OrtErrorCode code) {
+  std::string msg = what;
+  const std::string prefix = "ho_onnx";
+  if (msg.compare(0, prefix.size(), prefix) != 0) {
+    msg = "ho_onnx " + std::string(op_name(kind)) + ": " + msg;
+  }
+  return api->CreateStatus(code, msg.c_str());
+}
+
+// Runs `body` and turns every C++ exception into an OrtStatus: nothing crosses the ABI.
+template <typename Body>
+OrtStatus* guarded(const OrtApi* api, OpKind kind, Body&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const Error& e) {
+    return to_status(api, kind, e.what(), e.code());
+  } catch (const std::exception& e) {
+    return to_status(api, kind, e.what(), ORT_FAIL);
+  } catch (...) {
+    return to_status(api, kind, "unknown C++ exception", ORT_FAIL);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// OrtCustomOp callbacks.
+
+OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api,
+                                        const OrtKernelInfo* info, void** kernel) {
+  const OpDef& d = *def(op);
+  *kernel = nullptr;
+  return guarded(api, d.kind, [&] {
+    auto k = std::make_unique<Kernel>();
+    k->api = api;
+    k->kind = d.kind;
+    k->bits = d.bits;
+    k->engine = d.reg->acquire_engine();
+    std::string location;
+    if (d.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
+      k->weight = true;
+      k->init_weight(d, info, location);
+    }
+    *kernel = k.release();
+  });
+}
+
+OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
+  auto* k = static_cast<Kernel*>(kernel);
+  return guarded(k->api, k->kind, [&] { k->compute(ctx); });
+}
+
+void ORT_API_CALL destroy_kernel(void* kernel) noexcept {
+  delete static_cast<Kernel*>(kernel);
+}
+
+const char* ORT_API_CALL get_name(const OrtCustomOp* op) { return op_name(def(op)->kind); }
+
+const char* ORT_API_CALL get_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+
+size_t ORT_API_CALL input_count(const OrtCustomOp* op) { return fixed_inputs(def(op)->kind) + 1; }
+
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp* op, size_t i) {
+  return i < fixed_inputs(def(op)->kind) ? def(op)->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_char(const OrtCustomOp* op, size_t i) {
+  return i < fixed_inputs(def(op)->kind) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_VARIADIC;
+}
+
+size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp* op, size_t) {
+  return def(op)->type;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_char(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+
+OrtMemType ORT_API_CALL input_mem_type(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+
+int ORT_API_CALL variadic_in_min_arity(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL variadic_in_homogeneity(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL variadic_out_min_arity(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL variadic_out_homogeneity(const OrtCustomOp*) { return 0; }
+
+int ORT_API_CALL start_version(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL end_version(const OrtCustomOp*) { return INT_MAX; }
+
+// GetAliasMap has no op argument: one pair of functions per aliasing op.
+template <int kIn>
+size_t ORT_API_CALL alias_map(int** input_index, int** output_index) {
+  *input_index = new int[1]{kIn};
+  *output_index = new int[1]{0};
+  return 1;
+}
+
+void ORT_API_CALL release_alias_map(int* input_index, int* output_index) {
+  delete[] input_index;
+  delete[] output_index;
+}
+
+std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t) {
+  auto op = std::make_unique<OpDef>();
+  std::memset(static_cast<OrtCustomOp*>(op.get()), 0, sizeof(OrtCustomOp));
+  op->version = ORT_API_VERSION;
+  op->CreateKernel = nullptr;  // V2 only
+  op->GetName = get_name;
+  op->GetExecutionProviderType = get_ep;
+  op->GetInputType = input_type;
+  op->GetInputTypeCount = input_count;
+  op->GetOutputType = output_type;
+  op->GetOutputTypeCount = output_count;
+  op->KernelCompute = nullptr;  // V2 only
+  op->KernelDestroy = destroy_kernel;
+  op->GetInputCharacteristic = input_char;
+  op->GetOutputCharacteristic = output_char;
+  op->GetInputMemoryType = input_mem_type;
+  op->GetVariadicInputMinArity = variadic_in_min_arity;
+  op->GetVariadicInputHomogeneity = variadic_in_homogeneity;
+  op->GetVariadicOutputMinArity = variadic_out_min_arity;
+  op->GetVariadicOutputHomogeneity = variadic_out_homogeneity;
+  op->CreateKernelV2 = create_kernel;
+  op->KernelComputeV2 = compute_kernel;
+  op->InferOutputShapeFn = nullptr;
+  op->GetStartVersion = start_version;
+  op->GetEndVersion = end_version;
+  op->GetMayInplace = nullptr;
+  op->ReleaseMayInplace = nullptr;
+  if (kind == OpKind::kWait) {
+    op->GetAliasMap = alias_map<0>;
+    op->ReleaseAliasMap = release_alias_map;
+  } else if (kind == OpKind::kDetach) {
+    op->GetAliasMap = alias_map<1>;
+    op->ReleaseAliasMap = release_alias_map;
+  }
+  op->kind = kind;
+  op->type = t.type;
+  op->bits = t.bits;
+  op->reg = reg;
+  return op;
+}
+
+OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
+  auto reg = std::make_unique<Registration>();
+  reg->api = api;
+
+  int has = 0;
+  check(api, api->HasSessionConfigEntry(options, kModelDirKey, &has));
+  if (has) {
+    size_t size = 0;
+    check(api, api->GetSessionConfigEntry(options, kModelDirKey, nullptr, &size));
+    std::string v(size, '\0');
+    check(api, api->GetSessionConfigEntry(options, kModelDirKey, v.data(), &size));
+    v.resize(std::strlen(v.c_str()));
+    reg->model_dir = v;
+  }
+
+  OrtCustomOpDomain* domain = nullptr;
+  check(api, api->CreateCustomOpDomain(kDomain, &domain));
+  for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
+    for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
+      reg->ops.push_back(make_op(reg.get(), kind, *t));
+      check(api, api->CustomOpDomain_Add(domain, reg->ops.back().get()));
+    }
+  }
+  {
+    // Kept before AddCustomOpDomain: once ORT holds the domain it must never be freed.
+    std::lock_guard<std::mutex> lock(g_regs_mu);
+    g_regs->push_back(reg.release());
+  }
+  check(api, api->AddCustomOpDomain(options, domain));
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace ho
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  if (api_base == nullptr) return nullptr;
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) {
+    // The runtime is older than the headers; API 1 still has CreateStatus.
+    const OrtApi* v1 = api_base->GetApi(1);
+    return v1 == nullptr ? nullptr
+                         : v1->CreateStatus(ORT_FAIL, "ho_onnx needs ONNX Runtime API version 21 "
+                                                      "(onnxruntime >= 1.21)");
+  }
+  try {
+    return ho::register_ops(options, api);
+  } catch (const ho::Error& e) {
+    return api->CreateStatus(e.code(), (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
+  } catch (const std::exception& e) {
+    return api->CreateStatus(ORT_FAIL, (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
+  } catch (...) {
+    return api->CreateStatus(ORT_FAIL, "ho_onnx RegisterCustomOps: unknown C++ exception");
+  }
+}
