@@ -3,9 +3,7 @@
 - :mod:`models.decoder`: GPT-style decoder written directly in ONNX (numpy weights, no torch).
 - :mod:`models.hf_export`: GPT-2 / Llama from transformers with random weights, exported offline
   (needs the ``hf`` extra; torch is imported only when :func:`export_hf` runs).
+
+(Import the submodules themselves: importing them here would make ``python -m models.decoder``
+warn that the module was imported twice.)
 """
-
-from models.decoder import build_decoder, decoder_config_bytes
-from models.hf_export import export_hf
-
-__all__ = ["build_decoder", "decoder_config_bytes", "export_hf"]
