@@ -31,27 +31,45 @@ class OffloadPolicy:
     min_bytes: int = 1 << 20
     min_gap: int = 2
     prefetch_distance: int = 2
+    weight_tier: Tier = "host"
 
     def __post_init__(self) -> None:
         if self.what not in ("weights", "activations", "all", "none"):
             raise ValueError(f"offload must be weights|activations|all|none, not {self.what!r}")
+        if self.weight_tier not in ("host", "disk"):
+            raise ValueError(f"weight_tier must be host|disk, not {self.weight_tier!r}")
         for name in ("min_bytes", "min_gap", "prefetch_distance"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+
+
+Tier = Literal["host", "disk"]
 
 
 @dataclass(frozen=True)
 class WeightOffload:
     """An initializer reloaded once before each consumer node that reads its data.
 
+    ``prefetch_at[k]`` is the schedule position before which the reload for
+    ``consumers[k]`` is issued (``<= consumers[k]``; the Wait sits right before the consumer).
     ``shape_readers`` (Shape/Size nodes) read only its static shape: the insertion pass
-    replaces them with constants, so they cost no transfer.
+    replaces them with constants, so they cost no transfer. ``tier``: where the bytes wait
+    between uses (the library's host store, or read from the data file each time).
     """
 
     name: str
     nbytes: int
     consumers: tuple[int, ...]
+    prefetch_at: tuple[int, ...]
     shape_readers: tuple[int, ...] = ()
+    tier: Tier = "host"
+
+    def __post_init__(self) -> None:
+        if len(self.prefetch_at) != len(self.consumers) or any(
+            not 0 <= p <= c for p, c in zip(self.prefetch_at, self.consumers, strict=True)
+        ):
+            raise ValueError(f"{self.name}: prefetch positions {self.prefetch_at} do not fit "
+                             f"consumers {self.consumers}")
 
 
 SHAPE_OPS = ("Shape", "Size")
@@ -71,6 +89,17 @@ class ActivationOffload:
     producer: int
     early: tuple[int, ...]
     late: tuple[int, ...]
+    prefetch_at: int  # position before which the reload is issued: after early, <= late[0]
+
+    @property
+    def last_early(self) -> int:
+        """Position after which the Detach ends the first residency."""
+        return max(self.early) if self.early else self.producer
+
+    def __post_init__(self) -> None:
+        if not self.late or not self.last_early < self.prefetch_at <= self.late[0]:
+            raise ValueError(f"{self.name}: prefetch position {self.prefetch_at} is not in "
+                             f"({self.last_early}, {self.late[:1]}]")
 
 
 @dataclass
@@ -150,7 +179,10 @@ def choose(
             shape_readers = tuple(c for c in t.consumers
                                   if reads_only_shape(analysis.node_at(c)))
             data = tuple(c for c in t.consumers if c not in shape_readers)
-            choice.weights.append(WeightOffload(name, nbytes, data, shape_readers))
+            d = policy.prefetch_distance
+            choice.weights.append(WeightOffload(name, nbytes, data,
+                                                tuple(max(0, c - d) for c in data),
+                                                shape_readers, policy.weight_tier))
             continue
         assert t.producer is not None
         gap, k = largest_gap(t.producer, t.consumers)
@@ -169,9 +201,10 @@ def choose(
         if nbytes is not None and nbytes < policy.min_bytes:
             choice.skipped[name] = f"{nbytes} bytes < min_bytes"
             continue
+        early, late = tuple(t.consumers[:k]), tuple(t.consumers[k:])
+        last_early = max(early) if early else t.producer
         choice.activations.append(
-            ActivationOffload(
-                name, nbytes, t.producer, tuple(t.consumers[:k]), tuple(t.consumers[k:])
-            )
+            ActivationOffload(name, nbytes, t.producer, early, late,
+                              max(last_early + 1, late[0] - policy.prefetch_distance))
         )
     return choice

@@ -125,7 +125,6 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     after: list[list[onnx.NodeProto]] = [[] for _ in range(n)]
     rename: dict[int, dict[str, str]] = {}  # position -> {old input name: new}
     replace: dict[int, onnx.NodeProto] = {}  # position -> node that takes its place
-    d = choice.policy.prefetch_distance
     result = RewrittenModel(model)
     offloaded = {w.name for w in choice.weights}
 
@@ -135,14 +134,15 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
         result.weight_prefetches[w.name] = []
         for c in w.shape_readers:
             replace[c] = shape_constant(analysis.node_at(c), [int(x) for x in t.shape])
-        for k, c in enumerate(w.consumers):
-            s = max(0, c - d)
+        for k, (c, s) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
             y = names.fresh(f"{w.name}.ho_y{k}")
             z = names.fresh(f"{w.name}.ho_z{k}")
             pf_deps = em.dep_before(s) or _first_graph_input(analysis)
+            attrs: dict[str, object] = {"shape": [int(x) for x in t.shape], "name": w.name}
+            if w.tier != "host":
+                attrs[ops.ATTR_TIER] = w.tier
             pf = em.node(ops.PREFETCH, [em.source(t.elem_type), *pf_deps], [y],
-                         f"ho.prefetch.{w.name}.{k}",
-                         shape=[int(x) for x in t.shape], name=w.name)  # type: ignore[arg-type]
+                         f"ho.prefetch.{w.name}.{k}", **attrs)
             wait = em.node(ops.WAIT, [y, *em.dep_before(c, floor=s - 1)], [z],
                            f"ho.wait.{w.name}.{k}")
             before_pf[s].append(pf)
@@ -160,12 +160,11 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
         y = names.fresh(f"{a.name}.ho_y")
         z = names.fresh(f"{a.name}.ho_z")
         store = em.node(ops.STORE, [a.name], [token], f"ho.store.{a.name}")
-        last_early = max(a.early) if a.early else a.producer
+        last_early = a.last_early
         det_deps = em.dep_before(last_early + 1, floor=a.producer) if a.early else []
         detach = em.node(ops.DETACH, [a.name, token, *det_deps], [token2],
                          f"ho.detach.{a.name}")
-        u = min(a.late)
-        s = max(last_early + 1, u - d)
+        u, s = a.late[0], a.prefetch_at
         pf = em.node(ops.PREFETCH, [token2, *em.dep_before(s, floor=last_early)], [y],
                      f"ho.prefetch.{a.name}")
         wait = em.node(ops.WAIT, [y, *em.dep_before(u, floor=s - 1)], [z],

@@ -18,6 +18,8 @@ ATTR_LENGTH = "length"
 ATTR_SHAPE = "shape"
 ATTR_NAME = "name"
 ATTR_BASE_DIR = "base_dir"
+# "disk": read from the data file at every Prefetch (no host-store copy); absent: "host".
+ATTR_TIER = "tier"
 
 # Session config entry the runtime helper sets so weights resolve next to the model.
 CONFIG_MODEL_DIR = "ho_onnx.model_dir"
