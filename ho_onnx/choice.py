@@ -104,9 +104,10 @@ class ActivationOffload:
 
 @dataclass
 class OffloadChoice:
-    """The tensors to offload, and why the others stay."""
+    """The tensors to offload, and why the others stay (``policy``: None when a planner
+    made the choice)."""
 
-    policy: OffloadPolicy
+    policy: OffloadPolicy | None = None
     weights: list[WeightOffload] = field(default_factory=list)
     activations: list[ActivationOffload] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)

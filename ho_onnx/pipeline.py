@@ -8,12 +8,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from . import __version__
 from .analysis import GraphAnalysis, analyse
 from .choice import OffloadChoice, OffloadPolicy, choose
 from .insertion import RewrittenModel, insert_cache_ops
-from .loader import load_model
+from .loader import LoadedModel, load_model
+from .planner import Plan, PlannerOptions, plan
 from .save import Progress, SaveReport, check_output_path, save_model
+from .simulate import TransferTime
 
 Log = Callable[[str], None]
 
@@ -27,28 +31,92 @@ class OptimizeResult:
     rewritten: RewrittenModel
     report: SaveReport
     seconds: dict[str, float] = field(default_factory=dict)
+    plan: Plan | None = None
 
 
-def plan_metadata(choice: OffloadChoice, dims: Mapping[str, int]) -> dict[str, str]:
+@dataclass(frozen=True)
+class CostSource:
+    """Where the planner's times come from: a machine (preset or JSON file) and optionally
+    an ORT profile of the unmodified model (``ho-onnx profile``)."""
+
+    machine: str | os.PathLike[str] = "cpu"
+    profile: str | os.PathLike[str] | None = None
+
+
+def planner_inputs(analysis: GraphAnalysis, dims: Mapping[str, int], costs: CostSource
+                   ) -> tuple[np.ndarray, TransferTime, str]:
+    """Compute seconds per step, a transfer-time function and a description of both."""
+    from .costmodel import analytic_costs, load_machine, profile_costs
+
+    machine = load_machine(costs.machine)
+    if costs.profile is not None:
+        nc = profile_costs(analysis, costs.profile, machine, dims)
+        what = f"profile {Path(costs.profile).name} ({nc.coverage:.0%} of nodes by name)"
+    else:
+        nc = analytic_costs(analysis, machine, dims)
+        what = f"analytic roofline on {machine.name}"
+    return nc.seconds, machine.transfer_time, f"{what}; transfers on {machine.name}"
+
+
+def plan_model(model: str | os.PathLike[str] | LoadedModel, options: PlannerOptions,
+               dims: Mapping[str, int] | None = None, costs: CostSource | None = None, *,
+               log: Log | None = None) -> tuple[LoadedModel, GraphAnalysis, Plan]:
+    """Load (unless given loaded) and plan ``model``; nothing is written."""
+    dims = dict(dims or {})
+    say = log or (lambda _msg: None)
+    t0 = time.perf_counter()
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    analysis = analyse(loaded.model, dims)
+    compute_s, transfer, what = planner_inputs(analysis, dims, costs or CostSource())
+    say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors; costs: {what} "
+        f"({time.perf_counter() - t0:.2f} s)")
+    t = time.perf_counter()
+    p = plan(analysis, options, compute_s, transfer, dims)
+    say(f"planned in {time.perf_counter() - t:.2f} s: peak {p.baseline.peak_bytes / 2**20:.1f} "
+        f"-> {p.planned.peak_bytes / 2**20:.1f} MiB (budget {options.budget / 2**20:.1f} MiB)")
+    return loaded, analysis, p
+
+
+def plan_metadata(choice: OffloadChoice, dims: Mapping[str, int],
+                  planned: Plan | None = None) -> dict[str, str]:
     """The plan as recorded in the output's ``metadata_props`` (keys prefixed ``ho_onnx.``)."""
     p = choice.policy
-    return {
+    extra: dict[str, str] = {}
+    if planned is not None:
+        extra = {
+            "budget_bytes": str(planned.options.budget),
+            "predicted_peak_bytes": str(planned.planned.peak_bytes),
+            "baseline_peak_bytes": str(planned.baseline.peak_bytes),
+            "predicted_time_s": f"{planned.planned.total_s:.6g}",
+            "baseline_time_s": f"{planned.baseline.total_s:.6g}",
+            "predicted_stall_s": f"{planned.planned.stall_s:.6g}",
+        }
+    return extra | {
         "version": __version__,
-        "policy": f"offload={p.what} min_bytes={p.min_bytes} min_gap={p.min_gap} "
-        f"prefetch_distance={p.prefetch_distance}",
+        "policy": "planner" if p is None else
+        f"offload={p.what} min_bytes={p.min_bytes} min_gap={p.min_gap} "
+        f"prefetch_distance={p.prefetch_distance} weight_tier={p.weight_tier}",
         "dims": ",".join(f"{k}={v}" for k, v in sorted(dims.items())),
         "offloaded_weights": str(len(choice.weights)),
         "offloaded_activations": str(len(choice.activations)),
         "offloaded_bytes": str(choice.offloaded_bytes),
-        "host_bytes": str(sum(w.nbytes for w in choice.weights)
+        "host_bytes": str(planned.host_bytes if planned is not None else
+                          sum(w.nbytes for w in choice.weights)
                           + sum(a.nbytes or 0 for a in choice.activations)),
     }
 
 
 def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
-             policy: OffloadPolicy | None = None, dims: Mapping[str, int] | None = None, *,
+             policy: OffloadPolicy | PlannerOptions | None = None,
+             dims: Mapping[str, int] | None = None, *, costs: CostSource | None = None,
              log: Log | None = None, progress: Progress | None = None) -> OptimizeResult:
-    """Rewrite ``in_path`` into ``out_path`` with cache operators (input never modified)."""
+    """Rewrite ``in_path`` into ``out_path`` with cache operators (input never modified).
+
+    ``policy`` is an explicit :class:`OffloadPolicy` (v1) or :class:`PlannerOptions` (a
+    memory budget: the planner chooses, with times from ``costs``).
+    """
+    if isinstance(policy, PlannerOptions):
+        return _optimize_planned(in_path, out_path, policy, dims, costs, log, progress)
     policy = policy or OffloadPolicy()
     dims = dict(dims or {})
     say = log or (lambda _msg: None)
@@ -77,3 +145,25 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
     say(f"wrote {report.model_path} ({seconds['save']:.2f} s)"
         + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
     return OptimizeResult(analysis, choice, rewritten, report, seconds)
+
+
+def _optimize_planned(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
+                      options: PlannerOptions, dims: Mapping[str, int] | None,
+                      costs: CostSource | None, log: Log | None,
+                      progress: Progress | None) -> OptimizeResult:
+    dims = dict(dims or {})
+    say = log or (lambda _msg: None)
+    t0 = time.perf_counter()
+    loaded = load_model(in_path)
+    check_output_path(loaded, out_path)  # fail before any work
+    _, analysis, p = plan_model(loaded, options, dims, costs, log=log)
+    seconds = {"plan": time.perf_counter() - t0}
+    t = time.perf_counter()
+    rewritten = insert_cache_ops(analysis, p.choice)
+    report = save_model(rewritten, loaded, out_path, progress=progress,
+                        metadata=plan_metadata(p.choice, dims, p))
+    seconds["rewrite+save"] = time.perf_counter() - t
+    say(f"offloading {len(p.choice.weights)} weights and {len(p.choice.activations)} "
+        f"activations, {rewritten.cache_nodes} cache ops; wrote {report.model_path} "
+        f"({seconds['rewrite+save']:.2f} s)")
+    return OptimizeResult(analysis, p.choice, rewritten, report, seconds, p)
