@@ -82,51 +82,182 @@ def main() -> None:
     """
 
 
+def _progress_bars():  # type: ignore[no-untyped-def]
+    bars: dict[str, object] = {}
+
+    def progress(label: str, done: int, total: int) -> None:
+        bar = bars.get(label)
+        if bar is None:
+            bar = click.progressbar(length=total, label=label, file=sys.stderr)
+            bar.__enter__()  # type: ignore[attr-defined]
+            bars[label] = bar
+        bar.update(done - bar.pos)  # type: ignore[attr-defined]
+        if done >= total:
+            bar.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+    return progress
+
+
+def _planner_options(f):  # type: ignore[no-untyped-def]
+    """Options shared by `optimize --budget` and `plan`."""
+    opts = [
+        click.option("--machine", default="cpu", show_default=True, metavar="NAME|FILE",
+                     help="Target the cost model describes: a preset (h100, h200, cpu) or a "
+                          "JSON machine file (e.g. from `ho-onnx calibrate`)."),
+        click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
+                     default=None,
+                     help="Per-node times from `ho-onnx profile` of the unmodified model "
+                          "(default: analytic roofline estimates on --machine)."),
+        click.option("--min-gap", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="Offload an activation only across a gap of at least this many "
+                          "nodes between two of its uses."),
+        click.option("--weight-tier", type=click.Choice(["host", "disk"]), default="host",
+                     show_default=True,
+                     help="Where offloaded weights wait: the library's host store, or the "
+                          "model's data file (read at every reload)."),
+        click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _planner(budget: int, what: str, min_bytes: int | None, min_gap: int, tier: str):  # type: ignore[no-untyped-def]
+    from .planner import PlannerOptions
+
+    return PlannerOptions(budget, min_bytes=64 << 10 if min_bytes is None else min_bytes,
+                          min_gap=min_gap, weight_tier=tier,  # type: ignore[arg-type]
+                          weights=what in ("all", "weights"),
+                          activations=what in ("all", "activations"))
+
+
 @main.command()
 @click.argument("input_model", type=click.Path(dir_okay=False))
 @click.argument("output_model", type=click.Path(dir_okay=False))
+@click.option("--budget", type=SizeType(), default=None,
+              help="Fast-tier memory budget (e.g. 6GiB): the planner chooses what to offload "
+                   "and when, so the simulated peak fits with the least predicted stall. "
+                   "Without it, the explicit --offload policy applies to every tensor.")
 @click.option("--offload", "what", type=click.Choice(["all", "weights", "activations", "none"]),
               default="all", show_default=True,
               help="Which tensors may leave the fast tier: initializers (weights), "
                    "intermediate tensors with a gap between uses (activations), or both.")
-@click.option("--min-bytes", type=SizeType(), default="1MiB", show_default=True,
-              help="Tensors smaller than this stay resident (e.g. 0, 64KiB, 1MiB).")
-@click.option("--min-gap", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Offload an activation only across a gap of at least this many nodes "
-                   "between two of its uses.")
-@click.option("--prefetch-distance", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Compute nodes between a Prefetch and its Wait (the prefetch window).")
-@click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP)
-def optimize(input_model: str, output_model: str, what: str, min_bytes: int, min_gap: int,
-             prefetch_distance: int, dims: tuple[str, ...]) -> None:
+@click.option("--min-bytes", type=SizeType(), default=None,
+              help="Tensors smaller than this stay resident [default: 1MiB, 64KiB with "
+                   "--budget].")
+@click.option("--prefetch-distance", type=click.IntRange(min=0), default=None,
+              help="Without --budget: compute nodes between a Prefetch and its Wait "
+                   "[default: 2]. With --budget the planner places every Prefetch.")
+@_planner_options
+def optimize(input_model: str, output_model: str, budget: int | None, what: str,
+             min_bytes: int | None, prefetch_distance: int | None, machine: str,
+             profile_path: str | None, min_gap: int, weight_tier: str,
+             dims: tuple[str, ...]) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     Weight bytes are never loaded while planning. External data stays where it is; when
     OUTPUT_MODEL is in another folder the data files are cloned (copy-on-write) or copied
-    there, with progress. The input is never modified and nothing is left behind on failure.
+    there, with progress. The input is never modified and nothing is left behind on failure;
+    a budget below the smallest feasible one fails first, naming that budget.
     """
     from .choice import OffloadPolicy
+    from .pipeline import CostSource
     from .pipeline import optimize as run
 
     with _errors():
-        policy = OffloadPolicy(what, min_bytes, min_gap, prefetch_distance)  # type: ignore[arg-type]
-        bars: dict[str, object] = {}
-
-        def progress(label: str, done: int, total: int) -> None:
-            bar = bars.get(label)
-            if bar is None:
-                bar = click.progressbar(length=total, label=label, file=sys.stderr)
-                bar.__enter__()  # type: ignore[attr-defined]
-                bars[label] = bar
-            bar.update(done - bar.pos)  # type: ignore[attr-defined]
-            if done >= total:
-                bar.__exit__(None, None, None)  # type: ignore[attr-defined]
-
-        result = run(input_model, output_model, policy, parse_dims(dims), log=_log,
-                     progress=progress)
+        if budget is not None:
+            if prefetch_distance is not None:
+                raise click.UsageError("--prefetch-distance is for the explicit policy: with "
+                                       "--budget the planner places every Prefetch")
+            policy = _planner(budget, what, min_bytes, min_gap, weight_tier)
+        else:
+            policy = OffloadPolicy(  # type: ignore[assignment]
+                what, 1 << 20 if min_bytes is None else min_bytes, min_gap,  # type: ignore[arg-type]
+                2 if prefetch_distance is None else prefetch_distance,
+                weight_tier)  # type: ignore[arg-type]
+        result = run(input_model, output_model, policy, parse_dims(dims),
+                     costs=CostSource(machine, profile_path), log=_log,
+                     progress=_progress_bars())
     click.echo(f"{output_model}: {len(result.choice.weights)} weights, "
                f"{len(result.choice.activations)} activations offloaded, "
                f"{result.choice.offloaded_bytes:,} bytes")
+    if result.plan is not None:
+        p = result.plan
+        click.echo(f"predicted peak {p.planned.peak_bytes / 2**20:,.1f} MiB (budget "
+                   f"{p.options.budget / 2**20:,.1f} MiB), time x"
+                   f"{p.planned.total_s / p.baseline.total_s if p.baseline.total_s else 1:.3f}")
+
+
+@main.command()
+@click.argument("input_model", type=click.Path(dir_okay=False))
+@click.option("--budget", type=SizeType(), required=True,
+              help="Fast-tier memory budget, e.g. 6GiB.")
+@click.option("--offload", "what", type=click.Choice(["all", "weights", "activations"]),
+              default="all", show_default=True, help="Which tensors may leave the fast tier.")
+@click.option("--min-bytes", type=SizeType(), default="64KiB", show_default=True,
+              help="Tensors smaller than this stay resident.")
+@_planner_options
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the plan as JSON (with the simulator's per-step trace).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of device memory over the schedule, before and after, with "
+                   "the transfers on their copy channels (needs matplotlib).")
+def plan(input_model: str, budget: int, what: str, min_bytes: int, machine: str,
+         profile_path: str | None, min_gap: int, weight_tier: str, dims: tuple[str, ...],
+         as_json: bool, plot_path: str | None) -> None:
+    """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
+
+    The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
+    time, predicted stall), the peak and the predicted time before and after.
+    """
+    from .pipeline import CostSource, plan_model
+    from .report import format_plan, plan_to_dict
+
+    with _errors():
+        _, analysis, p = plan_model(input_model,
+                                    _planner(budget, what, min_bytes, min_gap, weight_tier),
+                                    parse_dims(dims), CostSource(machine, profile_path),
+                                    log=_log)
+        names = [analysis.node_at(i).name or analysis.node_at(i).op_type
+                 for i in range(len(analysis.order))]
+        if plot_path:
+            from .plot import plot_timeline
+
+            plot_timeline(p, names, plot_path)
+            _log(f"wrote {plot_path}")
+    if as_json:
+        click.echo(json.dumps(plan_to_dict(p, names, steps=True), indent=1))
+    else:
+        click.echo(format_plan(p, names))
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), required=True,
+              help="Where to write the per-node times (JSON).")
+@click.option("--provider", default="CPUExecutionProvider", show_default=True,
+              help="ORT execution provider to profile on.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP)
+@click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True)
+@click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]),
+              default="disable", show_default=True,
+              help="ORT graph optimizations while profiling: 'disable' times every original "
+                   "node; 'all' times what really runs (fused nodes).")
+@click.option("--int-high", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Integer inputs are drawn from [0, INT_HIGH).")
+def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...], runs: int,
+            warmup: int, opt_level: str, int_high: int) -> None:
+    """Run the unmodified MODEL under ORT's profiler and save median per-node times, for
+    `optimize --budget ... --profile FILE` and `plan --profile FILE`."""
+    from .profile import profile_model
+
+    with _errors():
+        _log(f"profiling {model}: {warmup} warm-up + {runs} measured runs on {provider}")
+        r = profile_model(model, out_json, providers=[provider], dims=parse_dims(dims),
+                          runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high)
+    click.echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
+               f"{r['total_median_s'] * 1e3:.3f} ms")
 
 
 @main.command()

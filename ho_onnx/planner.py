@@ -19,6 +19,8 @@
    are FIFO: reloads are placed in reader order, issue positions never go backwards, and a
    reload cannot start before the channel is free (so oversubscription shows as stall).
    Stores start right after the producer; Detaches sit right after the last early reader.
+   Look-ahead: a reload still stalling because the budget was full where its window would
+   open gets one more tensor offloaded there, kept only if the re-simulated time drops.
 5. **Prediction**: :func:`ho_onnx.simulate.simulate` of the final schedule.
 
 No compute nodes are reordered (the refinement moves only cache operators).
@@ -26,6 +28,7 @@ No compute nodes are reordered (the refinement moves only cache operators).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -64,6 +67,8 @@ class PlannerOptions:
     weight_tier: Tier = "host"
     weights: bool = True
     activations: bool = True
+    max_extra: int = 64  # look-ahead tries to rescue stalled reloads (see _make_room)
+    max_extra_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.budget <= 0:
@@ -229,7 +234,7 @@ def _place(analysis: GraphAnalysis, cands: dict[str, _Cand], state: _State,
            ) -> OffloadChoice:
     """Refine the Prefetch positions (module docstring, step 4) and build the choice."""
     prefix = np.concatenate([[0.0], np.cumsum(compute_s)])
-    mem = state.mem
+    mem = state.mem.copy()
     budget = opts.budget
     reloads: list[tuple[int, str, int]] = []  # (reader, name, index of reload)
     for name in state.order:
@@ -288,6 +293,54 @@ def _place(analysis: GraphAnalysis, cands: dict[str, _Cand], state: _State,
     return choice
 
 
+def _make_room(analysis: GraphAnalysis, cand_list: list[_Cand], cands: dict[str, _Cand],
+               state: _State, opts: PlannerOptions, compute_s: np.ndarray,
+               transfer_time: TransferTime, dims: Mapping[str, int], choice: OffloadChoice,
+               planned: Simulation) -> tuple[OffloadChoice, Simulation]:
+    """Look-ahead: a reload that stalls because its window could not open (the budget was
+    full just before it) may be rescued by offloading one more tensor resident there. Try
+    the best-scoring such tensor, re-place and re-simulate; keep it only if the predicted
+    time drops. Bounded by ``opts.max_extra`` tries and ``opts.max_extra_s`` seconds."""
+    t_end = time.perf_counter() + opts.max_extra_s
+    tried: set[str] = set()
+    for _ in range(opts.max_extra):
+        if time.perf_counter() > t_end:
+            break
+        stalled = sorted((ev for ev in planned.transfers
+                          if ev.kind == "reload" and ev.stall_s > 0 and ev.issue_pos > 0),
+                         key=lambda ev: -ev.stall_s)
+        pick = None
+        for ev in stalled:
+            q = ev.issue_pos - 1
+            if state.mem[q] + ev.nbytes <= opts.budget:
+                continue  # not blocked by memory (the channel or the window limit is)
+            for c in cand_list:
+                if c.name in state.chosen or c.name in tried or not c.span[0] <= q <= c.span[1]:
+                    continue
+                early = _split(c, q, opts.min_gap)
+                if early is not None:
+                    pick = (c, early)
+                    break
+            if pick is not None:
+                break
+        if pick is None:
+            break
+        c, early = pick
+        tried.add(c.name)
+        _apply(state.mem, c, early, +1)
+        state.chosen[c.name] = early
+        state.order.append(c.name)
+        new_choice = _place(analysis, cands, state, opts, compute_s, transfer_time)
+        new_sim = simulate(analysis, new_choice, compute_s, transfer_time, dims)
+        if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= opts.budget:
+            choice, planned = new_choice, new_sim
+        else:
+            _apply(state.mem, c, early, -1)
+            del state.chosen[c.name]
+            state.order.remove(c.name)
+    return choice, planned
+
+
 def plan(analysis: GraphAnalysis, opts: PlannerOptions, compute_s: np.ndarray,
          transfer_time: TransferTime, dims: Mapping[str, int] | None = None) -> Plan:
     """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring)."""
@@ -339,6 +392,8 @@ def plan(analysis: GraphAnalysis, opts: PlannerOptions, compute_s: np.ndarray,
         min_budget = baseline.peak_bytes
     choice = _place(analysis, cands, state, opts, compute_s, transfer_time)
     planned = simulate(analysis, choice, compute_s, transfer_time, dims)
+    choice, planned = _make_room(analysis, cand_list, cands, state, opts, compute_s,
+                                 transfer_time, dims, choice, planned)
     host = memory_profile(n, [(a.producer, max(a.late), a.nbytes or 0)
                               for a in choice.activations])
     host_bytes = sum(w.nbytes for w in choice.weights if w.tier == "host") + int(

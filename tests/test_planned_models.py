@@ -1,0 +1,119 @@
+"""Planned rewrites (a memory budget) of real models, checked in ORT against the originals.
+
+Bit-exact with ORT's graph optimizations off in both sessions (identical kernels; see
+README "Correctness"). The library's counters must show every planned reload move.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from ho_onnx import runtime
+from ho_onnx.cli import main
+from ho_onnx.pipeline import CostSource, optimize, plan_model
+from ho_onnx.planner import PlannerOptions
+from ho_onnx.verify import random_inputs, verify
+from models.decoder import build_decoder
+
+DIMS = {"batch": 1, "seq": 64}
+
+
+def _reload_bytes(choice) -> int:
+    return sum(w.nbytes * len(w.consumers) for w in choice.weights) + sum(
+        a.nbytes or 0 for a in choice.activations)
+
+
+def _check(src, out, dims, int_high=8) -> None:
+    rep = verify(src, out, dims=dims, runs=2, int_high=int_high, opt_level="disable")
+    assert rep.exact, rep.outputs
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dec") / "dec.onnx"
+    build_decoder(path, layers=4, hidden=128, heads=4, vocab=256, external_data=True)
+    return path
+
+
+@pytest.mark.parametrize("frac", [0.75, 0.5, 0.25])
+def test_decoder_at_budget(decoder, tmp_path, frac):
+    _, _, p0 = plan_model(decoder, PlannerOptions(1 << 40, min_bytes=0), DIMS)
+    budget = int(p0.baseline.peak_bytes * frac)
+    out = tmp_path / "dec.ho.onnx"
+    r = optimize(decoder, out, PlannerOptions(budget, min_bytes=16 << 10), DIMS)
+    p = r.plan
+    assert p is not None and p.planned.peak_bytes <= budget < p.baseline.peak_bytes
+    assert r.choice.weights  # a decoder this size streams weights at these budgets
+    meta = {e.key: e.value for e in onnx.load(str(out), load_external_data=False).metadata_props}
+    assert int(meta["ho_onnx.budget_bytes"]) == budget
+    assert int(meta["ho_onnx.predicted_peak_bytes"]) == p.planned.peak_bytes
+    assert float(meta["ho_onnx.predicted_stall_s"]) == pytest.approx(p.planned.stall_s, rel=1e-5)
+    assert int(meta["ho_onnx.host_bytes"]) == p.host_bytes
+    _check(decoder, out, DIMS)
+    sess = runtime.InferenceSession(out)
+    feeds = random_inputs(onnx.load(str(decoder), load_external_data=False), DIMS)
+    for _ in range(2):
+        runtime.reset_counters()
+        sess.run(None, feeds)
+        assert runtime.counters()["bytes_loaded"] == _reload_bytes(r.choice)
+
+
+def test_smaller_budget_never_offloads_less(decoder):
+    _, _, p0 = plan_model(decoder, PlannerOptions(1 << 40, min_bytes=0), DIMS)
+    moved = []
+    for frac in (0.9, 0.6, 0.3):
+        _, _, p = plan_model(decoder, PlannerOptions(int(p0.baseline.peak_bytes * frac)), DIMS)
+        moved.append(p.baseline.peak_bytes - p.planned.peak_bytes)
+    assert moved == sorted(moved)
+
+
+def test_cli_plan_json_and_infeasible(decoder, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(main, ["plan", str(decoder), "--budget", "1MiB", "--dim", "batch=1",
+                             "--dim", "seq=64", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    assert d["fits"] and d["after"]["peak_bytes"] <= 1 << 20 < d["before"]["peak_bytes"]
+    assert d["transfers"] and len(d["steps"]) == len(onnx.load(
+        str(decoder), load_external_data=False).graph.node)
+    r = runner.invoke(main, ["optimize", str(decoder), str(tmp_path / "o.onnx"), "--budget",
+                             "10KiB", "--dim", "batch=1", "--dim", "seq=64"])
+    assert r.exit_code == 2 and "smallest feasible budget" in r.output
+    assert not (tmp_path / "o.onnx").exists()
+    r = runner.invoke(main, ["plan", str(decoder), "--budget", "1MiB"])
+    assert r.exit_code == 2 and "--dim" in r.output  # the unbound dim is named
+
+
+def test_profile_drives_the_plan(decoder, tmp_path):
+    runner = CliRunner()
+    prof = tmp_path / "prof.json"
+    r = runner.invoke(main, ["profile", str(decoder), "--out", str(prof), "--dim", "batch=1",
+                             "--dim", "seq=64", "--runs", "3"])
+    assert r.exit_code == 0, r.output
+    _, _, p = plan_model(decoder, PlannerOptions(1 << 20), DIMS, CostSource("cpu", prof))
+    data = json.loads(prof.read_text())
+    assert p.baseline.total_s == pytest.approx(
+        sum(v["median_s"] for v in data["nodes"].values()), rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_exports_at_budgets(tmp_path_factory, arch):
+    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
+    from models.hf_export import export_hf
+
+    folder = tmp_path_factory.mktemp(f"{arch}_plan")
+    src = export_hf(arch, folder / f"{arch}.onnx", layers=2, hidden=64, heads=4, vocab=256,
+                    seq=16, external_data=True)
+    dims = {"batch": 2, "seq": 9}
+    _, _, p0 = plan_model(src, PlannerOptions(1 << 40, min_bytes=0), dims)
+    for frac in (0.75, 0.5, 0.25):
+        budget = int(p0.baseline.peak_bytes * frac)
+        out = folder / f"{arch}.{frac}.onnx"
+        r = optimize(src, out, PlannerOptions(budget, min_bytes=1024), dims)
+        assert r.plan is not None and r.plan.planned.peak_bytes <= budget
+        _check(src, out, dims, int_high=256)
