@@ -116,6 +116,11 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      help="Where offloaded weights wait: the library's host store, or the "
                           "model's data file (read at every reload)."),
         click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP),
+        click.option("--ort-optimize", "ort_level", type=click.Choice(["basic", "extended"]),
+                     default=None,
+                     help="First apply ONNX Runtime's own graph optimizations (fusions, "
+                          "constant folding) and plan the graph ORT will run; reads the "
+                          "weights once. 'extended' adds ORT-only contrib ops."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -152,7 +157,7 @@ def _planner(budget: int, what: str, min_bytes: int | None, min_gap: int, tier: 
 def optimize(input_model: str, output_model: str, budget: int | None, what: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             dims: tuple[str, ...]) -> None:
+             dims: tuple[str, ...], ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     Weight bytes are never loaded while planning. External data stays where it is; when
@@ -176,7 +181,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, what: str,
                 2 if prefetch_distance is None else prefetch_distance,
                 weight_tier)  # type: ignore[arg-type]
         result = run(input_model, output_model, policy, parse_dims(dims),
-                     costs=CostSource(machine, profile_path), log=_log,
+                     costs=CostSource(machine, profile_path), ort_level=ort_level, log=_log,
                      progress=_progress_bars())
     click.echo(f"{output_model}: {len(result.choice.weights)} weights, "
                f"{len(result.choice.activations)} activations offloaded, "
@@ -204,7 +209,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, what: str,
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, what: str, min_bytes: int, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, dims: tuple[str, ...],
-         as_json: bool, plot_path: str | None) -> None:
+         ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
@@ -217,7 +222,7 @@ def plan(input_model: str, budget: int, what: str, min_bytes: int, machine: str,
         _, analysis, p = plan_model(input_model,
                                     _planner(budget, what, min_bytes, min_gap, weight_tier),
                                     parse_dims(dims), CostSource(machine, profile_path),
-                                    log=_log)
+                                    ort_level=ort_level, log=_log)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type
                  for i in range(len(analysis.order))]
         if plot_path:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from . import __version__
 from .analysis import GraphAnalysis, analyse
@@ -60,8 +61,18 @@ def planner_inputs(analysis: GraphAnalysis, dims: Mapping[str, int], costs: Cost
 
 def plan_model(model: str | os.PathLike[str] | LoadedModel, options: PlannerOptions,
                dims: Mapping[str, int] | None = None, costs: CostSource | None = None, *,
-               log: Log | None = None) -> tuple[LoadedModel, GraphAnalysis, Plan]:
-    """Load (unless given loaded) and plan ``model``; nothing is written."""
+               ort_level: str | None = None, log: Log | None = None
+               ) -> tuple[LoadedModel, GraphAnalysis, Plan]:
+    """Load (unless given loaded) and plan ``model``; nothing is written (``ort_level``:
+    plan ORT's optimized graph, made in a temporary folder)."""
+    if ort_level is not None and not isinstance(model, LoadedModel):
+        import tempfile
+
+        from .ortopt import ort_optimize
+
+        with tempfile.TemporaryDirectory(prefix="ho_onnx_ort_") as tmp:
+            pre = ort_optimize(model, Path(tmp) / "model.onnx", ort_level)
+            return plan_model(pre, options, dims, costs, log=log)
     dims = dict(dims or {})
     say = log or (lambda _msg: None)
     t0 = time.perf_counter()
@@ -109,12 +120,18 @@ def plan_metadata(choice: OffloadChoice, dims: Mapping[str, int],
 def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
              policy: OffloadPolicy | PlannerOptions | None = None,
              dims: Mapping[str, int] | None = None, *, costs: CostSource | None = None,
-             log: Log | None = None, progress: Progress | None = None) -> OptimizeResult:
+             ort_level: str | None = None, log: Log | None = None,
+             progress: Progress | None = None) -> OptimizeResult:
     """Rewrite ``in_path`` into ``out_path`` with cache operators (input never modified).
 
     ``policy`` is an explicit :class:`OffloadPolicy` (v1) or :class:`PlannerOptions` (a
-    memory budget: the planner chooses, with times from ``costs``).
+    memory budget: the planner chooses, with times from ``costs``). ``ort_level``
+    (``basic``/``extended``, planner only) first applies ORT's own graph optimizations and
+    plans the graph ORT will run (see :mod:`ho_onnx.ortopt`).
     """
+    if ort_level is not None:
+        return _optimize_ort_first(in_path, out_path, policy, dims, costs, ort_level, log,
+                                   progress)
     if isinstance(policy, PlannerOptions):
         return _optimize_planned(in_path, out_path, policy, dims, costs, log, progress)
     policy = policy or OffloadPolicy()
@@ -167,3 +184,28 @@ def _optimize_planned(in_path: str | os.PathLike[str], out_path: str | os.PathLi
         f"activations, {rewritten.cache_nodes} cache ops; wrote {report.model_path} "
         f"({seconds['rewrite+save']:.2f} s)")
     return OptimizeResult(analysis, p.choice, rewritten, report, seconds, p)
+
+
+def _optimize_ort_first(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
+                        policy: OffloadPolicy | PlannerOptions | None,
+                        dims: Mapping[str, int] | None, costs: CostSource | None,
+                        ort_level: str, log: Log | None,
+                        progress: Progress | None) -> OptimizeResult:
+    """Apply ORT's optimizations, then optimize the graph ORT will run."""
+    from .ortopt import ort_optimize
+
+    say = log or (lambda _msg: None)
+    loaded = load_model(in_path)
+    check_output_path(loaded, out_path)
+    # Written beside the output: its data file is what the output's initializers and
+    # offloaded weights reference, so it stays; the intermediate model goes.
+    out = Path(out_path)
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    pre = out.with_name(f"{out.name}.ort.onnx")
+    ort_optimize(in_path, pre, ort_level)
+    say(f"ORT {ort_level} optimizations applied: {len(loaded.model.graph.node)} -> "
+        f"{len(onnx.load(str(pre), load_external_data=False).graph.node)} nodes")
+    try:
+        return optimize(pre, out_path, policy, dims, costs=costs, log=log, progress=progress)
+    finally:
+        pre.unlink(missing_ok=True)

@@ -117,3 +117,22 @@ def test_hf_exports_at_budgets(tmp_path_factory, arch):
         r = optimize(src, out, PlannerOptions(budget, min_bytes=1024), dims)
         assert r.plan is not None and r.plan.planned.peak_bytes <= budget
         _check(src, out, dims, int_high=256)
+
+
+def test_planning_the_graph_ort_runs(decoder, tmp_path):
+    """--ort-optimize: ORT's fusions are applied before planning, so at ORT's default
+    optimization level the optimized model runs the same kernels as the original
+    (bit-exact), and the intermediate model is not left behind."""
+    out = tmp_path / "o" / "dec.ho.onnx"
+    r = optimize(decoder, out, PlannerOptions(1 << 20, min_bytes=16 << 10), DIMS,
+                 ort_level="extended")
+    assert r.plan is not None and r.choice.weights
+    assert sorted(p.name for p in out.parent.iterdir()) == ["dec.ho.onnx",
+                                                           "dec.ho.onnx.ort.onnx.data"]
+    rep = verify(decoder, out, dims=DIMS, runs=2)  # opt level "all" in both sessions
+    assert rep.exact, rep.outputs
+    sess = runtime.InferenceSession(out)
+    feeds = random_inputs(onnx.load(str(decoder), load_external_data=False), DIMS)
+    runtime.reset_counters()
+    sess.run(None, feeds)
+    assert runtime.counters()["bytes_loaded"] == _reload_bytes(r.choice)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from graphs import text_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from graphs import text_model
 from ho_onnx import ops
 from ho_onnx.analysis import analyse
 from ho_onnx.insertion import insert_cache_ops
