@@ -48,6 +48,11 @@ def test_decoder_at_budget(decoder, tmp_path, frac):
     p = r.plan
     assert p is not None and p.planned.peak_bytes <= budget < p.baseline.peak_bytes
     assert r.choice.weights  # a decoder this size streams weights at these budgets
+    weights = sum(t.nbytes() or 0 for t in r.analysis.tensors.values() if t.is_initializer)
+    if frac == 0.25:  # the weights alone exceed the budget: they stream, layer by layer
+        assert weights > budget
+        offloaded = sorted(r.choice.weights, key=lambda w: w.consumers[0])
+        assert len(offloaded) >= 4 * 2  # at least two big weights of every layer
     meta = {e.key: e.value for e in onnx.load(str(out), load_external_data=False).metadata_props}
     assert int(meta["ho_onnx.budget_bytes"]) == budget
     assert int(meta["ho_onnx.predicted_peak_bytes"]) == p.planned.peak_bytes
