@@ -21,23 +21,25 @@ std::string Completion::wait() {
 }
 
 bool Completion::begin_write() {
-  write_mu_.lock();
+  write_mu_.lock_shared();
   if (cancelled_) {
-    write_mu_.unlock();
+    write_mu_.unlock_shared();
     return false;
   }
   return true;
 }
 
-void Completion::end_write() { write_mu_.unlock(); }
+void Completion::end_write() { write_mu_.unlock_shared(); }
 
 void Completion::cancel() {
-  std::lock_guard<std::mutex> lock(write_mu_);
+  std::unique_lock<std::shared_mutex> lock(write_mu_);
   cancelled_ = true;
 }
 
-Channel::Channel(std::string name) : name_(std::move(name)) {
-  worker_ = std::thread([this] { run(); });
+Channel::Channel(std::string name, int workers) : name_(std::move(name)) {
+  if (workers < 1) workers = 1;
+  workers_.reserve(static_cast<size_t>(workers));
+  for (int i = 0; i < workers; ++i) workers_.emplace_back([this] { run(); });
 }
 
 Channel::~Channel() {
@@ -52,7 +54,9 @@ Channel::~Channel() {
     job.fn = nullptr;
     if (job.done) job.done->finish(name_ + " channel: transfer cancelled (engine destroyed)");
   }
-  if (worker_.joinable()) worker_.join();
+  for (std::thread& w : workers_) {
+    if (w.joinable()) w.join();
+  }
 }
 
 void Channel::submit(std::function<void()> fn, CompletionPtr done) {

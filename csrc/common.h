@@ -44,6 +44,12 @@ struct Counters {
   std::atomic<uint64_t> waits{0};
   std::atomic<uint64_t> wait_ns{0};
   std::atomic<uint64_t> alias_copies{0};  // Wait/Detach outputs ORT did not alias: copied
+  // Disk tier: payload bytes read from data files (also counted in bytes_loaded), the time
+  // at least one disk read was in flight, and the reads done with / without O_DIRECT.
+  std::atomic<uint64_t> bytes_read_disk{0};
+  std::atomic<uint64_t> disk_read_ns{0};
+  std::atomic<uint64_t> disk_direct_reads{0};
+  std::atomic<uint64_t> disk_buffered_reads{0};
   std::atomic<int64_t> host_store_bytes{0};
   std::atomic<int64_t> host_pool_bytes_in_use{0};
   std::atomic<int64_t> host_pool_bytes_reserved{0};

@@ -1,8 +1,12 @@
-// CPU-EP engine: host store + host pool, and two channels (load, store) whose worker
-// threads copy with memcpy. "Fast tier" buffers are ORT's CPU tensors.
+// CPU-EP engine: host store + host pool, two channels (load, store) whose worker threads
+// copy with memcpy, and a disk channel whose I/O threads read disk-tier weights from their
+// data files (disk_io.h). "Fast tier" buffers are ORT's CPU tensors.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -10,6 +14,7 @@
 
 #include "channel.h"
 #include "common.h"
+#include "disk_io.h"
 #include "engine.h"
 #include "host_memory.h"
 
@@ -39,6 +44,51 @@ class CpuStored final : public StoredTensor {
   size_t bytes_;
 };
 
+class CpuDiskWeight final : public DiskSource {
+ public:
+  CpuDiskWeight(std::shared_ptr<DiskFile> file, uint64_t offset, size_t length, std::string name)
+      : file(std::move(file)), offset(offset), length(length), who("weight '" + name + "'") {}
+  size_t size() const override { return length; }
+
+  const std::shared_ptr<DiskFile> file;
+  const uint64_t offset;
+  const size_t length;
+  const std::string who;  // for messages
+};
+
+// One disk transfer split into chunks served by the I/O threads. The load's completion is
+// finished when the last chunk job lets go of this record (ran, or dropped with the engine),
+// with the first error of any chunk.
+class DiskTransfer {
+ public:
+  DiskTransfer(CompletionPtr done, size_t parts) : done_(std::move(done)), remaining_(parts) {}
+  ~DiskTransfer() {
+    if (error_.empty() && remaining_ != 0) {
+      error_ = "disk channel: transfer cancelled (engine destroyed)";
+    }
+    done_->finish(std::move(error_));
+  }
+  DiskTransfer(const DiskTransfer&) = delete;
+  DiskTransfer& operator=(const DiskTransfer&) = delete;
+
+  Completion* completion() const { return done_.get(); }
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !error_.empty();
+  }
+  void part_done(std::string error = {}) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.empty() && !error.empty()) error_ = std::move(error);
+    --remaining_;
+  }
+
+ private:
+  CompletionPtr done_;
+  std::mutex mu_;
+  std::string error_;
+  size_t remaining_;
+};
+
 class CpuEngine final : public Engine {
  public:
   CpuEngine() { counters().engines_alive += 1; }
@@ -53,6 +103,7 @@ class CpuEngine final : public Engine {
     }
     load_.reset();
     store_.reset();
+    disk_.reset();
     pending_.clear();
     stored_.clear();
     counters().engines_alive -= 1;
@@ -79,6 +130,76 @@ class CpuEngine final : public Engine {
           counters().bytes_loaded += bytes;
         },
         done);
+  }
+
+  std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath, int64_t offset,
+                                                     int64_t length,
+                                                     const std::string& name) override {
+    if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
+    std::shared_ptr<DiskFile> file;
+    {
+      std::lock_guard<std::mutex> lock(files_mu_);
+      std::weak_ptr<DiskFile>& slot = files_[realpath];
+      file = slot.lock();
+      if (!file) {
+        file = DiskFile::open(realpath);
+        slot = file;
+      }
+    }
+    const uint64_t size = file->size_now();  // the open file, not the path checked before
+    const auto off = static_cast<uint64_t>(offset);
+    const auto len = static_cast<uint64_t>(length);
+    if (off > size || len > size - off) {
+      fail(ORT_INVALID_ARGUMENT, "offset " + std::to_string(offset) + " + length " +
+                                     std::to_string(length) + " is past the end of '" +
+                                     realpath + "' (" + std::to_string(size) + " bytes)");
+    }
+    return std::make_shared<CpuDiskWeight>(std::move(file), off, static_cast<size_t>(len), name);
+  }
+
+  void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
+                     const ExecContext&) override {
+    counters().prefetches += 1;
+    auto w = std::static_pointer_cast<const CpuDiskWeight>(src);
+    const size_t bytes = w->length;
+    if (bytes == 0) return;
+    CompletionPtr done = begin_load(dst, bytes);
+    // Chunks at chunk-aligned file offsets, so only the first and last can be unaligned.
+    const uint64_t chunk = disk_chunk_bytes();
+    const uint64_t begin = w->offset;
+    const uint64_t end = w->offset + bytes;
+    const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
+    auto t = std::make_shared<DiskTransfer>(std::move(done), parts);
+    char* out = static_cast<char*>(dst);
+    uint64_t p = begin;
+    for (size_t i = 0; i < parts; ++i) {
+      const uint64_t q = std::min(end, (p / chunk + 1) * chunk);
+      disk_->submit(
+          [t, w, p, q, dst = out + (p - begin), first = i == 0] {
+            if (first) debug_delay();
+            std::string error;
+            if (!t->failed()) {
+              try {
+                Completion* d = t->completion();
+                const DiskFile::Guard guard = [d](bool start) {
+                  if (start) return d->begin_write();
+                  d->end_write();
+                  return true;
+                };
+                DiskBusy busy;
+                if (w->file->read(p, static_cast<size_t>(q - p), dst, guard, w->who)) {
+                  counters().bytes_read_disk += q - p;
+                  counters().bytes_loaded += q - p;
+                }
+              } catch (const std::exception& e) {
+                error = std::string("disk channel: ") + e.what();
+              }
+            }
+            t->part_done(std::move(error));
+          },
+          nullptr);
+      p = q;
+    }
   }
 
   uint64_t store(const void* src, size_t bytes, std::vector<int64_t> shape,
@@ -213,6 +334,9 @@ class CpuEngine final : public Engine {
   std::unordered_map<uint64_t, std::shared_ptr<CpuStored>> stored_;
   std::unique_ptr<Channel> load_ = std::make_unique<Channel>("load");
   std::unique_ptr<Channel> store_ = std::make_unique<Channel>("store");
+  std::mutex files_mu_;
+  std::map<std::string, std::weak_ptr<DiskFile>> files_;  // open data files, shared by weights
+  std::unique_ptr<Channel> disk_ = std::make_unique<Channel>("disk", disk_io_threads());
 };
 
 }  // namespace

@@ -4,7 +4,8 @@
 // that needs one, shared by that registration's kernels through std::shared_ptr, and
 // destroyed (worker threads joined, memory freed) with the last of them.
 //
-// The CPU engine (cpu_engine.cc) copies with memcpy on two worker threads. A CUDA engine
+// The CPU engine (cpu_engine.cc) copies with memcpy on two worker threads and reads
+// disk-tier weights on a third channel of I/O threads (disk_io.h). A CUDA engine
 // (csrc/cuda/, later) implements the same interface: `ExecContext::stream` then carries the
 // kernel's compute stream and the copies become cudaMemcpyAsync on copy streams.
 #pragma once
@@ -30,6 +31,14 @@ class HostBlob {
   virtual size_t size() const = 0;
 };
 
+// A weight of the disk tier: a validated byte range of an open external-data file, read
+// from the file at every Prefetch (never held in the host store).
+class DiskSource {
+ public:
+  virtual ~DiskSource() = default;
+  virtual size_t size() const = 0;
+};
+
 // An activation held in the slow tier, taken out of the engine by the Prefetch that
 // reloads it (one reload per store).
 class StoredTensor {
@@ -51,6 +60,19 @@ class Engine {
   // Start copying `blob` into `dst` (fast tier) on the load channel; keyed by `dst`.
   virtual void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
                                const ExecContext& ctx) = 0;
+
+  // Disk tier: open the file `realpath` (already validated) for the `length` bytes at
+  // `offset` without reading them; checks the open file's size again. `name` (the weight)
+  // goes into error messages.
+  virtual std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath,
+                                                             int64_t offset, int64_t length,
+                                                             const std::string& name) = 0;
+
+  // Start reading `src` from its file into `dst` (fast tier) on the disk channel (background
+  // I/O threads, FIFO); keyed by `dst` like every load. A read error (e.g. the file was
+  // truncated after the session was created) is reported by the matching wait().
+  virtual void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
+                             const ExecContext& ctx) = 0;
 
   // Start copying `bytes` at `src` into the host pool on the store channel; returns the
   // store id written into the token.

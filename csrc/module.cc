@@ -55,6 +55,10 @@ py::dict counters() {
   d["waits"] = c.waits.load();
   d["wait_ns"] = c.wait_ns.load();
   d["alias_copies"] = c.alias_copies.load();
+  d["bytes_read_disk"] = c.bytes_read_disk.load();
+  d["disk_read_ns"] = c.disk_read_ns.load();
+  d["disk_direct_reads"] = c.disk_direct_reads.load();
+  d["disk_buffered_reads"] = c.disk_buffered_reads.load();
   d["host_store_bytes"] = c.host_store_bytes.load();
   d["host_pool_bytes_in_use"] = c.host_pool_bytes_in_use.load();
   d["host_pool_bytes_reserved"] = c.host_pool_bytes_reserved.load();
@@ -71,6 +75,10 @@ void reset_counters() {
   c.waits = 0;
   c.wait_ns = 0;
   c.alias_copies = 0;
+  c.bytes_read_disk = 0;
+  c.disk_read_ns = 0;
+  c.disk_direct_reads = 0;
+  c.disk_buffered_reads = 0;
 }
 
 void set_debug(int64_t delay_us, bool poison, bool skip_wait) {

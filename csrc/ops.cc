@@ -226,7 +226,8 @@ struct Kernel {
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
   std::vector<int64_t> shape;
-  std::shared_ptr<const HostBlob> blob;
+  std::shared_ptr<const HostBlob> blob;        // host tier: bytes read at session creation
+  std::shared_ptr<const DiskSource> disk;      // disk tier: read from the file at every run
 
   void compute(OrtKernelContext* ctx);
   void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
@@ -252,6 +253,11 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
   auto bad = [&](OrtErrorCode code, const std::string& what) {
     fail(code, who + ": " + what);
   };
+
+  std::string tier = "host";  // absent: the host store
+  if (attr_string(api, info, "tier", &tier) && tier != "host" && tier != "disk") {
+    bad(ORT_INVALID_ARGUMENT, "unknown tier '" + tier + "' (host or disk)");
+  }
 
   int64_t offset = 0;
   int64_t length = 0;
@@ -302,7 +308,11 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
                                   "' (" + std::to_string(file_size) + " bytes)");
   }
   try {
-    blob = engine->load_weight(real_file, offset, length);
+    if (tier == "disk") {
+      disk = engine->open_disk_weight(real_file, offset, length, name);
+    } else {
+      blob = engine->load_weight(real_file, offset, length);
+    }
   } catch (const Error& e) {
     bad(e.code(), e.what());
   }
@@ -314,7 +324,11 @@ void Kernel::compute(OrtKernelContext* ctx) {
     case OpKind::kPrefetch: {
       if (weight) {
         OrtValue* y = output(api, ctx, shape);
-        engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
+        if (disk) {
+          engine->prefetch_disk(disk, disk->size() ? tensor_data(api, y) : nullptr, ec);
+        } else {
+          engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
+        }
         return;
       }
       const Token t = read_token(api, input(api, ctx, 0), bits);

@@ -177,11 +177,14 @@ def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False) -> None:
             )
         if imp.domain in ("", "ai.onnx") and imp.version < 1:
             raise UnsupportedModelError(f"invalid ai.onnx opset version {imp.version}")
-        if imp.domain == DOMAIN and not allow_cache_ops:
-            raise UnsupportedModelError(
-                f"the model already contains {DOMAIN} cache operators: optimize the original "
-                "model, not an optimized one"
-            )
+    # An opset import alone is harmless (ORT's saved optimized models import every domain it
+    # knows, ours included once the library was loaded); cache operators are not.
+    if not allow_cache_ops and any(n.domain == DOMAIN for g in iter_graphs(model.graph)
+                                   for n in g.node):
+        raise UnsupportedModelError(
+            f"the model already contains {DOMAIN} cache operators: optimize the original "
+            "model, not an optimized one"
+        )
 
 
 def load_model(path: str | os.PathLike[str], *, check: bool = True,

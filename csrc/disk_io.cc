@@ -1,0 +1,264 @@
+#include "disk_io.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <utility>
+
+#include "common.h"
+
+namespace ho {
+
+namespace {
+
+constexpr size_t kBounceAlign = 4096;  // alignment of bounce buffers (>= any accepted DIO alignment)
+
+int64_t env_int(const char* name, int64_t dflt, int64_t lo, int64_t hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (end == v || *end != '\0' || x < lo || x > hi) return dflt;
+  return static_cast<int64_t>(x);
+}
+
+bool direct_enabled() {
+  static const bool on = env_int("HO_ONNX_DISK_DIRECT", 1, 0, 1) != 0;
+  return on;
+}
+
+bool is_pow2(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
+uint64_t round_down(uint64_t x, uint64_t a) { return x - x % a; }
+uint64_t round_up(uint64_t x, uint64_t a) { return round_down(x + a - 1, a); }
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+// An aligned heap buffer (RAII).
+class AlignedBuf {
+ public:
+  explicit AlignedBuf(size_t size)
+      : data_(static_cast<char*>(::operator new(size, std::align_val_t(kBounceAlign)))),
+        size_(size) {}
+  ~AlignedBuf() { ::operator delete(data_, std::align_val_t(kBounceAlign)); }
+  AlignedBuf(const AlignedBuf&) = delete;
+  AlignedBuf& operator=(const AlignedBuf&) = delete;
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  char* data_;
+  size_t size_;
+};
+
+// One bounce buffer per I/O thread, freed when the thread exits.
+AlignedBuf& bounce() {
+  thread_local std::unique_ptr<AlignedBuf> buf;
+  if (!buf) buf = std::make_unique<AlignedBuf>(disk_chunk_bytes() + kBounceAlign);
+  return *buf;
+}
+
+// RAII around the caller's write guard.
+class WriteScope {
+ public:
+  explicit WriteScope(const DiskFile::Guard& g) : g_(g), ok_(g ? g(true) : true) {}
+  ~WriteScope() {
+    if (ok_ && g_) g_(false);
+  }
+  WriteScope(const WriteScope&) = delete;
+  WriteScope& operator=(const WriteScope&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  const DiskFile::Guard& g_;
+  bool ok_;
+};
+
+std::mutex g_busy_mu;
+int g_busy_active = 0;
+std::chrono::steady_clock::time_point g_busy_since;
+
+}  // namespace
+
+size_t disk_chunk_bytes() {
+  // 8 MiB by default; at least 64 KiB, a multiple of 4096.
+  static const size_t bytes = static_cast<size_t>(
+      round_up(static_cast<uint64_t>(env_int("HO_ONNX_DISK_CHUNK_KB", 8192, 64, 1 << 20)) * 1024,
+               kBounceAlign));
+  return bytes;
+}
+
+int disk_io_threads() {
+  static const int n = static_cast<int>(env_int("HO_ONNX_IO_THREADS", 2, 1, 16));
+  return n;
+}
+
+DiskBusy::DiskBusy() {
+  std::lock_guard<std::mutex> lock(g_busy_mu);
+  if (g_busy_active++ == 0) g_busy_since = std::chrono::steady_clock::now();
+}
+
+DiskBusy::~DiskBusy() {
+  std::lock_guard<std::mutex> lock(g_busy_mu);
+  if (--g_busy_active == 0) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - g_busy_since)
+                        .count();
+    counters().disk_read_ns += static_cast<uint64_t>(ns);
+  }
+}
+
+std::shared_ptr<DiskFile> DiskFile::open(const std::string& realpath) {
+  std::shared_ptr<DiskFile> f(new DiskFile(realpath));
+  f->fd_ = ::open(realpath.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f->fd_ < 0) {
+    const int e = errno;
+    fail(e == ENOENT ? ORT_NO_SUCHFILE : ORT_FAIL,
+         "cannot open '" + realpath + "': " + errno_text(e));
+  }
+  struct stat st {};
+  if (::fstat(f->fd_, &st) != 0) {
+    fail(ORT_FAIL, "cannot stat '" + realpath + "': " + errno_text(errno));
+  }
+  if (!S_ISREG(st.st_mode)) fail(ORT_NO_SUCHFILE, "'" + realpath + "' is not a regular file");
+  if (!direct_enabled()) return f;
+
+  size_t off_align = 4096, mem_align = 4096;
+#ifdef STATX_DIOALIGN
+  struct statx sx {};
+  if (::statx(f->fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
+      (sx.stx_mask & STATX_DIOALIGN) != 0) {
+    if (sx.stx_dio_offset_align == 0) return f;  // the file system has no direct I/O here
+    off_align = sx.stx_dio_offset_align;
+    mem_align = sx.stx_dio_mem_align;
+  }
+#endif
+  if (!is_pow2(off_align) || !is_pow2(mem_align) || off_align > kBounceAlign ||
+      mem_align > kBounceAlign) {
+    return f;  // unusual alignment: stay buffered
+  }
+  // EINVAL: the file system refuses O_DIRECT (reads then go through the page cache).
+  f->fd_direct_ = ::open(realpath.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (f->fd_direct_ < 0 && errno != EINVAL) {
+    fail(ORT_FAIL, "cannot open '" + realpath + "' for direct I/O: " + errno_text(errno));
+  }
+  f->off_align_ = off_align;
+  f->mem_align_ = mem_align;
+  f->direct_ok_ = f->fd_direct_ >= 0;
+  return f;
+}
+
+DiskFile::~DiskFile() {
+  if (fd_direct_ >= 0) ::close(fd_direct_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+uint64_t DiskFile::size_now() const {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    fail(ORT_FAIL, "cannot stat '" + path_ + "': " + errno_text(errno));
+  }
+  return static_cast<uint64_t>(st.st_size);
+}
+
+int64_t DiskFile::pread_full(int fd, char* buf, size_t n, uint64_t off, bool is_direct,
+                             const std::string& who) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, buf + done, n - done, static_cast<off_t>(off + done));
+    if (r < 0) {
+      const int e = errno;
+      if (e == EINTR) continue;
+      if (is_direct && e == EINVAL && done == 0) return -1;
+      fail(ORT_FAIL, who + ": cannot read '" + path_ + "' at offset " +
+                         std::to_string(off + done) + ": " + errno_text(e));
+    }
+    if (r == 0) break;  // end of file
+    done += static_cast<size_t>(r);
+    if (is_direct && done % off_align_ != 0) break;  // a direct read ends short only at EOF
+  }
+  return static_cast<int64_t>(done);
+}
+
+void DiskFile::short_read(uint64_t off, size_t n, int64_t got, const std::string& who) {
+  std::string now;
+  try {
+    now = std::to_string(size_now()) + " bytes";
+  } catch (const std::exception&) {
+    now = "size unknown";
+  }
+  fail(ORT_FAIL, who + ": unexpected end of file in '" + path_ + "': needed bytes [" +
+                     std::to_string(off) + ", " + std::to_string(off + n) + "), got " +
+                     std::to_string(got < 0 ? 0 : got) + " (the file is now " + now +
+                     "; truncated or replaced after the session was created?)");
+}
+
+bool DiskFile::read_buffered(uint64_t off, size_t n, char* out, const Guard& guard,
+                             const std::string& who) {
+  WriteScope w(guard);
+  if (!w.ok()) return false;
+  const int64_t got = pread_full(fd_, out, n, off, false, who);
+  counters().disk_buffered_reads += 1;
+  if (got < static_cast<int64_t>(n)) short_read(off, n, got, who);
+  return true;
+}
+
+bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
+                    const std::string& who) {
+  if (n == 0) return true;
+  if (!direct()) return read_buffered(off, n, out, guard, who);
+  const uint64_t A = off_align_;
+  const uint64_t end = off + n;
+  const uint64_t m0 = round_up(off, A);
+  const uint64_t m1 = round_down(end, A);
+  const bool mid_direct =
+      m0 < m1 && reinterpret_cast<uintptr_t>(out + (m0 - off)) % mem_align_ == 0;
+  // Pieces: [off, m0) bounce, [m0, m1) direct into out, [m1, end) bounce; or all bounce.
+  uint64_t p = off;
+  while (p < end) {
+    if (mid_direct && p == m0) {
+      int64_t got;
+      {
+        WriteScope w(guard);
+        if (!w.ok()) return false;
+        got = pread_full(fd_direct_, out + (m0 - off), m1 - m0, m0, true, who);
+      }
+      if (got < 0) {
+        direct_ok_ = false;  // EINVAL: refused; the rest goes through the page cache
+        return read_buffered(p, end - p, out + (p - off), guard, who);
+      }
+      if (got < static_cast<int64_t>(m1 - m0)) short_read(m0, m1 - m0, got, who);
+      counters().disk_direct_reads += 1;
+      p = m1;
+      continue;
+    }
+    const uint64_t piece_end = mid_direct && p < m0 ? m0 : end;
+    AlignedBuf& b = bounce();
+    const uint64_t a0 = round_down(p, A);
+    const uint64_t a1 = std::min<uint64_t>(a0 + (b.size() - b.size() % A), round_up(piece_end, A));
+    const uint64_t q = std::min<uint64_t>(piece_end, a1);
+    const int64_t got = pread_full(fd_direct_, b.data(), a1 - a0, a0, true, who);
+    if (got < 0) {
+      direct_ok_ = false;
+      return read_buffered(p, end - p, out + (p - off), guard, who);
+    }
+    if (got < static_cast<int64_t>(q - a0)) short_read(p, q - p, got - static_cast<int64_t>(p - a0), who);
+    counters().disk_direct_reads += 1;
+    {
+      WriteScope w(guard);
+      if (!w.ok()) return false;
+      std::memcpy(out + (p - off), b.data() + (p - a0), q - p);
+    }
+    p = q;
+  }
+  return true;
+}
+
+}  // namespace ho

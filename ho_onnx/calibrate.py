@@ -1,0 +1,134 @@
+"""Calibration of the slow tiers' transfer rates on this machine.
+
+``measure_file_read`` is the disk tier's reference rate: sequential reads of one file in
+``block``-byte positional reads, with the page cache bypassed (``O_DIRECT``, into a
+page-aligned buffer) so that the number is the device's, not memory's. ``measure_host_copy``
+is the host tier's: a large memcpy between two host buffers. Both return bytes per second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["measure_file_read", "measure_host_copy"]
+
+_ALIGN = 4096
+
+
+def _write_temp_file(directory: str | None, size: int) -> str:
+    fd, path = tempfile.mkstemp(prefix="ho_onnx_calibrate_", suffix=".bin", dir=directory)
+    try:
+        chunk = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+        left = size
+        while left > 0:
+            n = min(left, len(chunk))
+            view = memoryview(chunk)[:n]
+            while view:
+                view = view[os.write(fd, view):]
+            left -= n
+        os.fsync(fd)
+        _drop_cache(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _drop_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _open(path: str, direct: bool) -> tuple[int, bool]:
+    """(fd, opened with O_DIRECT); falls back to buffered when the file system refuses."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError:
+            pass
+    return os.open(path, os.O_RDONLY), False
+
+
+def measure_file_read(path: str | os.PathLike[str] | None = None, block: int = 8 << 20,
+                      direct: bool = True, *, threads: int = 1, size: int = 1 << 30,
+                      max_bytes: int | None = None, directory: str | None = None) -> float:
+    """Sequential read rate of ``path`` in bytes/s.
+
+    ``block``: bytes per read (rounded up to 4096). ``direct``: bypass the page cache with
+    ``O_DIRECT`` (falls back to buffered reads after dropping the file's cached pages when
+    the file system refuses it). ``threads``: readers taking the file's blocks in turn (one
+    read in flight each, like the engine's I/O threads; 1 = plain sequential reads). Without
+    ``path`` a temporary file of ``size`` bytes is written (in ``directory``, default the
+    system's temp folder), measured and removed. ``max_bytes`` limits how much is read.
+    """
+    block = max(_ALIGN, (block + _ALIGN - 1) // _ALIGN * _ALIGN)
+    threads = max(1, threads)
+    temp = path is None
+    fpath = _write_temp_file(directory, size) if temp else os.fspath(path)  # type: ignore[arg-type]
+    try:
+        fd, is_direct = _open(fpath, direct)
+        try:
+            if not is_direct:
+                _drop_cache(fd)
+            total = os.fstat(fd).st_size
+            if max_bytes is not None:
+                total = min(total, max_bytes)
+            if total <= 0:
+                raise ValueError(f"{fpath}: nothing to read")
+            counts = [0] * threads
+
+            def reader(k: int) -> None:
+                buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT needs
+                view = memoryview(buf)
+                try:
+                    off = k * block
+                    while off < total:
+                        n = os.preadv(fd, [view[:min(block, _round_up(total - off))]], off)
+                        if n <= 0:
+                            break
+                        counts[k] += min(n, total - off)
+                        off += threads * block
+                finally:
+                    view.release()
+                    buf.close()
+
+            t0 = time.perf_counter()
+            if threads == 1:
+                reader(0)
+            else:
+                pool = [threading.Thread(target=reader, args=(k,)) for k in range(threads)]
+                for t in pool:
+                    t.start()
+                for t in pool:
+                    t.join()
+            seconds = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    finally:
+        if temp:
+            os.unlink(fpath)
+    return sum(counts) / seconds
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def measure_host_copy(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Host memcpy rate in bytes/s (best of ``repeats`` copies of ``nbytes``)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
