@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-__all__ = ["measure_file_read", "measure_host_copy"]
+__all__ = ["calibrate", "measure_file_read", "measure_host_copy"]
 
 _ALIGN = 4096
 
@@ -132,3 +132,43 @@ def measure_host_copy(nbytes: int = 256 << 20, repeats: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
+
+
+def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cpu",
+              file: str | os.PathLike[str] | None = None, size: int = 1 << 30,
+              directory: str | None = None, threads: int = 2,
+              log=None) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Measure this machine's transfer rates and write a machine file for the planner.
+
+    ``h2d_bw``/``d2h_bw``: pinned host<->device copies when the library has CUDA and a GPU is
+    present, else the host memcpy rate (the CPU EP's "transfers" are copies between ORT's
+    buffers and the library's host memory). ``disk_bw``: O_DIRECT sequential reads with
+    ``threads`` readers (as the engine's disk channel) of ``file``, or of a temporary file of
+    ``size`` bytes in ``directory``. The file merges onto preset ``base`` when loaded.
+    """
+    say = log or (lambda _m: None)
+    result: dict[str, object] = {"base": base, "name": f"{base}+calibrated"}
+    from . import runtime
+
+    ops = runtime._ops()
+    gpu = getattr(ops, "cuda_calibrate", None)
+    if gpu is not None and ops.cuda_device_count() > 0:
+        say("measuring pinned host<->device copies")
+        r = gpu(256 << 20)
+        result.update({"h2d_bw": float(r["h2d_bw"]), "d2h_bw": float(r["d2h_bw"]),
+                       "h2d_source": "cudaMemcpyAsync, pinned"})
+    else:
+        say("measuring host memcpy (no CUDA device: the CPU EP's transfers are host copies)")
+        bw = measure_host_copy()
+        result.update({"h2d_bw": bw, "d2h_bw": bw, "h2d_source": "host memcpy"})
+    say(f"measuring disk reads ({threads} O_DIRECT readers)")
+    result["disk_bw"] = measure_file_read(file, threads=threads, size=size, directory=directory)
+    result["disk_source"] = os.fspath(file) if file else f"temporary file of {size} bytes"
+    if out_json is not None:
+        import json
+
+        tmp = f"{os.fspath(out_json)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, out_json)
+    return result

@@ -115,6 +115,9 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      show_default=True,
                      help="Where offloaded weights wait: the library's host store, or the "
                           "model's data file (read at every reload)."),
+        click.option("--host-budget", type=SizeType(), default=None,
+                     help="Host (slow-tier) memory budget: offloaded weights that do not fit "
+                          "stay in the model's data file and are read from disk at each use."),
         click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP),
         click.option("--ort-optimize", "ort_level", type=click.Choice(["basic", "extended"]),
                      default=None,
@@ -127,13 +130,14 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
     return f
 
 
-def _planner(budget: int, what: str, min_bytes: int | None, min_gap: int, tier: str):  # type: ignore[no-untyped-def]
+def _planner(budget: int, what: str, min_bytes: int | None, min_gap: int, tier: str,  # type: ignore[no-untyped-def]
+             host_budget: int | None = None):
     from .planner import PlannerOptions
 
     return PlannerOptions(budget, min_bytes=64 << 10 if min_bytes is None else min_bytes,
                           min_gap=min_gap, weight_tier=tier,  # type: ignore[arg-type]
                           weights=what in ("all", "weights"),
-                          activations=what in ("all", "activations"))
+                          activations=what in ("all", "activations"), host_budget=host_budget)
 
 
 @main.command()
@@ -157,7 +161,7 @@ def _planner(budget: int, what: str, min_bytes: int | None, min_gap: int, tier: 
 def optimize(input_model: str, output_model: str, budget: int | None, what: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             dims: tuple[str, ...], ort_level: str | None) -> None:
+             host_budget: int | None, dims: tuple[str, ...], ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     Weight bytes are never loaded while planning. External data stays where it is; when
@@ -174,8 +178,10 @@ def optimize(input_model: str, output_model: str, budget: int | None, what: str,
             if prefetch_distance is not None:
                 raise click.UsageError("--prefetch-distance is for the explicit policy: with "
                                        "--budget the planner places every Prefetch")
-            policy = _planner(budget, what, min_bytes, min_gap, weight_tier)
+            policy = _planner(budget, what, min_bytes, min_gap, weight_tier, host_budget)
         else:
+            if host_budget is not None:
+                raise click.UsageError("--host-budget needs --budget (the planner)")
             policy = OffloadPolicy(  # type: ignore[assignment]
                 what, 1 << 20 if min_bytes is None else min_bytes, min_gap,  # type: ignore[arg-type]
                 2 if prefetch_distance is None else prefetch_distance,
@@ -208,8 +214,9 @@ def optimize(input_model: str, output_model: str, budget: int | None, what: str,
               help="Write a PNG of device memory over the schedule, before and after, with "
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, what: str, min_bytes: int, machine: str,
-         profile_path: str | None, min_gap: int, weight_tier: str, dims: tuple[str, ...],
-         ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
+         profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
+         dims: tuple[str, ...], ort_level: str | None, as_json: bool,
+         plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
@@ -220,7 +227,8 @@ def plan(input_model: str, budget: int, what: str, min_bytes: int, machine: str,
 
     with _errors():
         _, analysis, p = plan_model(input_model,
-                                    _planner(budget, what, min_bytes, min_gap, weight_tier),
+                                    _planner(budget, what, min_bytes, min_gap, weight_tier,
+                                             host_budget),
                                     parse_dims(dims), CostSource(machine, profile_path),
                                     ort_level=ort_level, log=_log)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type
@@ -333,6 +341,30 @@ def inspect(model: str, as_json: bool) -> None:
     with _errors():
         s = summarize(model)
     click.echo(json.dumps(s.to_dict(), indent=2) if as_json else format_summary(s))
+
+
+@main.command()
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), required=True,
+              help="Machine file to write (use it with --machine FILE).")
+@click.option("--base", type=click.Choice(["cpu", "h100", "h200"]), default="cpu",
+              show_default=True, help="Preset the measured rates are merged onto.")
+@click.option("--file", "data_file", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="Measure disk reads of this file (e.g. a model's data file) "
+                                 "instead of a temporary one.")
+@click.option("--size", type=SizeType(), default="1GiB", show_default=True,
+              help="Size of the temporary file for the disk measurement.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Folder for the temporary file (the disk you will stream from).")
+def calibrate(out_json: str, base: str, data_file: str | None, size: int,
+              directory: str | None) -> None:
+    """Measure host->device / device->host copy rates (pinned, on a GPU; host memcpy on the
+    CPU) and the disk read rate (O_DIRECT), and write them as a machine file."""
+    from .calibrate import calibrate as run
+
+    with _errors():
+        r = run(out_json, base=base, file=data_file, size=size, directory=directory, log=_log)
+    click.echo(f"{out_json}: h2d {float(r['h2d_bw']) / 1e9:.2f} GB/s, d2h "  # type: ignore[arg-type]
+               f"{float(r['d2h_bw']) / 1e9:.2f} GB/s, disk {float(r['disk_bw']) / 1e9:.2f} GB/s")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ checked against the files' sizes. The returned proto is what every later pass wo
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -107,15 +108,23 @@ def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
                     yield from iter_graphs(g)
 
 
+@functools.lru_cache(maxsize=4096)
+def _resolve(base_dir: Path, location: str) -> tuple[Path, Path]:
+    base = base_dir.resolve()
+    return base, (base / location).resolve()
+
+
 def resolve_data_path(base_dir: Path, location: str, what: str) -> Path:
-    """The file ``location`` names, refusing absolute paths and escapes from ``base_dir``."""
+    """The file ``location`` names, refusing absolute paths and escapes from ``base_dir``.
+
+    (Resolution is cached per (folder, location): a model has one or a few data files and
+    thousands of initializers.)"""
     if not location or os.path.isabs(location) or location.startswith(("\\", "/")):
         raise ExternalDataError(
             f"{what}: external data location {location!r} must be a relative path inside the "
             f"model folder {str(base_dir)!r}"
         )
-    base = base_dir.resolve()
-    path = (base / location).resolve()
+    base, path = _resolve(base_dir, location)
     if path != base and base not in path.parents:
         raise ExternalDataError(
             f"{what}: external data location {location!r} points outside the model folder "
@@ -191,6 +200,7 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
                allow_cache_ops: bool = False) -> LoadedModel:
     """Read ``path`` (weight bytes stay on disk), check it and its external data references."""
     p = Path(path)
+    _resolve.cache_clear()  # resolutions are cached within one load/save, never across
     if not p.exists():
         raise ModelLoadError(f"model file {str(p)!r} does not exist")
     if not p.is_file():

@@ -69,6 +69,7 @@ class PlannerOptions:
     activations: bool = True
     max_extra: int = 64  # look-ahead tries to rescue stalled reloads (see _make_room)
     max_extra_s: float = 2.0
+    host_budget: int | None = None  # slow-tier (host) bytes; offloaded weights beyond go to disk
 
     def __post_init__(self) -> None:
         if self.budget <= 0:
@@ -87,6 +88,7 @@ class _Cand:
     producer: int
     score: float
     span: tuple[int, int]  # baseline residency
+    tier: Tier = "host"
 
 
 @dataclass
@@ -142,7 +144,8 @@ def _candidates(analysis: GraphAnalysis, opts: PlannerOptions, dims: Mapping[str
             tt = transfer_time(nbytes, "disk" if opts.weight_tier == "disk" else "h2d")
             busy = sum(float(compute_s[c]) for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
-            out.append(_Cand(name, "weight", nbytes, uses, shape_readers, -1, score, spans[name]))
+            out.append(_Cand(name, "weight", nbytes, uses, shape_readers, -1, score, spans[name],
+                             opts.weight_tier))
         else:
             assert t.producer is not None
             uses = sorted(t.consumers)
@@ -251,7 +254,7 @@ def _place(analysis: GraphAnalysis, cands: dict[str, _Cand], state: _State,
     last_issue = {"h2d": 0, "disk": 0}
     for u, name, k in reloads:
         c = cands[name]
-        direction = "disk" if c.kind == "weight" and opts.weight_tier == "disk" else "h2d"
+        direction = "disk" if c.kind == "weight" and c.tier == "disk" else "h2d"
         tt = transfer_time(c.nbytes, direction)  # type: ignore[arg-type]
         if c.kind == "weight":
             lo = 0
@@ -284,13 +287,46 @@ def _place(analysis: GraphAnalysis, cands: dict[str, _Cand], state: _State,
             choice.weights.append(WeightOffload(
                 name, c.nbytes, tuple(c.uses),
                 tuple(positions[(name, k)] for k in range(len(c.uses))),
-                c.shape_readers, opts.weight_tier))
+                c.shape_readers, c.tier))
         else:
             early = state.chosen[name]
             late = tuple(u for u in c.uses if u not in early)
             choice.activations.append(ActivationOffload(
                 name, c.nbytes, c.producer, early, late, positions[(name, 0)]))
     return choice
+
+
+def _host_peak(cands: dict[str, _Cand], state: _State, n: int) -> tuple[int, int]:
+    """(host-tier weight bytes, peak bytes of stored activations) of the current choice."""
+    weights = sum(cands[k].nbytes for k in state.order
+                  if cands[k].kind == "weight" and cands[k].tier == "host")
+    acts = []
+    for k in state.order:
+        c = cands[k]
+        if c.kind == "activation":
+            acts.append((c.producer, c.uses[-1], c.nbytes))
+    return weights, int(memory_profile(n, acts).max(initial=0)) if acts else 0
+
+
+def _assign_tiers(cands: dict[str, _Cand], state: _State, opts: PlannerOptions, n: int) -> None:
+    """Fit ``opts.host_budget``: offloaded weights move to the disk tier, those read fewest
+    times and biggest first (each byte moved frees host memory for the fewest disk reads)."""
+    if opts.host_budget is None:
+        return
+    weights, acts = _host_peak(cands, state, n)
+    if acts > opts.host_budget:
+        raise InfeasibleBudgetError(
+            f"host budget {_fmt(opts.host_budget)} is below the {_fmt(acts)} the offloaded "
+            "activations need on the host at once; raise --host-budget or the device budget",
+            acts)
+    order = sorted((cands[k] for k in state.order
+                    if cands[k].kind == "weight" and cands[k].tier == "host"),
+                   key=lambda c: (len(c.uses), -c.nbytes))
+    for c in order:
+        if weights + acts <= opts.host_budget:
+            break
+        c.tier = "disk"
+        weights -= c.nbytes
 
 
 def _make_room(analysis: GraphAnalysis, cand_list: list[_Cand], cands: dict[str, _Cand],
@@ -330,6 +366,14 @@ def _make_room(analysis: GraphAnalysis, cand_list: list[_Cand], cands: dict[str,
         _apply(state.mem, c, early, +1)
         state.chosen[c.name] = early
         state.order.append(c.name)
+        tiers = {k: x.tier for k, x in cands.items()}
+        try:
+            _assign_tiers(cands, state, opts, len(analysis.order))
+        except InfeasibleBudgetError:  # the extra tensor would not fit the host budget
+            _apply(state.mem, c, early, -1)
+            del state.chosen[c.name]
+            state.order.remove(c.name)
+            continue
         new_choice = _place(analysis, cands, state, opts, compute_s, transfer_time)
         new_sim = simulate(analysis, new_choice, compute_s, transfer_time, dims)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= opts.budget:
@@ -338,6 +382,8 @@ def _make_room(analysis: GraphAnalysis, cand_list: list[_Cand], cands: dict[str,
             _apply(state.mem, c, early, -1)
             del state.chosen[c.name]
             state.order.remove(c.name)
+            for k, tier in tiers.items():
+                cands[k].tier = tier
     return choice, planned
 
 
@@ -390,6 +436,7 @@ def plan(analysis: GraphAnalysis, opts: PlannerOptions, compute_s: np.ndarray,
                 _apply(state.mem, c, state.chosen[name], +1)
     else:
         min_budget = baseline.peak_bytes
+    _assign_tiers(cands, state, opts, n)
     choice = _place(analysis, cands, state, opts, compute_s, transfer_time)
     planned = simulate(analysis, choice, compute_s, transfer_time, dims)
     choice, planned = _make_room(analysis, cand_list, cands, state, opts, compute_s,

@@ -156,17 +156,20 @@ def _set_attr(node: onnx.NodeProto, name: str, value: object) -> None:
 def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> Path:
     """Refuse an output that is the input (or one of its data files)."""
     out = Path(out_path)
-    if out.resolve() == loaded.path.resolve() or _same_file(out, loaded.path):
+    out_abs = out.resolve()
+    if out_abs == loaded.path.resolve() or _same_file(out, loaded.path):
         raise OutputPathError(f"output {str(out)!r} is the input model: choose another path")
     if out.exists() and out.is_dir():
         raise OutputPathError(f"output {str(out)!r} is a directory")
+    checked: set[str] = set()
     for graph in iter_graphs(loaded.model.graph):
         for t in graph.initializer:
             ref = external_ref(t)
-            if ref is None:
+            if ref is None or ref.location in checked:
                 continue
+            checked.add(ref.location)
             data = resolve_data_path(loaded.base_dir, ref.location, f"initializer {t.name!r}")
-            if out.resolve() == data or _same_file(out, data):
+            if out_abs == data or _same_file(out, data):
                 raise OutputPathError(
                     f"output {str(out)!r} is the external data file of the input model"
                 )
