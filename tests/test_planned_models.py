@@ -141,3 +141,55 @@ def test_planning_the_graph_ort_runs(decoder, tmp_path):
     runtime.reset_counters()
     sess.run(None, feeds)
     assert runtime.counters()["bytes_loaded"] == _reload_bytes(r.choice)
+
+
+def test_host_budget_sends_weights_to_disk(decoder, tmp_path):
+    """Offloaded weights beyond --host-budget stay in the data file and are read at each
+    use; the host holds no more than the budget, and the outputs are unchanged."""
+    _, _, p0 = plan_model(decoder, PlannerOptions(1 << 40), DIMS)
+    budget = p0.baseline.peak_bytes // 4
+    _, _, p_host = plan_model(decoder, PlannerOptions(budget, min_bytes=16 << 10), DIMS)
+    host_budget = p_host.host_bytes // 2
+    out = tmp_path / "dec.ho.onnx"
+    r = optimize(decoder, out, PlannerOptions(budget, min_bytes=16 << 10,
+                                              host_budget=host_budget), DIMS)
+    p = r.plan
+    assert p is not None and p.host_bytes <= host_budget < p_host.host_bytes
+    disk = [w for w in r.choice.weights if w.tier == "disk"]
+    assert disk and any(w.tier == "host" for w in r.choice.weights)
+    assert p.planned.peak_bytes <= budget
+    _check(decoder, out, DIMS)
+    sess = runtime.InferenceSession(out)
+    feeds = random_inputs(onnx.load(str(decoder), load_external_data=False), DIMS)
+    runtime.reset_counters()
+    sess.run(None, feeds)
+    c = runtime.counters()
+    assert c["bytes_read_disk"] == sum(w.nbytes * len(w.consumers) for w in disk)
+    assert c["bytes_loaded"] == _reload_bytes(r.choice)
+
+
+def test_host_budget_below_stored_activations_is_refused(decoder):
+    from ho_onnx.planner import InfeasibleBudgetError
+
+    dims = {"batch": 1, "seq": 512}  # long prompt: activations matter
+    _, _, p0 = plan_model(decoder, PlannerOptions(1 << 40), dims)
+    opts = PlannerOptions(int(p0.baseline.peak_bytes * 0.97), min_bytes=1 << 10, weights=False)
+    _, _, p = plan_model(decoder, opts, dims)
+    assert p.choice.activations and p.host_bytes > 1024
+    with pytest.raises(InfeasibleBudgetError, match="host budget"):
+        plan_model(decoder, PlannerOptions(opts.budget, min_bytes=1 << 10, weights=False,
+                                           host_budget=1024), dims)
+
+
+def test_calibrate_cli_writes_a_machine_file(tmp_path):
+    from ho_onnx.costmodel import load_machine
+
+    out = tmp_path / "m.json"
+    r = CliRunner().invoke(main, ["calibrate", "--out", str(out), "--size", "32MiB",
+                                  "--dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["h2d_bw"] > 1e8 and data["disk_bw"] > 1e6
+    m = load_machine(out)
+    assert m.h2d_bw == data["h2d_bw"] and m.disk_bw == data["disk_bw"]
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # the temporary file is gone
