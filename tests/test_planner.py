@@ -199,3 +199,31 @@ def test_plan_invariants_on_random_dags(case):
     # time: never faster than the compute alone; stall accounted exactly
     assert p.planned.total_s == pytest.approx(costs.sum() + p.planned.stall_s)
     onnx.checker.check_model(m)
+
+
+def test_two_weights_compete_planned_optimum():
+    """A 1 MiB activation fills the budget until step 2, so neither reload can start before
+    step 2; the two 1.5 ms copies then queue on one channel in front of readers at steps 3
+    and 4 (1 ms steps). The optimum: both issued at step 2, W1 late by 0.5 ms, W2 (behind
+    W1) late by another 0.5 ms: 1 ms of stall, and the planner must find exactly that."""
+    m = text_model("""
+    g (float[1, 64] x) => (float[1, 64] y) {
+      a = Tile(x, reps)
+      b = ReduceMean <axes = [1], keepdims = 1> (a)
+      c = Mul(x, b)
+      e = MatMul(c, W1)
+      y = MatMul(e, W2)
+    }
+    """, W1=(64, 2048), W2=(2048, 64), reps=np.array([1, 4096], np.int64))
+    a = analyse(m)
+    cs = np.full(5, 1e-3)
+    w = 64 * 2048 * 4
+    tt = linear(bw=w / 1.5e-3, latency=0.0)
+    base = simulate(a, None, cs, tt)
+    budget = base.peak_bytes - 2 * w + 16384  # both must leave while `a` lives; after it, both fit
+    p = plan(a, PlannerOptions(budget, min_bytes=0), cs, tt)
+    assert sorted(x.name for x in p.choice.weights) == ["W1", "W2"]
+    by = {x.name: x for x in p.choice.weights}
+    assert by["W1"].prefetch_at == (2,) and by["W2"].prefetch_at == (2,)
+    assert p.planned.stall_s == pytest.approx(1e-3)
+    assert p.planned.peak_bytes <= budget
