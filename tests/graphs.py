@@ -50,3 +50,31 @@ def save(model: onnx.ModelProto, path: Path, external: bool = False) -> Path:
     else:
         onnx.save_model(model, str(path))
     return path
+
+
+def tile_model(w1: tuple[int, int], w2: tuple[int, int]) -> onnx.ModelProto:
+    """x[1,64] → a 1 MiB Tile (the early peak) → ReduceMean → Mul → MatMul W1 → MatMul W2."""
+    return text_model(f"""
+    g (float[1, 64] x) => (float[1, {w2[1]}] y) {{
+      a = Tile(x, reps)
+      b = ReduceMean <axes = [1], keepdims = 1> (a)
+      c = Mul(x, b)
+      e = MatMul(c, W1)
+      y = MatMul(e, W2)
+    }}
+    """, W1=w1, W2=w2, reps=np.array([1, 4096], np.int64))
+
+
+# Two weights read back to back at the end: the FIFO-channel case.
+TWO_WEIGHTS = """
+g (float[8, 512] x) => (float[8, 512] y) {
+  a = Relu(x)
+  b = Sigmoid(a)
+  c = MatMul(b, W1)
+  y = MatMul(c, W2)
+}
+"""
+
+
+def two_weights_model() -> onnx.ModelProto:
+    return text_model(TWO_WEIGHTS, W1=(512, 512), W2=(512, 512))

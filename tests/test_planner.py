@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from graphs import text_model
+from graphs import text_model, tile_model, two_weights_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -42,15 +42,7 @@ def _chain(big: str = "W2"):
 def test_exactly_one_weight_must_stream():
     """The peak is a 1 MiB activation early on; W2 (512 KiB) is read only at the end, with
     a small working set. Offloading W2 is necessary and sufficient; W1 (16 KiB) is not."""
-    m = text_model("""
-    g (float[1, 64] x) => (float[1, 2048] y) {
-      a = Tile(x, reps)
-      b = ReduceMean <axes = [1], keepdims = 1> (a)
-      c = Mul(x, b)
-      e = MatMul(c, W1)
-      y = MatMul(e, W2)
-    }
-    """, W1=(64, 64), W2=(64, 2048), reps=np.array([1, 4096], np.int64))
+    m = tile_model((64, 64), (64, 2048))
     a = analyse(m)
     cs = np.full(len(a.order), 2e-3)
     base = simulate(a, None, cs, linear())
@@ -76,14 +68,7 @@ def test_two_weights_compete_for_one_channel(reload_ms, stall_ms):
     it) by 2 ms more; two parallel copies would have stalled only 1 ms."""
     from ho_onnx.choice import OffloadChoice, WeightOffload
 
-    m = text_model("""
-    g (float[8, 512] x) => (float[8, 512] y) {
-      a = Relu(x)
-      b = Sigmoid(a)
-      c = MatMul(b, W1)
-      y = MatMul(c, W2)
-    }
-    """, W1=(512, 512), W2=(512, 512))
+    m = two_weights_model()
     a = analyse(m)
     cs = np.full(4, 1e-3)
     nbytes = 512 * 512 * 4
@@ -207,15 +192,7 @@ def test_two_weights_compete_planned_optimum():
     and 4 (1 ms steps). The optimum: W1 issued at step 2 and late by 0.5 ms; W2 queued behind
     it (the channel is busy until 3.5 ms, so issuing it at step 3 instead of 2 costs nothing
     and holds its buffer one step less) and late by another 0.5 ms: 1 ms of stall."""
-    m = text_model("""
-    g (float[1, 64] x) => (float[1, 64] y) {
-      a = Tile(x, reps)
-      b = ReduceMean <axes = [1], keepdims = 1> (a)
-      c = Mul(x, b)
-      e = MatMul(c, W1)
-      y = MatMul(e, W2)
-    }
-    """, W1=(64, 2048), W2=(2048, 64), reps=np.array([1, 4096], np.int64))
+    m = tile_model((64, 2048), (2048, 64))
     a = analyse(m)
     cs = np.full(5, 1e-3)
     w = 64 * 2048 * 4

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from graphs import text_model
+from graphs import two_weights_model
 
 from ho_onnx.analysis import analyse
 from ho_onnx.choice import OffloadChoice, WeightOffload
@@ -72,14 +72,7 @@ def test_fifo_queue_is_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     from ho_onnx.plot import _issue_times, plot_timeline
 
-    m = text_model("""
-    g (float[8, 512] x) => (float[8, 512] y) {
-      a = Relu(x)
-      b = Sigmoid(a)
-      c = MatMul(b, W1)
-      y = MatMul(c, W2)
-    }
-    """, W1=(512, 512), W2=(512, 512))
+    m = two_weights_model()
     a = analyse(m)
     cs = np.full(4, 1e-3)
     nbytes = 512 * 512 * 4
