@@ -54,6 +54,16 @@ struct Counters {
   std::atomic<int64_t> host_pool_bytes_in_use{0};
   std::atomic<int64_t> host_pool_bytes_reserved{0};
   std::atomic<int64_t> engines_alive{0};
+  // CUDA engine: pinned host memory held (weights, ring segments, disk staging) and the
+  // number of pinned allocations / CUDA events ever made (flat after warm-up: nothing is
+  // allocated or created per run).
+  std::atomic<int64_t> pinned_bytes{0};
+  std::atomic<uint64_t> pinned_allocs{0};
+  std::atomic<uint64_t> cuda_events_created{0};
+  std::atomic<int64_t> ring_segments{0};
+  // RegisterCustomOps calls, and those that also registered the CUDA-EP variants.
+  std::atomic<uint64_t> registrations{0};
+  std::atomic<uint64_t> cuda_registrations{0};
 };
 Counters& counters();
 
@@ -62,6 +72,13 @@ struct Debug {
   std::atomic<int64_t> delay_us{0};
   std::atomic<bool> poison{false};
   std::atomic<bool> skip_wait{false};
+  // CUDA engine only. skip_order: a prefetch's copy does not wait for the compute stream
+  // (hazard a) and a Detach does not make the compute stream wait for the store (hazard b).
+  // compute_delay_us: a spin kernel on the compute stream at every Prefetch, before the
+  // poison memset. cuda_timing: timing events around every copy (cuda_transfer_times).
+  std::atomic<bool> skip_order{false};
+  std::atomic<int64_t> compute_delay_us{0};
+  std::atomic<bool> cuda_timing{false};
 };
 Debug& debug();
 

@@ -5,9 +5,12 @@
 // destroyed (worker threads joined, memory freed) with the last of them.
 //
 // The CPU engine (cpu_engine.cc) copies with memcpy on two worker threads and reads
-// disk-tier weights on a third channel of I/O threads (disk_io.h). A CUDA engine
-// (csrc/cuda/, later) implements the same interface: `ExecContext::stream` then carries the
-// kernel's compute stream and the copies become cudaMemcpyAsync on copy streams.
+// disk-tier weights on a third channel of I/O threads (disk_io.h). The CUDA engine
+// (csrc/cuda/cuda_engine.cc, docs/cuda.md) implements the same interface: `ExecContext::stream`
+// carries the kernel's compute stream and the copies are cudaMemcpyAsync on copy streams,
+// ordered with the compute stream by events. On the GPU EP a Store token lives in device
+// memory, so the GPU kernels name a store by the token's device address (passed as the
+// `id` of detach/take_stored), never by reading the token.
 #pragma once
 
 #include <cstddef>
@@ -18,9 +21,14 @@
 
 namespace ho {
 
-// Per-call context a kernel passes to the engine (the compute stream on a GPU EP).
+// Per-call context a kernel passes to the engine.
 struct ExecContext {
-  void* stream = nullptr;
+  void* stream = nullptr;  // the kernel's compute stream (GPU EP), else null
+  int device = 0;          // the kernel's device (GPU EP)
+  // GPU EP: the op's output where the engine writes it itself: the token of a Store, the
+  // token2 of a Detach, the z of a Wait (the engine copies on the compute stream when ORT
+  // did not alias it). Null on the CPU EP (ops.cc copies there).
+  void* out = nullptr;
 };
 
 // Bytes of one weight, read once from its external data file into host memory.
@@ -90,8 +98,18 @@ class Engine {
   virtual void prefetch_stored(std::shared_ptr<StoredTensor> stored, void* dst,
                                const ExecContext& ctx) = 0;
 
-  // Block until the transfer into `dst` (of `bytes` bytes) completed.
+  // Block until the transfer into `dst` (of `bytes` bytes) completed. On a GPU EP, "block"
+  // means: make the compute stream wait for it (the host returns at once).
   virtual void wait(const void* dst, size_t bytes, const ExecContext& ctx) = 0;
+
+  // Session creation, once per kernel of a GPU EP: set up `device` (streams, event pool,
+  // disk staging) so that runs allocate nothing. No-op on the CPU engine.
+  virtual void prepare_device(int /*device*/) {}
+
+  // Session creation: the plan stores `bytes` bytes of activations per run (a Store's
+  // `host_bytes` attribute or the session config entry ho_onnx.host_bytes), so the engine
+  // can size its host memory for a run up front. No-op on the CPU engine.
+  virtual void plan_host_bytes(size_t /*bytes*/) {}
 };
 
 std::shared_ptr<Engine> make_cpu_engine();

@@ -1,13 +1,19 @@
 // The ORT custom ops of domain "ai.hyperoffload" (Prefetch, Wait, Store, Detach) on the
-// CPU execution provider, and the library entry point RegisterCustomOps.
+// CPU execution provider and, in a CUDA build, on the CUDA execution provider; and the
+// library entry point RegisterCustomOps.
 //
 // Each op is registered once per fixed-size element type T (ORT picks the overload by the
 // type of input 0); the trailing `deps` input is a heterogeneous any-type variadic of
-// arity >= 0 that is never read. Kernels call into the registration's Engine (engine.h).
+// arity >= 0 that is never read. A CUDA build registers a second OrtCustomOp per op and type
+// whose GetExecutionProviderType is "CUDAExecutionProvider" when the runtime has that
+// provider (OrtApi::GetAvailableProviders; HO_ONNX_CUDA_OPS=0/1 forces it off/on). Kernels
+// call into the registration's Engine (engine.h): one CPU engine and one CUDA engine per
+// registration, each created by the first kernel that needs it.
 #include <sys/stat.h>
 
 #include <chrono>
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -18,6 +24,9 @@
 
 #include "common.h"
 #include "engine.h"
+#if HO_ONNX_WITH_CUDA
+#include "cuda/cuda_api.h"
+#endif
 
 namespace ho {
 
@@ -25,6 +34,12 @@ namespace {
 
 constexpr const char* kDomain = "ai.hyperoffload";
 constexpr const char* kModelDirKey = "ho_onnx.model_dir";
+// Bytes of activations the plan stores per run (sizes the CUDA engine's pinned ring at
+// session creation). Also a Store attribute of the same meaning: `host_bytes`.
+constexpr const char* kHostBytesKey = "ho_onnx.host_bytes";
+constexpr const char* kHostBytesAttr = "host_bytes";
+constexpr const char* kCudaEp = "CUDAExecutionProvider";
+constexpr const char* kCpuEp = "CPUExecutionProvider";
 
 enum class OpKind { kPrefetch, kWait, kStore, kDetach };
 
@@ -55,17 +70,25 @@ struct OpDef;
 
 struct Registration {
   const OrtApi* api = nullptr;
-  std::string model_dir;  // from the session config entry, "" when not set
+  std::string model_dir;   // from the session config entry, "" when not set
+  int64_t host_bytes = -1;  // from the session config entry, -1 when not set
   std::mutex mu;
-  std::weak_ptr<Engine> engine;
+  std::weak_ptr<Engine> engine;       // CPU EP kernels
+  std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
   std::vector<std::unique_ptr<OpDef>> ops;
 
-  std::shared_ptr<Engine> acquire_engine() {
+  std::shared_ptr<Engine> acquire_engine(bool cuda) {
     std::lock_guard<std::mutex> lock(mu);
-    std::shared_ptr<Engine> e = engine.lock();
+    std::weak_ptr<Engine>& slot = cuda ? cuda_engine : engine;
+    std::shared_ptr<Engine> e = slot.lock();
     if (!e) {
+#if HO_ONNX_WITH_CUDA
+      e = cuda ? make_cuda_engine() : make_cpu_engine();
+#else
+      if (cuda) fail(ORT_FAIL, "built without CUDA");
       e = make_cpu_engine();
-      engine = e;
+#endif
+      slot = e;
     }
     return e;
   }
@@ -78,6 +101,7 @@ struct OpDef : OrtCustomOp {
   OpKind kind;
   ONNXTensorElementDataType type;
   int bits;
+  bool cuda;  // registered for the CUDA execution provider
   Registration* reg;
 };
 
@@ -221,6 +245,9 @@ struct Kernel {
   const OrtApi* api;
   OpKind kind;
   int bits;
+  bool gpu = false;  // CUDA EP: buffers are device memory, the engine orders by streams
+  int device = 0;
+  std::string node;  // the node's name, for messages
   std::shared_ptr<Engine> engine;
 
   // Prefetch of a weight (attribute `location` present).
@@ -230,6 +257,7 @@ struct Kernel {
   std::shared_ptr<const DiskSource> disk;      // disk tier: read from the file at every run
 
   void compute(OrtKernelContext* ctx);
+  void compute_gpu(OrtKernelContext* ctx);
   void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
 };
 
@@ -319,6 +347,7 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
 }
 
 void Kernel::compute(OrtKernelContext* ctx) {
+  if (gpu) return compute_gpu(ctx);
   const ExecContext ec{};
   switch (kind) {
     case OpKind::kPrefetch: {
@@ -382,27 +411,114 @@ void Kernel::compute(OrtKernelContext* ctx) {
   }
 }
 
-OrtStatus* to_status(const OrtApi* api, OpKind kind, const char* what, OrtErrorCode code) {
+OrtStatus* to_status(const OrtApi* api, OpKind kind, const std::string& node, const char* what,
+                     OrtErrorCode code) {
   std::string msg = what;
   const std::string prefix = "ho_onnx";
   if (msg.compare(0, prefix.size(), prefix) != 0) {
-    msg = "ho_onnx " + std::string(op_name(kind)) + ": " + msg;
+    msg = "ho_onnx " + std::string(op_name(kind)) +
+          (node.empty() ? std::string() : " (node '" + node + "')") + ": " + msg;
   }
   return api->CreateStatus(code, msg.c_str());
 }
 
 // Runs `body` and turns every C++ exception into an OrtStatus: nothing crosses the ABI.
 template <typename Body>
-OrtStatus* guarded(const OrtApi* api, OpKind kind, Body&& body) noexcept {
+OrtStatus* guarded(const OrtApi* api, OpKind kind, const std::string& node, Body&& body) noexcept {
   try {
     body();
     return nullptr;
   } catch (const Error& e) {
-    return to_status(api, kind, e.what(), e.code());
+    return to_status(api, kind, node, e.what(), e.code());
   } catch (const std::exception& e) {
-    return to_status(api, kind, e.what(), ORT_FAIL);
+    return to_status(api, kind, node, e.what(), ORT_FAIL);
   } catch (...) {
-    return to_status(api, kind, "unknown C++ exception", ORT_FAIL);
+    return to_status(api, kind, node, "unknown C++ exception", ORT_FAIL);
+  }
+}
+
+std::string node_name(const OrtApi* api, const OrtKernelInfo* info) {
+  size_t size = 0;
+  OrtStatus* st = api->KernelInfo_GetNodeName(info, nullptr, &size);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return {};
+  }
+  std::string node(size, '\0');
+  st = api->KernelInfo_GetNodeName(info, node.data(), &size);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return {};
+  }
+  node.resize(std::strlen(node.c_str()));
+  return node;
+}
+
+// The device of a CUDA-EP kernel: the id of its default allocator's memory info.
+int kernel_device(const OrtApi* api, const OrtKernelInfo* info) {
+  OrtAllocator* alloc = nullptr;
+  check(api, api->KernelInfoGetAllocator(info, OrtMemTypeDefault, &alloc));
+  std::unique_ptr<OrtAllocator, void (*)(OrtAllocator*)> owned(alloc, api->ReleaseAllocator);
+  const OrtMemoryInfo* mi = nullptr;
+  check(api, api->AllocatorGetInfo(alloc, &mi));
+  int id = 0;
+  check(api, api->MemoryInfoGetId(mi, &id));
+  return id;
+}
+
+// GPU EP: no kernel reads device memory on the host. Tokens are named by their device
+// address; the engine writes tokens and does the un-aliased output copies on the stream.
+void Kernel::compute_gpu(OrtKernelContext* ctx) {
+  ExecContext ec{};
+  ec.device = device;
+  check(api, api->KernelContext_GetGPUComputeStream(ctx, &ec.stream));
+  switch (kind) {
+    case OpKind::kPrefetch: {
+      if (weight) {
+        OrtValue* y = output(api, ctx, shape);
+        if (disk) {
+          engine->prefetch_disk(disk, disk->size() ? tensor_data(api, y) : nullptr, ec);
+        } else {
+          engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
+        }
+        return;
+      }
+      const auto key = reinterpret_cast<uintptr_t>(tensor_data(api, input(api, ctx, 0)));
+      std::shared_ptr<StoredTensor> rec = engine->take_stored(key);
+      OrtValue* y = output(api, ctx, rec->shape());
+      void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
+      engine->prefetch_stored(std::move(rec), dst, ec);
+      return;
+    }
+    case OpKind::kWait: {
+      const OrtValue* y = input(api, ctx, 0);
+      const TensorInfo ti = tensor_info(api, y);
+      const size_t bytes = byte_size(ti.numel, bits);
+      OrtValue* z = output(api, ctx, ti.dims);
+      if (bytes == 0) return;
+      ec.out = tensor_data(api, z);
+      engine->wait(tensor_data(api, y), bytes, ec);
+      return;
+    }
+    case OpKind::kStore: {
+      const OrtValue* x = input(api, ctx, 0);
+      const TensorInfo ti = tensor_info(api, x);
+      const size_t bytes = byte_size(ti.numel, bits);
+      const std::vector<int64_t> token_dims{static_cast<int64_t>((128 + bits - 1) / bits)};
+      ec.out = tensor_data(api, output(api, ctx, token_dims));
+      engine->store(bytes ? tensor_data(api, x) : nullptr, bytes, ti.dims, ec);
+      return;
+    }
+    case OpKind::kDetach: {
+      const OrtValue* tok = input(api, ctx, 1);
+      const TensorInfo ti = tensor_info(api, tok);
+      if (byte_size(ti.numel, bits) != kTokenBytes) {
+        fail(ORT_INVALID_ARGUMENT, "token input is not a 16-byte Store token");
+      }
+      ec.out = tensor_data(api, output(api, ctx, ti.dims));
+      engine->detach(reinterpret_cast<uintptr_t>(tensor_data(api, tok)), ec);
+      return;
+    }
   }
 }
 
@@ -413,16 +529,28 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
                                         const OrtKernelInfo* info, void** kernel) {
   const OpDef& d = *def(op);
   *kernel = nullptr;
-  return guarded(api, d.kind, [&] {
+  const std::string node = node_name(api, info);
+  return guarded(api, d.kind, node, [&] {
     auto k = std::make_unique<Kernel>();
     k->api = api;
     k->kind = d.kind;
     k->bits = d.bits;
-    k->engine = d.reg->acquire_engine();
+    k->gpu = d.cuda;
+    k->node = node;
+    k->engine = d.reg->acquire_engine(d.cuda);
+    if (k->gpu) k->device = kernel_device(api, info);
     std::string location;
     if (d.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
       k->weight = true;
       k->init_weight(d, info, location);
+    }
+    if (k->gpu) {
+      if (d.kind == OpKind::kStore) {
+        int64_t host_bytes = d.reg->host_bytes;
+        if (host_bytes < 0) attr_int(api, info, kHostBytesAttr, &host_bytes);
+        if (host_bytes > 0) k->engine->plan_host_bytes(static_cast<size_t>(host_bytes));
+      }
+      k->engine->prepare_device(k->device);  // streams, events, staging: not on a run
     }
     *kernel = k.release();
   });
@@ -430,7 +558,7 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
 
 OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
   auto* k = static_cast<Kernel*>(kernel);
-  return guarded(k->api, k->kind, [&] { k->compute(ctx); });
+  return guarded(k->api, k->kind, k->node, [&] { k->compute(ctx); });
 }
 
 void ORT_API_CALL destroy_kernel(void* kernel) noexcept {
@@ -439,7 +567,7 @@ void ORT_API_CALL destroy_kernel(void* kernel) noexcept {
 
 const char* ORT_API_CALL get_name(const OrtCustomOp* op) { return op_name(def(op)->kind); }
 
-const char* ORT_API_CALL get_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+const char* ORT_API_CALL get_ep(const OrtCustomOp* op) { return def(op)->cuda ? kCudaEp : kCpuEp; }
 
 size_t ORT_API_CALL input_count(const OrtCustomOp* op) { return fixed_inputs(def(op)->kind) + 1; }
 
@@ -484,7 +612,7 @@ void ORT_API_CALL release_alias_map(int* input_index, int* output_index) {
   delete[] output_index;
 }
 
-std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t) {
+std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t, bool cuda) {
   auto op = std::make_unique<OpDef>();
   std::memset(static_cast<OrtCustomOp*>(op.get()), 0, sizeof(OrtCustomOp));
   op->version = ORT_API_VERSION;
@@ -521,31 +649,75 @@ std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t
   op->kind = kind;
   op->type = t.type;
   op->bits = t.bits;
+  op->cuda = cuda;
   op->reg = reg;
   return op;
+}
+
+std::string config_entry(const OrtApi* api, const OrtSessionOptions* options, const char* key,
+                         bool* found) {
+  int has = 0;
+  check(api, api->HasSessionConfigEntry(options, key, &has));
+  *found = has != 0;
+  if (!has) return {};
+  size_t size = 0;
+  check(api, api->GetSessionConfigEntry(options, key, nullptr, &size));
+  std::string v(size, '\0');
+  check(api, api->GetSessionConfigEntry(options, key, v.data(), &size));
+  v.resize(std::strlen(v.c_str()));
+  return v;
+}
+
+// Whether to register the CUDA-EP variants: a CUDA build, and the runtime has the CUDA
+// execution provider (or HO_ONNX_CUDA_OPS=1 forces them, =0 leaves them out).
+bool want_cuda_ops(const OrtApi* api) {
+#if HO_ONNX_WITH_CUDA
+  const char* env = std::getenv("HO_ONNX_CUDA_OPS");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  if (env != nullptr && std::strcmp(env, "1") == 0) return true;
+  char** providers = nullptr;
+  int n = 0;
+  check(api, api->GetAvailableProviders(&providers, &n));
+  bool found = false;
+  for (int i = 0; i < n; ++i) {
+    if (std::strcmp(providers[i], kCudaEp) == 0) found = true;
+  }
+  check(api, api->ReleaseAvailableProviders(providers, n));
+  return found;
+#else
+  (void)api;
+  return false;
+#endif
 }
 
 OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
   auto reg = std::make_unique<Registration>();
   reg->api = api;
 
-  int has = 0;
-  check(api, api->HasSessionConfigEntry(options, kModelDirKey, &has));
+  bool has = false;
+  std::string v = config_entry(api, options, kModelDirKey, &has);
+  if (has) reg->model_dir = v;
+  v = config_entry(api, options, kHostBytesKey, &has);
   if (has) {
-    size_t size = 0;
-    check(api, api->GetSessionConfigEntry(options, kModelDirKey, nullptr, &size));
-    std::string v(size, '\0');
-    check(api, api->GetSessionConfigEntry(options, kModelDirKey, v.data(), &size));
-    v.resize(std::strlen(v.c_str()));
-    reg->model_dir = v;
+    char* end = nullptr;
+    const long long x = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < 0) {
+      fail(ORT_INVALID_ARGUMENT, std::string("session config entry '") + kHostBytesKey +
+                                     "' must be a byte count, got '" + v + "'");
+    }
+    reg->host_bytes = x;
   }
 
+  const bool cuda = want_cuda_ops(api);
   OrtCustomOpDomain* domain = nullptr;
   check(api, api->CreateCustomOpDomain(kDomain, &domain));
-  for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
-    for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
-      reg->ops.push_back(make_op(reg.get(), kind, *t));
-      check(api, api->CustomOpDomain_Add(domain, reg->ops.back().get()));
+  for (bool on_cuda : {false, true}) {
+    if (on_cuda && !cuda) continue;
+    for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
+      for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
+        reg->ops.push_back(make_op(reg.get(), kind, *t, on_cuda));
+        check(api, api->CustomOpDomain_Add(domain, reg->ops.back().get()));
+      }
     }
   }
   {
@@ -554,6 +726,8 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
     g_regs->push_back(reg.release());
   }
   check(api, api->AddCustomOpDomain(options, domain));
+  counters().registrations += 1;
+  if (cuda) counters().cuda_registrations += 1;
   return nullptr;
 }
 

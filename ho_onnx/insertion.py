@@ -152,6 +152,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
             rename.setdefault(c, {})[w.name] = z
             result.weight_prefetches[w.name].append(pf.name)
 
+    ring = stored_peak_bytes(choice)
     for a in choice.activations:
         t = analysis.tensors[a.name]
         assert t.elem_type is not None
@@ -159,7 +160,8 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
         token2 = names.fresh(f"{a.name}.ho_detached")
         y = names.fresh(f"{a.name}.ho_y")
         z = names.fresh(f"{a.name}.ho_z")
-        store = em.node(ops.STORE, [a.name], [token], f"ho.store.{a.name}")
+        store = em.node(ops.STORE, [a.name], [token], f"ho.store.{a.name}",
+                        **{ops.ATTR_HOST_BYTES: ring})
         last_early = a.last_early
         det_deps = em.dep_before(last_early + 1, floor=a.producer) if a.early else []
         detach = em.node(ops.DETACH, [a.name, token, *det_deps], [token2],
@@ -209,6 +211,20 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
         model.opset_import.append(helper.make_opsetid(ops.DOMAIN, ops.OPSET_VERSION))
     result.cache_nodes = len(new_nodes) - n
     return result
+
+
+def stored_peak_bytes(choice: OffloadChoice) -> int:
+    """Most bytes of stored activations held at once (each from its producer to its last
+    late reader); unknown sizes count 0."""
+    events: list[tuple[int, int]] = []
+    for a in choice.activations:
+        events.append((a.producer, a.nbytes or 0))
+        events.append((max(a.late) + 1, -(a.nbytes or 0)))
+    peak = cur = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        cur += delta
+        peak = max(peak, cur)
+    return peak
 
 
 def shape_constant(node: onnx.NodeProto, dims: list[int]) -> onnx.NodeProto:

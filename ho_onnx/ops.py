@@ -20,6 +20,10 @@ ATTR_NAME = "name"
 ATTR_BASE_DIR = "base_dir"
 # "disk": read from the data file at every Prefetch (no host-store copy); absent: "host".
 ATTR_TIER = "tier"
+# On every Store: the most bytes of stored activations the plan holds at once (sizes the
+# CUDA engine's pinned ring; it grows beyond when concurrent runs need more).
+ATTR_HOST_BYTES = "host_bytes"
+CONFIG_HOST_BYTES = "ho_onnx.host_bytes"
 
 # Session config entry the runtime helper sets so weights resolve next to the model.
 CONFIG_MODEL_DIR = "ho_onnx.model_dir"

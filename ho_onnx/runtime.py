@@ -13,7 +13,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from .ops import CONFIG_MODEL_DIR
+from .ops import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR
 
 _ORDERS = {
     "priority": ort.ExecutionOrder.PRIORITY_BASED,
@@ -131,6 +131,7 @@ _CONFIG_KEYS = (
     "session.qdq_matmulnbits_accuracy_level",
     "ep.dynamic.workload_type",
     CONFIG_MODEL_DIR,
+    CONFIG_HOST_BYTES,
 )
 
 

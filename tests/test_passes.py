@@ -206,3 +206,18 @@ def test_shape_readers_of_an_offloaded_weight_become_constants(tmp_path):
     assert counters()["bytes_loaded"] == 6 * 4 * 4
     w = onnx.numpy_helper.to_array(m.graph.initializer[0])
     assert np.allclose(y, x @ w) and s.tolist() == [4] and int(n) == 24
+
+
+def test_stores_carry_the_stored_peak_for_ring_sizing():
+    a = analyse(chain_model(), {"N": 4})
+    c = choose(a, OffloadPolicy("activations", min_bytes=0, min_gap=1))
+    m = insert_cache_ops(a, c).model
+    stores = [n for n in m.graph.node if n.op_type == ops.STORE]
+    values = {onnx.helper.get_attribute_value(x) for n in stores for x in n.attribute
+              if x.name == ops.ATTR_HOST_BYTES}
+    # every activation is [4, 16] fp32 = 256 bytes; h1 (producer 0, last reader 5) overlaps
+    # each of the others, which overlap each other pairwise (producer to first late use)
+    from ho_onnx.insertion import stored_peak_bytes
+
+    assert values == {stored_peak_bytes(c)}
+    assert 256 * 2 <= stored_peak_bytes(c) <= 256 * len(c.activations)

@@ -1,0 +1,886 @@
+// CUDA-EP engine: the four cache ops on ORT's compute stream, with copies on one
+// host-to-device and one device-to-host stream per device, ordered by pooled events.
+//
+// ORT's CUDA allocator hands a freed block to the next allocation at once, trusting that
+// every kernel runs on the one compute stream. Our copies run on other streams, so three
+// hazards must be closed by explicit event edges; each is enforced in exactly one place,
+// marked HAZARD (a), (b), (c) below:
+//
+//  (a) A Prefetch's output is freshly allocated; the block may have been freed by a kernel
+//      that the compute stream has not run yet. The copy into it must not start before the
+//      compute stream reached the Prefetch: record an event on the compute stream when the
+//      copy is issued and make the copy stream wait on it (begin_load).
+//  (b) A stored tensor's block goes back to ORT right after its Detach. The device-to-host
+//      copy must have finished reading it by then: Detach makes the compute stream wait on
+//      the store's completion event (detach), so any later kernel that reuses the block runs
+//      after the copy.
+//  (c) A Wait's consumers read the Prefetch's output: Wait makes the compute stream wait on
+//      the copy's completion event (wait) and does nothing else - the host never blocks on
+//      the GPU (the disk tier's Wait blocks only until the file read was issued).
+//
+// Host memory: weights in pinned blocks (host_logic.h: WeightPacker) read from the data file
+// straight into pinned memory; stored activations in a pinned SlotRing whose slots are
+// reused only after the copy that reads them completed (the slot's fence is that copy's
+// event); disk-tier reads go through pinned staging buffers on the disk channel's I/O
+// threads. Nothing is allocated or created per run once a session ran once.
+#include <cuda_runtime.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "../channel.h"
+#include "../common.h"
+#include "../disk_io.h"
+#include "../engine.h"
+#include "cuda_api.h"
+#include "cuda_util.h"
+#include "host_logic.h"
+#include "kernels.h"
+
+namespace ho {
+
+namespace {
+
+using cuda::check;
+using cuda_logic::EventPool;
+using cuda_logic::SlotRing;
+
+// Store keys are token addresses; ids written into tokens are unique in the process.
+std::atomic<uint64_t> g_next_store_id{1};
+
+// Events without timing (cheapest to record and wait on).
+struct EventTraits {
+  using Event = cudaEvent_t;
+  int device = 0;
+  bool timing = false;
+  cudaEvent_t create() const {
+    cuda::set_device(device);
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming),
+          "cudaEventCreateWithFlags");
+    counters().cuda_events_created += 1;
+    return e;
+  }
+  void destroy(cudaEvent_t e) const noexcept { cuda::ignore(cudaEventDestroy(e)); }
+};
+using Pool = EventPool<EventTraits>;
+using Lease = Pool::Lease;
+
+// A ring slot's fence: the event of the last copy that reads the slot.
+struct EventFence {
+  Lease ev;
+  bool ready() const {
+    const cudaError_t e = cudaEventQuery(*ev);
+    if (e == cudaErrorNotReady) return false;
+    // cudaSuccess, or an error that will never let the copy finish (the context is lost):
+    // the slot cannot be read any more either way.
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return true;
+  }
+};
+using Ring = SlotRing<EventFence>;
+
+class PinnedRingMemory final : public cuda_logic::RingMemory {
+ public:
+  explicit PinnedRingMemory(size_t bytes) : block_(bytes) {
+    counters().host_pool_bytes_reserved += static_cast<int64_t>(bytes);
+    counters().ring_segments += 1;
+  }
+  ~PinnedRingMemory() override {
+    counters().host_pool_bytes_reserved -= static_cast<int64_t>(block_.size());
+    counters().ring_segments -= 1;
+  }
+  char* data() override { return block_.data(); }
+
+ private:
+  cuda::PinnedBlock block_;
+};
+
+// ---- transfer timing (benchmarks) ------------------------------------------------------
+struct TimedCopy {
+  Lease start, end;
+  uint64_t bytes;
+  bool h2d;
+};
+std::mutex g_times_mu;
+std::vector<TimedCopy>* g_times = new std::vector<TimedCopy>();  // never freed (exit order)
+CudaTransferTimes g_times_done;
+
+// ---- per device --------------------------------------------------------------------------
+
+// Pinned staging buffers for disk reads; each one is reused only after the copy out of it
+// completed (host-side event sync on an I/O thread, never on a compute thread).
+class Staging {
+ public:
+  struct Buf {
+    std::unique_ptr<cuda::PinnedBlock> mem;
+    cudaEvent_t ev = nullptr;
+    bool recorded = false;
+  };
+  Staging(int device, size_t count, size_t bytes) : device_(device) {
+    cuda::set_device(device);
+    for (size_t i = 0; i < count; ++i) {
+      auto b = std::make_unique<Buf>();
+      b->mem = std::make_unique<cuda::PinnedBlock>(bytes);
+      check(cudaEventCreateWithFlags(&b->ev, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      counters().cuda_events_created += 1;
+      free_.push_back(b.get());
+      all_.push_back(std::move(b));
+    }
+  }
+  ~Staging() {
+    for (auto& b : all_) {
+      if (b->recorded) cuda::ignore(cudaEventSynchronize(b->ev));
+      cuda::ignore(cudaEventDestroy(b->ev));
+    }
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+
+  Buf* acquire() {
+    Buf* b = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !free_.empty(); });
+      b = free_.back();
+      free_.pop_back();
+    }
+    if (b->recorded) {
+      const cudaError_t e = cudaEventSynchronize(b->ev);
+      if (e != cudaSuccess) {
+        release(b);
+        check(e, "cudaEventSynchronize (disk staging)");
+      }
+      b->recorded = false;
+    }
+    return b;
+  }
+  void release(Buf* b) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(b);
+    }
+    cv_.notify_one();
+  }
+  int device() const { return device_; }
+
+ private:
+  int device_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Buf*> free_;
+  std::vector<std::unique_ptr<Buf>> all_;
+};
+
+// The copy streams and event pools of one device, shared by every engine of the process
+// (shared_device): one FIFO per direction and device, like the hardware's copy engines.
+struct Device {
+  explicit Device(int dev)
+      : id(dev),
+        h2d(dev),
+        d2h(dev),
+        events(std::make_shared<Pool>(EventTraits{dev, false})),
+        timing(std::make_shared<Pool>(EventTraits{dev, true})) {
+    events->prewarm(64);
+  }
+  const int id;
+  cuda::Stream h2d;  // the load channel: host-to-device copies, FIFO
+  cuda::Stream d2h;  // the store channel: device-to-host copies, FIFO
+  std::shared_ptr<Pool> events;
+  std::shared_ptr<Pool> timing;
+  std::mutex staging_mu;
+  std::unique_ptr<Staging> staging;  // created when an engine has disk-tier weights
+
+  Staging& need_staging() {
+    std::lock_guard<std::mutex> lock(staging_mu);
+    if (!staging) {
+      // Two pinned chunk buffers per I/O thread: one read while the other is copied.
+      staging = std::make_unique<Staging>(id, 2 * static_cast<size_t>(disk_io_threads()),
+                                          disk_chunk_bytes());
+    }
+    return *staging;
+  }
+};
+
+std::shared_ptr<Device> shared_device(int device) {
+  static std::mutex mu;
+  static auto* devices = new std::map<int, std::weak_ptr<Device>>();  // never freed
+  std::lock_guard<std::mutex> lock(mu);
+  std::weak_ptr<Device>& slot = (*devices)[device];
+  std::shared_ptr<Device> d = slot.lock();
+  if (!d) {
+    d = std::make_shared<Device>(device);
+    slot = d;
+  }
+  return d;
+}
+
+// ---- host store of weights ------------------------------------------------------------
+
+class PinnedBlob final : public HostBlob {
+ public:
+  PinnedBlob(std::shared_ptr<cuda::PinnedBlock> block, char* p, size_t size)
+      : block_(std::move(block)), p_(p), size_(size) {
+    counters().host_store_bytes += static_cast<int64_t>(size_);
+  }
+  ~PinnedBlob() override { counters().host_store_bytes -= static_cast<int64_t>(size_); }
+  const void* data() const override { return p_; }
+  size_t size() const override { return size_; }
+
+ private:
+  std::shared_ptr<cuda::PinnedBlock> block_;
+  char* p_;
+  size_t size_;
+};
+
+void read_file_range(const std::string& path, uint64_t offset, size_t n, char* out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(ORT_NO_SUCHFILE, "cannot open '" + path + "': " + std::strerror(errno));
+  size_t done = 0;
+  std::string err;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      err = "cannot read '" + path + "': " + std::strerror(errno);
+      break;
+    }
+    if (r == 0) {
+      err = "unexpected end of file in '" + path + "'";
+      break;
+    }
+    done += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  if (!err.empty()) fail(ORT_FAIL, err);
+}
+
+class PinnedWeights {
+ public:
+  std::shared_ptr<const HostBlob> load(const std::string& realpath, int64_t offset,
+                                       int64_t length) {
+    const std::string key =
+        realpath + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blobs_.find(key);
+    if (it != blobs_.end()) return it->second;
+    const auto n = static_cast<size_t>(length);
+    const cuda_logic::WeightPacker::Placement p = packer_.place(n);
+    std::shared_ptr<cuda::PinnedBlock> block;
+    char* dst = nullptr;
+    if (p.own_block) {
+      block = std::make_shared<cuda::PinnedBlock>(p.block_bytes);
+      dst = block->data();
+    } else {
+      if (p.block_bytes != 0) chunk_ = std::make_shared<cuda::PinnedBlock>(p.block_bytes);
+      block = chunk_;
+      dst = block->data() + p.offset;
+    }
+    // Straight into pinned memory: no pageable copy in between.
+    if (n != 0) read_file_range(realpath, static_cast<uint64_t>(offset), n, dst);
+    auto blob = std::make_shared<PinnedBlob>(std::move(block), dst, n);
+    blobs_.emplace(key, blob);
+    return blob;
+  }
+
+ private:
+  std::mutex mu_;
+  cuda_logic::WeightPacker packer_;
+  std::shared_ptr<cuda::PinnedBlock> chunk_;  // the chunk small weights are packed into
+  std::map<std::string, std::shared_ptr<const HostBlob>> blobs_;
+};
+
+// ---- records -------------------------------------------------------------------------
+
+class GpuStored final : public StoredTensor {
+ public:
+  GpuStored(std::vector<int64_t> shape, size_t bytes, std::shared_ptr<Ring> ring)
+      : shape_(std::move(shape)), bytes_(bytes), ring_(std::move(ring)) {}
+  ~GpuStored() override { release_slot(stored); }
+  const std::vector<int64_t>& shape() const override { return shape_; }
+  size_t bytes() const override { return bytes_; }
+
+  // The slot returns to the ring; reused once `fence` (the last copy reading it) is done.
+  void release_slot(const Lease& fence) {
+    if (!slot) return;
+    std::optional<EventFence> f;
+    if (fence) f = EventFence{fence};
+    ring_->release(*slot, std::move(f));
+    slot.reset();
+    counters().host_pool_bytes_in_use -= static_cast<int64_t>(bytes_);
+  }
+
+  std::optional<Ring::Slot> slot;
+  Lease stored;  // recorded on the d2h stream after the copy into the slot
+  int device = 0;
+  uint64_t id = 0;
+
+ private:
+  std::vector<int64_t> shape_;
+  size_t bytes_;
+  std::shared_ptr<Ring> ring_;
+};
+
+class GpuDiskWeight final : public DiskSource {
+ public:
+  GpuDiskWeight(std::shared_ptr<DiskFile> file, uint64_t offset, size_t length, std::string name)
+      : file(std::move(file)), offset(offset), length(length), who("weight '" + name + "'") {}
+  size_t size() const override { return length; }
+  const std::shared_ptr<DiskFile> file;
+  const uint64_t offset;
+  const size_t length;
+  const std::string who;
+};
+
+// A load in flight, keyed by its destination. `done` is recorded on the h2d stream after
+// the last copy; for a disk load it is recorded by an I/O thread, and `issued` tells the
+// host when that happened (with the read's error, if any).
+struct Pending {
+  Lease done;
+  CompletionPtr issued;  // disk tier only
+  std::shared_ptr<std::atomic<bool>> cancelled;  // disk tier only
+};
+
+// One disk transfer split into chunks; the part that finishes last records `done`.
+class GpuDiskTransfer {
+ public:
+  GpuDiskTransfer(Pending p, size_t parts, Device* dev)
+      : p_(std::move(p)), remaining_(parts), dev_(dev) {}
+  ~GpuDiskTransfer() {
+    if (remaining_ != 0 && error_.empty()) error_ = "disk channel: transfer cancelled";
+    if (!finished_) p_.issued->finish(std::move(error_));
+  }
+  GpuDiskTransfer(const GpuDiskTransfer&) = delete;
+  GpuDiskTransfer& operator=(const GpuDiskTransfer&) = delete;
+
+  bool stop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !error_.empty() || p_.cancelled->load();
+  }
+  // Called after the part's copy was enqueued (or failed).
+  void part_done(std::string error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.empty() && !error.empty()) error_ = std::move(error);
+    if (--remaining_ != 0) return;
+    // Every copy of this transfer is enqueued: `done` follows them on the h2d stream.
+    cudaError_t e = cudaSetDevice(dev_->id);
+    if (e == cudaSuccess) e = cudaEventRecord(*p_.done, dev_->h2d.get());
+    if (e != cudaSuccess && error_.empty()) {
+      error_ = std::string("CUDA error in cudaEventRecord (disk load): ") + cudaGetErrorString(e);
+      (void)cudaGetLastError();
+    }
+    finished_ = true;
+    p_.issued->finish(error_);
+  }
+
+ private:
+  Pending p_;
+  std::mutex mu_;
+  std::string error_;
+  size_t remaining_;
+  bool finished_ = false;
+  Device* dev_;
+};
+
+void spin(int64_t us, cudaStream_t s) {
+  if (us > 0) check(cuda::launch_spin(us * 1000, s), "spin kernel launch (debug hook)");
+}
+
+// Record timing events around a copy when debug().cuda_timing is on.
+class CopyTimer {
+ public:
+  CopyTimer(Device& d, cudaStream_t s, uint64_t bytes, bool h2d) : s_(s), bytes_(bytes), h2d_(h2d) {
+    if (!debug().cuda_timing.load(std::memory_order_relaxed)) return;
+    start_ = d.timing->acquire();
+    end_ = d.timing->acquire();
+    check(cudaEventRecord(*start_, s_), "cudaEventRecord (timing)");
+  }
+  void done() {
+    if (!start_) return;
+    check(cudaEventRecord(*end_, s_), "cudaEventRecord (timing)");
+    std::lock_guard<std::mutex> lock(g_times_mu);
+    g_times->push_back(TimedCopy{std::move(start_), std::move(end_), bytes_, h2d_});
+  }
+
+ private:
+  cudaStream_t s_;
+  uint64_t bytes_;
+  bool h2d_;
+  Lease start_, end_;
+};
+
+// ---- the engine ---------------------------------------------------------------------
+
+class CudaEngine final : public Engine {
+ public:
+  CudaEngine() {
+    int n = 0;
+    check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    if (n == 0) fail(ORT_FAIL, "no CUDA device");
+    counters().engines_alive += 1;
+  }
+
+  ~CudaEngine() override {
+    // I/O threads first (queued disk jobs are dropped), then let every copy finish before
+    // the pinned memory it reads goes away (the streams may be shared with other engines:
+    // synchronizing them waits for their copies too, which is harmless).
+    disk_.reset();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& kv : devices_) {
+        cuda::ignore(cudaStreamSynchronize(kv.second->h2d.get()));
+        cuda::ignore(cudaStreamSynchronize(kv.second->d2h.get()));
+      }
+      pending_.clear();
+      stored_.clear();
+    }
+    ring_.reset();
+    weights_.reset();
+    devices_.clear();
+    counters().engines_alive -= 1;
+  }
+
+  void prepare_device(int device) override { (void)dev(device); }
+
+  void plan_host_bytes(size_t bytes) override {
+    const size_t cap = cuda_logic::ring_capacity(bytes);
+    std::lock_guard<std::mutex> lock(plan_mu_);
+    if (cap <= planned_ring_) return;
+    planned_ring_ = cap;
+    ring_->reserve(cap);  // one pinned segment for a whole run, at session creation
+  }
+
+  std::shared_ptr<const HostBlob> load_weight(const std::string& realpath, int64_t offset,
+                                              int64_t length) override {
+    return weights_->load(realpath, offset, length);
+  }
+
+  void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
+                       const ExecContext& ctx) override {
+    counters().prefetches += 1;
+    const size_t bytes = blob->size();
+    if (bytes == 0) return;
+    Device& d = dev(ctx.device);
+    const auto cs = static_cast<cudaStream_t>(ctx.stream);
+    begin_load(d, cs, dst, bytes);
+    Pending p;
+    p.done = d.events->acquire();
+    spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
+    // One cudaMemcpyAsync from pinned memory for the whole weight (the hardware's rate).
+    CopyTimer timer(d, d.h2d.get(), bytes, true);
+    check(cudaMemcpyAsync(dst, blob->data(), bytes, cudaMemcpyHostToDevice, d.h2d.get()),
+          "cudaMemcpyAsync (weight, host to device)");
+    timer.done();
+    check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
+    counters().bytes_loaded += bytes;
+    // The pinned source is the engine's (never freed before the streams are synchronized).
+    add_pending(dst, std::move(p));
+  }
+
+  std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath, int64_t offset,
+                                                     int64_t length,
+                                                     const std::string& name) override {
+    if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
+    std::shared_ptr<DiskFile> file;
+    {
+      std::lock_guard<std::mutex> lock(files_mu_);
+      std::weak_ptr<DiskFile>& slot = files_[realpath];
+      file = slot.lock();
+      if (!file) {
+        file = DiskFile::open(realpath);
+        slot = file;
+      }
+      if (!disk_) disk_ = std::make_unique<Channel>("cuda-disk", disk_io_threads());
+      has_disk_ = true;
+    }
+    const uint64_t size = file->size_now();
+    const auto off = static_cast<uint64_t>(offset);
+    const auto len = static_cast<uint64_t>(length);
+    if (off > size || len > size - off) {
+      fail(ORT_INVALID_ARGUMENT, "offset " + std::to_string(offset) + " + length " +
+                                     std::to_string(length) + " is past the end of '" +
+                                     realpath + "' (" + std::to_string(size) + " bytes)");
+    }
+    return std::make_shared<GpuDiskWeight>(std::move(file), off, static_cast<size_t>(len), name);
+  }
+
+  void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
+                     const ExecContext& ctx) override {
+    counters().prefetches += 1;
+    auto w = std::static_pointer_cast<const GpuDiskWeight>(src);
+    const size_t bytes = w->length;
+    if (bytes == 0) return;
+    Device& d = dev(ctx.device);
+    const auto cs = static_cast<cudaStream_t>(ctx.stream);
+    // The h2d stream waits for the compute stream here (HAZARD a); the chunk copies are
+    // enqueued later by the I/O threads, hence after that wait in stream order.
+    begin_load(d, cs, dst, bytes);
+    Pending p;
+    p.done = d.events->acquire();
+    p.issued = std::make_shared<Completion>();
+    p.cancelled = std::make_shared<std::atomic<bool>>(false);
+    const uint64_t chunk = disk_chunk_bytes();
+    const uint64_t begin = w->offset;
+    const uint64_t end = w->offset + bytes;
+    const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
+    Device* dp = &d;
+    add_pending(dst, p);
+    auto t = std::make_shared<GpuDiskTransfer>(p, parts, dp);
+    char* out = static_cast<char*>(dst);
+    uint64_t pos = begin;
+    const int64_t delay = debug().delay_us.load(std::memory_order_relaxed);
+    for (size_t i = 0; i < parts; ++i) {
+      const uint64_t q = std::min(end, (pos / chunk + 1) * chunk);
+      disk_->submit(
+          [t, w, dp, pos, q, o = out + (pos - begin), delay, first = i == 0] {
+            std::string error;
+            try {
+              if (!t->stop()) disk_part(*dp, *w, pos, q, o, first ? delay : 0);
+            } catch (const std::exception& e) {
+              error = std::string("disk channel: ") + e.what();
+            }
+            t->part_done(std::move(error));
+          },
+          nullptr);
+      pos = q;
+    }
+  }
+
+  uint64_t store(const void* src, size_t bytes, std::vector<int64_t> shape,
+                 const ExecContext& ctx) override {
+    counters().stores += 1;
+    Device& d = dev(ctx.device);
+    const auto cs = static_cast<cudaStream_t>(ctx.stream);
+    auto rec = std::make_shared<GpuStored>(std::move(shape), bytes, ring_);
+    rec->device = d.id;
+    rec->id = g_next_store_id.fetch_add(1);
+    if (bytes != 0) {
+      rec->slot = ring_->acquire(bytes);
+      counters().host_pool_bytes_in_use += static_cast<int64_t>(bytes);
+      // `x` is written by earlier kernels of the compute stream: the copy starts after them.
+      {
+        Lease ready = d.events->acquire();
+        check(cudaEventRecord(*ready, cs), "cudaEventRecord (store ready)");
+        check(cudaStreamWaitEvent(d.d2h.get(), *ready, 0), "cudaStreamWaitEvent (store ready)");
+      }  // the wait is enqueued: the event may be recorded again
+      spin(debug().delay_us.load(std::memory_order_relaxed), d.d2h.get());
+      CopyTimer timer(d, d.d2h.get(), bytes, false);
+      check(cudaMemcpyAsync(rec->slot->data, src, bytes, cudaMemcpyDeviceToHost, d.d2h.get()),
+            "cudaMemcpyAsync (store, device to host)");
+      timer.done();
+      rec->stored = d.events->acquire();
+      check(cudaEventRecord(*rec->stored, d.d2h.get()), "cudaEventRecord (store done)");
+      counters().bytes_stored += bytes;
+    }
+    if (ctx.out == nullptr) fail(ORT_FAIL, "store: no token output");
+    check(cuda::launch_write_token(ctx.out, rec->id, kTokenMagic, cs), "token kernel launch");
+    const uint64_t key = reinterpret_cast<uintptr_t>(ctx.out);
+    std::shared_ptr<GpuStored> stale;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& slot = stored_[key];
+      stale = std::move(slot);  // a record of a failed run at the same address: drop it
+      slot = std::move(rec);
+    }
+    return key;
+  }
+
+  void detach(uint64_t key, const ExecContext& ctx) override {
+    std::shared_ptr<GpuStored> rec;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = stored_.find(key);
+      if (it == stored_.end()) {
+        fail(ORT_INVALID_ARGUMENT, "token names no pending store (not a Store output of this "
+                                   "session, or already reloaded)");
+      }
+      rec = it->second;
+      const auto out = reinterpret_cast<uintptr_t>(ctx.out);
+      if (ctx.out != nullptr && out != key) {  // ORT did not alias token2: move the key
+        stored_.erase(it);
+        stored_[out] = rec;
+      }
+    }
+    (void)dev(ctx.device);  // makes the kernel's device current on this thread
+    const auto cs = static_cast<cudaStream_t>(ctx.stream);
+    // HAZARD (b): ORT may free `x` right after this op and hand its block to the next
+    // allocation; the compute stream must not pass this point before the device-to-host
+    // copy has read `x`.
+    if (rec->stored && !debug().skip_order.load(std::memory_order_relaxed) &&
+        !debug().skip_wait.load(std::memory_order_relaxed)) {
+      check(cudaStreamWaitEvent(cs, *rec->stored, 0), "cudaStreamWaitEvent (detach)");
+    }
+    if (ctx.out != nullptr && reinterpret_cast<uintptr_t>(ctx.out) != key) {
+      check(cudaMemcpyAsync(ctx.out, reinterpret_cast<const void*>(key), kTokenBytes,
+                            cudaMemcpyDeviceToDevice, cs),
+            "cudaMemcpyAsync (token)");
+      counters().alias_copies += 1;
+    }
+  }
+
+  std::shared_ptr<StoredTensor> take_stored(uint64_t key) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stored_.find(key);
+    if (it == stored_.end()) {
+      fail(ORT_INVALID_ARGUMENT,
+           "token names no stored tensor (already reloaded, or from another session)");
+    }
+    std::shared_ptr<StoredTensor> rec = std::move(it->second);
+    stored_.erase(it);
+    return rec;
+  }
+
+  void prefetch_stored(std::shared_ptr<StoredTensor> stored, void* dst,
+                       const ExecContext& ctx) override {
+    counters().prefetches += 1;
+    auto rec = std::static_pointer_cast<GpuStored>(std::move(stored));
+    const size_t bytes = rec->bytes();
+    if (bytes == 0) return;
+    Device& d = dev(ctx.device);
+    const auto cs = static_cast<cudaStream_t>(ctx.stream);
+    begin_load(d, cs, dst, bytes);
+    // The host copy must be complete (the store's d2h copy) before it is read back.
+    check(cudaStreamWaitEvent(d.h2d.get(), *rec->stored, 0), "cudaStreamWaitEvent (stored)");
+    Pending p;
+    p.done = d.events->acquire();
+    spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
+    CopyTimer timer(d, d.h2d.get(), bytes, true);
+    check(cudaMemcpyAsync(dst, rec->slot->data, bytes, cudaMemcpyHostToDevice, d.h2d.get()),
+          "cudaMemcpyAsync (stored, host to device)");
+    timer.done();
+    check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
+    counters().bytes_loaded += bytes;
+    // The slot is reused only after this copy read it (its fence is `done`).
+    rec->release_slot(p.done);
+    add_pending(dst, std::move(p));
+  }
+
+  void wait(const void* dst, size_t bytes, const ExecContext& ctx) override {
+    if (bytes == 0) return;
+    Pending p;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(dst);
+      if (it == pending_.end()) {
+        fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
+                       "output)");
+      }
+      p = std::move(it->second);
+      pending_.erase(it);
+    }
+    const auto cs = static_cast<cudaStream_t>(ctx.stream);
+    counters().waits += 1;
+    if (p.issued) {
+      // Disk tier: the host waits until the file was read and the last copy enqueued (the
+      // event is recorded by then); the copies themselves are waited for on the stream.
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::string error = p.issued->wait();
+      counters().wait_ns += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+              .count());
+      if (!error.empty()) fail(ORT_FAIL, "transfer failed: " + error);
+    }
+    // HAZARD (c): the consumers of `dst` run on the compute stream after the copy landed.
+    // A stream-side wait only: the host returns at once.
+    if (!debug().skip_wait.load(std::memory_order_relaxed)) {
+      check(cudaStreamWaitEvent(cs, *p.done, 0), "cudaStreamWaitEvent (wait)");
+    }
+    if (ctx.out != nullptr && ctx.out != dst) {
+      check(cudaMemcpyAsync(ctx.out, dst, bytes, cudaMemcpyDeviceToDevice, cs),
+            "cudaMemcpyAsync (wait output)");
+      counters().alias_copies += 1;
+    }
+  }
+
+ private:
+  Device& dev(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = devices_.find(device);
+    if (it == devices_.end()) it = devices_.emplace(device, shared_device(device)).first;
+    Device& d = *it->second;
+    if (has_disk_.load()) d.need_staging();
+    cuda::set_device(device);  // this thread's current device for the calls that follow
+    return d;
+  }
+
+  // Before a copy into `dst`, a freshly allocated output of the compute stream `cs`.
+  void begin_load(Device& d, cudaStream_t cs, void* dst, size_t bytes) {
+    std::optional<Pending> stale;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(dst);
+      if (it != pending_.end()) {
+        stale = std::move(it->second);
+        pending_.erase(it);
+      }
+    }
+    if (stale) {
+      // A load of a failed run into the same block, never waited for: stop a disk load from
+      // issuing more copies, then order this one after it.
+      if (stale->issued) {
+        stale->cancelled->store(true);
+        (void)stale->issued->wait();
+      }
+      check(cudaStreamWaitEvent(cs, *stale->done, 0), "cudaStreamWaitEvent (stale load)");
+    }
+    spin(debug().compute_delay_us.load(std::memory_order_relaxed), cs);
+    if (debug().poison.load(std::memory_order_relaxed)) {
+      check(cudaMemsetAsync(dst, 0xFF, bytes, cs), "cudaMemsetAsync (poison)");
+    }
+    // HAZARD (a): `dst` was just allocated by ORT; the kernel that last used the block may
+    // still be queued on the compute stream. The copy stream waits for the compute stream
+    // to reach this point before it writes `dst`.
+    if (!debug().skip_order.load(std::memory_order_relaxed)) {
+      Lease free_point = d.events->acquire();
+      check(cudaEventRecord(*free_point, cs), "cudaEventRecord (load start)");
+      check(cudaStreamWaitEvent(d.h2d.get(), *free_point, 0), "cudaStreamWaitEvent (load start)");
+    }  // the wait is enqueued: the event goes back to the pool
+  }
+
+  void add_pending(const void* dst, Pending p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_[dst] = std::move(p);
+  }
+
+  // One chunk of a disk load, on an I/O thread: file -> pinned staging -> dst.
+  static void disk_part(Device& d, const GpuDiskWeight& w, uint64_t p, uint64_t q, char* dst,
+                        int64_t delay_us) {
+    Staging& staging = d.need_staging();
+    Staging::Buf* b = staging.acquire();
+    struct Back {
+      Staging& s;
+      Staging::Buf* b;
+      ~Back() { s.release(b); }
+    } back{staging, b};
+    const size_t n = static_cast<size_t>(q - p);
+    {
+      DiskBusy busy;
+      w.file->read(p, n, b->mem->data(), nullptr, w.who);
+    }
+    counters().bytes_read_disk += n;
+    counters().bytes_loaded += n;
+    cuda::set_device(d.id);
+    spin(delay_us, d.h2d.get());
+    CopyTimer timer(d, d.h2d.get(), n, true);
+    check(cudaMemcpyAsync(dst, b->mem->data(), n, cudaMemcpyHostToDevice, d.h2d.get()),
+          "cudaMemcpyAsync (disk chunk, host to device)");
+    timer.done();
+    check(cudaEventRecord(b->ev, d.h2d.get()), "cudaEventRecord (staging)");
+    b->recorded = true;
+  }
+
+  std::mutex mu_;
+  std::map<int, std::shared_ptr<Device>> devices_;
+  std::unordered_map<const void*, Pending> pending_;
+  std::unordered_map<uint64_t, std::shared_ptr<GpuStored>> stored_;  // key: token address
+  std::mutex plan_mu_;
+  size_t planned_ring_ = 0;
+  std::shared_ptr<Ring> ring_ = std::make_shared<Ring>(
+      [](size_t bytes) { return std::make_unique<PinnedRingMemory>(bytes); },
+      cuda_logic::kRingAlign, cuda_logic::kRingGrowth);
+  std::unique_ptr<PinnedWeights> weights_ = std::make_unique<PinnedWeights>();
+  std::mutex files_mu_;
+  std::map<std::string, std::weak_ptr<DiskFile>> files_;
+  std::atomic<bool> has_disk_{false};  // set at session creation by a disk-tier weight
+  std::unique_ptr<Channel> disk_;
+};
+
+}  // namespace
+
+std::shared_ptr<Engine> make_cuda_engine() { return std::make_shared<CudaEngine>(); }
+
+CudaMemInfo cuda_mem_info(int device) {
+  cuda::set_device(device);
+  CudaMemInfo m;
+  check(cudaMemGetInfo(&m.free_bytes, &m.total_bytes), "cudaMemGetInfo");
+  return m;
+}
+
+CudaCalibration cuda_calibrate(size_t bytes, int device, int repeats) {
+  if (bytes == 0) fail(ORT_INVALID_ARGUMENT, "cuda_calibrate: bytes must be > 0");
+  repeats = std::max(1, repeats);
+  cuda::set_device(device);
+  CudaCalibration c;
+  c.bytes = bytes;
+  c.device = device;
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  c.device_name = prop.name;
+  cuda::PinnedBlock host(bytes);
+  std::memset(host.data(), 1, bytes);
+  cuda::DeviceBuffer dev(device, bytes);
+  cuda::Stream s(device);
+  cuda::TimingEvent a, b;
+  auto rate = [&](bool h2d) {
+    float best_ms = 0;
+    for (int r = 0; r <= repeats; ++r) {  // r == 0: warm-up
+      check(cudaEventRecord(a.get(), s.get()), "cudaEventRecord");
+      if (h2d) {
+        check(cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice, s.get()),
+              "cudaMemcpyAsync");
+      } else {
+        check(cudaMemcpyAsync(host.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, s.get()),
+              "cudaMemcpyAsync");
+      }
+      check(cudaEventRecord(b.get(), s.get()), "cudaEventRecord");
+      check(cudaEventSynchronize(b.get()), "cudaEventSynchronize");
+      float ms = 0;
+      check(cudaEventElapsedTime(&ms, a.get(), b.get()), "cudaEventElapsedTime");
+      if (r > 0 && (best_ms == 0 || ms < best_ms)) best_ms = ms;
+    }
+    return best_ms > 0 ? static_cast<double>(bytes) / (best_ms * 1e-3) : 0.0;
+  };
+  c.h2d_bw = rate(true);
+  c.d2h_bw = rate(false);
+  return c;
+}
+
+CudaTransferTimes cuda_transfer_times(bool reset) {
+  std::vector<TimedCopy> todo;
+  {
+    std::lock_guard<std::mutex> lock(g_times_mu);
+    todo.swap(*g_times);
+  }
+  CudaTransferTimes add;
+  for (TimedCopy& t : todo) {
+    check(cudaEventSynchronize(*t.end), "cudaEventSynchronize (timing)");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, *t.start, *t.end), "cudaEventElapsedTime");
+    if (t.h2d) {
+      add.h2d_bytes += t.bytes;
+      add.h2d_s += ms * 1e-3;
+      add.h2d_copies += 1;
+    } else {
+      add.d2h_bytes += t.bytes;
+      add.d2h_s += ms * 1e-3;
+      add.d2h_copies += 1;
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_times_mu);
+  g_times_done.h2d_bytes += add.h2d_bytes;
+  g_times_done.h2d_s += add.h2d_s;
+  g_times_done.h2d_copies += add.h2d_copies;
+  g_times_done.d2h_bytes += add.d2h_bytes;
+  g_times_done.d2h_s += add.d2h_s;
+  g_times_done.d2h_copies += add.d2h_copies;
+  CudaTransferTimes out = g_times_done;
+  if (reset) g_times_done = CudaTransferTimes{};
+  return out;
+}
+
+}  // namespace ho
