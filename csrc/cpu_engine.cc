@@ -135,26 +135,9 @@ class CpuEngine final : public Engine {
   std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath, int64_t offset,
                                                      int64_t length,
                                                      const std::string& name) override {
-    if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
-    std::shared_ptr<DiskFile> file;
-    {
-      std::lock_guard<std::mutex> lock(files_mu_);
-      std::weak_ptr<DiskFile>& slot = files_[realpath];
-      file = slot.lock();
-      if (!file) {
-        file = DiskFile::open(realpath);
-        slot = file;
-      }
-    }
-    const uint64_t size = file->size_now();  // the open file, not the path checked before
-    const auto off = static_cast<uint64_t>(offset);
-    const auto len = static_cast<uint64_t>(length);
-    if (off > size || len > size - off) {
-      fail(ORT_INVALID_ARGUMENT, "offset " + std::to_string(offset) + " + length " +
-                                     std::to_string(length) + " is past the end of '" +
-                                     realpath + "' (" + std::to_string(size) + " bytes)");
-    }
-    return std::make_shared<CpuDiskWeight>(std::move(file), off, static_cast<size_t>(len), name);
+    std::shared_ptr<DiskFile> file = files_.open_range(realpath, offset, length);
+    return std::make_shared<CpuDiskWeight>(std::move(file), static_cast<uint64_t>(offset),
+                                           static_cast<size_t>(length), name);
   }
 
   void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
@@ -334,8 +317,7 @@ class CpuEngine final : public Engine {
   std::unordered_map<uint64_t, std::shared_ptr<CpuStored>> stored_;
   std::unique_ptr<Channel> load_ = std::make_unique<Channel>("load");
   std::unique_ptr<Channel> store_ = std::make_unique<Channel>("store");
-  std::mutex files_mu_;
-  std::map<std::string, std::weak_ptr<DiskFile>> files_;  // open data files, shared by weights
+  DiskFiles files_;  // open data files, shared by weights
   std::unique_ptr<Channel> disk_ = std::make_unique<Channel>("disk", disk_io_threads());
 };
 

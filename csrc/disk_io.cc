@@ -261,4 +261,28 @@ bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
   return true;
 }
 
+std::shared_ptr<DiskFile> DiskFiles::open_range(const std::string& realpath, int64_t offset,
+                                                int64_t length) {
+  if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
+  std::shared_ptr<DiskFile> file;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::weak_ptr<DiskFile>& slot = files_[realpath];
+    file = slot.lock();
+    if (!file) {
+      file = DiskFile::open(realpath);
+      slot = file;
+    }
+  }
+  const uint64_t size = file->size_now();
+  const auto off = static_cast<uint64_t>(offset);
+  const auto len = static_cast<uint64_t>(length);
+  if (off > size || len > size - off) {
+    fail(ORT_INVALID_ARGUMENT, "offset " + std::to_string(offset) + " + length " +
+                                   std::to_string(length) + " is past the end of '" + realpath +
+                                   "' (" + std::to_string(size) + " bytes)");
+  }
+  return file;
+}
+
 }  // namespace ho

@@ -14,7 +14,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -73,6 +75,19 @@ class DiskBusy {
   ~DiskBusy();
   DiskBusy(const DiskBusy&) = delete;
   DiskBusy& operator=(const DiskBusy&) = delete;
+};
+
+// The data files an engine reads, opened once and shared by its disk-tier weights.
+class DiskFiles {
+ public:
+  // The open file `realpath`, checked to hold bytes [offset, offset + length) now (the
+  // open file, not the path validated before). Throws ho::Error with the range and size.
+  std::shared_ptr<DiskFile> open_range(const std::string& realpath, int64_t offset,
+                                       int64_t length);
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::weak_ptr<DiskFile>> files_;
 };
 
 }  // namespace ho

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from .errors import HoOnnxError
+from .verify import ort_opt_level
 
 LEVELS = ("basic", "extended")
 
@@ -32,10 +33,7 @@ def ort_optimize(model: str | os.PathLike[str], out: str | os.PathLike[str], lev
         raise HoOnnxError(f"ORT optimization level must be one of {LEVELS}, not {level!r}")
     out = Path(out)
     so = ort.SessionOptions()
-    so.graph_optimization_level = {
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    }[level]
+    so.graph_optimization_level = ort_opt_level(level)
     so.optimized_model_filepath = str(out)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                 f"{out.name}.data")

@@ -37,7 +37,7 @@ import onnx
 
 from .costmodel import PROFILE_FORMAT
 from .errors import HoOnnxError
-from .verify import OPT_LEVELS, random_inputs
+from .verify import OPT_LEVELS, ort_opt_level, random_inputs
 
 _KERNEL_SUFFIX = "_kernel_time"
 
@@ -68,12 +68,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high)
 
     so = ort.SessionOptions()
-    so.graph_optimization_level = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }[opt_level]
+    so.graph_optimization_level = ort_opt_level(opt_level)
     if intra_op_threads is not None:
         so.intra_op_num_threads = intra_op_threads
     tmp = tempfile.mkdtemp(prefix="ho_onnx_profile_")

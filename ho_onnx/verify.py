@@ -141,6 +141,21 @@ def compare_arrays(name: str, a: np.ndarray, b: np.ndarray, *, atol: float = 0.0
 OPT_LEVELS = ("disable", "basic", "extended", "all")
 
 
+def ort_opt_level(name: str):  # type: ignore[no-untyped-def]
+    """ORT's GraphOptimizationLevel for ``disable``/``basic``/``extended``/``all``."""
+    import onnxruntime as ort
+
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    if name not in levels:
+        raise ValueError(f"optimization level must be one of {OPT_LEVELS}, not {name!r}")
+    return levels[name]
+
+
 def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: list[str],
                  execution_order: str = "priority", prepacking: bool = False,
                  opt_level: str = "all"):  # type: ignore[no-untyped-def]
@@ -153,12 +168,7 @@ def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: li
     from .runtime import session_options
 
     so = ort.SessionOptions()
-    so.graph_optimization_level = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }[opt_level]
+    so.graph_optimization_level = ort_opt_level(opt_level)
     if not prepacking:
         so.add_session_config_entry("session.disable_prepacking", "1")
     if optimized:

@@ -495,28 +495,14 @@ class CudaEngine final : public Engine {
   std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath, int64_t offset,
                                                      int64_t length,
                                                      const std::string& name) override {
-    if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
-    std::shared_ptr<DiskFile> file;
+    std::shared_ptr<DiskFile> file = files_.open_range(realpath, offset, length);
     {
-      std::lock_guard<std::mutex> lock(files_mu_);
-      std::weak_ptr<DiskFile>& slot = files_[realpath];
-      file = slot.lock();
-      if (!file) {
-        file = DiskFile::open(realpath);
-        slot = file;
-      }
+      std::lock_guard<std::mutex> lock(disk_mu_);
       if (!disk_) disk_ = std::make_unique<Channel>("cuda-disk", disk_io_threads());
       has_disk_ = true;
     }
-    const uint64_t size = file->size_now();
-    const auto off = static_cast<uint64_t>(offset);
-    const auto len = static_cast<uint64_t>(length);
-    if (off > size || len > size - off) {
-      fail(ORT_INVALID_ARGUMENT, "offset " + std::to_string(offset) + " + length " +
-                                     std::to_string(length) + " is past the end of '" +
-                                     realpath + "' (" + std::to_string(size) + " bytes)");
-    }
-    return std::make_shared<GpuDiskWeight>(std::move(file), off, static_cast<size_t>(len), name);
+    return std::make_shared<GpuDiskWeight>(std::move(file), static_cast<uint64_t>(offset),
+                                           static_cast<size_t>(length), name);
   }
 
   void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
@@ -794,8 +780,8 @@ class CudaEngine final : public Engine {
       [](size_t bytes) { return std::make_unique<PinnedRingMemory>(bytes); },
       cuda_logic::kRingAlign, cuda_logic::kRingGrowth);
   std::unique_ptr<PinnedWeights> weights_ = std::make_unique<PinnedWeights>();
-  std::mutex files_mu_;
-  std::map<std::string, std::weak_ptr<DiskFile>> files_;
+  std::mutex disk_mu_;  // guards disk_ / has_disk_
+  DiskFiles files_;
   std::atomic<bool> has_disk_{false};  // set at session creation by a disk-tier weight
   std::unique_ptr<Channel> disk_;
 };
