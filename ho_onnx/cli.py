@@ -73,9 +73,10 @@ def main() -> None:
 
     \b
     Typical use:
-      ho-onnx optimize model.onnx model.ho.onnx --offload all --dim batch=1 --dim seq=512
-      ho-onnx inspect model.ho.onnx
-      ho-onnx verify model.onnx model.ho.onnx --dim batch=1 --dim seq=512
+      ho-onnx plan     model.onnx --budget 6GiB --dim batch=1 --dim seq=512
+      ho-onnx optimize model.onnx model.ho.onnx --budget 6GiB --dim batch=1 --dim seq=512
+      ho-onnx inspect  model.ho.onnx
+      ho-onnx verify   model.onnx model.ho.onnx --dim batch=1 --dim seq=512
 
     Run the optimized model with ho_onnx.InferenceSession(path), or register
     ho_onnx.library_path() with onnxruntime.SessionOptions.register_custom_ops_library.
