@@ -41,12 +41,14 @@ def chain_model() -> onnx.ModelProto:
     return text_model(CHAIN, W1=(16, 16), W2=(16, 16))
 
 
-def save(model: onnx.ModelProto, path: Path, external: bool = False) -> Path:
-    """Save ``model`` to ``path``; ``external`` puts every initializer in ``<name>.data``."""
+def save(model: onnx.ModelProto, path: Path, external: bool = False,
+         size_threshold: int = 0) -> Path:
+    """Save ``model`` to ``path``; ``external`` puts initializers of at least
+    ``size_threshold`` bytes (default: all) in ``<name>.data``."""
     if external:
         onnx.save_model(model, str(path), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=f"{path.name}.data",
-                        size_threshold=0)
+                        size_threshold=size_threshold)
     else:
         onnx.save_model(model, str(path))
     return path

@@ -23,6 +23,7 @@ import math
 import os
 from dataclasses import dataclass
 
+import graphs
 import numpy as np
 import onnx
 import pytest
@@ -202,13 +203,7 @@ def ort_dags(draw) -> Case:
 def _save(model: onnx.ModelProto, path, external: bool):
     """Save ``model``; ``external``: tensors of 1 KiB or more in ``<name>.data`` (ORT cannot
     infer shapes from an external Slice start, so the small int64 ones stay inline)."""
-    if external:
-        onnx.save_model(model, str(path), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=f"{path.name}.data",
-                        size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
-    return path
+    return graphs.save(model, path, external, size_threshold=1024)
 
 
 def _check_written_order(m: onnx.ModelProto) -> None:

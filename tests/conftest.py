@@ -1,0 +1,21 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def hostile_model_dir(tmp_path):
+    """A model folder for bad-location tests: ``w.bin`` (16 floats), a sub-folder ``sub``,
+    and ``link.bin``, a symlink to a file outside the folder."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "sub").mkdir()
+    np.zeros(16, np.float32).tofile(model_dir / "w.bin")
+    np.zeros(16, np.float32).tofile(tmp_path / "outside.bin")
+    os.symlink(tmp_path / "outside.bin", model_dir / "link.bin")
+    return model_dir
