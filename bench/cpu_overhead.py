@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import onnx
 
-from ho_onnx import runtime
-from ho_onnx.choice import OffloadPolicy
-from ho_onnx.pipeline import optimize
-from ho_onnx.verify import make_session, random_inputs
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions, offload_kinds
+from ho_onnx.target.ort import runtime
+from ho_onnx.target.ort.verify import make_session, random_inputs
 from models.decoder import build_decoder
 
 
@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         build_decoder(src, layers=args.layers, hidden=args.hidden, heads=args.heads,
                       vocab=512, external_data=True)
         rows = {"original": (src, None)}
-        for name, what in (("weights", "weights"), ("weights+activations", "all")):
+        for name, offload in (("weights", "weights"), ("weights+activations", "all")):
             out = Path(tmp) / f"{name}.onnx"
-            pol = OffloadPolicy(what, min_bytes=64 << 10, min_gap=2,  # type: ignore[arg-type]
-                                prefetch_distance=args.prefetch_distance)
+            pol = OffloadOptions(**offload_kinds(offload), min_bytes=64 << 10, min_gap=2,
+                                 prefetch_distance=args.prefetch_distance)
             r = optimize(src, out, pol, dims)
             rows[name] = (out, r)
         feeds = random_inputs(onnx.load(str(src), load_external_data=False), dims,

@@ -101,7 +101,8 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dic
     import numpy as np
     import onnxruntime as ort
 
-    from ho_onnx import _ops, runtime
+    from ho_onnx import _ops
+    from ho_onnx.target.ort import runtime
 
     feeds = dict(np.load(feeds_path))
     providers = [(CUDA_EP, {"device_id": 0, "arena_extend_strategy": "kSameAsRequested"})]
@@ -268,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from ho_onnx import _ops
-    from ho_onnx.pipeline import CostSource, optimize, plan_model
-    from ho_onnx.planner import PlannerOptions
+    from ho_onnx.rewrite.pipeline import CostSource, optimize, plan_model
+    from ho_onnx.schedule.options import OffloadOptions
     from models.decoder import build_decoder, decoder_config_bytes
 
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch",
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                                            dtype=np.int64))
 
     costs = CostSource(machine=args.machine)
-    _, _, base_plan = plan_model(src, PlannerOptions(budget=1 << 62), costs=costs)
+    _, _, base_plan = plan_model(src, OffloadOptions(budget=1 << 62), costs=costs)
     base_peak = base_plan.baseline.peak_bytes
     acts = max(0, base_peak - sizes["total_bytes"])
     rows: list[dict] = []
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, budget in budgets:
         out = work / f"decoder.{name.split()[-1].replace('%', 'pct')}.onnx"
         try:
-            r = optimize(src, out, PlannerOptions(budget=budget), costs=costs)
+            r = optimize(src, out, OffloadOptions(budget=budget), costs=costs)
         except Exception as e:  # the planner refuses an impossible budget: say so
             rows.append({"name": name, "budget_bytes": budget, "error": f"plan: {e}"})
             continue
