@@ -7,7 +7,7 @@
 #   2. LD_LIBRARY_PATH: torch's nvidia/*/lib folders (cuDNN, cuBLAS, ... for onnxruntime-gpu);
 #   3. build ho_onnx with CUDA (sm_80, sm_90) against the carried ORT headers (.ortheaders/,
 #      the folder holding onnxruntime_c_api.h) and put the module into ho_onnx/;
-#   4. pytest -m gpu (tests/test_cuda_engine.py), the host-logic tests and the CPU engine's
+#   4. pytest -m gpu (tests/target/ort/test_cuda_engine.py), the host-logic tests and the CPU engine's
 #      tests under onnxruntime-gpu (the CUDA-EP ops are registered there: CPU sessions must
 #      keep working);
 #   5. ho-onnx calibrate (pinned copy and disk rates -> machine file);
@@ -80,11 +80,11 @@ build() {
 # ---- 4. tests ------------------------------------------------------------------------------------
 run_tests() {
   # shellcheck disable=SC2086
-  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cuda_engine.py ${PYTEST_ARGS:-} \
+  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/target/ort/test_cuda_engine.py ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/pytest_gpu.log"
   local rc=${PIPESTATUS[0]}
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_host_logic.py \
-    tests/test_engine_cpu.py tests/test_ops_contract.py tests/test_disk_tier.py \
+  "$PY" -m pytest -q -rs -p no:cacheprovider tests/target/ort/test_cuda_host_logic.py \
+    tests/target/ort/test_engine_cpu.py tests/target/ort/test_ops_contract.py tests/target/ort/test_disk_tier.py \
     2>&1 | tee "$OUT/pytest_cpu_under_ort_gpu.log"
   local rc2=${PIPESTATUS[0]}
   [[ $rc -eq 0 && $rc2 -eq 0 ]]
@@ -99,7 +99,7 @@ calibrate() {
     "$PY" - "$OUT/machine.json" <<'EOF' 2>&1 | tee "$OUT/calibrate.log"
 import json, sys
 from ho_onnx import _ops
-from ho_onnx.calibrate import measure_file_read
+from ho_onnx.target.ort.calibrate import measure_file_read
 r = _ops.cuda_calibrate(256 << 20)
 m = {"base": "h100", "name": "h100+calibrated", "h2d_bw": r["h2d_bw"], "d2h_bw": r["d2h_bw"],
      "disk_bw": measure_file_read(None, threads=2, size=2 << 30, directory="/tmp"),

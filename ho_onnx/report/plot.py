@@ -83,21 +83,46 @@ def plot_timeline(plan: Plan, names: list[str], path: str | os.PathLike[str]) ->
     format_plan`); they label the peaks. Raises :class:`HoOnnxError` without matplotlib.
     """
     plt = _pyplot()
-    from matplotlib.collections import LineCollection
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     base, after = plan.baseline, plan.planned
     budget = plan.budget
     unit, k = binary_unit(max(base.peak_bytes, after.peak_bytes, budget), at_least=4)
     transfers = sorted(after.transfers, key=lambda e: (e.start_s, e.issue_pos))
     act_names = {a.name for a in plan.choice.activations}
-    issue_at = _issue_times(after)
 
     fig, (top, bot) = plt.subplots(
         2, 1, figsize=(13, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    handles = _draw_memory(top, plan, names, unit, k)
+    lane_y = _draw_channels(bot, after, transfers, act_names)
+    _draw_transfer_labels(bot, plan, transfers, lane_y)
+    bot.legend(handles=_channel_legend(transfers, act_names), loc="upper left",
+               bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+               frameon=False)
+    end = max(base.total_s, after.total_s, max((e.end_s for e in transfers), default=0.0))
+    bot.set_xlim(0, end * 1e3 * 1.01 or 1.0)
 
-    # ---- top: memory --------------------------------------------------------------------
+    slow = after.total_s / base.total_s if base.total_s else 1.0
+    fig.suptitle(
+        f"peak {base.peak_bytes / k:,.2f} → {after.peak_bytes / k:,.2f} {unit} "
+        f"(budget {budget / k:,.2f} {unit})    predicted time {base.total_s * 1e3:,.3f} → "
+        f"{after.total_s * 1e3:,.3f} ms (×{slow:.3f}, stall {after.stall_s * 1e3:,.3f} ms)",
+        fontsize=11)
+    top.set_title(f"{len(names)} steps; offloaded {len(plan.choice.weights)} weights, "
+                  f"{len(plan.choice.activations)} activations; {len(transfers)} transfers",
+                  fontsize=9, color="#444444")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _draw_memory(top: Any, plan: Plan, names: list[str], unit: str, k: float) -> list[Any]:
+    """Top panel: fast-tier memory before and after, the budget, the stalls; the legend
+    handles."""
+    from matplotlib.patches import Patch
+
+    base, after, budget = plan.baseline, plan.planned, plan.budget
     for sim, color, lw, label in ((base, "#7f7f7f", 1.2, "before"),
                                   (after, "#1f77b4", 1.6, "after")):
         if not len(sim.memory):
@@ -128,49 +153,67 @@ def plot_timeline(plan: Plan, names: list[str], path: str | os.PathLike[str]) ->
     top.set_ylabel(f"fast-tier memory ({unit})")
     top.set_ylim(0, max(base.peak_bytes, after.peak_bytes, budget) / k * 1.18)
     top.grid(alpha=0.3)
+    return handles
 
-    # ---- bottom: copy channels ----------------------------------------------------------
+
+def _draw_channels(bot: Any, after: Simulation, transfers: list[TransferEvent],
+                   act_names: set[str]) -> dict[str, int]:
+    """Bottom panel: one lane per copy channel, a bar per transfer, its queueing and its
+    stall; the lane of each channel."""
     used = [d for d in LANES if any(e.direction == d for e in transfers)] or ["h2d", "d2h"]
     lane_y = {d: i for i, d in enumerate(reversed(used))}  # first lane on top
     per_lane: dict[str, list[TransferEvent]] = {d: [] for d in used}
     for e in transfers:
         per_lane[e.direction].append(e)
+    issue_at = _issue_times(after)
     for d, evs in per_lane.items():
-        y0 = lane_y[d]
-        groups: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
-        queue: list[list[tuple[float, float]]] = []
-        marks: list[list[tuple[float, float]]] = []
-        for j, e in enumerate(evs):
-            what = "store" if e.kind == "store" else (
-                "activation" if e.tensor in act_names else "weight")
-            stalled = e.stall_s > 0
-            dur = max(e.end_s - e.start_s, 0.0)
-            groups.setdefault((what, j % 2, stalled), []).append((e.start_s * 1e3, dur * 1e3))
-            issued = issue_at[id(e)]
-            if e.start_s - issued > 1e-12:  # waited in the FIFO queue
-                qy = y0 + 0.22 + 0.18 * ((j % 5) / 4)
-                queue.append([(issued * 1e3, qy), (e.start_s * 1e3, qy)])
-            if e.stall_s > 0:
-                marks.append([((e.end_s - e.stall_s) * 1e3, y0 - 0.36),
-                              (e.end_s * 1e3, y0 - 0.36)])
-        many = len(evs) > _EDGE_MAX
-        for (what, alt, stalled), spans in groups.items():
-            fill = _COLORS[what][alt]
-            if many:  # edges would hide the fills: stalls show by their red marks only
-                edge, lw = fill, 0.0
-            elif stalled:
-                edge, lw = "#d62728", 1.0
-            else:
-                edge, lw = "white", 0.4
-            bot.broken_barh(spans, (y0 - 0.3, 0.5), facecolors=fill, edgecolors=edge,
-                            linewidths=lw)
-        if queue:
-            bot.add_collection(LineCollection(queue, colors="#333333", linewidths=0.9,
-                                              alpha=0.7))
-        if marks:
-            bot.add_collection(LineCollection(marks, colors="#d62728", linewidths=2.5))
+        _draw_lane(bot, lane_y[d], evs, issue_at, act_names)
+    bot.set_yticks([lane_y[d] for d in used], [_LANE_LABEL[d] for d in used], fontsize=8)
+    bot.set_ylim(-0.6, len(used) - 0.4)
+    bot.set_xlabel("predicted time (ms): before on its own axis, transfers on the planned one")
+    bot.set_ylabel("copy channel (FIFO)")
+    bot.grid(axis="x", alpha=0.3)
+    return lane_y
+
+
+def _draw_lane(bot: Any, y0: int, evs: list[TransferEvent], issue_at: dict[int, float],
+               act_names: set[str]) -> None:
+    from matplotlib.collections import LineCollection
+
+    groups: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
+    queue: list[list[tuple[float, float]]] = []
+    marks: list[list[tuple[float, float]]] = []
+    for j, e in enumerate(evs):
+        what = "store" if e.kind == "store" else (
+            "activation" if e.tensor in act_names else "weight")
+        dur = max(e.end_s - e.start_s, 0.0)
+        groups.setdefault((what, j % 2, e.stall_s > 0), []).append((e.start_s * 1e3, dur * 1e3))
+        issued = issue_at[id(e)]
+        if e.start_s - issued > 1e-12:  # waited in the FIFO queue
+            qy = y0 + 0.22 + 0.18 * ((j % 5) / 4)
+            queue.append([(issued * 1e3, qy), (e.start_s * 1e3, qy)])
+        if e.stall_s > 0:
+            marks.append([((e.end_s - e.stall_s) * 1e3, y0 - 0.36), (e.end_s * 1e3, y0 - 0.36)])
+    many = len(evs) > _EDGE_MAX
+    for (what, alt, stalled), spans in groups.items():
+        fill = _COLORS[what][alt]
+        if many:  # edges would hide the fills: stalls show by their red marks only
+            edge, lw = fill, 0.0
+        elif stalled:
+            edge, lw = "#d62728", 1.0
+        else:
+            edge, lw = "white", 0.4
+        bot.broken_barh(spans, (y0 - 0.3, 0.5), facecolors=fill, edgecolors=edge, linewidths=lw)
+    if queue:
+        bot.add_collection(LineCollection(queue, colors="#333333", linewidths=0.9, alpha=0.7))
+    if marks:
+        bot.add_collection(LineCollection(marks, colors="#d62728", linewidths=2.5))
+
+
+def _draw_transfer_labels(bot: Any, plan: Plan, transfers: list[TransferEvent],
+                          lane_y: dict[str, int]) -> None:
     if transfers and len(transfers) <= _LABEL_MAX:
-        span = max(after.total_s, base.total_s, transfers[-1].end_s) or 1.0
+        span = max(plan.planned.total_s, plan.baseline.total_s, transfers[-1].end_s) or 1.0
         for e in transfers:
             wide = (e.end_s - e.start_s) / span > 0.12  # room for the name across the bar
             label = e.tensor if len(e.tensor) <= 24 else "…" + e.tensor[-23:]
@@ -180,39 +223,19 @@ def plot_timeline(plan: Plan, names: list[str], path: str | os.PathLike[str]) ->
     if not transfers:
         bot.text(0.5, 0.5, "no transfers: the model fits the budget", ha="center",
                  va="center", transform=bot.transAxes, fontsize=10, color="#555555")
-    bot.set_yticks([lane_y[d] for d in used], [_LANE_LABEL[d] for d in used], fontsize=8)
-    bot.set_ylim(-0.6, len(used) - 0.4)
-    bot.set_xlabel("predicted time (ms): before on its own axis, transfers on the planned one")
-    bot.set_ylabel("copy channel (FIFO)")
-    bot.grid(axis="x", alpha=0.3)
+
+
+def _channel_legend(transfers: list[TransferEvent], act_names: set[str]) -> list[Any]:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     n_w = sum(1 for e in transfers if e.kind == "reload" and e.tensor not in act_names)
     n_a = sum(1 for e in transfers if e.kind == "reload" and e.tensor in act_names)
     n_s = sum(1 for e in transfers if e.kind == "store")
     n_stall = sum(1 for e in transfers if e.stall_s > 0)
-    legend = [Patch(color=_COLORS["weight"][0], label=f"weight reload ({n_w})"),
-              Patch(color=_COLORS["activation"][0], label=f"activation reload ({n_a})"),
-              Patch(color=_COLORS["store"][0], label=f"activation store ({n_s})"),
-              Patch(facecolor="white", edgecolor="#d62728",
-                    label=f"compute waited ({n_stall}; red mark: the stall)"),
-              Line2D([], [], color="#333333", lw=0.9, label="queued (issued → started)")]
-    bot.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-               frameon=False)
-    top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-               frameon=False)
-    end = max(base.total_s, after.total_s, max((e.end_s for e in transfers), default=0.0))
-    bot.set_xlim(0, end * 1e3 * 1.01 or 1.0)
-
-    slow = after.total_s / base.total_s if base.total_s else 1.0
-    fig.suptitle(
-        f"peak {base.peak_bytes / k:,.2f} → {after.peak_bytes / k:,.2f} {unit} "
-        f"(budget {budget / k:,.2f} {unit})    predicted time {base.total_s * 1e3:,.3f} → "
-        f"{after.total_s * 1e3:,.3f} ms (×{slow:.3f}, stall {after.stall_s * 1e3:,.3f} ms)",
-        fontsize=11)
-    top.set_title(f"{len(names)} steps; offloaded {len(plan.choice.weights)} weights, "
-                  f"{len(plan.choice.activations)} activations; {len(transfers)} transfers",
-                  fontsize=9, color="#444444")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return [Patch(color=_COLORS["weight"][0], label=f"weight reload ({n_w})"),
+            Patch(color=_COLORS["activation"][0], label=f"activation reload ({n_a})"),
+            Patch(color=_COLORS["store"][0], label=f"activation store ({n_s})"),
+            Patch(facecolor="white", edgecolor="#d62728",
+                  label=f"compute waited ({n_stall}; red mark: the stall)"),
+            Line2D([], [], color="#333333", lw=0.9, label="queued (issued → started)")]

@@ -97,27 +97,8 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     model = onnx.load(os.fspath(model_path), load_external_data=False)
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high)
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort_opt_level(opt_level)
-    if intra_op_threads is not None:
-        so.intra_op_num_threads = intra_op_threads
-    tmp = tempfile.mkdtemp(prefix="ho_onnx_profile_")
-    try:
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tmp, "ort")
-        sess = ort.InferenceSession(os.fspath(model_path), sess_options=so,
-                                    providers=list(providers))
-        try:
-            for _ in range(warmup + runs):
-                sess.run(None, feeds)
-        finally:
-            trace_path = sess.end_profiling()
-        used = sess.get_providers()
-        with open(trace_path) as f:
-            trace = json.load(f)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
+    trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup + runs,
+                                intra_op_threads)
     nodes, totals, basis = parse_trace(trace, warmup=warmup)
     result: dict[str, Any] = {
         "format": PROFILE_FORMAT,
@@ -148,6 +129,34 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     return result
 
 
+def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
+                  providers: Sequence[str], opt_level: str, runs: int,
+                  intra_op_threads: int | None) -> tuple[Any, list[str]]:
+    """ORT's chrome trace of ``runs`` runs (written in a temporary folder, then removed) and
+    the providers the session used."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort_opt_level(opt_level)
+    if intra_op_threads is not None:
+        so.intra_op_num_threads = intra_op_threads
+    tmp = tempfile.mkdtemp(prefix="ho_onnx_profile_")
+    try:
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(tmp, "ort")
+        sess = ort.InferenceSession(os.fspath(model_path), sess_options=so,
+                                    providers=list(providers))
+        try:
+            for _ in range(runs):
+                sess.run(None, dict(feeds))
+        finally:
+            trace_path = sess.end_profiling()
+        with open(trace_path) as f:
+            return json.load(f), sess.get_providers()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def parse_trace(trace: Any, *, warmup: int = 0
                 ) -> tuple[dict[str, dict[str, Any]], list[float], str]:
     """Per-node medians from ORT's chrome-trace events.
@@ -160,61 +169,16 @@ def parse_trace(trace: Any, *, warmup: int = 0
     if not isinstance(events, list):
         raise ProfilingError("ORT profile: expected a list of trace events")
     events = [e for e in events if isinstance(e, dict) and "ts" in e]
-    windows = sorted((int(e["ts"]), int(e["ts"]) + int(e.get("dur", 0)))
-                      for e in events if e.get("cat") == "Session"
-                      and e.get("name") == "model_run")
-    if not windows:
-        windows = sorted((int(e["ts"]), int(e["ts"]) + int(e.get("dur", 0)))
-                          for e in events if e.get("cat") == "Session"
-                          and e.get("name") == "SequentialExecutor::Execute")
-    if not windows:
-        raise ProfilingError("ORT profile has no 'model_run' events: cannot tell runs apart")
-    if len(windows) <= warmup:
-        raise ProfilingError(f"ORT profile has {len(windows)} runs, no more than the "
-                             f"{warmup} warm-up runs")
-    starts = [w[0] for w in windows]
-
-    def run_of(ts: int) -> int | None:
-        i = bisect.bisect_right(starts, ts) - 1
-        return i if i >= 0 and ts <= windows[i][1] else None
-
-    # Top-level node events (not nested in another node event of the same thread).
+    runs = _Runs(events, warmup)
     node_events = [e for e in events if e.get("cat") == "Node"
                    and str(e.get("name", "")).endswith(_KERNEL_SUFFIX)]
-    node_events.sort(key=lambda e: (e.get("tid"), int(e["ts"]), -int(e.get("dur", 0))))
-    top: set[int] = set()
-    last_tid, open_end = None, -1
-    for e in node_events:
-        ts, end = int(e["ts"]), int(e["ts"]) + int(e.get("dur", 0))
-        if e.get("tid") != last_tid:
-            last_tid, open_end = e.get("tid"), -1
-        if ts < open_end and end <= open_end:
-            continue  # inside the previous top-level node (a subgraph's node)
-        top.add(id(e))
-        open_end = end
-
-    # Device kernels, attributed to their parent node (by name, else the node before them).
-    device: dict[tuple[int, str], float] = {}
-    parent: dict[str, Any] | None = None
-    for e in events:  # file order: kernels follow the node that launched them
-        if e.get("cat") == "Node" and id(e) in top:
-            parent = e
-        elif e.get("cat") == "Kernel":
-            pname = (e.get("args") or {}).get("parent_name")
-            owner = pname + _KERNEL_SUFFIX if pname else (parent or {}).get("name")
-            r = run_of(int(parent["ts"])) if parent is not None and not pname else run_of(
-                int(e["ts"]))
-            if owner and r is not None:
-                key = (r, owner[: -len(_KERNEL_SUFFIX)])
-                device[key] = device.get(key, 0.0) + int(e.get("dur", 0)) * 1e-6
-
+    top = _top_level(node_events)
+    device = _device_times(events, top, runs)
     per_run: dict[str, dict[int, float]] = {}
     meta: dict[str, dict[str, Any]] = {}
     for e in node_events:
-        if id(e) not in top:
-            continue
-        r = run_of(int(e["ts"]))
-        if r is None or r < warmup:
+        r = runs.of(int(e["ts"]))
+        if id(e) not in top or r is None or r < warmup:
             continue
         name = e["name"][: -len(_KERNEL_SUFFIX)]
         d = per_run.setdefault(name, {})
@@ -225,13 +189,76 @@ def parse_trace(trace: Any, *, warmup: int = 0
             meta[name] = {"op": args.get("op_name"),
                           "index": int(idx) if str(idx).isdigit() else None,
                           "provider": args.get("provider")}
-    basis = "device" if device else "host"
     nodes: dict[str, dict[str, Any]] = {}
     for name, d in per_run.items():
         times = [device.get((r, name), t) for r, t in sorted(d.items())]
         nodes[name] = {**meta[name], "median_s": statistics.median(times), "runs": len(times)}
-    totals = [(b - a) * 1e-6 for a, b in windows[warmup:]]
-    return nodes, totals, basis
+    return nodes, runs.measured_seconds(), "device" if device else "host"
+
+
+class _Runs:
+    """The runs of a trace: each ``model_run`` session event (older ORT:
+    ``SequentialExecutor::Execute``) delimits one."""
+
+    def __init__(self, events: list[dict[str, Any]], warmup: int) -> None:
+        for name in ("model_run", "SequentialExecutor::Execute"):
+            self.windows = sorted((int(e["ts"]), int(e["ts"]) + int(e.get("dur", 0)))
+                                  for e in events if e.get("cat") == "Session"
+                                  and e.get("name") == name)
+            if self.windows:
+                break
+        if not self.windows:
+            raise ProfilingError("ORT profile has no 'model_run' events: cannot tell runs apart")
+        if len(self.windows) <= warmup:
+            raise ProfilingError(f"ORT profile has {len(self.windows)} runs, no more than the "
+                                 f"{warmup} warm-up runs")
+        self.warmup = warmup
+        self.starts = [w[0] for w in self.windows]
+
+    def of(self, ts: int) -> int | None:
+        """The run a timestamp falls in (None: between runs)."""
+        i = bisect.bisect_right(self.starts, ts) - 1
+        return i if i >= 0 and ts <= self.windows[i][1] else None
+
+    def measured_seconds(self) -> list[float]:
+        return [(b - a) * 1e-6 for a, b in self.windows[self.warmup:]]
+
+
+def _top_level(node_events: list[dict[str, Any]]) -> set[int]:
+    """Ids of the node events not nested in another node event of the same thread (nodes of
+    If/Loop/Scan bodies are counted in their parent)."""
+    ordered = sorted(node_events, key=lambda e: (e.get("tid"), int(e["ts"]), -int(e.get("dur", 0))))
+    top: set[int] = set()
+    last_tid, open_end = None, -1
+    for e in ordered:
+        ts, end = int(e["ts"]), int(e["ts"]) + int(e.get("dur", 0))
+        if e.get("tid") != last_tid:
+            last_tid, open_end = e.get("tid"), -1
+        if ts < open_end and end <= open_end:
+            continue  # inside the previous top-level node (a subgraph's node)
+        top.add(id(e))
+        open_end = end
+    return top
+
+
+def _device_times(events: list[dict[str, Any]], top: set[int], runs: _Runs
+                  ) -> dict[tuple[int, str], float]:
+    """Seconds of device kernels per (run, node), attributed to their parent node (by name,
+    else the node before them in the file)."""
+    device: dict[tuple[int, str], float] = {}
+    parent: dict[str, Any] | None = None
+    for e in events:  # file order: kernels follow the node that launched them
+        if e.get("cat") == "Node" and id(e) in top:
+            parent = e
+        elif e.get("cat") == "Kernel":
+            pname = (e.get("args") or {}).get("parent_name")
+            owner = pname + _KERNEL_SUFFIX if pname else (parent or {}).get("name")
+            r = runs.of(int(parent["ts"])) if parent is not None and not pname else runs.of(
+                int(e["ts"]))
+            if owner and r is not None:
+                key = (r, owner[: -len(_KERNEL_SUFFIX)])
+                device[key] = device.get(key, 0.0) + int(e.get("dur", 0)) * 1e-6
+    return device
 
 
 def summary(result: Mapping[str, Any], top: int = 10) -> str:

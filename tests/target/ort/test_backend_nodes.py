@@ -96,25 +96,22 @@ def _tolerances(case_dir: Path) -> tuple[float, float]:
 
 def _load_value(path: Path, tp: onnx.TypeProto) -> Any:
     """A .pb of the test data as onnx.backend.test.runner reads it (type from the graph)."""
-    raw = path.read_bytes()
     kind = tp.WhichOneof("value")
-    if kind == "tensor_type":
-        t = onnx.TensorProto()
-        t.ParseFromString(raw)
-        return numpy_helper.to_array(t)
-    if kind == "sequence_type":
-        s = onnx.SequenceProto()
-        s.ParseFromString(raw)
-        return numpy_helper.to_list(s)
-    if kind == "optional_type":
-        o = onnx.OptionalProto()
-        o.ParseFromString(raw)
-        return numpy_helper.to_optional(o)
-    if kind == "map_type":
-        m = onnx.MapProto()
-        m.ParseFromString(raw)
-        return numpy_helper.to_dict(m)
-    raise _Skip("test data", f"cannot load a .pb of type {kind}")
+    if kind not in _PB_READERS:
+        raise _Skip("test data", f"cannot load a .pb of type {kind}")
+    proto_type, convert = _PB_READERS[kind]
+    proto = proto_type()
+    proto.ParseFromString(path.read_bytes())
+    return convert(proto)
+
+
+# TypeProto kind -> (message of its .pb files, its conversion to Python values)
+_PB_READERS: dict[str | None, tuple[Any, Any]] = {
+    "tensor_type": (onnx.TensorProto, numpy_helper.to_array),
+    "sequence_type": (onnx.SequenceProto, numpy_helper.to_list),
+    "optional_type": (onnx.OptionalProto, numpy_helper.to_optional),
+    "map_type": (onnx.MapProto, numpy_helper.to_dict),
+}
 
 
 class _Skip(Exception):  # a control-flow signal, not an error

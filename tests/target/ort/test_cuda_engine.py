@@ -18,6 +18,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 import pytest
+from threads import run_threads
 
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
@@ -73,14 +74,18 @@ def _feeds(seed: int) -> dict[str, np.ndarray]:
     return {"input_ids": rng.integers(0, VOCAB, (DIMS["batch"], DIMS["seq"]), dtype=np.int64)}
 
 
+def _optimized_decoder(folder, layers: int, options: OffloadOptions):
+    """(original, optimized, optimize's result) of a decoder of ``layers`` layers."""
+    src = folder / "dec.onnx"
+    build_decoder(src, layers=layers, hidden=128, heads=4, vocab=VOCAB, external_data=True)
+    opt = folder / "dec.ho.onnx"
+    return src, opt, optimize(src, opt, options, DIMS)
+
+
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
     """(original, optimized with weights and activations offloaded, stored bytes per run)."""
-    d = tmp_path_factory.mktemp("dec")
-    src = d / "dec.onnx"
-    build_decoder(src, layers=3, hidden=128, heads=4, vocab=VOCAB, external_data=True)
-    opt = d / "dec.ho.onnx"
-    r = optimize(src, opt, FORCE_ALL, DIMS)
+    src, opt, r = _optimized_decoder(tmp_path_factory.mktemp("dec"), 3, FORCE_ALL)
     assert r.choice.weights and r.choice.activations
     stored = sum(a.nbytes or 0 for a in r.choice.activations)
     return src, opt, stored
@@ -88,11 +93,9 @@ def decoder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decoder_disk(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dec_disk")
-    src = d / "dec.onnx"
-    build_decoder(src, layers=2, hidden=128, heads=4, vocab=VOCAB, external_data=True)
-    opt = d / "dec.disk.onnx"
-    optimize(src, opt, OffloadOptions(activations=False, min_bytes=0, weight_tier="disk"), DIMS)
+    src, opt, _ = _optimized_decoder(
+        tmp_path_factory.mktemp("dec_disk"), 2,
+        OffloadOptions(activations=False, min_bytes=0, weight_tier="disk"))
     return src, opt
 
 
@@ -267,34 +270,32 @@ def test_stress_with_a_busy_device(decoder):
     assert busy.iters > 0
 
 
+def _assert_hazard(decoder, skip: str, **debug: object) -> None:
+    """With the hazard edge ``skip`` removed (and ``debug`` slowing one side) outputs are
+    wrong; with it kept, under the same slowing, they are right."""
+    src, opt, _ = decoder
+    _ops.set_debug(**debug, **{skip: True})
+    assert _mismatches(src, opt, runs=3) >= 1
+    _ops.set_debug(**debug)
+    assert _mismatches(src, opt, runs=3) == 0
+
+
 def test_without_the_wait_event_outputs_are_wrong(decoder):
     """HAZARD (c): Wait's cudaStreamWaitEvent is what orders consumers after the copy."""
-    src, opt, _ = decoder
-    _ops.set_debug(poison=True, delay_us=20_000, skip_wait=True)
-    assert _mismatches(src, opt, runs=3) >= 1
-    _ops.set_debug(poison=True, delay_us=20_000)
-    assert _mismatches(src, opt, runs=3) == 0
+    _assert_hazard(decoder, "skip_wait", poison=True, delay_us=20_000)
 
 
 def test_without_the_start_event_outputs_are_wrong(decoder):
     """HAZARD (a): the copy stream waits for the compute stream before writing the output.
     A slow compute stream with a poison memset queued on it: unordered, the copy lands
     first and the memset overwrites it."""
-    src, opt, _ = decoder
-    _ops.set_debug(poison=True, compute_delay_us=20_000, skip_order=True)
-    assert _mismatches(src, opt, runs=3) >= 1
-    _ops.set_debug(poison=True, compute_delay_us=20_000)
-    assert _mismatches(src, opt, runs=3) == 0
+    _assert_hazard(decoder, "skip_order", poison=True, compute_delay_us=20_000)
 
 
 def test_without_the_detach_event_outputs_are_wrong(decoder):
     """HAZARD (b): Detach keeps the stored tensor's block from ORT until the device-to-host
     copy read it. With slow store copies and no wait, later kernels overwrite it first."""
-    src, opt, _ = decoder
-    _ops.set_debug(delay_us=20_000, skip_order=True)
-    assert _mismatches(src, opt, runs=3) >= 1
-    _ops.set_debug(delay_us=20_000)
-    assert _mismatches(src, opt, runs=3) == 0
+    _assert_hazard(decoder, "skip_order", delay_us=20_000)
 
 
 def test_concurrent_runs(decoder):
@@ -312,11 +313,7 @@ def test_concurrent_runs(decoder):
             if not _close(out, refs[i]):
                 errors.append(f"thread {k} run {j} (input {i})")
 
-    ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_threads(worker, 4)
     assert not errors, errors[:5]
 
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import onnx
@@ -129,10 +130,16 @@ def test_ring_slots_are_aligned_and_in_order():
         r.acquire(0)
 
 
-def test_ring_reuse_only_after_the_fence_completed():
+
+def _ring_with_slots(n: int) -> tuple[Any, list[dict]]:
+    """A slot ring of one 4 KiB segment (256-byte alignment) with ``n`` 1 KiB slots taken."""
     r = _ops._test_SlotRing(align=256, growth=4096)
     r.reserve(4096)
-    slots = [r.acquire(1024) for _ in range(4)]  # full
+    return r, [r.acquire(1024) for _ in range(n)]
+
+
+def test_ring_reuse_only_after_the_fence_completed():
+    r, slots = _ring_with_slots(4)  # full
     for i, s in enumerate(slots):
         r.release(s["id"], fence=i)
     st = r.stats()
@@ -150,9 +157,7 @@ def test_ring_reuse_only_after_the_fence_completed():
 
 
 def test_ring_tail_holds_later_slots_until_it_is_released():
-    r = _ops._test_SlotRing(align=256, growth=4096)
-    r.reserve(4096)
-    a, b, c = (r.acquire(1024) for _ in range(3))
+    r, (a, b, c) = _ring_with_slots(3)
     r.release(b["id"])
     r.release(c["id"])
     assert r.stats()["live"] == 3  # a, the tail, is still in use
@@ -168,9 +173,7 @@ def test_ring_tail_holds_later_slots_until_it_is_released():
 
 
 def test_ring_wraps_around():
-    r = _ops._test_SlotRing(align=256, growth=4096)
-    r.reserve(4096)
-    a, b, _c = (r.acquire(1024) for _ in range(3))
+    r, (a, b, _c) = _ring_with_slots(3)
     r.release(a["id"])
     r.release(b["id"])
     s = r.acquire(2048)  # no room at the head (3072 + 2048 > 4096): wraps to the start

@@ -12,7 +12,6 @@ import gc
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import onnx
 import onnx.parser
 import pytest
 from onnx import TensorProto, helper
+from threads import run_threads
 
 from ho_onnx import contract
 from ho_onnx.rewrite.pipeline import optimize
@@ -34,12 +34,7 @@ ORDERS = ["priority", "default"]
 DIMS = {"batch": 2, "seq": 5}
 
 
-@pytest.fixture(autouse=True)
-def _no_debug_hooks():
-    runtime._ops().set_debug()
-    yield
-    runtime._ops().set_debug()
-    time.sleep(0.05)  # let transfers of a deliberately broken run finish
+pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 
 
 def _c() -> dict[str, int]:
@@ -224,11 +219,7 @@ def test_concurrent_runs_on_one_session(tmp_path):
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, 3)
     assert not errors, errors[0]
     assert _c()["bytes_read_disk"] == 3 * 15 * 3 * 4 * n
 

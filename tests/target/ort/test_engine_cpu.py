@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 
 import numpy as np
@@ -15,6 +14,7 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 import pytest
+from threads import run_threads
 
 from ho_onnx import contract
 from ho_onnx.target.ort import runtime
@@ -25,12 +25,7 @@ N = 256  # elements of W and x
 ORDERS = ["default", "priority"]
 
 
-@pytest.fixture(autouse=True)
-def _no_debug_hooks():
-    runtime._ops().set_debug()
-    yield
-    runtime._ops().set_debug()
-    time.sleep(0.05)  # let transfers of a deliberately broken run finish
+pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 
 
 def _weight(tmp_path) -> np.ndarray:
@@ -170,11 +165,7 @@ def test_concurrent_runs(tmp_path, order):
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
-    pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    run_threads(worker, threads)
     assert not errors, errors[0]
     c = runtime.counters()
     total = threads * runs

@@ -8,7 +8,6 @@ pre-packed constant weight and the optimized one does not, so ``atol=1e-5, rtol=
 from __future__ import annotations
 
 import gc
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
+from threads import run_threads
 
 from ho_onnx import contract
 from ho_onnx.cli import main
@@ -29,11 +29,7 @@ FORCE_ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=2)
 DIMS = {"batch": 2, "seq": 7}
 
 
-@pytest.fixture(autouse=True)
-def _no_debug_hooks():
-    runtime._ops().set_debug()
-    yield
-    runtime._ops().set_debug()
+pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 
 
 def _decoder(tmp: Path, external: bool = True, **kw) -> Path:
@@ -155,11 +151,7 @@ def test_concurrent_runs_on_one_session(tmp_path):
             if not np.array_equal(out, expected[i]):
                 errors.append(f"thread {t} run {k} input {i}")
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, 4)
     assert not errors
     assert runtime.counters()["host_pool_bytes_in_use"] == 0
 
