@@ -12,8 +12,8 @@ that child):
   data file and is read just in time (O_DIRECT, background I/O threads), ``d`` compute nodes
   ahead of its consumer; two read-ahead depths.
 
-The disk's reference rate is ``ho_onnx.target.ort.calibrate.measure_file_read`` on the same data file
-(O_DIRECT, 8 MiB sequential reads). Prints a table; ``--json PATH`` writes every number.
+The disk's reference rate is ``ho_onnx.target.ort.calibrate.measure_file_read`` on the same
+data file (O_DIRECT, 8 MiB sequential reads). Prints a table; ``--json PATH`` writes every number.
 
     python bench/cpu_disk_tier.py [--workdir DIR] [--runs 3] [--rounds 2]
         [--distances 8,16] [--json out.json]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -17,3 +18,14 @@ def no_debug_hooks():
     yield
     runtime._ops().set_debug()
     time.sleep(0.05)
+
+
+@pytest.fixture
+def young_heap():
+    """Objects made before the test are frozen, so a ``gc.collect()`` the test times scans only
+    its own objects, not the heap the rest of the suite left (which made the teardown-time
+    tests depend on test order); unfrozen afterwards."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()

@@ -224,7 +224,7 @@ def test_concurrent_runs_on_one_session(tmp_path):
     assert _c()["bytes_read_disk"] == 3 * 15 * 3 * 4 * n
 
 
-def test_unwaited_disk_reads_are_dropped_with_the_engine(tmp_path):
+def test_unwaited_disk_reads_are_dropped_with_the_engine(tmp_path, young_heap):
     n = 64
     _data(tmp_path, n, 0)
     k = 10

@@ -122,7 +122,7 @@ def test_skip_wait_breaks_the_proper_schedule(tmp_path, order):
         np.testing.assert_array_equal(out, _expected(x, w))
 
 
-def test_unwaited_transfers_are_cancelled_with_the_engine(tmp_path):
+def test_unwaited_transfers_are_cancelled_with_the_engine(tmp_path, young_heap):
     """A graph without its Waits leaves transfers queued; destroying the session drops them
     (they would write into ORT's freed buffers) instead of running them."""
     _weight(tmp_path)
