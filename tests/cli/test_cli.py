@@ -28,3 +28,13 @@ def test_cli_errors_are_one_clear_line(tmp_path):
 def test_help(cmd):
     r = CliRunner().invoke(main, [*cmd, "--help"])
     assert r.exit_code == 0 and "Usage:" in r.output and len(r.output) > 200
+
+
+@pytest.mark.parametrize("module", ["ho_onnx", "ho_onnx.cli"])
+def test_python_dash_m_runs_the_cli(module):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ho-onnx, version 0.1.0", r.stderr

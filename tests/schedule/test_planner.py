@@ -63,6 +63,41 @@ def test_exactly_one_weight_must_stream():
         plan(a, OffloadOptions(budget=w2, min_bytes=0), CostModel(cs, linear()))
 
 
+def test_every_candidate_left_resident_has_its_reason():
+    """The planner records why each tensor of the chosen kinds stayed resident: ineligible,
+    too small, no gap, or not needed for the budget."""
+    m = tile_model((64, 64), (64, 2048))
+    a = analyse(m)
+    cs = np.full(len(a.order), 2e-3)
+    budget = simulate(a, None, cs, linear()).peak_bytes - 64 * 2048 * 4 + 1
+    p = plan(a, OffloadOptions(budget=budget, min_bytes=64 << 10), CostModel(cs, linear()))
+    c = p.choice
+    assert [w.name for w in c.weights] == ["W2"] and c.decided_by == "planner"
+    assert c.skipped["W1"] == "16384 bytes < min_bytes"
+    assert c.skipped["y"] == "graph output"
+    assert c.skipped["reps"].endswith("< min_bytes")
+    assert c.skipped["a"].startswith("largest gap")  # the 1 MiB Tile: read right away
+    offloaded = {w.name for w in c.weights}
+    kinds = [n for n, t in a.tensors.items() if t.is_initializer or t.producer is not None]
+    assert set(kinds) == offloaded | set(c.skipped)
+    fits = plan(a, OffloadOptions(budget=1 << 40, min_bytes=0), CostModel(cs, linear()))
+    assert not fits.choice.weights
+    assert fits.choice.skipped["W2"] == "the model fits the budget"
+
+
+def test_planning_keeps_no_state_between_calls():
+    """Two plans of the same inputs are the same (the planner's state is local to a call)."""
+    m = tile_model((64, 64), (64, 2048))
+    a = analyse(m)
+    cs = np.full(len(a.order), 2e-3)
+    opts = OffloadOptions(budget=simulate(a, None, cs, linear()).peak_bytes - 64 * 2048 * 4 + 1,
+                          min_bytes=0, host_budget=1024)  # W2 does not fit the host: disk
+    first, second = (plan(a, opts, CostModel(cs, linear())) for _ in range(2))
+    assert [w.tier for w in first.choice.weights] == ["disk"]
+    assert first.choice == second.choice
+    assert first.planned.total_s == second.planned.total_s
+
+
 @pytest.mark.parametrize(("reload_ms", "stall_ms"), [(1.5, 0.0), (3.0, 3.0)])
 def test_two_weights_compete_for_one_channel(reload_ms, stall_ms):
     """Both reloads issued at the start share one FIFO channel: the second starts when the

@@ -41,3 +41,25 @@ def test_choice_policy():
     c = choose(a, OffloadOptions(activations=False, min_bytes=2000))
     assert [w.name for w in c.weights] == []  # 1024 bytes each
     assert choose(a, OffloadOptions(weights=False, activations=False)).weights == []
+
+
+def test_both_deciders_fit_the_decision_seam():
+    """The explicit policy and the budget planner are Deciders: same call, a Decision whose
+    metadata names the decider; options select which one the pipeline uses."""
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.rewrite.pipeline import decider_for
+    from ho_onnx.schedule.planner import BudgetPlanner, Plan
+    from ho_onnx.schedule.policy import ExplicitPolicy
+    from ho_onnx.schedule.types import Decision
+
+    a = analyse(chain_model(), {"N": 4})
+    explicit = decider_for(OffloadOptions(min_bytes=0, min_gap=3))
+    assert isinstance(explicit, ExplicitPolicy)
+    d = explicit.decide(a, {"N": 4})
+    assert type(d) is Decision and d.choice == choose(a, explicit.options, {"N": 4})
+    assert d.metadata()["policy"].startswith("offload=all min_bytes=0 min_gap=3")
+    planner = decider_for(OffloadOptions(budget=1 << 30), CostSource())
+    assert isinstance(planner, BudgetPlanner)
+    p = planner.decide(a, {"N": 4})
+    assert isinstance(p, Plan) and p.metadata()["policy"] == "planner"
+    assert p.metadata()["budget_bytes"] == str(1 << 30) and not p.choice.weights
