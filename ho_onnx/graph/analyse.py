@@ -207,7 +207,7 @@ def _skeleton(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProt
     else:
         _copy_without_big_data(model, sk)
     for t in sk.graph.initializer:
-        if t.data_location == TensorProto.EXTERNAL or _inline_bytes(t) > _SKELETON_KEEP_BYTES:
+        if t.data_location == TensorProto.EXTERNAL or t.ByteSize() > _SKELETON_KEEP_BYTES:
             _strip(t)
     for vi in sk.graph.input:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
@@ -215,10 +215,6 @@ def _skeleton(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProt
                 if d.HasField("dim_param") and d.dim_param in dims:
                     d.dim_value = dims[d.dim_param]
     return sk
-
-
-def _inline_bytes(t: TensorProto) -> int:
-    return t.ByteSize()
 
 
 def _strip(t: TensorProto) -> None:
@@ -233,7 +229,7 @@ def _strip(t: TensorProto) -> None:
 
 def _copy_without_big_data(model: onnx.ModelProto, sk: onnx.ModelProto) -> None:
     graph = model.graph
-    big = [t for t in graph.initializer if _inline_bytes(t) > _SKELETON_KEEP_BYTES]
+    big = [t for t in graph.initializer if t.ByteSize() > _SKELETON_KEEP_BYTES]
     saved = []
     for t in big:  # move the payload out, copy, move it back: no second copy of the bytes
         holder = TensorProto()

@@ -71,7 +71,7 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _inline_bytes(t: TensorProto) -> bytes:
+def _raw_bytes(t: TensorProto) -> bytes:
     """The little-endian bytes ORT expects for an inline initializer."""
     if t.HasField("raw_data"):
         return t.raw_data
@@ -251,7 +251,7 @@ def _write_temp(out_dir: Path, prefix: str, temps: list[Path],
 def _write_sidecar(f: Any, sidecar: Sidecar) -> None:
     pos = 0
     for t, offset, length in sidecar.tensors:
-        data = _inline_bytes(t)
+        data = _raw_bytes(t)
         if len(data) != length or offset < pos:
             raise OutputPathError(f"inline initializer {t.name!r}: {len(data)} bytes do not "
                                   f"fit the sidecar layout ({length} bytes at {offset})")

@@ -126,8 +126,8 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         decision = decider.decide(analysis, dims)
     if isinstance(decision, Plan):
         steps.say(f"planned in {steps.seconds['decide']:.2f} s: peak "
-                  f"{format_bytes(decision.baseline.peak_bytes, 'MiB', 1)} -> "  # type: ignore[union-attr]
-                  f"{format_bytes(decision.planned.peak_bytes, 'MiB', 1)} (budget "  # type: ignore[union-attr]
+                  f"{format_bytes(decision.baseline.peak_bytes, 'MiB', 1)} -> "
+                  f"{format_bytes(decision.planned.peak_bytes, 'MiB', 1)} (budget "
                   f"{format_bytes(decision.budget, 'MiB', 1)})")
     return analysis, decision
 

@@ -70,10 +70,15 @@ def offloaded_intervals(choice: OffloadChoice) -> tuple[set[str], list[Interval]
     return names, out
 
 
+Residency = tuple[dict[str, tuple[int, int]], dict[str, int]]  # resident_intervals' result
+
+
 def schedule_memory(analysis: GraphAnalysis, choice: OffloadChoice | None,
-                    dims: Mapping[str, int] | None = None) -> np.ndarray:
-    """Fast-tier bytes per position of the schedule with ``choice``'s offloads."""
-    spans, sizes = resident_intervals(analysis, dims)
+                    dims: Mapping[str, int] | None = None,
+                    residency: Residency | None = None) -> np.ndarray:
+    """Fast-tier bytes per position of the schedule with ``choice``'s offloads
+    (``residency``: :func:`resident_intervals` of ``analysis`` and ``dims``, when known)."""
+    spans, sizes = residency or resident_intervals(analysis, dims)
     moved, extra = offloaded_intervals(choice) if choice else (set(), [])
     base = [(s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved]
     return memory_profile(len(analysis.order), base + extra)

@@ -35,16 +35,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Container, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..cost.model import CostModel
+from ..cost.source import CostSource
 from ..errors import HoOnnxError
 from ..graph.analyse import GraphAnalysis
 from ..units import format_bytes
 from .eligibility import gaps, ineligible, kind_of, largest_gap, split_shape_readers
-from .lifetimes import Interval, host_bytes, memory_profile, peak, resident_intervals
+from .lifetimes import (
+    Interval,
+    Residency,
+    host_bytes,
+    memory_profile,
+    peak,
+    resident_intervals,
+)
 from .options import OffloadOptions
 from .simulate import Simulation, simulate
 from .types import ActivationOffload, Decision, OffloadChoice, Tier, WeightOffload
@@ -76,11 +84,11 @@ class Candidate:
 class Plan(Decision):
     """What the planner decided and what it predicts."""
 
-    options: OffloadOptions = field(default_factory=OffloadOptions)
-    baseline: Simulation | None = None  # type: ignore[assignment]
-    planned: Simulation | None = None  # type: ignore[assignment]
-    min_budget: int = 0
-    host_bytes: int = 0  # peak bytes the slow tier holds (weights + stored activations)
+    options: OffloadOptions
+    baseline: Simulation
+    planned: Simulation
+    min_budget: int
+    host_bytes: int  # peak bytes the slow tier holds (weights + stored activations)
 
     @property
     def budget(self) -> int:
@@ -89,11 +97,10 @@ class Plan(Decision):
 
     @property
     def fits(self) -> bool:
-        return self.planned.peak_bytes <= self.budget  # type: ignore[union-attr]
+        return self.planned.peak_bytes <= self.budget
 
     def metadata(self) -> dict[str, str]:
         b, p = self.baseline, self.planned
-        assert b is not None and p is not None
         return {
             "budget_bytes": str(self.budget),
             "predicted_peak_bytes": str(p.peak_bytes),
@@ -107,15 +114,15 @@ class Plan(Decision):
 @dataclass(frozen=True)
 class BudgetPlanner:
     """:class:`~ho_onnx.schedule.types.Decider` of the budget planner: ``costs`` is a
-    :class:`CostModel`, or anything with ``cost_model(analysis, dims)`` (a
-    :class:`~ho_onnx.cost.source.CostSource`)."""
+    :class:`CostModel` of the graph it will see, or a :class:`CostSource` that makes one
+    for each graph."""
 
     options: OffloadOptions
-    costs: object
+    costs: CostModel | CostSource
 
     def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Plan:
         costs = self.costs if isinstance(self.costs, CostModel) else \
-            self.costs.cost_model(analysis, dims)  # type: ignore[attr-defined]
+            self.costs.cost_model(analysis, dims)
         return plan(analysis, self.options, costs, dims)
 
 
@@ -129,6 +136,7 @@ class _Context:
     dims: Mapping[str, int]
     candidates: list[Candidate]  # best score first
     by_name: dict[str, Candidate]
+    residency: Residency  # of the unmodified schedule (resident_intervals)
 
     @property
     def budget(self) -> int:
@@ -162,10 +170,11 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
     total = float(compute_s.sum()) or 1.0
     prefix = costs.prefix()
     min_bytes = opts.min_bytes_or_default
+    wanted = {"weight": opts.weights, "activation": opts.activations}
     out: list[Candidate] = []
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
-        if kind is None or not getattr(opts, kind + "s"):
+        if kind is None or not wanted[kind]:
             continue
         reason = ineligible(t) or (None if name in spans else "not resident")
         nbytes = None if reason else t.nbytes(dims)  # raises UnboundDimError naming the dim
@@ -439,7 +448,7 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
             continue
         new_choice = _place(ctx, trial)
         new_sim = simulate(ctx.analysis, new_choice, ctx.costs.compute_s,
-                           ctx.costs.transfer_time, ctx.dims)
+                           ctx.costs.transfer_time, ctx.dims, ctx.residency)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
             sel, choice, planned = trial, new_choice, new_sim
             skipped.pop(c.name, None)
@@ -457,11 +466,11 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     n = len(analysis.order)
     if costs.compute_s.shape != (n,):
         raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
-    spans, sizes = resident_intervals(analysis, dims)
-    baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims)
+    residency = spans, sizes = resident_intervals(analysis, dims)
+    baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims, residency)
     skipped: dict[str, str] = {}
     cands = _candidates(analysis, opts, dims, costs, spans, skipped)
-    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands})
+    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency)
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
         min_budget, what = _smallest_budget(ctx, spans, sizes)
@@ -475,7 +484,7 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     sel = _Selection(early, mem, {})
     sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
     choice = _place(ctx, sel)
-    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims)
+    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency)
     choice, planned = _make_room(ctx, sel, choice, planned, skipped)
     offloaded = {x.name for x in [*choice.weights, *choice.activations]}
     for c in cands:

@@ -36,9 +36,10 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     """Apply the explicit policy to every tensor of the main graph; every candidate of the
     chosen kinds that stays resident gets its reason in ``skipped``."""
     choice = OffloadChoice(describe(options))
+    wanted = {"weight": options.weights, "activation": options.activations}
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
-        if kind is None or not getattr(options, kind + "s"):
+        if kind is None or not wanted[kind]:
             continue
         reason = ineligible(t) or (
             _weight(analysis, t, options, dims, choice) if kind == "weight"

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..cost.model import Direction, TransferTime
 from ..graph.analyse import GraphAnalysis
-from .lifetimes import schedule_memory
+from .lifetimes import Residency, schedule_memory
 from .types import OffloadChoice
 
 
@@ -63,8 +63,10 @@ class Simulation:
 
 
 def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
-             transfer_time: TransferTime, dims: Mapping[str, int] | None = None) -> Simulation:
-    """Predict time (with FIFO channels) and memory of the schedule of ``choice``."""
+             transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
+             residency: Residency | None = None) -> Simulation:
+    """Predict time (with FIFO channels) and memory of the schedule of ``choice``
+    (``residency``: the unmodified schedule's, when the caller already has it)."""
     n = len(analysis.order)
     events: list[TransferEvent] = []
     loads_at: list[list[TransferEvent]] = [[] for _ in range(n)]
@@ -117,4 +119,4 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
                 ev.stall_s = ev.end_s - now
                 now = ev.end_s
     return Simulation(np.asarray(compute_s, dtype=np.float64), starts,
-                      schedule_memory(analysis, choice, dims), now, events)
+                      schedule_memory(analysis, choice, dims, residency), now, events)
