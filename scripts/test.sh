@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=${EXTRAS:-cpu,test,hf} bash scripts/setup.sh
-.venv/bin/ruff check ho_onnx models tests bench
+.venv/bin/ruff check ho_onnx cli models tests bench
 exec .venv/bin/python -m pytest -q -ra "$@"
