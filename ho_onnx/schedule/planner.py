@@ -21,8 +21,6 @@
    Stores start right after the producer; Detaches sit right after the last early reader.
    Look-ahead: a reload still stalling because the budget was full where its window would
    open gets one more tensor offloaded there, kept only if the re-simulated time drops.
-5. **Prediction**: :func:`ho_onnx.simulate.simulate` of the final schedule.
-
 5. **Prediction**: :func:`ho_onnx.schedule.simulate.simulate` of the final schedule.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every

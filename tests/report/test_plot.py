@@ -1,4 +1,4 @@
-"""``ho_onnx.plot.plot_timeline``: a readable PNG of a plan (matplotlib is optional)."""
+"""``ho_onnx.report.plot.plot_timeline``: a readable PNG of a plan (matplotlib is optional)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ ONNX Runtime (CPU EP); a case ORT cannot load or run, or whose original output a
 differs from the expected one, is skipped with that reason. Otherwise the model is rewritten
 with every eligible tensor offloaded (``OffloadOptions(min_bytes=0, min_gap=1,
 prefetch_distance=1)``), run with
-``ho_onnx.runtime.InferenceSession`` (PRIORITY_BASED order) and compared to the expected
+``ho_onnx.InferenceSession`` (PRIORITY_BASED order) and compared to the expected
 outputs with the backend suite's tolerances, and to the original's outputs bit for bit
 (both a bit-exact and an only-within-tolerance result pass; they are counted apart).
 
