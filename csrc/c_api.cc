@@ -63,6 +63,8 @@ std::string json_escape(const std::string& s) {
 std::string build_info_json() {
   std::string j = "{\"version\": \"" + json_escape(HO_ONNX_VERSION) + "\"";
   j += ", \"ort_api_version\": " + std::to_string(ORT_API_VERSION);
+  j += ", \"ort_api_required\": " + std::to_string(HO_ONNX_ORT_API_REQUIRED);
+  j += ", \"ort_min_version\": \"" + json_escape(HO_ONNX_ORT_MIN_VERSION) + "\"";
   j += ", \"c_api_version\": " + std::to_string(HO_ONNX_C_API_VERSION);
   j += std::string(", \"cuda_compiled\": ") + (HO_ONNX_WITH_CUDA ? "true" : "false");
   j += ", \"cxx_compiler\": \"" + json_escape(HO_ONNX_CXX_COMPILER) + "\"";

@@ -35,8 +35,10 @@ HO_ONNX_EXPORT int HoOnnx_ApiVersion(void);
 HO_ONNX_EXPORT const char* HoOnnx_LastError(void);
 
 /* Build facts as a JSON object (static storage, never freed): version, ort_api_version
- * (the ORT C API version the library was compiled for and asks the runtime for),
- * cuda_compiled, cxx_compiler, element_types. */
+ * (of the ORT headers it was compiled with), ort_api_required (the ORT C API version it
+ * asks the runtime for) and ort_min_version (the onnxruntime release that brought it),
+ * c_api_version, cuda_compiled, cxx_compiler, element_types (those the library has; a
+ * runtime older than a type's introduction does not get ops for it). */
 HO_ONNX_EXPORT const char* HoOnnx_BuildInfoJson(void);
 
 /* Process-wide counters: writes up to `capacity` names (static strings) and values and

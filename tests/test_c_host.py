@@ -132,24 +132,34 @@ def _soname(lib: Path) -> str:
     return m.group(1)
 
 
-@pytest.fixture(scope="module")
-def c_host(tmp_path_factory) -> Path:
-    """tests/c_host/run_model.c compiled with ``cc`` and linked to the wheel's libonnxruntime.
+def _compile(d: Path, source: str) -> Path:
+    """tests/c_host/<source>.c compiled with ``cc`` and linked to the wheel's libonnxruntime.
 
     The wheel ships ``libonnxruntime.so.<version>`` but not its SONAME's link
     (``libonnxruntime.so.1``): a folder beside the program holds that link.
     """
     cc = _tool("cc")
-    d = tmp_path_factory.mktemp("c_host")
     ort_lib = _ort_shared_library()
-    (d / _soname(ort_lib)).symlink_to(ort_lib)
-    exe = d / "run_model"
+    link = d / _soname(ort_lib)
+    if not link.exists():
+        link.symlink_to(ort_lib)
+    exe = d / source
     cmd = [cc, "-std=c99", "-O1", "-Wall", "-Wextra", "-Werror",
-           "-I", runtime.include_dir(), str(HERE / "c_host" / "run_model.c"),
-           "-o", str(exe), str(d / _soname(ort_lib)), f"-Wl,-rpath,{d}", "-ldl"]
+           "-I", runtime.include_dir(), str(HERE / "c_host" / f"{source}.c"),
+           "-o", str(exe), str(link), f"-Wl,-rpath,{d}", "-ldl"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
     return exe
+
+
+@pytest.fixture(scope="module")
+def c_host(tmp_path_factory) -> Path:
+    return _compile(tmp_path_factory.mktemp("c_host"), "run_model")
+
+
+@pytest.fixture(scope="module")
+def fake_runtime(tmp_path_factory) -> Path:
+    return _compile(tmp_path_factory.mktemp("fake_runtime"), "fake_runtime")
 
 
 def _write_tensors(path: Path, arrays: list[np.ndarray], types: list[int]) -> None:
@@ -218,6 +228,8 @@ def test_c_host_runs_an_optimized_model_bit_exact(tmp_path, c_host, external):
     # every offloaded weight went through Prefetch, on every run
     assert int(counts["prefetches"]) >= runs * len(r.choice.weights)
     assert int(counts["waits"]) >= int(counts["prefetches"])
+    # ORT honoured GetAliasMap (declared with op version 18): Wait outputs were not copied
+    assert int(counts["alias_copies"]) == 0
 
 
 def test_c_host_reports_a_missing_model_dir(tmp_path, c_host):
@@ -238,3 +250,49 @@ def test_c_host_reports_a_missing_model_dir(tmp_path, c_host):
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "run_model:" in p.stderr and "ho_onnx Prefetch" in p.stderr, p.stderr
     assert "does not exist" in p.stderr, p.stderr
+
+
+# ---- older runtimes (an OrtApiBase that serves fewer API versions) ----------------------------
+
+
+def _wait_model(path: Path, elem: int) -> Path:
+    from onnx import helper
+
+    node = helper.make_node("Wait", ["x"], ["z"], domain="ai.hyperoffload", name="wait_x")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", elem, [4])],
+                              [helper.make_tensor_value_info("z", elem, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("ai.hyperoffload", 1)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("version", "max_api", "elem", "register", "session"),
+    [
+        ("1.17.3", 17, onnx.TensorProto.FLOAT,
+         "ho_onnx needs ONNX Runtime API version 18 (onnxruntime >= 1.18), this runtime is 1.17.3",
+         None),
+        ("1.18.0", 18, onnx.TensorProto.FLOAT, "ok", "ok"),
+        # INT4 came with 1.19: a 1.18 runtime gets no INT4 ops (declaring one would break
+        # every session), so only models using INT4 fail, as they would without ho-onnx
+        ("1.18.0", 18, onnx.TensorProto.INT4, "ok", "Wait"),
+        ("1.19.0", 19, onnx.TensorProto.INT4, "ok", "ok"),
+        ("1.23.2", 23, onnx.TensorProto.FLOAT4E2M1, "ok", "Wait"),
+        ("1.24.0", 24, onnx.TensorProto.FLOAT4E2M1, "ok", "ok"),
+    ],
+)
+def test_runtime_versions(tmp_path, fake_runtime, version, max_api, elem, register, session):
+    model = _wait_model(tmp_path / "wait.onnx", elem)
+    p = subprocess.run([str(fake_runtime), runtime.library_path(), str(model), version,
+                        str(max_api)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = dict(line.split(": ", 1) for line in p.stdout.splitlines())
+    assert lines["register"] == register
+    if session is None:
+        assert "session" not in lines
+    elif session == "ok":
+        assert lines["session"] == "ok"
+    else:
+        assert lines["session"] != "ok" and session in lines["session"], lines

@@ -7,7 +7,7 @@
  * = "1", creates a session for MODEL (ORT's DEFAULT execution order: the C API cannot
  * choose PRIORITY_BASED), feeds the tensors of INPUTS (in the session's input order) and
  * runs RUNS times, appending every run's outputs to OUTPUTS. Then it reads the library's
- * counters through its own C API (ho_onnx_c_api.h) and prints "prefetches=N waits=N".
+ * counters through its own C API (ho_onnx_c_api.h) and prints them as "name=value ...".
  *
  * Tensor file format (little-endian, one record per tensor):
  *   uint32 element type (ONNXTensorElementDataType), uint32 rank, int64 dims[rank],
@@ -21,6 +21,11 @@
 
 #include "ho_onnx_c_api.h"
 #include "onnxruntime/onnxruntime_c_api.h"
+
+/* The API version this host asks for: the newest of the functions it calls
+ * (RegisterCustomOpsLibrary_V2: API 14), below the headers' ORT_API_VERSION so that every
+ * runtime the library supports (onnxruntime >= 1.18) serves it. */
+#define HOST_ORT_API_VERSION 14
 
 static const OrtApi* g_ort = NULL;
 
@@ -126,7 +131,7 @@ int main(int argc, char** argv) {
   const char* model_dir = argv[3];
   const int runs = atoi(argv[6]);
 
-  g_ort = OrtGetApiBase()->GetApi(ORT_API_VERSION);
+  g_ort = OrtGetApiBase()->GetApi(HOST_ORT_API_VERSION);
   if (g_ort == NULL) die("GetApi", "the runtime does not serve this API version");
 
   OrtEnv* env = NULL;
@@ -190,12 +195,10 @@ int main(int argc, char** argv) {
   const char* names[64];
   int64_t values[64];
   const size_t n = get_counters(names, values, 64);
-  int64_t prefetches = -1, waits = -1;
   for (size_t i = 0; i < n && i < 64; ++i) {
-    if (strcmp(names[i], "prefetches") == 0) prefetches = values[i];
-    if (strcmp(names[i], "waits") == 0) waits = values[i];
+    printf("%s%s=%lld", i ? " " : "", names[i], (long long)values[i]);
   }
-  printf("prefetches=%lld waits=%lld\n", (long long)prefetches, (long long)waits);
+  printf("\n");
   dlclose(lib);
 
   for (size_t i = 0; i < n_in; ++i) {
