@@ -73,7 +73,8 @@ build() {
     -DHO_ONNX_WITH_CUDA=ON -DHO_ONNX_ORT_INCLUDE_DIR="$hdr" -Dpybind11_DIR="$pyb" \
     -DPython_EXECUTABLE="$(command -v "$PY")" >"$OUT/build.log" 2>&1 &&
     cmake --build /tmp/ho_build >>"$OUT/build.log" 2>&1 || { say "build failed (build.log)"; tail -n 30 "$OUT/build.log"; return 1; }
-  cp /tmp/ho_build/_ops*.so "$ROOT/ho_onnx/" || return 1
+  # the module finds the op library next to it ($ORIGIN), where library_path() looks too
+  cp /tmp/ho_build/_ops*.so /tmp/ho_build/libho_onnx_ops.so "$ROOT/ho_onnx/" || return 1
   "$PY" -c 'from ho_onnx import _ops; print("ho_onnx", _ops.build_info(), "devices:", _ops.cuda_device_count())' 2>&1 | tee -a "$OUT/gpu_run.log"
 }
 
