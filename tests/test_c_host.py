@@ -147,7 +147,7 @@ def _soname(lib: Path) -> str:
     return m.group(1)
 
 
-def _compile(d: Path, source: str) -> Path:
+def _compile(d: Path, source: str, *extra: str) -> Path:
     """tests/c_host/<source>.c compiled with ``cc`` and linked to the wheel's libonnxruntime.
 
     The wheel ships ``libonnxruntime.so.<version>`` but not its SONAME's link
@@ -161,7 +161,7 @@ def _compile(d: Path, source: str) -> Path:
     exe = d / source
     cmd = [cc, "-std=c99", "-O1", "-Wall", "-Wextra", "-Werror",
            "-I", ho_onnx.include_dir(), str(HERE / "c_host" / f"{source}.c"),
-           "-o", str(exe), str(link), f"-Wl,-rpath,{d}", "-ldl"]
+           "-o", str(exe), str(link), *extra, f"-Wl,-rpath,{d}", "-ldl"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
     return exe
@@ -175,6 +175,22 @@ def c_host(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fake_runtime(tmp_path_factory) -> Path:
     return _compile(tmp_path_factory.mktemp("fake_runtime"), "fake_runtime")
+
+
+def test_a_host_that_links_the_library(tmp_path):
+    """Linked at build time and registered with RegisterCustomOpsUsingFunction: ORT finds
+    RegisterCustomOps in the process; the host calls the C API directly."""
+    lib = Path(ho_onnx.library_path())
+    exe = _compile(tmp_path, "linked_host", str(lib), f"-Wl,-rpath,{lib.parent}")
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, external_data=True, layers=1, hidden=32, heads=2)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, FORCE_ALL, DIMS)
+    p = subprocess.run([str(exe), str(opt), str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    counts = dict(kv.split("=") for kv in p.stdout.split())
+    assert counts == {"registrations": "1", "engines_alive": "1"}  # the kernels hold one engine
 
 
 def _token_ids(dims: dict[str, int], seed: int) -> dict[str, np.ndarray]:
