@@ -14,6 +14,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -40,6 +41,15 @@ constexpr const char* kHostBytesKey = "ho_onnx.host_bytes";
 constexpr const char* kHostBytesAttr = "host_bytes";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
+
+// The ORT C API version the library asks the runtime for and declares in its OrtCustomOps:
+// the newest it uses (KernelInfoGetAllocator and OrtCustomOp::GetAliasMap/ReleaseAliasMap
+// came with API 18, onnxruntime 1.18; CMakeLists.txt sets HO_ONNX_ORT_API_REQUIRED). A
+// runtime serves every API version up to its own from one append-only function table, so
+// 1.18 and every later release load the library; the headers it is compiled with may be
+// newer (ORT_API_VERSION).
+constexpr uint32_t kOrtApiVersion = HO_ONNX_ORT_API_REQUIRED;
+static_assert(ORT_API_VERSION >= kOrtApiVersion, "ONNX Runtime headers older than the API used");
 
 enum class OpKind { kPrefetch, kWait, kStore, kDetach };
 
@@ -615,7 +625,7 @@ void ORT_API_CALL release_alias_map(int* input_index, int* output_index) {
 std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t, bool cuda) {
   auto op = std::make_unique<OpDef>();
   std::memset(static_cast<OrtCustomOp*>(op.get()), 0, sizeof(OrtCustomOp));
-  op->version = ORT_API_VERSION;
+  op->version = kOrtApiVersion;  // ORT hands CreateKernelV2 GetApi(op->version)
   op->CreateKernel = nullptr;  // V2 only
   op->GetName = get_name;
   op->GetExecutionProviderType = get_ep;
@@ -690,7 +700,36 @@ bool want_cuda_ops(const OrtApi* api) {
 #endif
 }
 
-OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
+// (major, minor) of a runtime version string such as "1.21.1"; (0, 0) when unparsable.
+std::pair<int, int> runtime_version(const char* v) {
+  int major = 0, minor = 0;
+  if (v == nullptr || std::sscanf(v, "%d.%d", &major, &minor) != 2) return {0, 0};
+  return {major, minor};
+}
+
+// Whether the runtime knows element type `t`. ORT refuses every session when an op of the
+// library declares a type the runtime lacks ("tensor type N is not supported"), so types
+// newer than the runtime are not registered (a model using them would not load without
+// ho-onnx either). Measured with the onnxruntime wheels: INT4/UINT4 from 1.19, FLOAT4E2M1
+// (type 23) from 1.24; every other type of elem_types() is in 1.18.
+bool runtime_has_type(ONNXTensorElementDataType t, std::pair<int, int> rt) {
+  int since_minor = 0;
+  switch (static_cast<int>(t)) {
+    case 23:  // FLOAT4E2M1
+      since_minor = 24;
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT4:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT4:
+      since_minor = 19;
+      break;
+    default:
+      return true;
+  }
+  return rt.first > 1 || (rt.first == 1 && rt.second >= since_minor);
+}
+
+OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const char* ort_version) {
+  const std::pair<int, int> rt = runtime_version(ort_version);
   auto reg = std::make_unique<Registration>();
   reg->api = api;
 
@@ -715,6 +754,7 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
     if (on_cuda && !cuda) continue;
     for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
       for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
+        if (!runtime_has_type(t->type, rt)) continue;
         reg->ops.push_back(make_op(reg.get(), kind, *t, on_cuda));
         check(api, api->CustomOpDomain_Add(domain, reg->ops.back().get()));
       }
@@ -737,16 +777,22 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   if (api_base == nullptr) return nullptr;
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  const OrtApi* api = api_base->GetApi(ho::kOrtApiVersion);
   if (api == nullptr) {
-    // The runtime is older than the headers; API 1 still has CreateStatus.
+    // The runtime is older than that; API 1 still has CreateStatus.
     const OrtApi* v1 = api_base->GetApi(1);
-    return v1 == nullptr ? nullptr
-                         : v1->CreateStatus(ORT_FAIL, "ho_onnx needs ONNX Runtime API version 21 "
-                                                      "(onnxruntime >= 1.21)");
+    const char* have = api_base->GetVersionString();
+    return v1 == nullptr
+               ? nullptr
+               : v1->CreateStatus(ORT_FAIL, (std::string("ho_onnx needs ONNX Runtime API version ") +
+                                             std::to_string(ho::kOrtApiVersion) +
+                                             " (onnxruntime >= " HO_ONNX_ORT_MIN_VERSION
+                                             "), this runtime is " +
+                                             (have ? have : "?"))
+                                                .c_str());
   }
   try {
-    return ho::register_ops(options, api);
+    return ho::register_ops(options, api, api_base->GetVersionString());
   } catch (const ho::Error& e) {
     return api->CreateStatus(e.code(), (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
   } catch (const std::exception& e) {

@@ -23,7 +23,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_RUNTIME = ("InferenceSession", "session_options", "library_path", "counters",
+_RUNTIME = ("InferenceSession", "session_options", "library_path", "include_dir", "counters",
             "reset_counters", "build_info")
 
 
