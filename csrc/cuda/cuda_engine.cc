@@ -47,6 +47,7 @@
 #include "../common.h"
 #include "../disk_io.h"
 #include "../engine.h"
+#include "../weight_file.h"
 #include "cuda_api.h"
 #include "cuda_util.h"
 #include "host_logic.h"
@@ -248,34 +249,12 @@ class PinnedBlob final : public HostBlob {
   size_t size_;
 };
 
-void read_file_range(const std::string& path, uint64_t offset, size_t n, char* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(ORT_NO_SUCHFILE, "cannot open '" + path + "': " + std::strerror(errno));
-  size_t done = 0;
-  std::string err;
-  while (done < n) {
-    const ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      err = "cannot read '" + path + "': " + std::strerror(errno);
-      break;
-    }
-    if (r == 0) {
-      err = "unexpected end of file in '" + path + "'";
-      break;
-    }
-    done += static_cast<size_t>(r);
-  }
-  ::close(fd);
-  if (!err.empty()) fail(ORT_FAIL, err);
-}
-
 class PinnedWeights {
  public:
-  std::shared_ptr<const HostBlob> load(const std::string& realpath, int64_t offset,
-                                       int64_t length) {
+  std::shared_ptr<const HostBlob> load(const WeightFile& file, int64_t offset, int64_t length) {
+    if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
     const std::string key =
-        realpath + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
+        file.key() + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = blobs_.find(key);
     if (it != blobs_.end()) return it->second;
@@ -292,7 +271,7 @@ class PinnedWeights {
       dst = block->data() + p.offset;
     }
     // Straight into pinned memory: no pageable copy in between.
-    if (n != 0) read_file_range(realpath, static_cast<uint64_t>(offset), n, dst);
+    if (n != 0) pread_exact(file.fd(), dst, n, static_cast<uint64_t>(offset), file.path());
     auto blob = std::make_shared<PinnedBlob>(std::move(block), dst, n);
     blobs_.emplace(key, blob);
     return blob;
@@ -309,11 +288,13 @@ class PinnedWeights {
 
 class GpuStored final : public StoredTensor {
  public:
-  GpuStored(std::vector<int64_t> shape, size_t bytes, std::shared_ptr<Ring> ring)
-      : shape_(std::move(shape)), bytes_(bytes), ring_(std::move(ring)) {}
+  GpuStored(std::vector<int64_t> shape, size_t bytes, ONNXTensorElementDataType type,
+            std::shared_ptr<Ring> ring)
+      : shape_(std::move(shape)), bytes_(bytes), type_(type), ring_(std::move(ring)) {}
   ~GpuStored() override { release_slot(stored); }
   const std::vector<int64_t>& shape() const override { return shape_; }
   size_t bytes() const override { return bytes_; }
+  ONNXTensorElementDataType elem_type() const override { return type_; }
 
   // The slot returns to the ring; reused once `fence` (the last copy reading it) is done.
   void release_slot(const Lease& fence) {
@@ -333,6 +314,7 @@ class GpuStored final : public StoredTensor {
  private:
   std::vector<int64_t> shape_;
   size_t bytes_;
+  ONNXTensorElementDataType type_;
   std::shared_ptr<Ring> ring_;
 };
 
@@ -465,9 +447,9 @@ class CudaEngine final : public Engine {
     ring_->reserve(cap);  // one pinned segment for a whole run, at session creation
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const std::string& realpath, int64_t offset,
+  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, int64_t offset,
                                               int64_t length) override {
-    return weights_->load(realpath, offset, length);
+    return weights_->load(file, offset, length);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
@@ -492,10 +474,10 @@ class CudaEngine final : public Engine {
     add_pending(dst, std::move(p));
   }
 
-  std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath, int64_t offset,
-                                                     int64_t length,
+  std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& wf,
+                                                     int64_t offset, int64_t length,
                                                      const std::string& name) override {
-    std::shared_ptr<DiskFile> file = files_.open_range(realpath, offset, length);
+    std::shared_ptr<DiskFile> file = files_.open_range(*wf, offset, length);
     {
       std::lock_guard<std::mutex> lock(disk_mu_);
       if (!disk_) disk_ = std::make_unique<Channel>("cuda-disk", disk_io_threads());
@@ -547,12 +529,12 @@ class CudaEngine final : public Engine {
     }
   }
 
-  uint64_t store(const void* src, size_t bytes, std::vector<int64_t> shape,
-                 const ExecContext& ctx) override {
+  StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,
+                 ONNXTensorElementDataType type, const ExecContext& ctx) override {
     counters().stores += 1;
     Device& d = dev(ctx.device);
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
-    auto rec = std::make_shared<GpuStored>(std::move(shape), bytes, ring_);
+    auto rec = std::make_shared<GpuStored>(std::move(shape), bytes, type, ring_);
     rec->device = d.id;
     rec->id = g_next_store_id.fetch_add(1);
     if (bytes != 0) {
@@ -583,10 +565,11 @@ class CudaEngine final : public Engine {
       stale = std::move(slot);  // a record of a failed run at the same address: drop it
       slot = std::move(rec);
     }
-    return key;
+    return StoreKey{key, 0};
   }
 
-  void detach(uint64_t key, const ExecContext& ctx) override {
+  void detach(const StoreKey& skey, const ExecContext& ctx) override {
+    const uint64_t key = skey.id;
     std::shared_ptr<GpuStored> rec;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -619,7 +602,8 @@ class CudaEngine final : public Engine {
     }
   }
 
-  std::shared_ptr<StoredTensor> take_stored(uint64_t key) override {
+  std::shared_ptr<StoredTensor> take_stored(const StoreKey& skey, const ExecContext&) override {
+    const uint64_t key = skey.id;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = stored_.find(key);
     if (it == stored_.end()) {
@@ -656,7 +640,8 @@ class CudaEngine final : public Engine {
     add_pending(dst, std::move(p));
   }
 
-  void wait(const void* dst, size_t bytes, const ExecContext& ctx) override {
+  void wait(const void* dst, void* /*out: ctx.out*/, size_t bytes,
+            const ExecContext& ctx) override {
     if (bytes == 0) return;
     Pending p;
     {
