@@ -13,12 +13,13 @@ import json
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-from native_util import N, ops, session, session_options, write_failure_model  # noqa: E402
+import numpy as np
+from native_util import N, ops, session, session_options, write_failure_model
 
 
 def interleave(args: argparse.Namespace) -> dict:
@@ -43,7 +44,7 @@ def interleave(args: argparse.Namespace) -> dict:
                     (out,) = sess.run(None, {"x": x, "idx": idx})
                 except Exception as e:  # the failing Gather
                     with lock:
-                        stats["bad" if bad and "Gather" in str(e) or "indices" in str(e)
+                        stats["bad" if (bad and "Gather" in str(e)) or "indices" in str(e)
                               else "other"] += 1
                     continue
                 ok = np.array_equal(out, np.maximum(x, 0) + w)
@@ -56,6 +57,9 @@ def interleave(args: argparse.Namespace) -> dict:
         for t in pool:
             t.join()
         ops().set_debug()
+        # Python's join() returns before the thread's C++ thread-locals are destroyed (which
+        # is when the engine learns that the thread's runs are over): give them a moment.
+        time.sleep(0.3)
         # every thread's last run was good or bad; one more good run per thread releases
         # what a failed run left (its records belong to that thread's earlier run)
         def final() -> None:
@@ -68,7 +72,6 @@ def interleave(args: argparse.Namespace) -> dict:
         for t in pool:
             t.join()
         stats["pool_in_use"] = ops().counters()["host_pool_bytes_in_use"]
-        del sess
         return stats
 
 

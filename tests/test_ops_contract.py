@@ -322,7 +322,7 @@ def test_base_dir_is_never_used(tmp_path):
     w = np.arange(16, dtype=np.float32)
     w.tofile(tmp_path / "w.bin")
     m = _weight_model(base_dir=tmp_path)
-    with pytest.raises(Exception, match="ho_onnx.model_dir"):
+    with pytest.raises(Exception, match=r"ho_onnx\.model_dir"):
         runtime.InferenceSession(m.SerializeToString())
 
 
