@@ -227,7 +227,7 @@ def test_failed_runs_do_not_leak_stores(tmp_path, arena):
     x = np.ones(N, np.float32)
     base = ops().counters()["host_pool_bytes_in_use"]
     for _ in range(50):
-        with pytest.raises(Exception, match="Gather|indices"):
+        with pytest.raises(Exception, match=r"Gather|indices"):
             sess.run(None, {"x": x, "idx": np.array([100], np.int64)})
     (out,) = sess.run(None, {"x": x, "idx": np.array([1], np.int64)})
     np.testing.assert_array_equal(out, x + w)
