@@ -4,8 +4,9 @@
 // that needs one, shared by that registration's kernels through std::shared_ptr, and
 // destroyed (worker threads joined, memory freed) with the last of them.
 //
-// The CPU engine (cpu_engine.cc) copies with memcpy on two worker threads and reads
-// disk-tier weights on a third channel of I/O threads (disk_io.h). The CUDA engine
+// The CPU engine (cpu_engine.cc) copies into and out of ORT's buffers only inside the ops'
+// Compute calls (the transfer lifetime rule, docs/design.md) and reads disk-tier weights on
+// a channel of I/O threads (disk_io.h) into its own staging buffers. The CUDA engine
 // (csrc/cuda/cuda_engine.cc, docs/cuda.md) implements the same interface: `ExecContext::stream`
 // carries the kernel's compute stream and the copies are cudaMemcpyAsync on copy streams,
 // ordered with the compute stream by events. On the GPU EP a Store token lives in device
