@@ -35,9 +35,8 @@ def rss_kib() -> int:
 def child(case: str, n: int, warm: int) -> dict:
     import numpy as np
     import onnxruntime as ort
-    from onnx import TensorProto, helper
-
     from native_util import hnode, load_ops_override, make_model, save, weight_attrs
+    from onnx import TensorProto, helper
 
     load_ops_override()
     from ho_onnx import _ops

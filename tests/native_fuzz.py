@@ -38,6 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import contextlib
+
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from onnx import helper  # noqa: E402
@@ -105,10 +107,8 @@ def mutate_attr(m: onnx.ModelProto, rng: random.Random) -> None:
         v = rng.choice(_LOCATIONS)
     else:
         v = rng.choice(["", "fnv1a64s16:0000000000000000", "x" * 100])
-    try:
+    with contextlib.suppress(Exception):
         n.attribute.append(helper.make_attribute(name, v))
-    except Exception:
-        pass
 
 
 def mutate_graph(m: onnx.ModelProto, rng: random.Random) -> None:
@@ -211,7 +211,6 @@ def run_case(case_dir: Path, arena: bool = True, order: str = "priority", thread
              runs: int = 3) -> str:
     """Load and run one case; returns "created"/"refused" (never raises for ORT errors)."""
     import onnxruntime as ort
-
     from native_util import session_options
 
     try:
@@ -228,10 +227,8 @@ def run_case(case_dir: Path, arena: bool = True, order: str = "priority", thread
 
     def body():
         for _ in range(runs):
-            try:
+            with contextlib.suppress(Exception):
                 sess.run(None, feeds)
-            except Exception:
-                pass
 
     pool = [threading.Thread(target=body) for _ in range(threads)]
     for t in pool:

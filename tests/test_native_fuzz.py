@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import native_fuzz
+import pytest
 
 CASES = sorted(p for p in native_fuzz.CORPUS.iterdir() if p.is_dir()) \
     if native_fuzz.CORPUS.exists() else []
