@@ -22,6 +22,7 @@ case there) and fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import random
@@ -37,8 +38,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-
-import contextlib
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
