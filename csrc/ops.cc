@@ -9,6 +9,7 @@
 // provider (OrtApi::GetAvailableProviders; HO_ONNX_CUDA_OPS=0/1 forces it off/on). Kernels
 // call into the registration's Engine (engine.h): one CPU engine and one CUDA engine per
 // registration, each created by the first kernel that needs it.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -65,9 +66,11 @@ const char* op_name(OpKind k) {
 size_t fixed_inputs(OpKind k) { return k == OpKind::kDetach ? 2 : 1; }
 
 // ---------------------------------------------------------------------------------------
-// Registration: what one RegisterCustomOps call created. The OrtCustomOpDomain and the op
-// structs must outlive every session that uses them, and ORT gives no callback when that
-// is over, so registrations are never released: they stay in a static list (a few KB each).
+// Registration: the op domain for one library configuration (model directory, host bytes,
+// pool limit, CUDA variants). The OrtCustomOpDomain and the op structs must outlive every
+// session that uses them, and ORT gives no callback when that is over, so registrations are
+// never released; RegisterCustomOps calls with the same configuration share one (and so
+// one engine), so a server that creates and destroys sessions retains nothing per session.
 // The engine, the only large thing, lives and dies with the registration's kernels.
 
 struct OpDef;
@@ -78,18 +81,32 @@ struct Registration {
   int64_t host_bytes = -1;  // from the session config entry, -1 when not set
   EngineLimits limits;
   std::mutex mu;
-  std::map<std::string, std::string> fingerprints;  // file identity -> data_fingerprint
+  std::map<std::string, std::string> fingerprints;  // file identity + version -> fingerprint
+  OrtCustomOpDomain* domain = nullptr;
+  bool cuda = false;
   std::weak_ptr<Engine> engine;       // CPU EP kernels
   std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
   std::vector<std::unique_ptr<OpDef>> ops;
 
   // The data_fingerprint of an open data file, computed once per file and registration.
+  // Keyed by the file's identity and version (size, mtime, ctime: any write changes ctime).
   std::string fingerprint(const WeightFile& f) {
+    struct stat st {};
+    if (::fstat(f.fd(), &st) != 0) fail(ORT_FAIL, "cannot stat '" + f.path() + "'");
+    const std::string key = f.key() + ":" + std::to_string(st.st_size) + ":" +
+                            std::to_string(st.st_mtim.tv_sec) + "." +
+                            std::to_string(st.st_mtim.tv_nsec) + ":" +
+                            std::to_string(st.st_ctim.tv_sec) + "." +
+                            std::to_string(st.st_ctim.tv_nsec);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = fingerprints.find(key);
+      if (it != fingerprints.end()) return it->second;
+    }
+    std::string fp = data_fingerprint(f.fd(), static_cast<uint64_t>(st.st_size));
     std::lock_guard<std::mutex> lock(mu);
-    auto it = fingerprints.find(f.key());
-    if (it != fingerprints.end()) return it->second;
-    std::string fp = data_fingerprint(f.fd(), f.size());
-    fingerprints.emplace(f.key(), fp);
+    if (fingerprints.size() >= 256) fingerprints.clear();  // bounded
+    fingerprints.emplace(key, fp);
     return fp;
   }
 
@@ -111,7 +128,8 @@ struct Registration {
 };
 
 std::mutex g_regs_mu;
-std::vector<Registration*>* g_regs = new std::vector<Registration*>();  // never freed
+// configuration key -> registration; never freed (one entry per distinct configuration)
+std::map<std::string, Registration*>* g_regs = new std::map<std::string, Registration*>();
 
 struct OpDef : OrtCustomOp {
   OpKind kind;
@@ -756,8 +774,22 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
   }
 
   const bool cuda = want_cuda_ops(api);
+  const std::string key = std::to_string(reinterpret_cast<uintptr_t>(api)) + '\n' +
+                          reg->model_dir + '\n' + std::to_string(reg->host_bytes) + '\n' +
+                          std::to_string(reg->limits.host_pool_limit) + '\n' +
+                          (cuda ? "cuda" : "cpu");
+  std::lock_guard<std::mutex> lock(g_regs_mu);
+  auto found = g_regs->find(key);
+  if (found != g_regs->end()) {
+    check(api, api->AddCustomOpDomain(options, found->second->domain));
+    counters().registrations += 1;
+    if (cuda) counters().cuda_registrations += 1;
+    return nullptr;
+  }
   OrtCustomOpDomain* domain = nullptr;
   check(api, api->CreateCustomOpDomain(kDomain, &domain));
+  reg->domain = domain;
+  reg->cuda = cuda;
   for (bool on_cuda : {false, true}) {
     if (on_cuda && !cuda) continue;
     for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
@@ -767,11 +799,8 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
       }
     }
   }
-  {
-    // Kept before AddCustomOpDomain: once ORT holds the domain it must never be freed.
-    std::lock_guard<std::mutex> lock(g_regs_mu);
-    g_regs->push_back(reg.release());
-  }
+  // Kept before AddCustomOpDomain: once ORT holds the domain it must never be freed.
+  g_regs->emplace(key, reg.release());
   check(api, api->AddCustomOpDomain(options, domain));
   counters().registrations += 1;
   if (cuda) counters().cuda_registrations += 1;
