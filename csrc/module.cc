@@ -78,6 +78,7 @@ py::dict counters() {
   d["host_pool_bytes_reserved"] = c.host_pool_bytes_reserved.load();
   d["engines_alive"] = c.engines_alive.load();
   d["pinned_bytes"] = c.pinned_bytes.load();
+  d["device_staging_bytes"] = c.device_staging_bytes.load();
   d["pinned_allocs"] = c.pinned_allocs.load();
   d["cuda_events_created"] = c.cuda_events_created.load();
   d["ring_segments"] = c.ring_segments.load();
