@@ -26,8 +26,30 @@ import onnx
 from ho_onnx import runtime
 from ho_onnx.choice import OffloadPolicy
 from ho_onnx.pipeline import optimize
-from ho_onnx.verify import make_session, random_inputs
+from ho_onnx.verify import make_session as _make_session
+from ho_onnx.verify import random_inputs
 from models.decoder import build_decoder
+
+_THREADS = 0
+
+
+def make_session(path, *, optimized, providers, prepacking):  # type: ignore[no-untyped-def]
+    """verify.make_session, with --threads intra-op threads."""
+    if not _THREADS:
+        return _make_session(path, optimized=optimized, providers=providers,
+                             prepacking=prepacking)
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = _THREADS
+    if not prepacking:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    if optimized:
+        so = runtime.session_options(path, base=so)
+    else:
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return ort.InferenceSession(str(path), sess_options=so, providers=providers)
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="disable ORT's weight pre-packing in every session (isolates the "
                          "engine's own cost from the loss of pre-packed constant weights)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="ORT intra-op threads in every session (0: ORT's default)")
     ap.add_argument("--ops", action="append", default=[], metavar="LABEL=PATH",
                     help="also run the optimized rows with another build of the library "
                          "(e.g. an older commit's _ops .so), labelled LABEL; its counters "
                          "are not visible here ('MiB moved' shows -)")
     args = ap.parse_args(argv)
+    global _THREADS
+    _THREADS = args.threads
     dims = {"batch": args.batch, "seq": args.seq}
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "dec.onnx"
@@ -100,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(times["original"])
     results = []
     print(f"decoder {args.layers}x{args.hidden}, batch {args.batch}, seq {args.seq}, "
-          f"{args.runs} interleaved runs (CPU EP, pre-packing "
+          f"{args.runs} interleaved runs, intra-op threads {args.threads or 'default'} "
+          f"(CPU EP, pre-packing "
           f"{'off' if args.no_prepacking else 'on'})")
     print(f"{'model':<32}{'offloaded':>10}{'MiB moved/run':>15}{'median ms':>11}"
           f"{'ratio':>8}{'wait ms':>9}")

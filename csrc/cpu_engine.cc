@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -68,6 +69,41 @@ uint64_t this_thread_uid() {
 void debug_delay() {
   const int64_t us = debug().delay_us.load(std::memory_order_relaxed);
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
+// A copy inside a Compute call: large ones are split over ORT's intra-op threads (idle while
+// this kernel runs under the sequential executor), small ones are one memcpy.
+struct CopyJob {
+  char* dst;
+  const char* src;
+  size_t n;
+  size_t chunk;
+};
+
+void copy_chunk(void* data, size_t i) {
+  const auto* j = static_cast<const CopyJob*>(data);
+  const size_t off = i * j->chunk;
+  std::memcpy(j->dst + off, j->src + off, std::min(j->chunk, j->n - off));
+}
+
+void copy_in_compute(const ExecContext& ctx, void* dst, const void* src, size_t n) {
+  constexpr size_t kMin = size_t{2} << 20;  // below this, one memcpy
+  constexpr size_t kChunk = size_t{1} << 20;
+  static const bool parallel = [] {
+    const char* v = std::getenv("HO_ONNX_PARALLEL_COPY");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  if (!parallel || n < kMin || ctx.api == nullptr || ctx.kctx == nullptr) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  CopyJob j{static_cast<char*>(dst), static_cast<const char*>(src), n, kChunk};
+  const size_t total = (n + kChunk - 1) / kChunk;
+  OrtStatus* st = ctx.api->KernelContext_ParallelFor(ctx.kctx, copy_chunk, total, 0, &j);
+  if (st != nullptr) {  // no thread pool here: copy on this thread
+    ctx.api->ReleaseStatus(st);
+    std::memcpy(dst, src, n);
+  }
 }
 
 // Which run a record belongs to: the thread that ran the op and that thread's run epoch.
@@ -265,7 +301,7 @@ class CpuEngine final : public Engine {
       rec->buffer = pool_->acquire(bytes);
       debug_delay();
       // Synchronous: `src` is ORT's and may be freed as soon as this run fails.
-      std::memcpy(rec->buffer->data(), src, bytes);
+      copy_in_compute(ctx, rec->buffer->data(), src, bytes);
       counters().bytes_stored += bytes;
     }
     StoreKey key;
@@ -355,7 +391,7 @@ class CpuEngine final : public Engine {
     // skip_wait (tests): the consumers see what the Prefetch left (poison, if set).
     if (debug().skip_wait.load(std::memory_order_relaxed)) return;
     if (bytes != 0) {
-      std::memcpy(out, src, bytes);
+      copy_in_compute(ctx, out, src, bytes);
       counters().bytes_loaded += bytes;
     }
   }

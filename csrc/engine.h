@@ -37,6 +37,10 @@ struct ExecContext {
   // The calling kernel: tells runs apart (an engine's run tracking, see "Transfer lifetime
   // rule" in docs/design.md).
   const void* kernel = nullptr;
+  // CPU EP: the kernel's context, so that large copies can use ORT's intra-op threads
+  // (KernelContext_ParallelFor) inside the Compute call. Null: copy on this thread.
+  const OrtApi* api = nullptr;
+  OrtKernelContext* kctx = nullptr;
 };
 
 // What a Store writes into its token: the store's id and a random tag that the reload and

@@ -394,6 +394,8 @@ void Kernel::compute(OrtKernelContext* ctx) {
   if (gpu) return compute_gpu(ctx);
   ExecContext ec{};
   ec.kernel = this;
+  ec.api = api;
+  ec.kctx = ctx;
   switch (kind) {
     case OpKind::kPrefetch: {
       if (weight) {
