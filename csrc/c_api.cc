@@ -101,6 +101,7 @@ const CounterDef kCounters[] = {
     HO_COUNTER(host_pool_bytes_reserved),
     HO_COUNTER(engines_alive),
     HO_COUNTER(pinned_bytes),
+    HO_COUNTER(device_staging_bytes),
     HO_COUNTER(pinned_allocs),
     HO_COUNTER(cuda_events_created),
     HO_COUNTER(ring_segments),
