@@ -48,10 +48,26 @@ def _vm_kb(field: str) -> int:
 # Child: one configuration, one process
 
 
+def _load_ops(path: str) -> None:
+    """Use another build of the library (``--ops``): load it as ho_onnx._ops."""
+    import importlib.util
+
+    import ho_onnx
+
+    spec = importlib.util.spec_from_file_location("ho_onnx._ops", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ho_onnx._ops"] = mod
+    spec.loader.exec_module(mod)
+    ho_onnx._ops = mod  # type: ignore[attr-defined]
+
+
 def child(args: argparse.Namespace) -> None:
     import numpy as np
     import onnxruntime as ort
 
+    if args.child_ops:
+        _load_ops(args.child_ops)
     from ho_onnx.target.ort import runtime
 
     t0 = time.perf_counter()
@@ -86,10 +102,12 @@ def child(args: argparse.Namespace) -> None:
                "host_store_bytes": c()["host_store_bytes"]}, sys.stdout)
 
 
-def run_child(kind: str, model: Path, args: argparse.Namespace) -> dict:
+def run_child(kind: str, model: Path, args: argparse.Namespace, ops: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--model", str(model),
            "--batch", str(args.batch), "--seq", str(args.seq), "--runs", str(args.runs),
            "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    if ops:
+        cmd += ["--child-ops", ops]
     with tempfile.TemporaryFile("w+") as err:
         # not communicate(): it reaps the child, and wait4 must, for the child's rusage
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -139,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT's)")
     p.add_argument("--distances", default="8,16")
     p.add_argument("--json", default=None)
+    p.add_argument("--ops", action="append", default=[], metavar="LABEL=PATH",
+                   help="also run every ho-disk config with another build of the library "
+                        "(e.g. an older commit's _ops .so), labelled LABEL")
+    p.add_argument("--child-ops", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -177,11 +199,17 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = [("ort", "ort", src, None)] + [
         (f"ho-disk D={d}", "ho", models[d][0], d) for d in distances]
+    ops_of: dict[str, str] = {}
+    for spec in args.ops:
+        olabel, lib = spec.split("=", 1)
+        for d in distances:
+            configs.append((f"ho-disk D={d} [{olabel}]", "ho", models[d][0], d))
+            ops_of[configs[-1][0]] = str(Path(lib).resolve())
     children: dict[str, list[dict]] = {c[0]: [] for c in configs}
     for rnd in range(args.rounds):  # interleaved: a noisy neighbour hits every config
         for label, kind, model, _d in configs:
             print(f"round {rnd + 1}/{args.rounds}: {label} ...", flush=True)
-            children[label].append(run_child(kind, model, args))
+            children[label].append(run_child(kind, model, args, ops_of.get(label)))
     cal_after = calibrate_now()
     load1 = os.getloadavg()
     # the engine's parallelism: reads overlap on io_threads threads

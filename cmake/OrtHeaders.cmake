@@ -25,7 +25,7 @@ function(ho_onnx_find_ort_headers out)
         "ho_onnx: could not fetch the ONNX Runtime C headers (cmake/fetch_ort_headers.sh "
         "exited with ${rc}):\n${log}\n"
         "Set HO_ONNX_ORT_INCLUDE_DIR (environment, or -Ccmake.define.HO_ONNX_ORT_INCLUDE_DIR=...) "
-        "to a folder holding onnxruntime_c_api.h (API version >= 21).")
+        "to a folder holding onnxruntime_c_api.h (API version >= 18).")
     endif()
   endif()
   message(STATUS "ho_onnx: ORT headers from ${inc}")

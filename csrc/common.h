@@ -58,6 +58,8 @@ struct Counters {
   // number of pinned allocations / CUDA events ever made (flat after warm-up: nothing is
   // allocated or created per run).
   std::atomic<int64_t> pinned_bytes{0};
+  // CUDA engine: device memory of the load staging (transfer lifetime rule).
+  std::atomic<int64_t> device_staging_bytes{0};
   std::atomic<uint64_t> pinned_allocs{0};
   std::atomic<uint64_t> cuda_events_created{0};
   std::atomic<int64_t> ring_segments{0};

@@ -1,22 +1,40 @@
-// CPU-EP engine: host store + host pool, two channels (load, store) whose worker threads
-// copy with memcpy, and a disk channel whose I/O threads read disk-tier weights from their
-// data files (disk_io.h). "Fast tier" buffers are ORT's CPU tensors.
+// CPU-EP engine: host store + host pool, and a disk channel whose I/O threads read disk-tier
+// weights from their data files (disk_io.h) into library-owned staging buffers.
+//
+// Transfer lifetime rule (docs/design.md): no asynchronous work ever reads or writes memory
+// that ORT owns. Every copy into or out of an ORT buffer happens inside the Compute call
+// that was handed that buffer:
+//  * Store copies its input into a pool buffer before it returns (Detach only checks);
+//  * Prefetch only registers what its Wait will copy (a host-store weight, a stored tensor,
+//    or a disk read that lands in a staging buffer of this engine);
+//  * Wait copies from library memory into its own output before it returns.
+// A failed run can therefore leave only library memory in flight; its records are owned by
+// the run (enter_locked) and released at the latest when the next run on the same thread
+// starts, or with the engine.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
-#include <string>
 #include <mutex>
+#include <random>
+#include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "channel.h"
 #include "common.h"
 #include "disk_io.h"
 #include "engine.h"
 #include "host_memory.h"
+#include "weight_file.h"
 
 namespace ho {
 
@@ -24,24 +42,92 @@ namespace {
 
 // Store ids are unique in the process, so a token of another engine is never mistaken.
 std::atomic<uint64_t> g_next_store_id{1};
+// Run epochs are unique in the process too.
+std::atomic<uint64_t> g_next_epoch{1};
+std::atomic<uint64_t> g_next_thread{1};
+
+// Threads that ended (their uids, in order): their runs are over, so engines release what
+// those runs left. Never freed (8 bytes per thread that ever ran a cache op and ended).
+std::mutex g_dead_mu;
+std::vector<uint64_t>* g_dead = new std::vector<uint64_t>();
+std::atomic<size_t> g_dead_count{0};
+
+struct ThreadMark {
+  const uint64_t uid = g_next_thread.fetch_add(1);
+  ~ThreadMark() {
+    std::lock_guard<std::mutex> lock(g_dead_mu);
+    g_dead->push_back(uid);
+    g_dead_count.store(g_dead->size());
+  }
+};
+
+uint64_t this_thread_uid() {
+  thread_local ThreadMark mark;
+  return mark.uid;
+}
 
 void debug_delay() {
   const int64_t us = debug().delay_us.load(std::memory_order_relaxed);
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
 
+// A copy inside a Compute call: large ones are split over ORT's intra-op threads (idle while
+// this kernel runs under the sequential executor), small ones are one memcpy.
+struct CopyJob {
+  char* dst;
+  const char* src;
+  size_t n;
+  size_t chunk;
+};
+
+void copy_chunk(void* data, size_t i) {
+  const auto* j = static_cast<const CopyJob*>(data);
+  const size_t off = i * j->chunk;
+  std::memcpy(j->dst + off, j->src + off, std::min(j->chunk, j->n - off));
+}
+
+void copy_in_compute(const ExecContext& ctx, void* dst, const void* src, size_t n) {
+  constexpr size_t kMin = size_t{2} << 20;  // below this, one memcpy
+  constexpr size_t kChunk = size_t{1} << 20;
+  static const bool parallel = [] {
+    const char* v = std::getenv("HO_ONNX_PARALLEL_COPY");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  if (!parallel || n < kMin || ctx.api == nullptr || ctx.kctx == nullptr) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  CopyJob j{static_cast<char*>(dst), static_cast<const char*>(src), n, kChunk};
+  const size_t total = (n + kChunk - 1) / kChunk;
+  OrtStatus* st = ctx.api->KernelContext_ParallelFor(ctx.kctx, copy_chunk, total, 0, &j);
+  if (st != nullptr) {  // no thread pool here: copy on this thread
+    ctx.api->ReleaseStatus(st);
+    std::memcpy(dst, src, n);
+  }
+}
+
+// Which run a record belongs to: the thread that ran the op and that thread's run epoch.
+struct Owner {
+  uint64_t thread = 0;
+  uint64_t epoch = 0;
+};
+
 class CpuStored final : public StoredTensor {
  public:
-  CpuStored(std::vector<int64_t> shape, size_t bytes) : shape_(std::move(shape)), bytes_(bytes) {}
+  CpuStored(std::vector<int64_t> shape, size_t bytes, ONNXTensorElementDataType type)
+      : shape_(std::move(shape)), bytes_(bytes), type_(type) {}
   const std::vector<int64_t>& shape() const override { return shape_; }
   size_t bytes() const override { return bytes_; }
+  ONNXTensorElementDataType elem_type() const override { return type_; }
 
-  std::unique_ptr<PoolBuffer> buffer;  // null for zero bytes; released after the reload
-  CompletionPtr stored = std::make_shared<Completion>();
+  std::unique_ptr<PoolBuffer> buffer;  // null for zero bytes
+  uint64_t tag = 0;
+  Owner owner;
 
  private:
   std::vector<int64_t> shape_;
   size_t bytes_;
+  ONNXTensorElementDataType type_;
 };
 
 class CpuDiskWeight final : public DiskSource {
@@ -56,183 +142,204 @@ class CpuDiskWeight final : public DiskSource {
   const std::string who;  // for messages
 };
 
-// One disk transfer split into chunks served by the I/O threads. The load's completion is
-// finished when the last chunk job lets go of this record (ran, or dropped with the engine),
-// with the first error of any chunk.
+// One disk read into a staging buffer of the engine, split into chunks served by the I/O
+// threads. The chunk jobs hold the transfer (and so the staging buffer) until they ran:
+// nothing they write is ORT's.
 class DiskTransfer {
  public:
-  DiskTransfer(CompletionPtr done, size_t parts) : done_(std::move(done)), remaining_(parts) {}
-  ~DiskTransfer() {
-    if (error_.empty() && remaining_ != 0) {
-      error_ = "disk channel: transfer cancelled (engine destroyed)";
-    }
-    done_->finish(std::move(error_));
-  }
+  DiskTransfer(std::unique_ptr<PoolBuffer> staging, size_t pad, size_t parts)
+      : staging_(std::move(staging)), pad_(pad), remaining_(parts) {}
   DiskTransfer(const DiskTransfer&) = delete;
   DiskTransfer& operator=(const DiskTransfer&) = delete;
 
-  Completion* completion() const { return done_.get(); }
+  char* data() const { return static_cast<char*>(staging_->data()) + pad_; }
   bool failed() {
     std::lock_guard<std::mutex> lock(mu_);
     return !error_.empty();
   }
   void part_done(std::string error = {}) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (error_.empty() && !error.empty()) error_ = std::move(error);
-    --remaining_;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.empty() && !error.empty()) error_ = std::move(error);
+      --remaining_;
+    }
+    cv_.notify_all();
+  }
+  // Blocks until every chunk ran; returns the first error ("" on success).
+  std::string wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return remaining_ == 0; });
+    return error_;
+  }
+  void cancel_remaining(size_t n, const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.empty()) error_ = why;
+      remaining_ -= n;
+    }
+    cv_.notify_all();
   }
 
  private:
-  CompletionPtr done_;
+  std::unique_ptr<PoolBuffer> staging_;
+  size_t pad_;
   std::mutex mu_;
+  std::condition_variable cv_;
   std::string error_;
   size_t remaining_;
 };
 
+// A Prefetch waiting for its Wait: where the bytes come from (all library memory).
+struct Pending {
+  Owner owner;
+  size_t bytes = 0;
+  std::shared_ptr<const HostBlob> blob;    // host tier
+  std::shared_ptr<CpuStored> stored;       // a stored activation
+  std::shared_ptr<DiskTransfer> disk;      // disk tier
+};
+
+// Records of earlier runs, destroyed by the caller after it let go of the engine's lock.
+struct Released {
+  std::vector<std::shared_ptr<CpuStored>> stored;
+  std::vector<Pending> loads;
+};
+
 class CpuEngine final : public Engine {
  public:
-  CpuEngine() { counters().engines_alive += 1; }
+  explicit CpuEngine(const EngineLimits& limits)
+      : pool_(std::make_shared<HostPool>(limits.host_pool_limit, "ho_onnx.host_pool_limit_bytes")),
+        staging_(std::make_shared<HostPool>(0, "", kStagingAlign, false)) {
+    std::random_device rd;
+    rng_.seed((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+              static_cast<uint64_t>(
+                  std::chrono::steady_clock::now().time_since_epoch().count()));
+    dead_seen_ = g_dead_count.load();
+    counters().engines_alive += 1;
+  }
 
   ~CpuEngine() override {
-    // Loads nobody waited for (a failed run, a graph without its Wait) must not write into
-    // ORT's buffers any more: cancel them, then stop the channels (queued jobs are dropped)
-    // before the pool buffers and stored records they use go away.
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& kv : pending_) kv.second->cancel();
-    }
-    load_.reset();
-    store_.reset();
+    // Stop the disk channel first (queued jobs are dropped, running ones finish): they
+    // write only into staging buffers they hold themselves.
     disk_.reset();
     pending_.clear();
     stored_.clear();
     counters().engines_alive -= 1;
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const std::string& realpath, int64_t offset,
+  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, int64_t offset,
                                               int64_t length) override {
-    return host_store_.load(realpath, offset, length);
+    return host_store_.load(file, offset, length);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
-                       const ExecContext&) override {
+                       const ExecContext& ctx) override {
     counters().prefetches += 1;
     const size_t bytes = blob->size();
-    if (bytes == 0) return;
-    CompletionPtr done = begin_load(dst, bytes);
-    std::shared_ptr<const HostBlob> src = blob;
-    load_->submit(
-        [src, dst, bytes, d = done.get()] {
-          debug_delay();
-          if (!d->begin_write()) return;
-          std::memcpy(dst, src->data(), bytes);
-          d->end_write();
-          counters().bytes_loaded += bytes;
-        },
-        done);
+    Pending p;
+    p.bytes = bytes;
+    p.blob = blob;  // the host store's bytes: the Wait copies them, nothing runs meanwhile
+    add_pending(dst, std::move(p), ctx);
   }
 
-  std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath, int64_t offset,
-                                                     int64_t length,
+  std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& file,
+                                                     int64_t offset, int64_t length,
                                                      const std::string& name) override {
-    std::shared_ptr<DiskFile> file = files_.open_range(realpath, offset, length);
-    return std::make_shared<CpuDiskWeight>(std::move(file), static_cast<uint64_t>(offset),
+    std::shared_ptr<DiskFile> f = files_.open_range(*file, offset, length);
+    return std::make_shared<CpuDiskWeight>(std::move(f), static_cast<uint64_t>(offset),
                                            static_cast<size_t>(length), name);
   }
 
   void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
-                     const ExecContext&) override {
+                     const ExecContext& ctx) override {
     counters().prefetches += 1;
     auto w = std::static_pointer_cast<const CpuDiskWeight>(src);
     const size_t bytes = w->length;
-    if (bytes == 0) return;
-    CompletionPtr done = begin_load(dst, bytes);
-    // Chunks at chunk-aligned file offsets, so only the first and last can be unaligned.
-    const uint64_t chunk = disk_chunk_bytes();
-    const uint64_t begin = w->offset;
-    const uint64_t end = w->offset + bytes;
-    const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
-    auto t = std::make_shared<DiskTransfer>(std::move(done), parts);
-    char* out = static_cast<char*>(dst);
-    uint64_t p = begin;
-    for (size_t i = 0; i < parts; ++i) {
-      const uint64_t q = std::min(end, (p / chunk + 1) * chunk);
-      disk_->submit(
-          [t, w, p, q, dst = out + (p - begin), first = i == 0] {
-            if (first) debug_delay();
-            std::string error;
-            if (!t->failed()) {
-              try {
-                Completion* d = t->completion();
-                const DiskFile::Guard guard = [d](bool start) {
-                  if (start) return d->begin_write();
-                  d->end_write();
-                  return true;
-                };
-                DiskBusy busy;
-                if (w->file->read(p, static_cast<size_t>(q - p), dst, guard, w->who)) {
-                  counters().bytes_read_disk += q - p;
-                  counters().bytes_loaded += q - p;
+    Pending p;
+    p.bytes = bytes;
+    if (bytes != 0) {
+      // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
+      // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
+      const size_t pad = static_cast<size_t>(w->offset % kStagingAlign);
+      const uint64_t chunk = disk_chunk_bytes();
+      const uint64_t begin = w->offset;
+      const uint64_t end = w->offset + bytes;
+      const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
+      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
+      char* out = t->data();
+      uint64_t pos = begin;
+      for (size_t i = 0; i < parts; ++i) {
+        const uint64_t q = std::min(end, (pos / chunk + 1) * chunk);
+        disk_->submit(
+            [t, w, pos, q, to = out + (pos - begin), first = i == 0] {
+              if (first) debug_delay();
+              std::string error;
+              if (!t->failed()) {
+                try {
+                  DiskBusy busy;
+                  if (w->file->read(pos, static_cast<size_t>(q - pos), to, nullptr, w->who)) {
+                    counters().bytes_read_disk += q - pos;
+                  }
+                } catch (const std::exception& e) {
+                  error = std::string("disk channel: ") + e.what();
                 }
-              } catch (const std::exception& e) {
-                error = std::string("disk channel: ") + e.what();
               }
-            }
-            t->part_done(std::move(error));
-          },
-          nullptr);
-      p = q;
-    }
-  }
-
-  uint64_t store(const void* src, size_t bytes, std::vector<int64_t> shape,
-                 const ExecContext&) override {
-    counters().stores += 1;
-    auto rec = std::make_shared<CpuStored>(std::move(shape), bytes);
-    const uint64_t id = g_next_store_id.fetch_add(1);
-    if (bytes != 0) rec->buffer = pool_->acquire(bytes);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stored_.emplace(id, rec);
-    }
-    if (bytes == 0) {
-      rec->stored->finish();
-      return id;
-    }
-    void* dst = rec->buffer->data();
-    store_->submit(
-        [src, dst, bytes] {
-          debug_delay();
-          std::memcpy(dst, src, bytes);
-          counters().bytes_stored += bytes;
-        },
-        rec->stored);
-    return id;
-  }
-
-  void detach(uint64_t id, const ExecContext&) override {
-    std::shared_ptr<CpuStored> rec;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = stored_.find(id);
-      if (it == stored_.end()) {
-        fail(ORT_INVALID_ARGUMENT, "token names no pending store (id " +
-                                       std::to_string(id) + ")");
+              t->part_done(std::move(error));
+            },
+            nullptr);
+        pos = q;
       }
-      rec = it->second;
+      p.disk = std::move(t);
     }
-    if (debug().skip_wait.load(std::memory_order_relaxed)) return;
-    const std::string error = timed_wait(*rec->stored);
-    if (!error.empty()) fail(ORT_FAIL, "store failed: " + error);
+    add_pending(dst, std::move(p), ctx);
   }
 
-  std::shared_ptr<StoredTensor> take_stored(uint64_t id) override {
+  StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,
+                 ONNXTensorElementDataType type, const ExecContext& ctx) override {
+    counters().stores += 1;
+    auto rec = std::make_shared<CpuStored>(std::move(shape), bytes, type);
+    if (bytes != 0) {
+      rec->buffer = pool_->acquire(bytes);
+      debug_delay();
+      // Synchronous: `src` is ORT's and may be freed as soon as this run fails.
+      copy_in_compute(ctx, rec->buffer->data(), src, bytes);
+      counters().bytes_stored += bytes;
+    }
+    StoreKey key;
+    key.id = g_next_store_id.fetch_add(1);
+    Released released;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      rec->owner = enter_locked(ctx.kernel, &released);
+      key.tag = rng_();
+      rec->tag = key.tag;
+      stored_.emplace(key.id, std::move(rec));
+    }
+    return key;
+  }
+
+  void detach(const StoreKey& key, const ExecContext& ctx) override {
+    Released released;
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = stored_.find(id);
-    if (it == stored_.end()) {
+    const Owner me = enter_locked(ctx.kernel, &released);
+    auto it = stored_.find(key.id);
+    if (it == stored_.end() || it->second->tag != key.tag || !may_use(it->second->owner, me)) {
+      fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (id " +
+                                     std::to_string(key.id) + ")");
+    }
+    counters().waits += 1;  // the store completed inside its Compute
+  }
+
+  std::shared_ptr<StoredTensor> take_stored(const StoreKey& key,
+                                            const ExecContext& ctx) override {
+    Released released;
+    std::lock_guard<std::mutex> lock(mu_);
+    const Owner me = enter_locked(ctx.kernel, &released);
+    auto it = stored_.find(key.id);
+    if (it == stored_.end() || it->second->tag != key.tag || !may_use(it->second->owner, me)) {
       fail(ORT_INVALID_ARGUMENT,
-           "token names no stored tensor (id " + std::to_string(id) +
-               "; already reloaded, or from another session)");
+           "token names no stored tensor of this run (id " + std::to_string(key.id) +
+               "; already reloaded, forged, from an earlier or failed run, or from another "
+               "session)");
     }
     std::shared_ptr<StoredTensor> rec = std::move(it->second);
     stored_.erase(it);
@@ -240,89 +347,159 @@ class CpuEngine final : public Engine {
   }
 
   void prefetch_stored(std::shared_ptr<StoredTensor> stored, void* dst,
-                       const ExecContext&) override {
+                       const ExecContext& ctx) override {
     counters().prefetches += 1;
     auto rec = std::static_pointer_cast<CpuStored>(std::move(stored));
-    const size_t bytes = rec->bytes();
-    if (bytes == 0) return;
-    CompletionPtr done = begin_load(dst, bytes);
-    load_->submit(
-        [rec, dst, bytes, d = done.get()] {
-          const std::string error = rec->stored->wait();
-          if (!error.empty()) throw Error(ORT_FAIL, "reload of a failed store: " + error);
-          debug_delay();
-          if (d->begin_write()) {
-            std::memcpy(dst, rec->buffer->data(), bytes);
-            d->end_write();
-            counters().bytes_loaded += bytes;
-          }
-          rec->buffer.reset();  // back to the pool
-        },
-        done);
+    Pending p;
+    p.bytes = rec->bytes();
+    p.stored = std::move(rec);
+    add_pending(dst, std::move(p), ctx, /*counted=*/false);  // take_stored counted this op
   }
 
-  void wait(const void* dst, size_t bytes, const ExecContext&) override {
-    if (bytes == 0) return;
-    CompletionPtr done;
+  void wait(const void* dst, void* out, size_t bytes, const ExecContext& ctx) override {
+    Pending p;
     {
+      Released released;
       std::lock_guard<std::mutex> lock(mu_);
+      const Owner me = enter_locked(ctx.kernel, &released);
       auto it = pending_.find(dst);
-      if (it == pending_.end()) {
+      if (it == pending_.end() || !may_use(it->second.owner, me)) {
         fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
-                       "output)");
+                       "output of this run)");
       }
-      done = std::move(it->second);
+      p = std::move(it->second);
       pending_.erase(it);
     }
-    if (debug().skip_wait.load(std::memory_order_relaxed)) {
-      done->cancel();  // return at once; the transfer never lands (no late write)
-      return;
+    if (p.bytes != bytes) {
+      fail(ORT_FAIL, "input holds " + std::to_string(bytes) + " bytes but its Prefetch loads " +
+                         std::to_string(p.bytes));
     }
-    const std::string error = timed_wait(*done);
+    const auto t0 = std::chrono::steady_clock::now();
+    const char* src = nullptr;
+    if (p.blob) src = static_cast<const char*>(p.blob->data());
+    if (p.stored && p.stored->buffer) src = static_cast<const char*>(p.stored->buffer->data());
+    std::string error;
+    if (p.disk) {
+      error = p.disk->wait();
+      src = p.disk->data();
+    }
+    counters().waits += 1;
+    counters().wait_ns += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count());
     if (!error.empty()) fail(ORT_FAIL, "transfer failed: " + error);
+    // skip_wait (tests): the consumers see what the Prefetch left (poison, if set).
+    if (debug().skip_wait.load(std::memory_order_relaxed)) return;
+    if (bytes != 0) {
+      copy_in_compute(ctx, out, src, bytes);
+      counters().bytes_loaded += bytes;
+    }
   }
 
  private:
-  // Register the load into `dst`. A stale one for the same buffer (a run that failed
-  // between Prefetch and Wait) is cancelled first so it cannot overwrite the new data.
-  CompletionPtr begin_load(void* dst, size_t bytes) {
-    auto done = std::make_shared<Completion>();
-    CompletionPtr old;
+  static constexpr size_t kStagingAlign = 4096;
+
+  // `counted`: this call is the op's first call into the engine (run tracking counts each
+  // op once per Compute).
+  void add_pending(void* dst, Pending p, const ExecContext& ctx, bool counted = true) {
+    if (p.bytes != 0 && debug().poison.load(std::memory_order_relaxed)) {
+      std::memset(dst, 0xFF, p.bytes);  // ORT's buffer, inside this Compute: allowed
+    }
+    if (p.bytes == 0) return;  // nothing to wait for (the Wait returns at once)
+    Pending old;
+    Released released;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      CompletionPtr& slot = pending_[dst];
-      old = std::move(slot);
-      slot = done;
+      p.owner = enter_locked(counted ? ctx.kernel : nullptr, &released);
+      Pending& slot = pending_[dst];
+      old = std::move(slot);  // a load of a failed run at the same address: dropped
+      slot = std::move(p);
     }
-    if (old) old->cancel();
-    if (debug().poison.load(std::memory_order_relaxed)) std::memset(dst, 0xFF, bytes);
-    return done;
   }
 
-  static std::string timed_wait(Completion& c) {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::string error = c.wait();
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now() - t0)
-                        .count();
-    counters().waits += 1;
-    counters().wait_ns += static_cast<uint64_t>(ns);
-    return error;
+  // The calling thread's run: a kernel that already ran on this thread in its current
+  // epoch means a new run began there (ORT runs each node once per run), so the records of
+  // the thread's earlier runs that are still here (their run failed, or their graph never
+  // reloaded them) are released. Returned records are destroyed by the caller, outside the
+  // lock (pool buffers, staging).
+  Owner enter_locked(const void* kernel, Released* released) {
+    const uint64_t tid = this_thread_uid();
+    if (g_dead_count.load(std::memory_order_acquire) != dead_seen_) reap_dead_locked(released);
+    ThreadRun& tr = threads_[tid];
+    if (tr.epoch == 0 || (kernel != nullptr && !tr.seen.insert(kernel).second)) {
+      const uint64_t old = tr.epoch;
+      tr.epoch = g_next_epoch.fetch_add(1);
+      tr.seen.clear();
+      if (kernel != nullptr) tr.seen.insert(kernel);
+      if (old != 0) release_epoch_locked(tid, old, released);
+    }
+    return Owner{tid, tr.epoch};
   }
+
+  // Records of threads that ended belong to runs that are over.
+  void reap_dead_locked(Released* released) {
+    std::vector<uint64_t> dead;
+    {
+      std::lock_guard<std::mutex> lock(g_dead_mu);
+      dead.assign(g_dead->begin() + static_cast<std::ptrdiff_t>(dead_seen_), g_dead->end());
+      dead_seen_ = g_dead->size();
+    }
+    for (uint64_t tid : dead) {
+      auto it = threads_.find(tid);
+      if (it == threads_.end()) continue;
+      threads_.erase(it);
+      release_epoch_locked(tid, UINT64_MAX, released);
+    }
+  }
+
+  void release_epoch_locked(uint64_t tid, uint64_t epoch, Released* released) {
+    for (auto it = stored_.begin(); it != stored_.end();) {
+      if (it->second->owner.thread == tid && it->second->owner.epoch <= epoch) {
+        released->stored.push_back(std::move(it->second));
+        it = stored_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.owner.thread == tid && it->second.owner.epoch <= epoch) {
+        released->loads.push_back(std::move(it->second));
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // A record made on this thread must come from its current run. Records made on other
+  // threads are accepted (ORT_PARALLEL runs one run's nodes on several threads); their
+  // tokens carry a random tag, and they are released with their own thread's next run.
+  static bool may_use(const Owner& rec, const Owner& me) {
+    return rec.thread != me.thread || rec.epoch == me.epoch;
+  }
+
+  struct ThreadRun {
+    uint64_t epoch = 0;
+    std::unordered_set<const void*> seen;
+  };
 
   HostStore host_store_;
-  std::shared_ptr<HostPool> pool_ = std::make_shared<HostPool>();
+  std::shared_ptr<HostPool> pool_;     // stored activations (bounded)
+  std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight)
   std::mutex mu_;
-  std::unordered_map<const void*, CompletionPtr> pending_;
+  std::mt19937_64 rng_;
+  std::unordered_map<uint64_t, ThreadRun> threads_;
+  size_t dead_seen_ = 0;  // entries of g_dead already reaped
+  std::unordered_map<const void*, Pending> pending_;
   std::unordered_map<uint64_t, std::shared_ptr<CpuStored>> stored_;
-  std::unique_ptr<Channel> load_ = std::make_unique<Channel>("load");
-  std::unique_ptr<Channel> store_ = std::make_unique<Channel>("store");
   DiskFiles files_;  // open data files, shared by weights
   std::unique_ptr<Channel> disk_ = std::make_unique<Channel>("disk", disk_io_threads());
 };
 
 }  // namespace
 
-std::shared_ptr<Engine> make_cpu_engine() { return std::make_shared<CpuEngine>(); }
+std::shared_ptr<Engine> make_cpu_engine(const EngineLimits& limits) {
+  return std::make_shared<CpuEngine>(limits);
+}
 
 }  // namespace ho

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "common.h"
+#include "weight_file.h"
 
 namespace ho {
 
@@ -115,13 +116,12 @@ DiskBusy::~DiskBusy() {
   }
 }
 
-std::shared_ptr<DiskFile> DiskFile::open(const std::string& realpath) {
+std::shared_ptr<DiskFile> DiskFile::open(const WeightFile& file) {
+  const std::string& realpath = file.path();
   std::shared_ptr<DiskFile> f(new DiskFile(realpath));
-  f->fd_ = ::open(realpath.c_str(), O_RDONLY | O_CLOEXEC);
+  f->fd_ = ::fcntl(file.fd(), F_DUPFD_CLOEXEC, 0);
   if (f->fd_ < 0) {
-    const int e = errno;
-    fail(e == ENOENT ? ORT_NO_SUCHFILE : ORT_FAIL,
-         "cannot open '" + realpath + "': " + errno_text(e));
+    fail(ORT_FAIL, "cannot duplicate the descriptor of '" + realpath + "': " + errno_text(errno));
   }
   struct stat st {};
   if (::fstat(f->fd_, &st) != 0) {
@@ -145,9 +145,18 @@ std::shared_ptr<DiskFile> DiskFile::open(const std::string& realpath) {
     return f;  // unusual alignment: stay buffered
   }
   // EINVAL: the file system refuses O_DIRECT (reads then go through the page cache).
-  f->fd_direct_ = ::open(realpath.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (f->fd_direct_ < 0 && errno != EINVAL) {
-    fail(ORT_FAIL, "cannot open '" + realpath + "' for direct I/O: " + errno_text(errno));
+  // A second open file description of the same file (O_DIRECT is per description): through
+  // the descriptor's /proc entry, which names the open file, not a path looked up again.
+  // Without /proc the file is read through the page cache.
+  const std::string self = "/proc/self/fd/" + std::to_string(f->fd_);
+  f->fd_direct_ = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (f->fd_direct_ >= 0) {
+    struct stat st2 {};
+    if (::fstat(f->fd_direct_, &st2) != 0 || st2.st_dev != st.st_dev ||
+        st2.st_ino != st.st_ino) {
+      ::close(f->fd_direct_);
+      f->fd_direct_ = -1;
+    }
   }
   f->off_align_ = off_align;
   f->mem_align_ = mem_align;
@@ -261,16 +270,17 @@ bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
   return true;
 }
 
-std::shared_ptr<DiskFile> DiskFiles::open_range(const std::string& realpath, int64_t offset,
+std::shared_ptr<DiskFile> DiskFiles::open_range(const WeightFile& wf, int64_t offset,
                                                 int64_t length) {
   if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
+  const std::string& realpath = wf.path();
   std::shared_ptr<DiskFile> file;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::weak_ptr<DiskFile>& slot = files_[realpath];
+    std::weak_ptr<DiskFile>& slot = files_[wf.key()];
     file = slot.lock();
     if (!file) {
-      file = DiskFile::open(realpath);
+      file = DiskFile::open(wf);
       slot = file;
     }
   }

@@ -28,10 +28,13 @@ size_t disk_chunk_bytes();
 // Number of I/O threads of a CPU engine's disk channel. HO_ONNX_IO_THREADS (1..16, default 2).
 int disk_io_threads();
 
+class WeightFile;
+
 class DiskFile {
  public:
-  // Opens `realpath` (already validated to lie inside the model directory). Throws.
-  static std::shared_ptr<DiskFile> open(const std::string& realpath);
+  // Takes a descriptor of the open, validated data file `file` (never reopened by name; the
+  // O_DIRECT descriptor is opened through /proc/self/fd, i.e. the same open file). Throws.
+  static std::shared_ptr<DiskFile> open(const WeightFile& file);
   ~DiskFile();
   DiskFile(const DiskFile&) = delete;
   DiskFile& operator=(const DiskFile&) = delete;
@@ -80,10 +83,9 @@ class DiskBusy {
 // The data files an engine reads, opened once and shared by its disk-tier weights.
 class DiskFiles {
  public:
-  // The open file `realpath`, checked to hold bytes [offset, offset + length) now (the
-  // open file, not the path validated before). Throws ho::Error with the range and size.
-  std::shared_ptr<DiskFile> open_range(const std::string& realpath, int64_t offset,
-                                       int64_t length);
+  // The open file `file`, checked to hold bytes [offset, offset + length) now. Shared by
+  // file identity (device + inode). Throws ho::Error with the range and size.
+  std::shared_ptr<DiskFile> open_range(const WeightFile& file, int64_t offset, int64_t length);
 
  private:
   std::mutex mu_;

@@ -4,8 +4,9 @@
 // that needs one, shared by that registration's kernels through std::shared_ptr, and
 // destroyed (worker threads joined, memory freed) with the last of them.
 //
-// The CPU engine (cpu_engine.cc) copies with memcpy on two worker threads and reads
-// disk-tier weights on a third channel of I/O threads (disk_io.h). The CUDA engine
+// The CPU engine (cpu_engine.cc) copies into and out of ORT's buffers only inside the ops'
+// Compute calls (the transfer lifetime rule, docs/design.md) and reads disk-tier weights on
+// a channel of I/O threads (disk_io.h) into its own staging buffers. The CUDA engine
 // (csrc/cuda/cuda_engine.cc, docs/cuda.md) implements the same interface: `ExecContext::stream`
 // carries the kernel's compute stream and the copies are cudaMemcpyAsync on copy streams,
 // ordered with the compute stream by events. On the GPU EP a Store token lives in device
@@ -19,7 +20,11 @@
 #include <string>
 #include <vector>
 
+#include <onnxruntime_c_api.h>
+
 namespace ho {
+
+class WeightFile;
 
 // Per-call context a kernel passes to the engine.
 struct ExecContext {
@@ -29,6 +34,20 @@ struct ExecContext {
   // token2 of a Detach, the z of a Wait (the engine copies on the compute stream when ORT
   // did not alias it). Null on the CPU EP (ops.cc copies there).
   void* out = nullptr;
+  // The calling kernel: tells runs apart (an engine's run tracking, see "Transfer lifetime
+  // rule" in docs/design.md).
+  const void* kernel = nullptr;
+  // CPU EP: the kernel's context, so that large copies can use ORT's intra-op threads
+  // (KernelContext_ParallelFor) inside the Compute call. Null: copy on this thread.
+  const OrtApi* api = nullptr;
+  OrtKernelContext* kctx = nullptr;
+};
+
+// What a Store writes into its token: the store's id and a random tag that the reload and
+// the Detach must present (ids are guessable, tags are not).
+struct StoreKey {
+  uint64_t id = 0;
+  uint64_t tag = 0;
 };
 
 // Bytes of one weight, read once from its external data file into host memory.
@@ -54,27 +73,28 @@ class StoredTensor {
   virtual ~StoredTensor() = default;
   virtual const std::vector<int64_t>& shape() const = 0;
   virtual size_t bytes() const = 0;
+  virtual ONNXTensorElementDataType elem_type() const = 0;
 };
 
 class Engine {
  public:
   virtual ~Engine() = default;
 
-  // Host store: the `length` bytes at `offset` of the file `realpath` (already validated),
+  // Host store: the `length` bytes at `offset` of the open file `file` (already validated),
   // read at most once per engine and shared by every caller asking for the same range.
-  virtual std::shared_ptr<const HostBlob> load_weight(const std::string& realpath,
-                                                      int64_t offset, int64_t length) = 0;
+  virtual std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, int64_t offset,
+                                                      int64_t length) = 0;
 
   // Start copying `blob` into `dst` (fast tier) on the load channel; keyed by `dst`.
   virtual void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
                                const ExecContext& ctx) = 0;
 
-  // Disk tier: open the file `realpath` (already validated) for the `length` bytes at
+  // Disk tier: keep the open file `file` (already validated) for the `length` bytes at
   // `offset` without reading them; checks the open file's size again. `name` (the weight)
   // goes into error messages.
-  virtual std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath,
-                                                             int64_t offset, int64_t length,
-                                                             const std::string& name) = 0;
+  virtual std::shared_ptr<const DiskSource> open_disk_weight(
+      const std::shared_ptr<WeightFile>& file, int64_t offset, int64_t length,
+      const std::string& name) = 0;
 
   // Start reading `src` from its file into `dst` (fast tier) on the disk channel (background
   // I/O threads, FIFO); keyed by `dst` like every load. A read error (e.g. the file was
@@ -82,25 +102,29 @@ class Engine {
   virtual void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
                              const ExecContext& ctx) = 0;
 
-  // Start copying `bytes` at `src` into the host pool on the store channel; returns the
-  // store id written into the token.
-  virtual uint64_t store(const void* src, size_t bytes, std::vector<int64_t> shape,
-                         const ExecContext& ctx) = 0;
+  // Copy `bytes` at `src` (element type `type`, shape `shape`) into the host pool; returns
+  // the key written into the token. The CPU engine copies before returning (`src` is ORT's).
+  virtual StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,
+                         ONNXTensorElementDataType type, const ExecContext& ctx) = 0;
 
-  // Block until the store `id` finished reading its source.
-  virtual void detach(uint64_t id, const ExecContext& ctx) = 0;
+  // Block until the store `key` finished reading its source.
+  virtual void detach(const StoreKey& key, const ExecContext& ctx) = 0;
 
-  // Remove the stored tensor `id` from the engine (the caller reloads it).
-  virtual std::shared_ptr<StoredTensor> take_stored(uint64_t id) = 0;
+  // Remove the stored tensor `key` from the engine (the caller reloads it). Refused when the
+  // key is unknown, its tag is wrong, or it belongs to an earlier run.
+  virtual std::shared_ptr<StoredTensor> take_stored(const StoreKey& key,
+                                                    const ExecContext& ctx) = 0;
 
   // Start copying a taken stored tensor into `dst` on the load channel (after its store
   // completed); its host memory returns to the pool when the copy is done. Keyed by `dst`.
   virtual void prefetch_stored(std::shared_ptr<StoredTensor> stored, void* dst,
                                const ExecContext& ctx) = 0;
 
-  // Block until the transfer into `dst` (of `bytes` bytes) completed. On a GPU EP, "block"
-  // means: make the compute stream wait for it (the host returns at once).
-  virtual void wait(const void* dst, size_t bytes, const ExecContext& ctx) = 0;
+  // Complete the transfer registered for the Prefetch output `dst` (of `bytes` bytes) into
+  // the Wait's output `out` (which may be `dst`). CPU engine: copies into `out` before it
+  // returns. GPU EP: "complete" means make the compute stream wait for it (the host returns
+  // at once) and copy on the stream into ctx.out.
+  virtual void wait(const void* dst, void* out, size_t bytes, const ExecContext& ctx) = 0;
 
   // Session creation, once per kernel of a GPU EP: set up `device` (streams, event pool,
   // disk staging) so that runs allocate nothing. No-op on the CPU engine.
@@ -112,6 +136,13 @@ class Engine {
   virtual void plan_host_bytes(size_t /*bytes*/) {}
 };
 
-std::shared_ptr<Engine> make_cpu_engine();
+// Limits of a registration's engines (session config entries).
+struct EngineLimits {
+  // Bytes of stored activations the host pool may hold (in use + cached free buffers);
+  // ho_onnx.host_pool_limit_bytes, default: half the machine's physical memory.
+  uint64_t host_pool_limit = 0;
+};
+
+std::shared_ptr<Engine> make_cpu_engine(const EngineLimits& limits);
 
 }  // namespace ho

@@ -14,10 +14,10 @@
 
 namespace ho {
 
-// 64-byte aligned host allocation.
+// Aligned host allocation (64 bytes unless asked otherwise).
 class HostBytes {
  public:
-  explicit HostBytes(size_t size);
+  explicit HostBytes(size_t size, size_t align = 64);
   ~HostBytes();
   HostBytes(const HostBytes&) = delete;
   HostBytes& operator=(const HostBytes&) = delete;
@@ -27,13 +27,15 @@ class HostBytes {
  private:
   void* data_ = nullptr;
   size_t size_ = 0;
+  size_t align_ = 64;
 };
 
-// Weights: (realpath, offset, length) -> bytes, read once.
+class WeightFile;
+
+// Weights: (file identity, offset, length) -> bytes, read once from the open file.
 class HostStore {
  public:
-  std::shared_ptr<const HostBlob> load(const std::string& realpath, int64_t offset,
-                                       int64_t length);
+  std::shared_ptr<const HostBlob> load(const WeightFile& file, int64_t offset, int64_t length);
 
  private:
   std::mutex mu_;
@@ -57,17 +59,27 @@ class PoolBuffer {
   std::unique_ptr<HostBytes> bytes_;
 };
 
-// Stored activations: buffers are reused for later requests of the same size.
+// Stored activations (and the disk tier's staging): buffers are reused for later requests
+// of the same size. `limit` (0: none) bounds the bytes in use plus the free buffers kept;
+// acquire() throws an ho::Error naming `limit_name` when a request does not fit.
 class HostPool : public std::enable_shared_from_this<HostPool> {
  public:
+  HostPool(uint64_t limit, std::string limit_name, size_t align = 64, bool counted = true);
   ~HostPool();
   std::unique_ptr<PoolBuffer> acquire(size_t size);
+  uint64_t in_use() const;
 
  private:
   friend class PoolBuffer;
   void release(std::unique_ptr<HostBytes> bytes);
 
-  std::mutex mu_;
+  const uint64_t limit_;
+  const std::string limit_name_;
+  const size_t align_;
+  const bool counted_;  // reported in the host_pool_* counters
+  mutable std::mutex mu_;
+  uint64_t in_use_ = 0;
+  uint64_t free_bytes_ = 0;
   std::multimap<size_t, std::unique_ptr<HostBytes>> free_;
 };
 

@@ -1,5 +1,8 @@
-// The pybind11 module ho_onnx._ops: build facts, counters and test hooks. The same shared
-// library is the ORT custom-op library (ops.cc: RegisterCustomOps).
+// The pybind11 module ho_onnx._ops: build facts, counters, CUDA helpers and test hooks.
+// Everything about the ORT custom ops comes from the custom-op library libho_onnx_ops.so
+// through its C API (ho_onnx_c_api.h): the module links to it, and ORT later loads that
+// same file, so both see one copy of its process-wide state. The test hooks of the CUDA
+// engine's host-side logic (cuda/host_logic.h, header-only) are compiled here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -10,165 +13,85 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "common.h"
 #include "cuda/host_logic.h"
-#if HO_ONNX_WITH_CUDA
-#include "cuda/cuda_api.h"
-#include "cuda/probe.h"
-#endif
+#include "ho_onnx_c_api.h"
 
 namespace py = pybind11;
 
-#ifndef HO_ONNX_VERSION
-#define HO_ONNX_VERSION "0.0.0"
-#endif
-#ifndef HO_ONNX_CXX_COMPILER
-#define HO_ONNX_CXX_COMPILER "unknown"
-#endif
-
 namespace {
 
+// A failed C API call raises RuntimeError with the library's message.
+void check(int rc) {
+  if (rc != 0) throw std::runtime_error(HoOnnx_LastError());
+}
+
 py::dict build_info() {
-  py::dict d;
-  d["version"] = HO_ONNX_VERSION;
-  d["ort_api_version"] = ORT_API_VERSION;
-#if HO_ONNX_WITH_CUDA
-  d["cuda_compiled"] = true;
-#else
-  d["cuda_compiled"] = false;
-#endif
-  d["cxx_compiler"] = HO_ONNX_CXX_COMPILER;
-  py::list types;
-  for (const ho::ElemType* t = ho::elem_types(); t->bits != 0; ++t) types.append(t->name);
-  d["element_types"] = types;
+  py::dict d = py::module_::import("json").attr("loads")(HoOnnx_BuildInfoJson());
   return d;
 }
 
-int cuda_device_count() {
-#if HO_ONNX_WITH_CUDA
-  std::string err;
-  return ho_cuda_device_count(&err);
-#else
-  return 0;
-#endif
-}
+int cuda_device_count() { return HoOnnx_CudaDeviceCount(); }
 
 py::dict counters() {
-  const ho::Counters& c = ho::counters();
+  const size_t n = HoOnnx_GetCounters(nullptr, nullptr, 0);
+  std::vector<const char*> names(n);
+  std::vector<int64_t> values(n);
+  HoOnnx_GetCounters(names.data(), values.data(), n);
   py::dict d;
-  d["bytes_loaded"] = c.bytes_loaded.load();
-  d["bytes_stored"] = c.bytes_stored.load();
-  d["prefetches"] = c.prefetches.load();
-  d["stores"] = c.stores.load();
-  d["waits"] = c.waits.load();
-  d["wait_ns"] = c.wait_ns.load();
-  d["alias_copies"] = c.alias_copies.load();
-  d["bytes_read_disk"] = c.bytes_read_disk.load();
-  d["disk_read_ns"] = c.disk_read_ns.load();
-  d["disk_direct_reads"] = c.disk_direct_reads.load();
-  d["disk_buffered_reads"] = c.disk_buffered_reads.load();
-  d["host_store_bytes"] = c.host_store_bytes.load();
-  d["host_pool_bytes_in_use"] = c.host_pool_bytes_in_use.load();
-  d["host_pool_bytes_reserved"] = c.host_pool_bytes_reserved.load();
-  d["engines_alive"] = c.engines_alive.load();
-  d["pinned_bytes"] = c.pinned_bytes.load();
-  d["pinned_allocs"] = c.pinned_allocs.load();
-  d["cuda_events_created"] = c.cuda_events_created.load();
-  d["ring_segments"] = c.ring_segments.load();
-  d["registrations"] = c.registrations.load();
-  d["cuda_registrations"] = c.cuda_registrations.load();
+  for (size_t i = 0; i < n; ++i) d[names[i]] = values[i];
   return d;
 }
 
-void reset_counters() {
-  ho::Counters& c = ho::counters();
-  c.bytes_loaded = 0;
-  c.bytes_stored = 0;
-  c.prefetches = 0;
-  c.stores = 0;
-  c.waits = 0;
-  c.wait_ns = 0;
-  c.alias_copies = 0;
-  c.bytes_read_disk = 0;
-  c.disk_read_ns = 0;
-  c.disk_direct_reads = 0;
-  c.disk_buffered_reads = 0;
-}
+void reset_counters() { HoOnnx_ResetCounters(); }
 
 void set_debug(int64_t delay_us, bool poison, bool skip_wait, bool skip_order,
                int64_t compute_delay_us, bool cuda_timing) {
-  ho::Debug& d = ho::debug();
-  d.delay_us = delay_us < 0 ? 0 : delay_us;
-  d.poison = poison;
-  d.skip_wait = skip_wait;
-  d.skip_order = skip_order;
-  d.compute_delay_us = compute_delay_us < 0 ? 0 : compute_delay_us;
-  d.cuda_timing = cuda_timing;
+  check(HoOnnx_SetDebug("delay_us", delay_us));
+  check(HoOnnx_SetDebug("poison", poison));
+  check(HoOnnx_SetDebug("skip_wait", skip_wait));
+  check(HoOnnx_SetDebug("skip_order", skip_order));
+  check(HoOnnx_SetDebug("compute_delay_us", compute_delay_us));
+  check(HoOnnx_SetDebug("cuda_timing", cuda_timing));
 }
-
-#if HO_ONNX_WITH_CUDA
-// A CUDA failure raises RuntimeError with the CUDA error's text.
-template <typename F>
-auto cuda_call(F&& f) {
-  try {
-    return f();
-  } catch (const ho::Error& e) {
-    throw std::runtime_error(e.what());
-  }
-}
-#endif
-
-#if !HO_ONNX_WITH_CUDA
-[[noreturn]] void no_cuda(const char* what) {
-  throw std::runtime_error(std::string(what) + ": ho_onnx was built without CUDA");
-}
-#endif
 
 py::tuple cuda_mem_info(int device) {
-#if HO_ONNX_WITH_CUDA
-  const ho::CudaMemInfo m = cuda_call([&] { return ho::cuda_mem_info(device); });
-  return py::make_tuple(m.free_bytes, m.total_bytes);
-#else
-  (void)device;
-  no_cuda("cuda_mem_info");
-#endif
+  uint64_t free_bytes = 0, total_bytes = 0;
+  check(HoOnnx_CudaMemInfo(device, &free_bytes, &total_bytes));
+  return py::make_tuple(free_bytes, total_bytes);
 }
 
 py::dict cuda_calibrate(size_t bytes, int device, int repeats) {
-#if HO_ONNX_WITH_CUDA
-  ho::CudaCalibration c;
+  HoOnnxCudaCalibration c{};
+  int rc = 0;
   {
     py::gil_scoped_release nogil;
-    c = cuda_call([&] { return ho::cuda_calibrate(bytes, device, repeats); });
+    rc = HoOnnx_CudaCalibrate(bytes, device, repeats, &c);
   }
+  check(rc);
   py::dict d;
   d["h2d_bw"] = c.h2d_bw;
   d["d2h_bw"] = c.d2h_bw;
   d["bytes"] = c.bytes;
   d["device"] = c.device;
-  d["device_name"] = c.device_name;
+  d["device_name"] = std::string(c.device_name);
   return d;
-#else
-  (void)bytes;
-  (void)device;
-  (void)repeats;
-  no_cuda("cuda_calibrate");
-#endif
 }
 
 py::dict cuda_transfer_times(bool reset) {
-#if HO_ONNX_WITH_CUDA
-  ho::CudaTransferTimes t;
+  HoOnnxCudaTransferTimes t{};
+  int rc = 0;
   {
     py::gil_scoped_release nogil;
-    t = cuda_call([&] { return ho::cuda_transfer_times(reset); });
+    rc = HoOnnx_CudaTransferTimes(reset ? 1 : 0, &t);
   }
+  check(rc);
   py::dict d;
   d["h2d_bytes"] = t.h2d_bytes;
   d["h2d_s"] = t.h2d_s;
@@ -177,10 +100,6 @@ py::dict cuda_transfer_times(bool reset) {
   d["d2h_s"] = t.d2h_s;
   d["d2h_copies"] = t.d2h_copies;
   return d;
-#else
-  (void)reset;
-  no_cuda("cuda_transfer_times");
-#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -438,10 +357,16 @@ py::dict pack_weights(const std::vector<size_t>& sizes) {
 }  // namespace
 
 PYBIND11_MODULE(_ops, m) {
-  m.doc() = "ho-onnx native library: ORT custom ops (ai.hyperoffload) and their counters";
-  m.attr("__version__") = HO_ONNX_VERSION;
+  m.doc() = "ho-onnx native module: counters and build facts of the custom-op library";
+  if (HoOnnx_ApiVersion() != HO_ONNX_C_API_VERSION) {
+    throw std::runtime_error("ho_onnx._ops: libho_onnx_ops C API version " +
+                             std::to_string(HoOnnx_ApiVersion()) + ", expected " +
+                             std::to_string(HO_ONNX_C_API_VERSION));
+  }
+  m.attr("__version__") = build_info()["version"];
   m.def("build_info", &build_info,
-        "Build facts: version, ort_api_version, cuda_compiled, cxx_compiler, element_types.");
+        "Build facts: version, ort_api_version, c_api_version, cuda_compiled, cxx_compiler, "
+        "element_types.");
   m.def("cuda_device_count", &cuda_device_count,
         "CUDA devices visible (0 without a CUDA build, a driver or a device).");
   m.def("counters", &counters, "Process-wide transfer and memory counters.");

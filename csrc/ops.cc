@@ -10,12 +10,15 @@
 // call into the registration's Engine (engine.h): one CPU engine and one CUDA engine per
 // registration, each created by the first kernel that needs it.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,6 +27,7 @@
 
 #include "common.h"
 #include "engine.h"
+#include "weight_file.h"
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
 #endif
@@ -38,8 +42,19 @@ constexpr const char* kModelDirKey = "ho_onnx.model_dir";
 // session creation). Also a Store attribute of the same meaning: `host_bytes`.
 constexpr const char* kHostBytesKey = "ho_onnx.host_bytes";
 constexpr const char* kHostBytesAttr = "host_bytes";
+// Bound of the host pool of stored activations (bytes; default: half the physical memory).
+constexpr const char* kPoolLimitKey = "ho_onnx.host_pool_limit_bytes";
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
+
+// The ORT C API version the library asks the runtime for and declares in its OrtCustomOps:
+// the newest it uses (KernelInfoGetAllocator and OrtCustomOp::GetAliasMap/ReleaseAliasMap
+// came with API 18, onnxruntime 1.18; CMakeLists.txt sets HO_ONNX_ORT_API_REQUIRED). A
+// runtime serves every API version up to its own from one append-only function table, so
+// 1.18 and every later release load the library; the headers it is compiled with may be
+// newer (ORT_API_VERSION).
+constexpr uint32_t kOrtApiVersion = HO_ONNX_ORT_API_REQUIRED;
+static_assert(ORT_API_VERSION >= kOrtApiVersion, "ONNX Runtime headers older than the API used");
 
 enum class OpKind { kPrefetch, kWait, kStore, kDetach };
 
@@ -61,9 +76,11 @@ const char* op_name(OpKind k) {
 size_t fixed_inputs(OpKind k) { return k == OpKind::kDetach ? 2 : 1; }
 
 // ---------------------------------------------------------------------------------------
-// Registration: what one RegisterCustomOps call created. The OrtCustomOpDomain and the op
-// structs must outlive every session that uses them, and ORT gives no callback when that
-// is over, so registrations are never released: they stay in a static list (a few KB each).
+// Registration: the op domain for one library configuration (model directory, host bytes,
+// pool limit, CUDA variants). The OrtCustomOpDomain and the op structs must outlive every
+// session that uses them, and ORT gives no callback when that is over, so registrations are
+// never released; RegisterCustomOps calls with the same configuration share one (and so
+// one engine), so a server that creates and destroys sessions retains nothing per session.
 // The engine, the only large thing, lives and dies with the registration's kernels.
 
 struct OpDef;
@@ -72,10 +89,36 @@ struct Registration {
   const OrtApi* api = nullptr;
   std::string model_dir;   // from the session config entry, "" when not set
   int64_t host_bytes = -1;  // from the session config entry, -1 when not set
+  EngineLimits limits;
   std::mutex mu;
+  std::map<std::string, std::string> fingerprints;  // file identity + version -> fingerprint
+  OrtCustomOpDomain* domain = nullptr;
+  bool cuda = false;
   std::weak_ptr<Engine> engine;       // CPU EP kernels
   std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
   std::vector<std::unique_ptr<OpDef>> ops;
+
+  // The data_fingerprint of an open data file, computed once per file and registration.
+  // Keyed by the file's identity and version (size, mtime, ctime: any write changes ctime).
+  std::string fingerprint(const WeightFile& f) {
+    struct stat st {};
+    if (::fstat(f.fd(), &st) != 0) fail(ORT_FAIL, "cannot stat '" + f.path() + "'");
+    const std::string key = f.key() + ":" + std::to_string(st.st_size) + ":" +
+                            std::to_string(st.st_mtim.tv_sec) + "." +
+                            std::to_string(st.st_mtim.tv_nsec) + ":" +
+                            std::to_string(st.st_ctim.tv_sec) + "." +
+                            std::to_string(st.st_ctim.tv_nsec);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = fingerprints.find(key);
+      if (it != fingerprints.end()) return it->second;
+    }
+    std::string fp = data_fingerprint(f.fd(), static_cast<uint64_t>(st.st_size));
+    std::lock_guard<std::mutex> lock(mu);
+    if (fingerprints.size() >= 256) fingerprints.clear();  // bounded
+    fingerprints.emplace(key, fp);
+    return fp;
+  }
 
   std::shared_ptr<Engine> acquire_engine(bool cuda) {
     std::lock_guard<std::mutex> lock(mu);
@@ -83,10 +126,10 @@ struct Registration {
     std::shared_ptr<Engine> e = slot.lock();
     if (!e) {
 #if HO_ONNX_WITH_CUDA
-      e = cuda ? make_cuda_engine() : make_cpu_engine();
+      e = cuda ? make_cuda_engine() : make_cpu_engine(limits);
 #else
       if (cuda) fail(ORT_FAIL, "built without CUDA");
-      e = make_cpu_engine();
+      e = make_cpu_engine(limits);
 #endif
       slot = e;
     }
@@ -95,7 +138,8 @@ struct Registration {
 };
 
 std::mutex g_regs_mu;
-std::vector<Registration*>* g_regs = new std::vector<Registration*>();  // never freed
+// configuration key -> registration; never freed (one entry per distinct configuration)
+std::map<std::string, Registration*>* g_regs = new std::map<std::string, Registration*>();
 
 struct OpDef : OrtCustomOp {
   OpKind kind;
@@ -194,48 +238,45 @@ bool attr_ints(const OrtApi* api, const OrtKernelInfo* info, const char* name,
   return true;
 }
 
-std::string real_path(const std::string& p) {
-  char* r = ::realpath(p.c_str(), nullptr);
-  if (r == nullptr) return {};
-  std::string s(r);
-  std::free(r);
-  return s;
-}
-
-// True when the relative path climbs above its start with "..", before any file lookup.
-bool lexically_escapes(const std::string& rel) {
-  int depth = 0;
-  size_t pos = 0;
-  while (pos <= rel.size()) {
-    size_t end = rel.find('/', pos);
-    if (end == std::string::npos) end = rel.size();
-    const std::string part = rel.substr(pos, end - pos);
-    if (part == "..") {
-      if (--depth < 0) return true;
-    } else if (!part.empty() && part != ".") {
-      ++depth;
-    }
-    pos = end + 1;
-  }
-  return false;
-}
-
-struct Token {
-  uint64_t id;
-  uint64_t magic;
-};
-
-Token read_token(const OrtApi* api, const OrtValue* v, int bits) {
+// A token holds [id, tag] (StoreKey): 16 bytes whatever its element type.
+StoreKey read_token(const OrtApi* api, const OrtValue* v, int bits) {
   const TensorInfo ti = tensor_info(api, v);
   if (byte_size(ti.numel, bits) != kTokenBytes) {
     fail(ORT_INVALID_ARGUMENT, "token input is not a 16-byte Store token");
   }
-  Token t{};
-  std::memcpy(&t, tensor_data(api, v), sizeof(t));
-  if (t.magic != kTokenMagic) {
-    fail(ORT_INVALID_ARGUMENT, "token input is not a Store token (bad magic)");
-  }
+  StoreKey t{};
+  std::memcpy(&t.id, tensor_data(api, v), sizeof(t.id));
+  std::memcpy(&t.tag, static_cast<const char*>(tensor_data(api, v)) + 8, sizeof(t.tag));
   return t;
+}
+
+void write_token(void* dst, const StoreKey& k) {
+  std::memcpy(dst, &k.id, sizeof(k.id));
+  std::memcpy(static_cast<char*>(dst) + 8, &k.tag, sizeof(k.tag));
+}
+
+// Bytes of a stored tensor's shape, checked: the reload's output must be exactly the bytes
+// the Store copied (never an overflow, never a partly written output).
+void check_stored(const StoredTensor& rec, ONNXTensorElementDataType want, int bits) {
+  if (rec.elem_type() != want) {
+    fail(ORT_INVALID_ARGUMENT,
+         "the stored tensor has element type " + std::to_string(static_cast<int>(rec.elem_type())) +
+             " but this Prefetch reloads element type " + std::to_string(static_cast<int>(want)) +
+             " (the token comes from a Store of another type)");
+  }
+  uint64_t numel = 1;
+  for (int64_t d : rec.shape()) {
+    if (d < 0) fail(ORT_INVALID_ARGUMENT, "stored tensor has a negative dimension");
+    if (d != 0 && numel > UINT64_MAX / 8 / static_cast<uint64_t>(d)) {
+      fail(ORT_INVALID_ARGUMENT, "stored tensor shape overflows");
+    }
+    numel *= static_cast<uint64_t>(d);
+  }
+  if (byte_size(numel, bits) != rec.bytes()) {
+    fail(ORT_INVALID_ARGUMENT, "stored tensor holds " + std::to_string(rec.bytes()) +
+                                   " bytes but its shape needs " +
+                                   std::to_string(byte_size(numel, bits)));
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -245,6 +286,7 @@ struct Kernel {
   const OrtApi* api;
   OpKind kind;
   int bits;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   bool gpu = false;  // CUDA EP: buffers are device memory, the engine orders by streams
   int device = 0;
   std::string node;  // the node's name, for messages
@@ -306,40 +348,52 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
                                   std::to_string(expect) + " bytes expected)");
   }
 
-  std::string dir = op.reg->model_dir;
-  if (dir.empty()) attr_string(api, info, "base_dir", &dir);
+  // Resolved only inside the session's model folder: the node's `base_dir` (an absolute
+  // path written by the rewriter) is never used.
+  const std::string& dir = op.reg->model_dir;
   if (dir.empty()) {
-    bad(ORT_INVALID_ARGUMENT, std::string("no model directory: set the session config entry '") +
-                                  kModelDirKey + "' or the attribute 'base_dir'");
+    bad(ORT_INVALID_ARGUMENT,
+        std::string("the model has offloaded weights but no model directory is known: set the "
+                    "session config entry '") +
+            kModelDirKey +
+            "' to the folder of the model file (ho_onnx.runtime.session_options(model_path) "
+            "does; a model given as bytes needs it set explicitly)");
   }
-  if (location.empty()) bad(ORT_INVALID_ARGUMENT, "empty location");
-  if (location.front() == '/') bad(ORT_INVALID_ARGUMENT, "location must be relative to the model directory");
-  if (lexically_escapes(location)) bad(ORT_INVALID_ARGUMENT, "location escapes the model directory");
-  const std::string real_dir = real_path(dir);
-  if (real_dir.empty()) bad(ORT_NO_SUCHFILE, "model directory '" + dir + "' does not exist");
-  const std::string joined = real_dir + "/" + location;
-  const std::string real_file = real_path(joined);
-  if (real_file.empty()) bad(ORT_NO_SUCHFILE, "file '" + joined + "' does not exist");
-  const std::string prefix = real_dir == "/" ? real_dir : real_dir + "/";
-  if (real_file.compare(0, prefix.size(), prefix) != 0) {
-    bad(ORT_INVALID_ARGUMENT, "location escapes the model directory '" + real_dir + "'");
+  std::shared_ptr<WeightFile> file;
+  try {
+    file = resolve_weight_file(dir, location);
+  } catch (const Error& e) {
+    bad(e.code(), e.what());
   }
-  struct stat st {};
-  if (::stat(real_file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    bad(ORT_NO_SUCHFILE, "'" + real_file + "' is not a regular file");
+  const uint64_t file_size = file->size();
+  int64_t want_size = -1;
+  if (attr_int(api, info, "data_size", &want_size) && want_size >= 0 &&
+      static_cast<uint64_t>(want_size) != file_size) {
+    bad(ORT_INVALID_ARGUMENT, "'" + file->path() + "' has " + std::to_string(file_size) +
+                                  " bytes but the model was optimized for a data file of " +
+                                  std::to_string(want_size) +
+                                  " bytes (not the data file this model was written with)");
   }
-  const auto file_size = static_cast<uint64_t>(st.st_size);
+  std::string want_fp;
+  if (attr_string(api, info, "data_fingerprint", &want_fp) && !want_fp.empty()) {
+    const std::string fp = op.reg->fingerprint(*file);
+    if (fp != want_fp) {
+      bad(ORT_INVALID_ARGUMENT, "'" + file->path() + "' has fingerprint " + fp +
+                                    " but the model was optimized for " + want_fp +
+                                    " (not the data file this model was written with)");
+    }
+  }
   if (static_cast<uint64_t>(offset) > file_size ||
       static_cast<uint64_t>(length) > file_size - static_cast<uint64_t>(offset)) {
     bad(ORT_INVALID_ARGUMENT, "offset " + std::to_string(offset) + " + length " +
-                                  std::to_string(length) + " is past the end of '" + real_file +
-                                  "' (" + std::to_string(file_size) + " bytes)");
+                                  std::to_string(length) + " is past the end of '" +
+                                  file->path() + "' (" + std::to_string(file_size) + " bytes)");
   }
   try {
     if (tier == "disk") {
-      disk = engine->open_disk_weight(real_file, offset, length, name);
+      disk = engine->open_disk_weight(file, offset, length, name);
     } else {
-      blob = engine->load_weight(real_file, offset, length);
+      blob = engine->load_weight(*file, offset, length);
     }
   } catch (const Error& e) {
     bad(e.code(), e.what());
@@ -348,7 +402,10 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
 
 void Kernel::compute(OrtKernelContext* ctx) {
   if (gpu) return compute_gpu(ctx);
-  const ExecContext ec{};
+  ExecContext ec{};
+  ec.kernel = this;
+  ec.api = api;
+  ec.kctx = ctx;
   switch (kind) {
     case OpKind::kPrefetch: {
       if (weight) {
@@ -360,8 +417,9 @@ void Kernel::compute(OrtKernelContext* ctx) {
         }
         return;
       }
-      const Token t = read_token(api, input(api, ctx, 0), bits);
-      std::shared_ptr<StoredTensor> rec = engine->take_stored(t.id);
+      const StoreKey t = read_token(api, input(api, ctx, 0), bits);
+      std::shared_ptr<StoredTensor> rec = engine->take_stored(t, ec);
+      check_stored(*rec, type, bits);
       OrtValue* y = output(api, ctx, rec->shape());
       void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
       engine->prefetch_stored(std::move(rec), dst, ec);
@@ -374,12 +432,10 @@ void Kernel::compute(OrtKernelContext* ctx) {
       OrtValue* z = output(api, ctx, ti.dims);
       if (bytes == 0) return;
       const void* src = tensor_data(api, y);
-      engine->wait(src, bytes, ec);
       void* dst = tensor_data(api, z);
-      if (dst != src) {
-        std::memcpy(dst, src, bytes);
-        counters().alias_copies += 1;
-      }
+      // The engine copies from its own memory into z (= y when ORT aliased them).
+      engine->wait(src, dst, bytes, ec);
+      if (dst != src) counters().alias_copies += 1;
       return;
     }
     case OpKind::kStore: {
@@ -388,18 +444,17 @@ void Kernel::compute(OrtKernelContext* ctx) {
       const size_t bytes = byte_size(ti.numel, bits);
       const std::vector<int64_t> token_dims{static_cast<int64_t>((128 + bits - 1) / bits)};
       OrtValue* tok = output(api, ctx, token_dims);
-      const uint64_t id =
-          engine->store(bytes ? tensor_data(api, x) : nullptr, bytes, ti.dims, ec);
-      const Token t{id, kTokenMagic};
-      std::memcpy(tensor_data(api, tok), &t, sizeof(t));
+      const StoreKey key =
+          engine->store(bytes ? tensor_data(api, x) : nullptr, bytes, ti.dims, type, ec);
+      write_token(tensor_data(api, tok), key);
       return;
     }
     case OpKind::kDetach: {
       const OrtValue* tok = input(api, ctx, 1);
-      const Token t = read_token(api, tok, bits);
+      const StoreKey t = read_token(api, tok, bits);
       const TensorInfo ti = tensor_info(api, tok);
       OrtValue* tok2 = output(api, ctx, ti.dims);
-      engine->detach(t.id, ec);
+      engine->detach(t, ec);
       void* dst = tensor_data(api, tok2);
       const void* src = tensor_data(api, tok);
       if (dst != src) {
@@ -471,6 +526,7 @@ int kernel_device(const OrtApi* api, const OrtKernelInfo* info) {
 void Kernel::compute_gpu(OrtKernelContext* ctx) {
   ExecContext ec{};
   ec.device = device;
+  ec.kernel = this;
   check(api, api->KernelContext_GetGPUComputeStream(ctx, &ec.stream));
   switch (kind) {
     case OpKind::kPrefetch: {
@@ -483,8 +539,10 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
         }
         return;
       }
-      const auto key = reinterpret_cast<uintptr_t>(tensor_data(api, input(api, ctx, 0)));
-      std::shared_ptr<StoredTensor> rec = engine->take_stored(key);
+      StoreKey key;
+      key.id = reinterpret_cast<uintptr_t>(tensor_data(api, input(api, ctx, 0)));
+      std::shared_ptr<StoredTensor> rec = engine->take_stored(key, ec);
+      check_stored(*rec, type, bits);
       OrtValue* y = output(api, ctx, rec->shape());
       void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
       engine->prefetch_stored(std::move(rec), dst, ec);
@@ -497,7 +555,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
       OrtValue* z = output(api, ctx, ti.dims);
       if (bytes == 0) return;
       ec.out = tensor_data(api, z);
-      engine->wait(tensor_data(api, y), bytes, ec);
+      engine->wait(tensor_data(api, y), ec.out, bytes, ec);
       return;
     }
     case OpKind::kStore: {
@@ -506,7 +564,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
       const size_t bytes = byte_size(ti.numel, bits);
       const std::vector<int64_t> token_dims{static_cast<int64_t>((128 + bits - 1) / bits)};
       ec.out = tensor_data(api, output(api, ctx, token_dims));
-      engine->store(bytes ? tensor_data(api, x) : nullptr, bytes, ti.dims, ec);
+      engine->store(bytes ? tensor_data(api, x) : nullptr, bytes, ti.dims, type, ec);
       return;
     }
     case OpKind::kDetach: {
@@ -516,7 +574,9 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
         fail(ORT_INVALID_ARGUMENT, "token input is not a 16-byte Store token");
       }
       ec.out = tensor_data(api, output(api, ctx, ti.dims));
-      engine->detach(reinterpret_cast<uintptr_t>(tensor_data(api, tok)), ec);
+      StoreKey key;
+      key.id = reinterpret_cast<uintptr_t>(tensor_data(api, tok));
+      engine->detach(key, ec);
       return;
     }
   }
@@ -535,6 +595,7 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
     k->api = api;
     k->kind = d.kind;
     k->bits = d.bits;
+    k->type = d.type;
     k->gpu = d.cuda;
     k->node = node;
     k->engine = d.reg->acquire_engine(d.cuda);
@@ -615,7 +676,7 @@ void ORT_API_CALL release_alias_map(int* input_index, int* output_index) {
 std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t, bool cuda) {
   auto op = std::make_unique<OpDef>();
   std::memset(static_cast<OrtCustomOp*>(op.get()), 0, sizeof(OrtCustomOp));
-  op->version = ORT_API_VERSION;
+  op->version = kOrtApiVersion;  // ORT hands CreateKernelV2 GetApi(op->version)
   op->CreateKernel = nullptr;  // V2 only
   op->GetName = get_name;
   op->GetExecutionProviderType = get_ep;
@@ -690,13 +751,58 @@ bool want_cuda_ops(const OrtApi* api) {
 #endif
 }
 
-OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
+// (major, minor) of a runtime version string such as "1.21.1"; (0, 0) when unparsable.
+std::pair<int, int> runtime_version(const char* v) {
+  int major = 0, minor = 0;
+  if (v == nullptr || std::sscanf(v, "%d.%d", &major, &minor) != 2) return {0, 0};
+  return {major, minor};
+}
+
+// Whether the runtime knows element type `t`. ORT refuses every session when an op of the
+// library declares a type the runtime lacks ("tensor type N is not supported"), so types
+// newer than the runtime are not registered (a model using them would not load without
+// ho-onnx either). Measured with the onnxruntime wheels: INT4/UINT4 from 1.19, FLOAT4E2M1
+// (type 23) from 1.24; every other type of elem_types() is in 1.18.
+bool runtime_has_type(ONNXTensorElementDataType t, std::pair<int, int> rt) {
+  int since_minor = 0;
+  switch (static_cast<int>(t)) {
+    case 23:  // FLOAT4E2M1
+      since_minor = 24;
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT4:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT4:
+      since_minor = 19;
+      break;
+    default:
+      return true;
+  }
+  return rt.first > 1 || (rt.first == 1 && rt.second >= since_minor);
+}
+
+OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const char* ort_version) {
+  const std::pair<int, int> rt = runtime_version(ort_version);
   auto reg = std::make_unique<Registration>();
   reg->api = api;
 
   bool has = false;
   std::string v = config_entry(api, options, kModelDirKey, &has);
   if (has) reg->model_dir = v;
+  {
+    const long pages = ::sysconf(_SC_PHYS_PAGES);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    reg->limits.host_pool_limit =
+        pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2 : 0;
+  }
+  v = config_entry(api, options, kPoolLimitKey, &has);
+  if (has) {
+    char* end = nullptr;
+    const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || v[0] == '-' || x == 0) {
+      fail(ORT_INVALID_ARGUMENT, std::string("session config entry '") + kPoolLimitKey +
+                                     "' must be a positive byte count, got '" + v + "'");
+    }
+    reg->limits.host_pool_limit = x;
+  }
   v = config_entry(api, options, kHostBytesKey, &has);
   if (has) {
     char* end = nullptr;
@@ -709,22 +815,34 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
   }
 
   const bool cuda = want_cuda_ops(api);
+  const std::string key = std::to_string(reinterpret_cast<uintptr_t>(api)) + '\n' +
+                          reg->model_dir + '\n' + std::to_string(reg->host_bytes) + '\n' +
+                          std::to_string(reg->limits.host_pool_limit) + '\n' +
+                          (cuda ? "cuda" : "cpu");
+  std::lock_guard<std::mutex> lock(g_regs_mu);
+  auto found = g_regs->find(key);
+  if (found != g_regs->end()) {
+    check(api, api->AddCustomOpDomain(options, found->second->domain));
+    counters().registrations += 1;
+    if (cuda) counters().cuda_registrations += 1;
+    return nullptr;
+  }
   OrtCustomOpDomain* domain = nullptr;
   check(api, api->CreateCustomOpDomain(kDomain, &domain));
+  reg->domain = domain;
+  reg->cuda = cuda;
   for (bool on_cuda : {false, true}) {
     if (on_cuda && !cuda) continue;
     for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
       for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
+        if (!runtime_has_type(t->type, rt)) continue;
         reg->ops.push_back(make_op(reg.get(), kind, *t, on_cuda));
         check(api, api->CustomOpDomain_Add(domain, reg->ops.back().get()));
       }
     }
   }
-  {
-    // Kept before AddCustomOpDomain: once ORT holds the domain it must never be freed.
-    std::lock_guard<std::mutex> lock(g_regs_mu);
-    g_regs->push_back(reg.release());
-  }
+  // Kept before AddCustomOpDomain: once ORT holds the domain it must never be freed.
+  g_regs->emplace(key, reg.release());
   check(api, api->AddCustomOpDomain(options, domain));
   counters().registrations += 1;
   if (cuda) counters().cuda_registrations += 1;
@@ -737,16 +855,22 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   if (api_base == nullptr) return nullptr;
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  const OrtApi* api = api_base->GetApi(ho::kOrtApiVersion);
   if (api == nullptr) {
-    // The runtime is older than the headers; API 1 still has CreateStatus.
+    // The runtime is older than that; API 1 still has CreateStatus.
     const OrtApi* v1 = api_base->GetApi(1);
-    return v1 == nullptr ? nullptr
-                         : v1->CreateStatus(ORT_FAIL, "ho_onnx needs ONNX Runtime API version 21 "
-                                                      "(onnxruntime >= 1.21)");
+    const char* have = api_base->GetVersionString();
+    return v1 == nullptr
+               ? nullptr
+               : v1->CreateStatus(ORT_FAIL, (std::string("ho_onnx needs ONNX Runtime API version ") +
+                                             std::to_string(ho::kOrtApiVersion) +
+                                             " (onnxruntime >= " HO_ONNX_ORT_MIN_VERSION
+                                             "), this runtime is " +
+                                             (have ? have : "?"))
+                                                .c_str());
   }
   try {
-    return ho::register_ops(options, api);
+    return ho::register_ops(options, api, api_base->GetVersionString());
   } catch (const ho::Error& e) {
     return api->CreateStatus(e.code(), (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
   } catch (const std::exception& e) {

@@ -28,8 +28,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {  # name -> module that defines it (imported on first use: ORT loads lazily)
-    **dict.fromkeys(("InferenceSession", "session_options", "library_path", "counters",
-                     "reset_counters", "build_info"), ".target.ort.runtime"),
+    **dict.fromkeys(("InferenceSession", "session_options", "library_path", "include_dir",
+                     "counters", "reset_counters", "build_info"), ".target.ort.runtime"),
     **dict.fromkeys(("optimize", "plan_model", "OptimizeResult"), ".rewrite.pipeline"),
     "OffloadOptions": ".schedule.options",
     "ExplicitPolicy": ".schedule.policy",

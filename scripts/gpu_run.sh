@@ -1,54 +1,91 @@
 #!/usr/bin/env bash
-# The one script for a GPU machine (CUDA 13 + nvcc, Python 3 with numpy, onnx, pybind11,
-# cmake, ninja, torch and accelerate, a CPU-only onnxruntime, no package index):
+# The one runner for a GPU machine (CUDA 13 + nvcc, Python 3.12 with numpy, onnx, onnx-ir,
+# pybind11, cmake, ninja, click, pytest, torch and accelerate, a CPU-only onnxruntime, NO
+# package index; one command at most 10 minutes, 64 MiB carried, 8 files back).
+# Prepare here with scripts/gpu_prepare.sh; it writes the exact calls to .ortgpu/calls.txt.
 #
-#   1. install the carried onnxruntime-gpu wheel (parts under .ortgpu/, made by
-#      ../shared/device/ort-gpu-parts.sh) into /tmp/site, ahead of the CPU onnxruntime;
-#   2. LD_LIBRARY_PATH: torch's nvidia/*/lib folders (cuDNN, cuBLAS, ... for onnxruntime-gpu);
-#   3. build ho_onnx with CUDA (sm_80, sm_90) against the carried ORT headers (.ortheaders/,
-#      the folder holding onnxruntime_c_api.h) and put the module into ho_onnx/;
-#   4. pytest -m gpu (tests/target/ort/test_cuda_engine.py), the host-logic tests and the CPU engine's
-#      tests under onnxruntime-gpu (the CUDA-EP ops are registered there: CPU sessions must
-#      keep working);
-#   5. ho-onnx calibrate (pinned copy and disk rates -> machine file);
-#   6. bench/gpu_offload.py with that machine file.
+# usage: scripts/gpu_run.sh STEP...      or      scripts/gpu_run.sh --check   (no GPU needed)
+# STEPs, in the order given:
+#   receive    move the carried wheel parts (.ortgpu/part-*) to /tmp/ho_gpu/parts (kept while
+#              the machine stays warm); one call per part, back to back
+#   setup      reassemble the onnxruntime-gpu wheel, check its sha256, install it into
+#              /tmp/site ahead of the CPU onnxruntime; LD_LIBRARY_PATH from torch's nvidia/*/lib;
+#              then PROVE that CUDAExecutionProvider loads (a one-node session whose
+#              get_providers()[0] is CUDA), else name the missing shared libraries and stop.
+#              Every step after it needs its environment: put it first in every call.
+#   build      cmake + ninja with CUDA (sm_80, sm_90) against the carried headers (.ortheaders/),
+#              installed into ho_onnx/ (the op library and the Python module)
+#   test       pytest -m gpu (all gpu-marked tests), then the CPU engine's tests under
+#              onnxruntime-gpu (the CUDA kernels are registered there; CPU sessions must work)
+#   calibrate  pinned H2D/D2H and disk read rates -> $OUT/machine.json
+#   bench      bench/gpu_offload.py with that machine file -> $OUT/gpu_offload.json
+# Logs and JSON go to $OUT (default ./gpu_out), at most 8 files per call. Every step is
+# bounded so that the call ends inside 10 minutes with its logs (HO_GPU_CALL_S, default 570).
+# BENCH_ARGS adds options to the benchmark, PYTEST_ARGS to the gpu pytest.
 #
-# Logs and JSON go to $OUT (default ./gpu_out). usage: scripts/gpu_run.sh [STEP...]
-# STEPs: setup build test calibrate bench (default: all). Every step after setup needs
-# setup's environment, so it always runs. BENCH_ARGS adds options to the benchmark (e.g.
-# "--layers 8 --hidden 2048"); PYTEST_ARGS to pytest.
+# --check (any machine): performs every step that can be performed without a GPU (parts,
+# checksum, headers, sizes of what each call carries, files each call brings back, command
+# lengths, shell syntax, that pytest collects the gpu tests and the benchmark parses its
+# options) and exits non-zero if any call would break a limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_out}
-mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE=/tmp/site
-steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(build test calibrate bench)
+PARTS=/tmp/ho_gpu/parts
+CALL_S=${HO_GPU_CALL_S:-570}
+LIMIT_CARRY=$((64 << 20))
+LIMIT_FILES=8
 status=0
 
 say() { echo "== gpu_run: $*" | tee -a "$OUT/gpu_run.log" >&2; }
-want() { local s; for s in "${steps[@]}"; do [[ $s == "$1" || $s == all ]] && return 0; done; return 1; }
+left() { echo $((CALL_S - SECONDS)); }
 
-# ---- 1. onnxruntime-gpu ------------------------------------------------------------------------
+# ---- receive ------------------------------------------------------------------------------------
+receive() {
+  mkdir -p "$PARTS"
+  local f moved=0
+  for f in .ortgpu/part-*; do
+    [[ -f $f ]] || continue
+    cp -f "$f" "$PARTS/" && moved=$((moved + 1))
+  done
+  [[ -f .ortgpu/wheel.sha256 ]] && cp -f .ortgpu/wheel.sha256 "$PARTS/"
+  [[ -f .ortgpu/parts.txt ]] && cp -f .ortgpu/parts.txt "$PARTS/"
+  local want have
+  want=$(wc -l < "$PARTS/parts.txt" 2>/dev/null || echo '?')
+  have=$(find "$PARTS" -name 'part-*' | wc -l)
+  say "received $moved part(s); $have of $want on this machine"
+}
+
+# ---- setup --------------------------------------------------------------------------------------
+missing_parts() {
+  local p
+  [[ -f $PARTS/parts.txt ]] || { echo "parts.txt"; return; }
+  while read -r p; do [[ -f $PARTS/$p ]] || echo "$p"; done < "$PARTS/parts.txt"
+}
+
 setup() {
   mkdir -p "$SITE"
   if ! PYTHONPATH=$SITE "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
-    [[ -f .ortgpu/wheel.sha256 ]] || { say "no .ortgpu/wheel.sha256: carry the onnxruntime-gpu parts (.ortgpu)"; return 1; }
+    local miss
+    miss=$(missing_parts | paste -sd' ' -)
+    if [[ -n $miss ]]; then
+      say "wheel parts missing on this machine: $miss (a fresh machine: run the calls of .ortgpu/calls.txt again from the first)"
+      return 1
+    fi
     local wheel
-    wheel=$(awk '{print $2}' .ortgpu/wheel.sha256)
-    mkdir -p /tmp/ortgpu
-    cat .ortgpu/part-* > "/tmp/ortgpu/$wheel"
-    (cd /tmp/ortgpu && sha256sum -c "$ROOT/.ortgpu/wheel.sha256") || { say "wheel checksum mismatch"; return 1; }
+    wheel=$(awk '{print $2}' "$PARTS/wheel.sha256")
+    mkdir -p /tmp/ho_gpu/wheel
+    # shellcheck disable=SC2046
+    cat $(sed "s|^|$PARTS/|" "$PARTS/parts.txt") > "/tmp/ho_gpu/wheel/$wheel"
+    (cd /tmp/ho_gpu/wheel && sha256sum -c "$PARTS/wheel.sha256") || { say "wheel checksum mismatch"; return 1; }
     "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
-      "/tmp/ortgpu/$wheel" || { say "pip could not install $wheel"; return 1; }
+      "/tmp/ho_gpu/wheel/$wheel" || { say "pip could not install $wheel"; return 1; }
   fi
   export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-  # The CUDA libraries onnxruntime-gpu loads (cuDNN, cuBLAS, cuFFT, cuRAND, the runtime)
-  # come with torch's nvidia-* wheels.
   local nv libs
-  nv=$("$PY" -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+  nv=$("$PY" -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__) if getattr(nvidia, "__file__", None) else list(nvidia.__path__)[0])' 2>/dev/null || true)
   if [[ -n $nv ]]; then
     libs=$(find "$nv" -maxdepth 3 -type d -name lib | sort | paste -sd: -)
     export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -56,76 +93,207 @@ setup() {
     say "torch's nvidia packages not found: relying on the system's CUDA libraries"
   fi
   export PATH=/usr/local/cuda/bin:$PATH
-  "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/gpu_run.log"
-import onnxruntime as o
-print("onnxruntime", o.__version__, o.__file__, o.get_available_providers())
-EOF
+  cuda_ep_loads
 }
 
-# ---- 3. build ------------------------------------------------------------------------------------
+# One Add node on CUDAExecutionProvider: ORT silently falls back to the CPU when the provider
+# library cannot load, so check what the session actually uses.
+cuda_ep_loads() {
+  if "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/gpu_run.log"; then
+import sys
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+print("onnxruntime", ort.__version__, ort.__file__, ort.get_available_providers())
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "probe", [x], [y])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+m.ir_version = 9
+s = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
+got = s.get_providers()
+out = s.run(None, {"x": np.arange(4, dtype=np.float32)})[0]
+ok = got[0] == "CUDAExecutionProvider" and out.tolist() == [0.0, 2.0, 4.0, 6.0]
+print("probe session providers:", got, "->", "CUDA EP LOADED" if ok else "NOT ON CUDA")
+sys.exit(0 if ok else 1)
+EOF
+    [[ ${PIPESTATUS[0]} -eq 0 ]] && return 0
+  fi
+  local capi lib
+  capi=$("$PY" -c 'import onnxruntime, os; print(os.path.join(os.path.dirname(onnxruntime.__file__), "capi"))' 2>/dev/null)
+  lib=$(ls "$capi"/libonnxruntime_providers_cuda.so 2>/dev/null)
+  if [[ -z $lib ]]; then
+    say "CUDAExecutionProvider did not load: $capi has no libonnxruntime_providers_cuda.so (the CPU onnxruntime is first on the path?)"
+  else
+    say "CUDAExecutionProvider did not load; libraries it cannot find: $(ldd "$lib" | awk '/not found/{print $1}' | paste -sd' ' -) (LD_LIBRARY_PATH=$LD_LIBRARY_PATH)"
+  fi
+  return 1
+}
+
+# ---- build --------------------------------------------------------------------------------------
 build() {
   local hdr
   hdr=$(dirname "$(find "$ROOT/.ortheaders" -name onnxruntime_c_api.h 2>/dev/null | head -n 1)" 2>/dev/null)
-  [[ -n $hdr && -f $hdr/onnxruntime_c_api.h ]] || { say "no onnxruntime_c_api.h under .ortheaders/"; return 1; }
+  [[ -n $hdr && -f $hdr/onnxruntime_c_api.h ]] || { say "no onnxruntime_c_api.h under .ortheaders/ (carry it)"; return 1; }
   local pyb
   pyb=$("$PY" -m pybind11 --cmakedir) || { say "pybind11 is not installed"; return 1; }
-  cmake -S "$ROOT" -B /tmp/ho_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  timeout "$(left)" cmake -S "$ROOT" -B /tmp/ho_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DHO_ONNX_WITH_CUDA=ON -DHO_ONNX_ORT_INCLUDE_DIR="$hdr" -Dpybind11_DIR="$pyb" \
     -DPython_EXECUTABLE="$(command -v "$PY")" >"$OUT/build.log" 2>&1 &&
-    cmake --build /tmp/ho_build >>"$OUT/build.log" 2>&1 || { say "build failed (build.log)"; tail -n 30 "$OUT/build.log"; return 1; }
-  cp /tmp/ho_build/_ops*.so "$ROOT/ho_onnx/" || return 1
-  "$PY" -c 'from ho_onnx import _ops; print("ho_onnx", _ops.build_info(), "devices:", _ops.cuda_device_count())' 2>&1 | tee -a "$OUT/gpu_run.log"
+    timeout "$(left)" cmake --build /tmp/ho_build >>"$OUT/build.log" 2>&1 &&
+    cmake --install /tmp/ho_build --prefix /tmp/ho_install >>"$OUT/build.log" 2>&1 ||
+    { say "build failed (build.log)"; tail -n 30 "$OUT/build.log"; return 1; }
+  install_built
 }
 
-# ---- 4. tests ------------------------------------------------------------------------------------
+install_built() {
+  local f n=0
+  for f in /tmp/ho_install/ho_onnx/*.so*; do
+    [[ -e $f ]] || continue
+    cp -f "$f" "$ROOT/ho_onnx/" && n=$((n + 1))
+  done
+  [[ $n -gt 0 ]] || { say "nothing built into /tmp/ho_install/ho_onnx (run the build step)"; return 1; }
+  "$PY" -c 'import ho_onnx; from ho_onnx import _ops; print("ho_onnx", ho_onnx.library_path(), _ops.build_info(), "devices:", _ops.cuda_device_count())' 2>&1 | tee -a "$OUT/gpu_run.log"
+  return "${PIPESTATUS[0]}"
+}
+
+# ---- test ---------------------------------------------------------------------------------------
+cpu_engine_tests() {
+  local f
+  shopt -s globstar nullglob
+  for f in tests/**/test_*engine_cpu*.py tests/**/test_*ops_contract*.py tests/**/test_*disk_tier*.py \
+           tests/**/test_*cuda_host_logic*.py tests/**/test_*placement*.py; do
+    echo "$f"
+  done
+}
+
 run_tests() {
+  local budget
+  budget=$(( $(left) * 2 / 3 ))
   # shellcheck disable=SC2086
-  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/target/ort/test_cuda_engine.py ${PYTEST_ARGS:-} \
+  timeout "$budget" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/pytest_gpu.log"
   local rc=${PIPESTATUS[0]}
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/target/ort/test_cuda_host_logic.py \
-    tests/target/ort/test_engine_cpu.py tests/target/ort/test_ops_contract.py tests/target/ort/test_disk_tier.py \
-    2>&1 | tee "$OUT/pytest_cpu_under_ort_gpu.log"
+  # shellcheck disable=SC2046
+  timeout "$(( $(left) - 15 ))" "$PY" -m pytest -q -rs -p no:cacheprovider -m 'not gpu and not slow' \
+    $(cpu_engine_tests) 2>&1 | tee "$OUT/pytest_cpu.log"
   local rc2=${PIPESTATUS[0]}
+  say "gpu tests exit $rc, cpu engine tests under onnxruntime-gpu exit $rc2"
   [[ $rc -eq 0 && $rc2 -eq 0 ]]
 }
 
-# ---- 5. calibration --------------------------------------------------------------------------------
+# ---- calibrate ----------------------------------------------------------------------------------
 calibrate() {
-  if "$PY" -m ho_onnx.cli calibrate --help >/dev/null 2>&1; then
-    "$PY" -m ho_onnx.cli calibrate --out "$OUT/machine.json" --base h100 --size 2GiB --dir /tmp \
-      2>&1 | tee "$OUT/calibrate.log"
-  else
-    "$PY" - "$OUT/machine.json" <<'EOF' 2>&1 | tee "$OUT/calibrate.log"
-import json, sys
-from ho_onnx import _ops
-from ho_onnx.target.ort.calibrate import measure_file_read
-r = _ops.cuda_calibrate(256 << 20)
-m = {"base": "h100", "name": "h100+calibrated", "h2d_bw": r["h2d_bw"], "d2h_bw": r["d2h_bw"],
-     "disk_bw": measure_file_read(None, threads=2, size=2 << 30, directory="/tmp"),
-     "device_name": r["device_name"]}
-open(sys.argv[1], "w").write(json.dumps(m, indent=2) + "\n")
-print(m)
-EOF
-  fi
-  [[ -s $OUT/machine.json ]]
+  [[ -e $ROOT/ho_onnx/_ops$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') ]] || install_built || return 1
+  timeout 120 "$PY" -m ho_onnx calibrate --out "$OUT/machine.json" --base h100 --size 2GiB --dir /tmp \
+    2>&1 | tee "$OUT/calibrate.log"
+  [[ ${PIPESTATUS[0]} -eq 0 && -s $OUT/machine.json ]]
 }
 
-# ---- 6. benchmark ----------------------------------------------------------------------------------
+# ---- bench --------------------------------------------------------------------------------------
 bench() {
   local machine=h100
   [[ -s $OUT/machine.json ]] && machine=$OUT/machine.json
   # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 "$PY" bench/gpu_offload.py --machine "$machine" --workdir /tmp/ho_bench \
-    --json "$OUT/gpu_offload.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  PYTHONUNBUFFERED=1 timeout "$(( $(left) - 10 ))" "$PY" bench/gpu_offload.py --machine "$machine" \
+    --workdir /tmp/ho_bench --json "$OUT/gpu_offload.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   return "${PIPESTATUS[0]}"
 }
 
-setup || { say "setup failed"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/gpu_run.log"
-if want build; then build || { say "build failed"; exit 1; }; fi
-if want test; then run_tests || { say "tests failed"; status=1; }; fi
-if want calibrate; then calibrate || { say "calibration failed"; status=1; }; fi
-if want bench; then bench || { say "benchmark failed"; status=1; }; fi
-say "done (status $status); logs in $OUT"
+# ---- --check ------------------------------------------------------------------------------------
+# Files each step writes under $OUT (a call brings back at most LIMIT_FILES).
+step_files() {
+  case $1 in
+    receive|setup) echo gpu_run.log ;;
+    build) echo gpu_run.log build.log ;;
+    test) echo gpu_run.log pytest_gpu.log pytest_cpu.log ;;
+    calibrate) echo gpu_run.log machine.json calibrate.log ;;
+    bench) echo gpu_run.log bench.log gpu_offload.json ;;
+  esac
+}
+
+size_of() { [[ $# -gt 0 ]] || { echo 0; return; }; du -sb "$@" 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
+
+check() {
+  local bad=0 line cmd carry tree n=0
+  fail() { echo "check: FAIL: $*"; bad=1; }
+  ok() { echo "check: ok: $*"; }
+  for s in scripts/gpu_run.sh scripts/gpu_prepare.sh; do bash -n "$s" || fail "$s has a syntax error"; done
+  [[ -f .ortheaders/onnxruntime/onnxruntime_c_api.h ]] && ok "headers in .ortheaders" ||
+    fail ".ortheaders/onnxruntime/onnxruntime_c_api.h missing (scripts/gpu_prepare.sh)"
+  if [[ -f .ortgpu/parts.txt && -f .ortgpu/wheel.sha256 ]]; then
+    local sum want
+    # shellcheck disable=SC2046
+    sum=$(cat $(sed 's|^|.ortgpu/|' .ortgpu/parts.txt) | sha256sum | awk '{print $1}')
+    want=$(awk '{print $1}' .ortgpu/wheel.sha256)
+    [[ $sum == "$want" ]] && ok "$(wc -l < .ortgpu/parts.txt) parts reassemble to $(awk '{print $2}' .ortgpu/wheel.sha256)" ||
+      fail "the parts do not reassemble to the wheel's sha256"
+  else
+    fail ".ortgpu/parts.txt or wheel.sha256 missing (scripts/gpu_prepare.sh)"
+  fi
+  git check-ignore -q .ortgpu/x && git check-ignore -q .ortheaders/x || fail ".ortgpu/ and .ortheaders/ must be ignored (else they travel every call)"
+  # What travels in every call: tracked + untracked-not-ignored files.
+  tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  ok "working tree that travels: $((tree >> 10)) KiB"
+  [[ -f .ortgpu/calls.txt ]] || fail ".ortgpu/calls.txt missing (scripts/gpu_prepare.sh)"
+  while IFS=$'\t' read -r cmd carry; do
+    [[ -z $cmd || $cmd == \#* ]] && continue
+    n=$((n + 1))
+    local paths=() total files=() st
+    IFS=, read -r -a paths <<< "$carry"
+    total=$((tree + $(size_of "${paths[@]}")))
+    [[ ${#cmd} -le 2000 ]] || fail "call $n: command longer than 2000 characters"
+    [[ ${#paths[@]} -le 8 ]] || fail "call $n: more than 8 carried paths"
+    local p
+    for p in "${paths[@]}"; do [[ -e $p ]] || fail "call $n: carried path $p does not exist"; done
+    if [[ $total -gt $LIMIT_CARRY ]]; then fail "call $n: $((total >> 20)) MiB would travel (limit 64 MiB)"; continue; fi
+    for st in ${cmd#bash scripts/gpu_run.sh }; do
+      declare -F "$(fn_of "$st")" >/dev/null || fail "call $n: unknown step $st"
+      mapfile -t -O "${#files[@]}" files < <(step_files "$st" | tr ' ' '\n')
+    done
+    local uniq
+    uniq=$(printf '%s\n' "${files[@]}" | sort -u | wc -l)
+    if [[ $uniq -gt $LIMIT_FILES ]]; then fail "call $n brings back $uniq files (limit $LIMIT_FILES)"; continue; fi
+    ok "call $n: $((total >> 20)) MiB carried, $uniq files back: $cmd"
+  done < <(cat .ortgpu/calls.txt 2>/dev/null)
+  [[ $n -ge 2 ]] || fail "fewer than two calls planned"
+  local vpy=$PY
+  [[ -x .venv/bin/python ]] && vpy=.venv/bin/python
+  if "$vpy" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests > /tmp/ho_gpu_collect.log 2>&1; then
+    ok "pytest collects $(grep -Eo '^[0-9]+(/[0-9]+)? tests? (collected|selected)' /tmp/ho_gpu_collect.log | head -1 || tail -1 /tmp/ho_gpu_collect.log) -m gpu"
+  else
+    fail "pytest cannot collect the gpu tests: $(tail -n 3 /tmp/ho_gpu_collect.log)"
+  fi
+  [[ -n $(cpu_engine_tests) ]] && ok "cpu engine tests: $(cpu_engine_tests | paste -sd' ' -)" || fail "no cpu engine tests found"
+  "$vpy" bench/gpu_offload.py --help > /dev/null 2>&1 && ok "bench/gpu_offload.py parses its options" ||
+    fail "bench/gpu_offload.py --help fails"
+  "$vpy" -m ho_onnx calibrate --help > /dev/null 2>&1 && ok "python -m ho_onnx calibrate exists" ||
+    fail "python -m ho_onnx calibrate --help fails"
+  [[ $bad -eq 0 ]] && echo "check: all device calls fit the limits" || echo "check: FAILED"
+  return $bad
+}
+
+fn_of() { case $1 in test) echo run_tests ;; *) echo "$1" ;; esac; }
+
+if [[ ${1:-} == --check ]]; then
+  check
+  exit $?
+fi
+mkdir -p "$OUT"
+[[ $# -gt 0 ]] || { echo "usage: scripts/gpu_run.sh STEP... | --check (see the header)" >&2; exit 2; }
+for st in "$@"; do
+  declare -F "$(fn_of "$st")" >/dev/null || { echo "gpu_run: unknown step $st" >&2; exit 2; }
+done
+for st in "$@"; do
+  if [[ $st == setup ]]; then
+    setup || { say "setup failed: nothing after it can run"; exit 1; }
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/gpu_run.log"
+    continue
+  fi
+  say "step $st ($(left) s left in this call)"
+  "$(fn_of "$st")" || { say "step $st failed"; status=1; [[ $st == build ]] && break; }
+done
+say "done (status $status) after ${SECONDS} s; logs in $OUT"
 exit $status

@@ -6,6 +6,10 @@ import os
 
 import numpy as np
 import pytest
+from native_util import load_ops_override
+
+# HO_ONNX_TEST_OPS=<_ops .so>: run the tests against another build (sanitizers, old commit)
+load_ops_override()
 
 
 @pytest.fixture

@@ -1,22 +1,29 @@
 // CUDA-EP engine: the four cache ops on ORT's compute stream, with copies on one
 // host-to-device and one device-to-host stream per device, ordered by pooled events.
 //
-// ORT's CUDA allocator hands a freed block to the next allocation at once, trusting that
-// every kernel runs on the one compute stream. Our copies run on other streams, so three
-// hazards must be closed by explicit event edges; each is enforced in exactly one place,
+// Transfer lifetime rule (docs/design.md): a copy on another stream may outlive the run
+// (a failed run never reaches its Wait or Detach, and ORT's CUDA allocator hands the freed
+// block to the next allocation at once, trusting that every kernel runs on the one compute
+// stream). So no copy on a copy stream ever WRITES memory of ORT: loads land in the
+// engine's device staging (DeviceStaging) and the Wait copies staging -> z on the compute
+// stream, in the op's stream order. The hazards, each enforced in exactly one place,
 // marked HAZARD (a), (b), (c) below:
 //
-//  (a) A Prefetch's output is freshly allocated; the block may have been freed by a kernel
-//      that the compute stream has not run yet. The copy into it must not start before the
-//      compute stream reached the Prefetch: record an event on the compute stream when the
-//      copy is issued and make the copy stream wait on it (begin_load).
+//  (a) A load must not overwrite a staging buffer before the last copy that used it (the
+//      Wait's device-to-device copy out of it, on some compute stream, or a failed run's
+//      load into it) is done: the buffer's fence event, waited for by the load stream
+//      (begin_load). It no longer writes the Prefetch's output, so it needs no edge from
+//      the compute stream.
 //  (b) A stored tensor's block goes back to ORT right after its Detach. The device-to-host
 //      copy must have finished reading it by then: Detach makes the compute stream wait on
 //      the store's completion event (detach), so any later kernel that reuses the block runs
-//      after the copy.
-//  (c) A Wait's consumers read the Prefetch's output: Wait makes the compute stream wait on
-//      the copy's completion event (wait) and does nothing else - the host never blocks on
-//      the GPU (the disk tier's Wait blocks only until the file read was issued).
+//      after the copy. In a failed run (no Detach) the copy may READ a block ORT reused:
+//      allowed by the rule's argument (the arena keeps blocks mapped, cudaFree synchronizes
+//      the device first, and the record of a failed run is never reloaded).
+//  (c) A Wait's consumers read its output: Wait makes the compute stream wait on the load's
+//      completion event, then copies staging -> z on the compute stream (wait); the host
+//      never blocks on the GPU (the disk tier's Wait blocks only until the file read was
+//      issued).
 //
 // Host memory: weights in pinned blocks (host_logic.h: WeightPacker) read from the data file
 // straight into pinned memory; stored activations in a pinned SlotRing whose slots are
@@ -47,6 +54,7 @@
 #include "../common.h"
 #include "../disk_io.h"
 #include "../engine.h"
+#include "../weight_file.h"
 #include "cuda_api.h"
 #include "cuda_util.h"
 #include "host_logic.h"
@@ -187,6 +195,70 @@ class Staging {
   std::vector<std::unique_ptr<Buf>> all_;
 };
 
+// Device staging of loads (the transfer lifetime rule, docs/design.md): a Prefetch's copy
+// lands here, never in ORT's Prefetch output, and the Wait copies it into its own output on
+// the compute stream. A failed run's copy therefore writes only memory of the library.
+// Buffers are reused by size; each carries a fence, the event after the last copy that
+// wrote or read it, and its next writer makes its stream wait on that fence first (a
+// stream-side wait: the host never blocks). Nothing is allocated per run once warm.
+class DeviceStaging : public std::enable_shared_from_this<DeviceStaging> {
+ public:
+  class Buf {
+   public:
+    Buf(std::shared_ptr<DeviceStaging> pool, std::unique_ptr<cuda::DeviceBuffer> mem,
+        size_t bytes, Lease fence)
+        : fence(std::move(fence)), pool_(std::move(pool)), mem_(std::move(mem)), bytes_(bytes) {}
+    ~Buf() { pool_->release(std::move(mem_), bytes_, std::move(fence)); }
+    Buf(const Buf&) = delete;
+    Buf& operator=(const Buf&) = delete;
+    void* data() const { return mem_->data(); }
+
+    Lease fence;  // the last copy that used the buffer (set by that copy's issuer)
+
+   private:
+    std::shared_ptr<DeviceStaging> pool_;
+    std::unique_ptr<cuda::DeviceBuffer> mem_;
+    size_t bytes_;
+  };
+
+  explicit DeviceStaging(int device) : device_(device) {}
+  ~DeviceStaging() {
+    for (auto& kv : free_) {
+      if (kv.second.second) cuda::ignore(cudaEventSynchronize(*kv.second.second));
+    }
+  }
+  DeviceStaging(const DeviceStaging&) = delete;
+  DeviceStaging& operator=(const DeviceStaging&) = delete;
+
+  // A buffer of `bytes` bytes; its `fence` (if set) must be waited for by the writer's stream.
+  std::shared_ptr<Buf> acquire(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end()) {
+        auto entry = std::move(it->second);
+        free_.erase(it);
+        return std::make_shared<Buf>(shared_from_this(), std::move(entry.first), bytes,
+                                     std::move(entry.second));
+      }
+    }
+    auto mem = std::make_unique<cuda::DeviceBuffer>(device_, bytes);
+    counters().device_staging_bytes += static_cast<int64_t>(bytes);
+    return std::make_shared<Buf>(shared_from_this(), std::move(mem), bytes, Lease());
+  }
+
+ private:
+  void release(std::unique_ptr<cuda::DeviceBuffer> mem, size_t bytes, Lease fence) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace(bytes, std::make_pair(std::move(mem), std::move(fence)));
+  }
+
+  int device_;
+  std::mutex mu_;
+  std::multimap<size_t, std::pair<std::unique_ptr<cuda::DeviceBuffer>, Lease>> free_;
+};
+using StageBuf = std::shared_ptr<DeviceStaging::Buf>;
+
 // The copy streams and event pools of one device, shared by every engine of the process
 // (shared_device): one FIFO per direction and device, like the hardware's copy engines.
 struct Device {
@@ -195,7 +267,8 @@ struct Device {
         h2d(dev),
         d2h(dev),
         events(std::make_shared<Pool>(EventTraits{dev, false})),
-        timing(std::make_shared<Pool>(EventTraits{dev, true})) {
+        timing(std::make_shared<Pool>(EventTraits{dev, true})),
+        loads(std::make_shared<DeviceStaging>(dev)) {
     events->prewarm(64);
   }
   const int id;
@@ -203,6 +276,7 @@ struct Device {
   cuda::Stream d2h;  // the store channel: device-to-host copies, FIFO
   std::shared_ptr<Pool> events;
   std::shared_ptr<Pool> timing;
+  std::shared_ptr<DeviceStaging> loads;  // device staging of loads (lifetime rule)
   std::mutex staging_mu;
   std::unique_ptr<Staging> staging;  // created when an engine has disk-tier weights
 
@@ -248,34 +322,12 @@ class PinnedBlob final : public HostBlob {
   size_t size_;
 };
 
-void read_file_range(const std::string& path, uint64_t offset, size_t n, char* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(ORT_NO_SUCHFILE, "cannot open '" + path + "': " + std::strerror(errno));
-  size_t done = 0;
-  std::string err;
-  while (done < n) {
-    const ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      err = "cannot read '" + path + "': " + std::strerror(errno);
-      break;
-    }
-    if (r == 0) {
-      err = "unexpected end of file in '" + path + "'";
-      break;
-    }
-    done += static_cast<size_t>(r);
-  }
-  ::close(fd);
-  if (!err.empty()) fail(ORT_FAIL, err);
-}
-
 class PinnedWeights {
  public:
-  std::shared_ptr<const HostBlob> load(const std::string& realpath, int64_t offset,
-                                       int64_t length) {
+  std::shared_ptr<const HostBlob> load(const WeightFile& file, int64_t offset, int64_t length) {
+    if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
     const std::string key =
-        realpath + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
+        file.key() + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = blobs_.find(key);
     if (it != blobs_.end()) return it->second;
@@ -292,7 +344,7 @@ class PinnedWeights {
       dst = block->data() + p.offset;
     }
     // Straight into pinned memory: no pageable copy in between.
-    if (n != 0) read_file_range(realpath, static_cast<uint64_t>(offset), n, dst);
+    if (n != 0) pread_exact(file.fd(), dst, n, static_cast<uint64_t>(offset), file.path());
     auto blob = std::make_shared<PinnedBlob>(std::move(block), dst, n);
     blobs_.emplace(key, blob);
     return blob;
@@ -309,11 +361,13 @@ class PinnedWeights {
 
 class GpuStored final : public StoredTensor {
  public:
-  GpuStored(std::vector<int64_t> shape, size_t bytes, std::shared_ptr<Ring> ring)
-      : shape_(std::move(shape)), bytes_(bytes), ring_(std::move(ring)) {}
+  GpuStored(std::vector<int64_t> shape, size_t bytes, ONNXTensorElementDataType type,
+            std::shared_ptr<Ring> ring)
+      : shape_(std::move(shape)), bytes_(bytes), type_(type), ring_(std::move(ring)) {}
   ~GpuStored() override { release_slot(stored); }
   const std::vector<int64_t>& shape() const override { return shape_; }
   size_t bytes() const override { return bytes_; }
+  ONNXTensorElementDataType elem_type() const override { return type_; }
 
   // The slot returns to the ring; reused once `fence` (the last copy reading it) is done.
   void release_slot(const Lease& fence) {
@@ -333,6 +387,7 @@ class GpuStored final : public StoredTensor {
  private:
   std::vector<int64_t> shape_;
   size_t bytes_;
+  ONNXTensorElementDataType type_;
   std::shared_ptr<Ring> ring_;
 };
 
@@ -352,6 +407,8 @@ class GpuDiskWeight final : public DiskSource {
 // host when that happened (with the read's error, if any).
 struct Pending {
   Lease done;
+  StageBuf stage;  // where the load lands (device staging of the engine)
+  size_t bytes = 0;
   CompletionPtr issued;  // disk tier only
   std::shared_ptr<std::atomic<bool>> cancelled;  // disk tier only
 };
@@ -384,6 +441,8 @@ class GpuDiskTransfer {
       error_ = std::string("CUDA error in cudaEventRecord (disk load): ") + cudaGetErrorString(e);
       (void)cudaGetLastError();
     }
+    // The staging buffer's fence until a Wait copies out of it (then: that copy's event).
+    if (p_.stage) p_.stage->fence = p_.done;
     finished_ = true;
     p_.issued->finish(error_);
   }
@@ -465,9 +524,9 @@ class CudaEngine final : public Engine {
     ring_->reserve(cap);  // one pinned segment for a whole run, at session creation
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const std::string& realpath, int64_t offset,
+  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, int64_t offset,
                                               int64_t length) override {
-    return weights_->load(realpath, offset, length);
+    return weights_->load(file, offset, length);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
@@ -477,13 +536,15 @@ class CudaEngine final : public Engine {
     if (bytes == 0) return;
     Device& d = dev(ctx.device);
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
-    begin_load(d, cs, dst, bytes);
     Pending p;
+    p.stage = begin_load(d, cs, dst, bytes);
+    p.bytes = bytes;
     p.done = d.events->acquire();
     spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
     // One cudaMemcpyAsync from pinned memory for the whole weight (the hardware's rate).
     CopyTimer timer(d, d.h2d.get(), bytes, true);
-    check(cudaMemcpyAsync(dst, blob->data(), bytes, cudaMemcpyHostToDevice, d.h2d.get()),
+    check(cudaMemcpyAsync(p.stage->data(), blob->data(), bytes, cudaMemcpyHostToDevice,
+                          d.h2d.get()),
           "cudaMemcpyAsync (weight, host to device)");
     timer.done();
     check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
@@ -492,10 +553,10 @@ class CudaEngine final : public Engine {
     add_pending(dst, std::move(p));
   }
 
-  std::shared_ptr<const DiskSource> open_disk_weight(const std::string& realpath, int64_t offset,
-                                                     int64_t length,
+  std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& wf,
+                                                     int64_t offset, int64_t length,
                                                      const std::string& name) override {
-    std::shared_ptr<DiskFile> file = files_.open_range(realpath, offset, length);
+    std::shared_ptr<DiskFile> file = files_.open_range(*wf, offset, length);
     {
       std::lock_guard<std::mutex> lock(disk_mu_);
       if (!disk_) disk_ = std::make_unique<Channel>("cuda-disk", disk_io_threads());
@@ -515,8 +576,9 @@ class CudaEngine final : public Engine {
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
     // The h2d stream waits for the compute stream here (HAZARD a); the chunk copies are
     // enqueued later by the I/O threads, hence after that wait in stream order.
-    begin_load(d, cs, dst, bytes);
     Pending p;
+    p.stage = begin_load(d, cs, dst, bytes);
+    p.bytes = bytes;
     p.done = d.events->acquire();
     p.issued = std::make_shared<Completion>();
     p.cancelled = std::make_shared<std::atomic<bool>>(false);
@@ -527,7 +589,7 @@ class CudaEngine final : public Engine {
     Device* dp = &d;
     add_pending(dst, p);
     auto t = std::make_shared<GpuDiskTransfer>(p, parts, dp);
-    char* out = static_cast<char*>(dst);
+    char* out = static_cast<char*>(p.stage->data());
     uint64_t pos = begin;
     const int64_t delay = debug().delay_us.load(std::memory_order_relaxed);
     for (size_t i = 0; i < parts; ++i) {
@@ -547,12 +609,12 @@ class CudaEngine final : public Engine {
     }
   }
 
-  uint64_t store(const void* src, size_t bytes, std::vector<int64_t> shape,
-                 const ExecContext& ctx) override {
+  StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,
+                 ONNXTensorElementDataType type, const ExecContext& ctx) override {
     counters().stores += 1;
     Device& d = dev(ctx.device);
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
-    auto rec = std::make_shared<GpuStored>(std::move(shape), bytes, ring_);
+    auto rec = std::make_shared<GpuStored>(std::move(shape), bytes, type, ring_);
     rec->device = d.id;
     rec->id = g_next_store_id.fetch_add(1);
     if (bytes != 0) {
@@ -583,10 +645,11 @@ class CudaEngine final : public Engine {
       stale = std::move(slot);  // a record of a failed run at the same address: drop it
       slot = std::move(rec);
     }
-    return key;
+    return StoreKey{key, 0};
   }
 
-  void detach(uint64_t key, const ExecContext& ctx) override {
+  void detach(const StoreKey& skey, const ExecContext& ctx) override {
+    const uint64_t key = skey.id;
     std::shared_ptr<GpuStored> rec;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -619,7 +682,8 @@ class CudaEngine final : public Engine {
     }
   }
 
-  std::shared_ptr<StoredTensor> take_stored(uint64_t key) override {
+  std::shared_ptr<StoredTensor> take_stored(const StoreKey& skey, const ExecContext&) override {
+    const uint64_t key = skey.id;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = stored_.find(key);
     if (it == stored_.end()) {
@@ -639,14 +703,16 @@ class CudaEngine final : public Engine {
     if (bytes == 0) return;
     Device& d = dev(ctx.device);
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
-    begin_load(d, cs, dst, bytes);
+    Pending p;
+    p.stage = begin_load(d, cs, dst, bytes);
+    p.bytes = bytes;
     // The host copy must be complete (the store's d2h copy) before it is read back.
     check(cudaStreamWaitEvent(d.h2d.get(), *rec->stored, 0), "cudaStreamWaitEvent (stored)");
-    Pending p;
     p.done = d.events->acquire();
     spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
     CopyTimer timer(d, d.h2d.get(), bytes, true);
-    check(cudaMemcpyAsync(dst, rec->slot->data, bytes, cudaMemcpyHostToDevice, d.h2d.get()),
+    check(cudaMemcpyAsync(p.stage->data(), rec->slot->data, bytes, cudaMemcpyHostToDevice,
+                          d.h2d.get()),
           "cudaMemcpyAsync (stored, host to device)");
     timer.done();
     check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
@@ -656,7 +722,8 @@ class CudaEngine final : public Engine {
     add_pending(dst, std::move(p));
   }
 
-  void wait(const void* dst, size_t bytes, const ExecContext& ctx) override {
+  void wait(const void* dst, void* /*out: ctx.out*/, size_t bytes,
+            const ExecContext& ctx) override {
     if (bytes == 0) return;
     Pending p;
     {
@@ -681,16 +748,28 @@ class CudaEngine final : public Engine {
               .count());
       if (!error.empty()) fail(ORT_FAIL, "transfer failed: " + error);
     }
-    // HAZARD (c): the consumers of `dst` run on the compute stream after the copy landed.
-    // A stream-side wait only: the host returns at once.
-    if (!debug().skip_wait.load(std::memory_order_relaxed)) {
-      check(cudaStreamWaitEvent(cs, *p.done, 0), "cudaStreamWaitEvent (wait)");
+    if (p.bytes != bytes) {
+      fail(ORT_FAIL, "input holds " + std::to_string(bytes) + " bytes but its Prefetch loads " +
+                         std::to_string(p.bytes));
     }
-    if (ctx.out != nullptr && ctx.out != dst) {
-      check(cudaMemcpyAsync(ctx.out, dst, bytes, cudaMemcpyDeviceToDevice, cs),
-            "cudaMemcpyAsync (wait output)");
-      counters().alias_copies += 1;
+    Device& d = dev(ctx.device);
+    void* z = ctx.out != nullptr ? ctx.out : const_cast<void*>(dst);
+    if (z != dst) counters().alias_copies += 1;
+    if (debug().skip_wait.load(std::memory_order_relaxed)) {
+      // Test hook: the consumers see what the Prefetch left in `y` (the poison, if set).
+      p.stage->fence = p.done;
+      return;
     }
+    // HAZARD (c): the copy into `z` runs on the compute stream after the load landed in
+    // staging (a stream-side wait only: the host returns at once). `z` is ORT's, written in
+    // this op's stream order: the lifetime rule holds on the GPU.
+    check(cudaStreamWaitEvent(cs, *p.done, 0), "cudaStreamWaitEvent (wait)");
+    check(cudaMemcpyAsync(z, p.stage->data(), bytes, cudaMemcpyDeviceToDevice, cs),
+          "cudaMemcpyAsync (staging to wait output)");
+    // The staging buffer is reused only after this copy read it.
+    Lease read = d.events->acquire();
+    check(cudaEventRecord(*read, cs), "cudaEventRecord (staging read)");
+    p.stage->fence = std::move(read);
   }
 
  private:
@@ -704,8 +783,10 @@ class CudaEngine final : public Engine {
     return d;
   }
 
-  // Before a copy into `dst`, a freshly allocated output of the compute stream `cs`.
-  void begin_load(Device& d, cudaStream_t cs, void* dst, size_t bytes) {
+  // A load for the Prefetch output `dst` (a freshly allocated output of the compute stream
+  // `cs`): returns the staging buffer it lands in, the load stream already ordered after
+  // the buffer's previous use.
+  StageBuf begin_load(Device& d, cudaStream_t cs, void* dst, size_t bytes) {
     std::optional<Pending> stale;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -715,27 +796,25 @@ class CudaEngine final : public Engine {
         pending_.erase(it);
       }
     }
-    if (stale) {
-      // A load of a failed run into the same block, never waited for: stop a disk load from
-      // issuing more copies, then order this one after it.
-      if (stale->issued) {
-        stale->cancelled->store(true);
-        (void)stale->issued->wait();
-      }
-      check(cudaStreamWaitEvent(cs, *stale->done, 0), "cudaStreamWaitEvent (stale load)");
+    if (stale && stale->issued) {
+      // A load of a failed run for the same block, never waited for: it writes only its own
+      // staging buffer (released with its fence when its last copy is enqueued); stop it
+      // from issuing more copies.
+      stale->cancelled->store(true);
     }
     spin(debug().compute_delay_us.load(std::memory_order_relaxed), cs);
     if (debug().poison.load(std::memory_order_relaxed)) {
       check(cudaMemsetAsync(dst, 0xFF, bytes, cs), "cudaMemsetAsync (poison)");
     }
-    // HAZARD (a): `dst` was just allocated by ORT; the kernel that last used the block may
-    // still be queued on the compute stream. The copy stream waits for the compute stream
-    // to reach this point before it writes `dst`.
-    if (!debug().skip_order.load(std::memory_order_relaxed)) {
-      Lease free_point = d.events->acquire();
-      check(cudaEventRecord(*free_point, cs), "cudaEventRecord (load start)");
-      check(cudaStreamWaitEvent(d.h2d.get(), *free_point, 0), "cudaStreamWaitEvent (load start)");
-    }  // the wait is enqueued: the event goes back to the pool
+    // HAZARD (a), now on the staging buffer: the copy never writes `dst` (ORT's), but it
+    // must not overwrite a staging buffer before the last copy that used it (a Wait's copy
+    // out of it on some compute stream, or a load of a failed run) is done.
+    StageBuf sb = d.loads->acquire(bytes);
+    if (sb->fence && !debug().skip_order.load(std::memory_order_relaxed)) {
+      check(cudaStreamWaitEvent(d.h2d.get(), *sb->fence, 0), "cudaStreamWaitEvent (staging reuse)");
+    }
+    sb->fence.reset();  // the wait is enqueued: the event may go back to the pool
+    return sb;
   }
 
   void add_pending(const void* dst, Pending p) {

@@ -1,9 +1,9 @@
 """Run a rewritten model: ONNX Runtime sessions with the ho-onnx custom-op library loaded.
 
-The compiled library ``ho_onnx._ops`` is both a Python module (counters, build facts, test
-hooks) and the ORT custom-op library that implements the cache operators of domain
-``ai.hyperoffload`` (see docs/design.md). It is imported before ORT loads it, so both see
-the same process-wide state.
+The ORT custom-op library ``libho_onnx_ops.so`` (no Python in it; C/C++ hosts load the same
+file) implements the cache operators of domain ``ai.hyperoffload`` (see docs/design.md). The
+Python module ``ho_onnx._ops`` (counters, build facts, test hooks) links to it and is
+imported before ORT loads it, so both see the same process-wide state.
 """
 
 from __future__ import annotations
@@ -27,9 +27,22 @@ def _ops() -> Any:
     return _ops
 
 
+LIBRARY_NAME = "libho_onnx_ops.so"
+
+
 def library_path() -> str:
-    """Path of the compiled custom-op library (loaded into this process first)."""
-    return os.path.abspath(_ops().__file__)
+    """Path of the ORT custom-op library ``libho_onnx_ops.so`` (loaded into this process first).
+
+    The file is Python-free: C, C++, C# or Java hosts register it with
+    ``RegisterCustomOpsLibrary`` (README: "C and C++ hosts").
+    """
+    return os.path.join(os.path.dirname(os.path.abspath(_ops().__file__)), LIBRARY_NAME)
+
+
+def include_dir() -> str:
+    """Folder with ``ho_onnx_c_api.h`` and the ``onnxruntime/onnxruntime_c_api.h`` the
+    library was compiled against, for C/C++ hosts."""
+    return os.path.join(os.path.dirname(library_path()), "include")
 
 
 def session_options(

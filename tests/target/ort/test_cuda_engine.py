@@ -286,9 +286,10 @@ def test_without_the_wait_event_outputs_are_wrong(decoder):
 
 
 def test_without_the_start_event_outputs_are_wrong(decoder):
-    """HAZARD (a): the copy stream waits for the compute stream before writing the output.
-    A slow compute stream with a poison memset queued on it: unordered, the copy lands
-    first and the memset overwrites it."""
+    """HAZARD (a): a load waits for the fence of its device staging buffer (the Wait's copy
+    out of it on the compute stream) before overwriting it. A slow compute stream: without
+    the fence, the next load of a same-size weight overwrites the staging buffer before the
+    queued device-to-device copy of the previous Wait read it."""
     _assert_hazard(decoder, "skip_order", poison=True, compute_delay_us=20_000)
 
 

@@ -317,13 +317,14 @@ def _weight_model(location="w.bin", offset=0, length=64, shape=(16,), base_dir=N
     )
 
 
-def test_base_dir_used_without_config(tmp_path):
+def test_base_dir_is_never_used(tmp_path):
+    # issue 9: the absolute base_dir written in the node is never read; a model given as
+    # bytes with offloaded weights needs the folder set explicitly
     w = np.arange(16, dtype=np.float32)
     w.tofile(tmp_path / "w.bin")
     m = _weight_model(base_dir=tmp_path)
-    # from bytes: no model path, so no config entry; base_dir resolves the file
-    sess = runtime.InferenceSession(m.SerializeToString())
-    np.testing.assert_array_equal(sess.run(None, {})[0], w)
+    with pytest.raises(Exception, match=r"ho_onnx\.model_dir"):
+        runtime.InferenceSession(m.SerializeToString())
 
 
 def test_config_entry_wins_over_base_dir(tmp_path):
@@ -350,7 +351,7 @@ def test_no_model_dir_at_all(tmp_path):
         (dict(location="../../etc/passwd", length=64), "escapes the model directory"),
         (dict(location="sub/../../model/w.bin"), "escapes the model directory"),
         (dict(location="/etc/passwd"), "must be relative"),
-        (dict(location="link.bin"), "escapes the model directory"),
+        (dict(location="link.bin"), "symbolic links"),
         (dict(offset=64), "past the end"),
         (dict(offset=-1), "negative offset"),
         (dict(length=60), "does not match shape"),
@@ -405,7 +406,7 @@ def test_bad_token_is_an_error(tmp_path, op):
     """.replace("{n}", "4")
     )
     sess = runtime.InferenceSession(save(m, tmp_path))
-    with pytest.raises(Exception, match="bad magic"):
+    with pytest.raises(Exception, match=r"no (stored tensor|pending store)"):
         sess.run(None, {"tok": np.zeros(4, np.float32)})
     with pytest.raises(Exception, match="16-byte"):
         sess2_model = onnx.parser.parse_model(

@@ -1,0 +1,243 @@
+// The library's own C API (ho_onnx_c_api.h): counters, build facts, test hooks and CUDA
+// helpers for hosts, the Python module ho_onnx._ops among them. No exception crosses it.
+#include "ho_onnx_c_api.h"
+
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "common.h"
+#if HO_ONNX_WITH_CUDA
+#include "cuda/cuda_api.h"
+#include "cuda/probe.h"
+#endif
+
+#ifndef HO_ONNX_VERSION
+#define HO_ONNX_VERSION "0.0.0"
+#endif
+#ifndef HO_ONNX_CXX_COMPILER
+#define HO_ONNX_CXX_COMPILER "unknown"
+#endif
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int failed(const std::string& msg) {
+  g_last_error = msg;
+  return -1;
+}
+
+// Runs f (returns void); a C++ exception becomes -1 with its text in g_last_error.
+template <typename F>
+int guarded(F&& f) {
+  try {
+    g_last_error.clear();
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e.what());
+  } catch (...) {
+    return failed("unknown C++ exception");
+  }
+}
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string build_info_json() {
+  std::string j = "{\"version\": \"" + json_escape(HO_ONNX_VERSION) + "\"";
+  j += ", \"ort_api_version\": " + std::to_string(ORT_API_VERSION);
+  j += ", \"ort_api_required\": " + std::to_string(HO_ONNX_ORT_API_REQUIRED);
+  j += ", \"ort_min_version\": \"" + json_escape(HO_ONNX_ORT_MIN_VERSION) + "\"";
+  j += ", \"c_api_version\": " + std::to_string(HO_ONNX_C_API_VERSION);
+  j += std::string(", \"cuda_compiled\": ") + (HO_ONNX_WITH_CUDA ? "true" : "false");
+  j += ", \"cxx_compiler\": \"" + json_escape(HO_ONNX_CXX_COMPILER) + "\"";
+  j += ", \"element_types\": [";
+  for (const ho::ElemType* t = ho::elem_types(); t->bits != 0; ++t) {
+    if (t != ho::elem_types()) j += ", ";
+    j += "\"" + json_escape(t->name) + "\"";
+  }
+  j += "]}";
+  return j;
+}
+
+struct CounterDef {
+  const char* name;
+  int64_t (*get)();
+};
+
+#define HO_COUNTER(field) \
+  {#field, [] { return static_cast<int64_t>(ho::counters().field.load()); }}
+const CounterDef kCounters[] = {
+    HO_COUNTER(bytes_loaded),
+    HO_COUNTER(bytes_stored),
+    HO_COUNTER(prefetches),
+    HO_COUNTER(stores),
+    HO_COUNTER(waits),
+    HO_COUNTER(wait_ns),
+    HO_COUNTER(alias_copies),
+    HO_COUNTER(bytes_read_disk),
+    HO_COUNTER(disk_read_ns),
+    HO_COUNTER(disk_direct_reads),
+    HO_COUNTER(disk_buffered_reads),
+    HO_COUNTER(host_store_bytes),
+    HO_COUNTER(host_pool_bytes_in_use),
+    HO_COUNTER(host_pool_bytes_reserved),
+    HO_COUNTER(engines_alive),
+    HO_COUNTER(pinned_bytes),
+    HO_COUNTER(device_staging_bytes),
+    HO_COUNTER(pinned_allocs),
+    HO_COUNTER(cuda_events_created),
+    HO_COUNTER(ring_segments),
+    HO_COUNTER(registrations),
+    HO_COUNTER(cuda_registrations),
+};
+#undef HO_COUNTER
+constexpr size_t kCounterCount = sizeof(kCounters) / sizeof(kCounters[0]);
+
+#if !HO_ONNX_WITH_CUDA
+int no_cuda(const char* what) {
+  return failed(std::string(what) + ": ho_onnx was built without CUDA");
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int HoOnnx_ApiVersion(void) { return HO_ONNX_C_API_VERSION; }
+
+const char* HoOnnx_LastError(void) { return g_last_error.c_str(); }
+
+const char* HoOnnx_BuildInfoJson(void) {
+  static const std::string info = build_info_json();
+  return info.c_str();
+}
+
+size_t HoOnnx_GetCounters(const char** names, int64_t* values, size_t capacity) {
+  for (size_t i = 0; i < kCounterCount && i < capacity; ++i) {
+    if (names != nullptr) names[i] = kCounters[i].name;
+    if (values != nullptr) values[i] = kCounters[i].get();
+  }
+  return kCounterCount;
+}
+
+void HoOnnx_ResetCounters(void) {
+  ho::Counters& c = ho::counters();
+  c.bytes_loaded = 0;
+  c.bytes_stored = 0;
+  c.prefetches = 0;
+  c.stores = 0;
+  c.waits = 0;
+  c.wait_ns = 0;
+  c.alias_copies = 0;
+  c.bytes_read_disk = 0;
+  c.disk_read_ns = 0;
+  c.disk_direct_reads = 0;
+  c.disk_buffered_reads = 0;
+}
+
+int HoOnnx_SetDebug(const char* name, int64_t value) {
+  if (name == nullptr) return failed("HoOnnx_SetDebug: name is NULL");
+  ho::Debug& d = ho::debug();
+  g_last_error.clear();
+  if (std::strcmp(name, "delay_us") == 0) {
+    d.delay_us = value < 0 ? 0 : value;
+  } else if (std::strcmp(name, "poison") == 0) {
+    d.poison = value != 0;
+  } else if (std::strcmp(name, "skip_wait") == 0) {
+    d.skip_wait = value != 0;
+  } else if (std::strcmp(name, "skip_order") == 0) {
+    d.skip_order = value != 0;
+  } else if (std::strcmp(name, "compute_delay_us") == 0) {
+    d.compute_delay_us = value < 0 ? 0 : value;
+  } else if (std::strcmp(name, "cuda_timing") == 0) {
+    d.cuda_timing = value != 0;
+  } else {
+    return failed(std::string("HoOnnx_SetDebug: unknown setting '") + name + "'");
+  }
+  return 0;
+}
+
+int HoOnnx_CudaDeviceCount(void) {
+#if HO_ONNX_WITH_CUDA
+  std::string err;
+  const int n = ho_cuda_device_count(&err);
+  g_last_error = err;
+  return n;
+#else
+  g_last_error = "ho_onnx was built without CUDA";
+  return 0;
+#endif
+}
+
+int HoOnnx_CudaMemInfo(int device, uint64_t* free_bytes, uint64_t* total_bytes) {
+#if HO_ONNX_WITH_CUDA
+  return guarded([&] {
+    const ho::CudaMemInfo m = ho::cuda_mem_info(device);
+    if (free_bytes != nullptr) *free_bytes = m.free_bytes;
+    if (total_bytes != nullptr) *total_bytes = m.total_bytes;
+  });
+#else
+  (void)device;
+  (void)free_bytes;
+  (void)total_bytes;
+  return no_cuda("cuda_mem_info");
+#endif
+}
+
+int HoOnnx_CudaCalibrate(uint64_t bytes, int device, int repeats, HoOnnxCudaCalibration* out) {
+  if (out == nullptr) return failed("HoOnnx_CudaCalibrate: out is NULL");
+#if HO_ONNX_WITH_CUDA
+  return guarded([&] {
+    const ho::CudaCalibration c = ho::cuda_calibrate(static_cast<size_t>(bytes), device, repeats);
+    std::memset(out, 0, sizeof *out);
+    out->h2d_bw = c.h2d_bw;
+    out->d2h_bw = c.d2h_bw;
+    out->bytes = c.bytes;
+    out->device = c.device;
+    std::snprintf(out->device_name, sizeof out->device_name, "%s", c.device_name.c_str());
+  });
+#else
+  (void)bytes;
+  (void)device;
+  (void)repeats;
+  return no_cuda("cuda_calibrate");
+#endif
+}
+
+int HoOnnx_CudaTransferTimes(int reset, HoOnnxCudaTransferTimes* out) {
+  if (out == nullptr) return failed("HoOnnx_CudaTransferTimes: out is NULL");
+#if HO_ONNX_WITH_CUDA
+  return guarded([&] {
+    const ho::CudaTransferTimes t = ho::cuda_transfer_times(reset != 0);
+    out->h2d_bytes = t.h2d_bytes;
+    out->h2d_s = t.h2d_s;
+    out->h2d_copies = t.h2d_copies;
+    out->d2h_bytes = t.d2h_bytes;
+    out->d2h_s = t.d2h_s;
+    out->d2h_copies = t.d2h_copies;
+  });
+#else
+  (void)reset;
+  return no_cuda("cuda_transfer_times");
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Prepare, on a machine WITHOUT a GPU, everything the GPU machine needs (it has no package
+# index, runs one command at most 10 minutes, carries at most 64 MiB per command and brings
+# back at most 8 files), then check it with `scripts/gpu_run.sh --check`.
+#
+#   1. the ORT headers the build fetched -> .ortheaders/   (ignored; ~0.6 MB)
+#   2. the onnxruntime-gpu wheel for Python 3.12, cut into parts of PART_MB MiB (default 62)
+#      -> .ortgpu/part-N, .ortgpu/wheel.sha256 (../shared/device/ort-gpu-parts.sh)
+#   3. .ortgpu/calls.txt: the exact device calls, in order (command + carry), also printed.
+#
+# usage: scripts/gpu_prepare.sh [ORT_GPU_VERSION]      (default: the newest onnxruntime-gpu
+# that the package's `gpu` extra allows, 1.31.1 today). Re-running reuses what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+version=${1:-${ORT_GPU_VERSION:-1.31.1}}
+export PART_MB=${PART_MB:-62}
+
+for ign in /.ortgpu/ /.ortheaders/; do
+  grep -qx "$ign" .gitignore .git/info/exclude 2>/dev/null || echo "$ign" >> .git/info/exclude
+done
+
+# ---- 1. headers -----------------------------------------------------------------------------------
+hdr=${HO_ONNX_ORT_INCLUDE_DIR:-}
+if [[ -z $hdr ]]; then
+  hdr=$(dirname "$(find build .cache -name onnxruntime_c_api.h -path '*onnxruntime*' 2>/dev/null | head -n 1)" 2>/dev/null || true)
+fi
+if [[ -z $hdr || ! -f $hdr/onnxruntime_c_api.h ]]; then
+  echo "gpu_prepare: no onnxruntime_c_api.h found under build/: run scripts/setup.sh first" >&2
+  exit 2
+fi
+rm -rf .ortheaders && mkdir -p .ortheaders/onnxruntime
+cp "$hdr"/*.h .ortheaders/onnxruntime/
+echo "gpu_prepare: headers from $hdr -> .ortheaders/onnxruntime ($(du -sh .ortheaders | cut -f1))"
+
+# ---- 2. the wheel in parts --------------------------------------------------------------------------
+shared=$ROOT/../shared/device/ort-gpu-parts.sh
+if [[ ! -f .ortgpu/wheel.sha256 ]] || ! grep -q "onnxruntime_gpu-$version-" .ortgpu/wheel.sha256 \
+   || [[ $(find .ortgpu -name 'part-*' -size +"${PART_MB}M" | wc -l) -ne 0 ]]; then
+  [[ -f $shared ]] || { echo "gpu_prepare: $shared is missing" >&2; exit 2; }
+  bash "$shared" "$version"
+fi
+# The whole wheel is not carried; only its parts.
+ls .ortgpu/part-* > /dev/null
+(cd .ortgpu && ls part-* | sort -V) > .ortgpu/parts.txt
+
+# ---- 3. the calls -----------------------------------------------------------------------------------
+parts=()
+mapfile -t parts < .ortgpu/parts.txt
+n=${#parts[@]}
+{
+  echo "# device calls, in order, back to back (the machine is given back 30 s after a call)"
+  echo "# format: COMMAND <TAB> CARRY (comma-separated)"
+  for ((i = 0; i < n - 1; i++)); do
+    printf 'bash scripts/gpu_run.sh receive\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256\n' "${parts[i]}"
+  done
+  printf 'bash scripts/gpu_run.sh receive setup build test\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256,.ortheaders\n' "${parts[n-1]}"
+  printf 'bash scripts/gpu_run.sh setup calibrate bench\t\n'
+} > .ortgpu/calls.txt
+echo "gpu_prepare: $n parts of at most $PART_MB MiB; device calls (.ortgpu/calls.txt):"
+grep -v '^#' .ortgpu/calls.txt | awk -F'\t' '{printf "  %d. run(command=\"%s\", carry=[%s])\n", NR, $1, $2}'
+exec bash scripts/gpu_run.sh --check

@@ -1,0 +1,383 @@
+"""Issue 9, native half: failed runs, forged models and bad requests cannot corrupt memory,
+read outside the model folder, or leak. Every failure class is a test here; each one failed
+on main before the fix (46b76cd) and passes now. Scenarios that crashed the process then
+run in a child process (tests/native_child.py) so that a crash is a test failure, not the
+end of the test session.
+
+Run them against another build of the library with HO_ONNX_TEST_OPS (native_util.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from native_util import (
+    N,
+    data_fingerprint,
+    hnode,
+    make_model,
+    ops,
+    save,
+    session,
+    session_options,
+    weight_attrs,
+    write_failure_model,
+)
+from onnx import TensorProto, helper
+
+CHILD = Path(__file__).resolve().parent / "native_child.py"
+
+
+def run_child(*args: str, timeout: int = 120) -> dict:
+    proc = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+    assert proc.returncode == 0, (
+        f"child exited with {proc.returncode} (negative: killed by a signal)\n"
+        f"{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# Item 1: transfers never outlive the Compute that was handed ORT's buffer
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("order", ["default", "priority"])
+@pytest.mark.parametrize("arena", [0, 1])
+def test_failed_runs_interleaved_with_good_runs(arena, order, tier):
+    """A node fails between every cache op and its completion (Store..Detach,
+    Prefetch..Wait) in every other run, from 3 threads on one session, with every transfer
+    delayed: good runs stay exact, nothing crashes, and nothing stays in the pool."""
+    r = run_child("interleave", "--arena", str(arena), "--order", order, "--tier", tier)
+    assert r["bad"] > 0 and r["good"] > 0, r
+    assert r["wrong"] == 0 and r["other"] == 0, r
+    assert r["pool_in_use"] == 0, r
+
+
+@pytest.mark.parametrize("missing", ["--no-wait", "--no-detach"])
+@pytest.mark.parametrize("arena", [0, 1])
+def test_hand_edited_graph_missing_wait_or_detach(arena, missing):
+    """A graph without its Wait (the Prefetch output read directly) or without its Detach
+    (the stored tensor freed right after Store) may compute garbage but never touches freed
+    memory."""
+    r = run_child("interleave", "--arena", str(arena), "--order", "priority", missing)
+    assert r["other"] == 0, r
+    assert r["pool_in_use"] == 0, r
+    if missing == "--no-detach":
+        assert r["wrong"] == 0, r  # the Store copied synchronously: the data is right
+
+
+def test_missing_wait_is_caught_by_poison(tmp_path):
+    """The asynchronous path is observable: with skip_wait the Wait does not copy and the
+    poisoned Prefetch output reaches the consumer."""
+    path, w = write_failure_model(tmp_path, "disk")
+    sess = session(path)
+    x = np.ones(N, np.float32)
+    feeds = {"x": x, "idx": np.array([1], np.int64)}
+    try:
+        ops().set_debug(poison=True, skip_wait=True, delay_us=2000)
+        (bad,) = sess.run(None, feeds)
+        ops().set_debug(poison=True, delay_us=2000)
+        (good,) = sess.run(None, feeds)
+    finally:
+        ops().set_debug()
+    assert not np.array_equal(bad, x + w)
+    np.testing.assert_array_equal(good, x + w)
+
+
+# --------------------------------------------------------------------------------------------
+# Item 2: stored tensors checked at reload; tokens reach only their own run's data
+
+
+def _store_model(ttype=TensorProto.FLOAT, n=1024) -> onnx.ModelProto:
+    """x -> Store -> Detach -> token output (never reloaded: the token leaves the run)."""
+    return make_model(
+        [hnode("Store", ["x"], ["t"]), hnode("Detach", ["x", "t"], ["t2"])],
+        [helper.make_tensor_value_info("x", ttype, [n])],
+        [helper.make_tensor_value_info("t2", ttype, None)],
+    )
+
+
+def _reload_model(ttype, tok_len) -> onnx.ModelProto:
+    """token input -> Prefetch -> Wait -> output."""
+    return make_model(
+        [hnode("Prefetch", ["tok"], ["y"]), hnode("Wait", ["y"], ["z"])],
+        [helper.make_tensor_value_info("tok", ttype, [tok_len])],
+        [helper.make_tensor_value_info("z", ttype, None)],
+    )
+
+
+def _on_thread(fn):
+    """Run fn on a thread that has ended when this returns (its runs are over)."""
+    out: list = []
+
+    def body():
+        try:
+            out.append(("ok", fn()))
+        except Exception as e:
+            out.append(("err", e))
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return out[0]
+
+
+class _LiveThread:
+    """Run fn on a thread that stays alive (as an ORT_PARALLEL worker would) until close()."""
+
+    def __init__(self, fn):
+        self.result: list = []
+        self._go = threading.Event()
+        self._ran = threading.Event()
+
+        def body():
+            try:
+                self.result.append(fn())
+            finally:
+                self._ran.set()
+                self._go.wait()
+
+        self._t = threading.Thread(target=body)
+        self._t.start()
+        self._ran.wait()
+
+    def close(self):
+        self._go.set()
+        self._t.join()
+
+
+@pytest.mark.parametrize("order", ["default", "priority"])
+@pytest.mark.parametrize("arena", [False, True])
+@pytest.mark.parametrize(("store_type", "reload_type"), [
+    (TensorProto.FLOAT, TensorProto.DOUBLE),   # half of the output would stay unwritten
+    (TensorProto.DOUBLE, TensorProto.FLOAT),   # the copy would overflow the output
+])
+def test_reload_with_another_element_type_is_refused(tmp_path, arena, order, store_type,
+                                                     reload_type):
+    so = session_options(tmp_path, arena=arena, order=order)  # one engine for both
+    s_store = session(save(_store_model(store_type), tmp_path, "s.onnx"), so)
+    dt = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}
+    x = np.arange(1024).astype(dt[store_type])
+    live = _LiveThread(lambda: s_store.run(None, {"x": x})[0])
+    try:
+        (tok,) = live.result
+        tok_other = np.frombuffer(tok.tobytes(), dt[reload_type]).copy()
+        s_reload = session(save(_reload_model(reload_type, len(tok_other)), tmp_path, "r.onnx"),
+                           so)
+        with pytest.raises(Exception, match="element type"):
+            s_reload.run(None, {"tok": tok_other})
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_token_of_an_earlier_run_is_refused(tmp_path, arena):
+    """A token that left its run (a graph output fed back as an input) reaches no data once
+    the next run of its session started on that thread, or once its thread ended."""
+    so = session_options(tmp_path, arena=arena)
+    s_store = session(save(_store_model(), tmp_path, "s.onnx"), so)
+    s_reload = session(save(_reload_model(TensorProto.FLOAT, 4), tmp_path, "r.onnx"), so)
+    (tok,) = s_store.run(None, {"x": np.arange(1024, dtype=np.float32)})
+    s_store.run(None, {"x": np.zeros(1024, dtype=np.float32)})  # the next run
+    with pytest.raises(Exception, match="no stored tensor"):
+        s_reload.run(None, {"tok": tok})
+    status, tok = _on_thread(lambda: s_store.run(None, {"x": np.ones(1024, np.float32)})[0])
+    assert status == "ok"
+    time.sleep(0.3)  # Python's join() returns before the thread's C++ thread-locals are gone
+    with pytest.raises(Exception, match="no stored tensor"):
+        s_reload.run(None, {"tok": tok})
+    assert ops().counters()["host_pool_bytes_in_use"] == 0
+
+
+def test_forged_token_is_refused(tmp_path):
+    """Store ids are guessable; the token's second word is a random tag that must match."""
+    so = session_options(tmp_path)
+    s_store = session(save(_store_model(), tmp_path, "s.onnx"), so)
+    s_reload = session(save(_reload_model(TensorProto.UINT64, 2), tmp_path, "r.onnx"), so)
+    live = _LiveThread(lambda: s_store.run(None, {"x": np.ones(1024, np.float32)})[0])
+    try:
+        (tok,) = live.result
+        real_id = int(np.frombuffer(tok.tobytes(), np.uint64)[0])
+        magic = 0x4B545F584E4E4F48  # the old fixed second word
+        for guess in range(max(1, real_id - 8), real_id + 8):
+            for second in (magic, 0, 1):
+                with pytest.raises(Exception, match="no stored tensor"):
+                    s_reload.run(None, {"tok": np.array([guess, second], np.uint64)})
+    finally:
+        live.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Item 5: a failed run's stores are released by the next run; the pool is bounded
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_failed_runs_do_not_leak_stores(tmp_path, arena):
+    path, w = write_failure_model(tmp_path)
+    sess = session(path, arena=arena)
+    x = np.ones(N, np.float32)
+    base = ops().counters()["host_pool_bytes_in_use"]
+    for _ in range(50):
+        with pytest.raises(Exception, match=r"Gather|indices"):
+            sess.run(None, {"x": x, "idx": np.array([100], np.int64)})
+    (out,) = sess.run(None, {"x": x, "idx": np.array([1], np.int64)})
+    np.testing.assert_array_equal(out, x + w)
+    c = ops().counters()
+    assert c["host_pool_bytes_in_use"] == base
+    assert c["host_pool_bytes_reserved"] <= base + 4 * 4 * N  # reused, not grown per run
+
+
+def test_host_pool_limit_is_a_clear_error(tmp_path):
+    path, w = write_failure_model(tmp_path)
+    so = session_options(tmp_path, config={"ho_onnx.host_pool_limit_bytes": str(100_000)})
+    sess = session(path, so)
+    with pytest.raises(Exception, match=r"host pool limit exceeded.*ho_onnx.host_pool_limit_bytes"):
+        sess.run(None, {"x": np.ones(N, np.float32), "idx": np.array([1], np.int64)})
+    so2 = session_options(tmp_path, config={"ho_onnx.host_pool_limit_bytes": str(8 * N)})
+    (out,) = session(path, so2).run(None, {"x": np.ones(N, np.float32),
+                                           "idx": np.array([1], np.int64)})
+    np.testing.assert_array_equal(out, 1 + w)
+
+
+def test_bad_pool_limit_entry_is_refused(tmp_path):
+    with pytest.raises(Exception, match="host_pool_limit_bytes"):
+        session_options(tmp_path, config={"ho_onnx.host_pool_limit_bytes": "-5"})
+
+
+# --------------------------------------------------------------------------------------------
+# Items 3 and 4: weights come only from the model's own folder, opened once
+
+
+def _weight_model(location="w.bin", length=64, shape=(16,), **extra) -> onnx.ModelProto:
+    return make_model(
+        [hnode("Prefetch", ["s0"], ["wy"],
+               **weight_attrs(location, 0, length, list(shape), "layer.weight", **extra)),
+         hnode("Wait", ["wy"], ["w"])],
+        [],
+        [helper.make_tensor_value_info("w", TensorProto.FLOAT, None)],
+        [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])],
+    )
+
+
+def test_absolute_base_dir_is_never_read(tmp_path):
+    """A model given as bytes naming /etc/passwd through base_dir: refused, and the error
+    says to set ho_onnx.model_dir."""
+    m = _weight_model("passwd", length=64, base_dir="/etc")
+    import onnxruntime as ort
+
+    with pytest.raises(Exception, match=r"ho_onnx\.model_dir"):
+        ort.InferenceSession(m.SerializeToString(), session_options(None),
+                             providers=["CPUExecutionProvider"])
+
+
+def test_base_dir_ignored_when_model_dir_is_set(tmp_path):
+    (tmp_path / "w.bin").write_bytes(np.arange(16, dtype=np.float32).tobytes())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "w.bin").write_bytes(np.full(16, 7, np.float32).tobytes())
+    path = save(_weight_model(base_dir=str(other)), tmp_path)
+    np.testing.assert_array_equal(session(path).run(None, {})[0], np.arange(16))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_data_file_of_another_optimization_is_refused(tmp_path, tier):
+    """data_size / data_fingerprint recorded at optimize time: a copied folder whose data
+    file was replaced (re-optimized original) is refused with the file's name."""
+    w = np.arange(1024, dtype=np.float32)
+    (tmp_path / "w.bin").write_bytes(w.tobytes())
+    fp = data_fingerprint(tmp_path / "w.bin")
+    size = os.path.getsize(tmp_path / "w.bin")
+    extra = dict(data_size=size, data_fingerprint=fp, tier=tier)
+    good = save(_weight_model(**extra), tmp_path)
+    np.testing.assert_array_equal(session(good).run(None, {})[0], w[:16])
+    # same size, other bytes: only the fingerprint tells
+    (tmp_path / "w.bin").write_bytes((w + 1).tobytes())
+    with pytest.raises(Exception, match=r"w\.bin.*fingerprint"):
+        session(good)
+    # another size
+    (tmp_path / "w.bin").write_bytes(np.arange(2048, dtype=np.float32).tobytes())
+    with pytest.raises(Exception, match=r"w\.bin.*bytes but the model was optimized for"):
+        session(good)
+
+
+def test_fingerprint_reference_matches_library(tmp_path):
+    for size in (0, 1, 15, 16, 4095, 4096, 4097, 65536, 100_003):
+        p = tmp_path / f"f{size}.bin"
+        p.write_bytes(np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes())
+        m = _weight_model(location=p.name, length=0, shape=(0,),
+                          data_fingerprint=data_fingerprint(p))
+        session(save(m, tmp_path)).run(None, {})  # the library computes the same value
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_symlinks_inside_the_folder_are_not_followed(tmp_path, tier):
+    d = tmp_path / "model"
+    (d / "sub").mkdir(parents=True)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.full(16, 42, np.float32).tobytes())
+    os.symlink(secret, d / "w.bin")
+    os.symlink(tmp_path, d / "sub" / "up")
+    for loc in ("w.bin", "sub/up/secret.bin"):
+        with pytest.raises(Exception, match="symbolic links"):
+            session(save(_weight_model(loc, tier=tier), d))
+
+
+_SWAPPER = r"""
+import os, sys, time
+d, inside, outside = sys.argv[1], sys.argv[2], sys.argv[3]
+end = time.time() + float(sys.argv[4])
+tmp_link = os.path.join(d, ".lnk")
+tmp_file = os.path.join(d, ".reg")
+while time.time() < end:
+    try:
+        os.unlink(tmp_link)
+    except FileNotFoundError:
+        pass
+    os.symlink(outside, tmp_link)
+    os.replace(tmp_link, os.path.join(d, "w.bin"))   # now a symlink to the secret
+    with open(tmp_file, "wb") as f:
+        f.write(open(inside, "rb").read())
+    os.replace(tmp_file, os.path.join(d, "w.bin"))   # now the regular file again
+"""
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_symlink_swapped_in_during_session_creation_is_never_read(tmp_path, tier):
+    """Item 4: a process swaps model/w.bin between the real file and a symlink to a secret
+    while sessions are created: every session either fails or reads the real file."""
+    d = tmp_path / "model"
+    d.mkdir()
+    real = np.arange(16, dtype=np.float32)
+    (tmp_path / "inside.bin").write_bytes(real.tobytes())
+    (tmp_path / "secret.bin").write_bytes(np.full(16, 42, np.float32).tobytes())
+    (d / "w.bin").write_bytes(real.tobytes())
+    path = save(_weight_model(tier=tier), d)
+    swapper = subprocess.Popen([sys.executable, "-c", _SWAPPER, str(d),
+                                str(tmp_path / "inside.bin"), str(tmp_path / "secret.bin"),
+                                "4"])
+    leaked = ok = 0
+    try:
+        end = time.time() + 3
+        while time.time() < end:
+            try:
+                (w,) = session(path).run(None, {})
+            except Exception:
+                continue
+            if np.array_equal(w, real):
+                ok += 1
+            else:
+                leaked += 1
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert leaked == 0, f"{leaked} sessions read the symlinked secret ({ok} read the model)"
