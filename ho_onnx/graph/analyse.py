@@ -9,6 +9,7 @@ offloaded.
 from __future__ import annotations
 
 import ast
+import heapq
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -152,6 +153,27 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
     return free
 
 
+def kahn_order(deps: list[set[int]]) -> list[int]:
+    """Kahn's algorithm over nodes ``0..n-1`` (``deps[i]``: the nodes ``i`` needs first),
+    lowest index first among the ready ones; shorter than ``n`` when there is a cycle."""
+    users: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(i)
+    indeg = [len(d) for d in deps]
+    heap = [i for i, k in enumerate(indeg) if k == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        i = heapq.heappop(heap)
+        order.append(i)
+        for u in users.get(i, ()):
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, u)
+    return order
+
+
 def topological_order(graph: onnx.GraphProto) -> list[int]:
     """The file's node order if it is topological, else a stable Kahn order."""
     available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
@@ -171,25 +193,8 @@ def topological_order(graph: onnx.GraphProto) -> list[int]:
         seen.update(node.output)
     if ok:
         return list(range(len(graph.node)))
-    # Kahn's algorithm, lowest file index first (stable).
-    import heapq
-
-    deps = [{produced_by[n] for n in needs[i] if n in produced_by} for i in range(len(needs))]
-    users: dict[int, list[int]] = {}
-    for i, d in enumerate(deps):
-        for j in d:
-            users.setdefault(j, []).append(i)
-    indeg = [len(d) for d in deps]
-    heap = [i for i, k in enumerate(indeg) if k == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        i = heapq.heappop(heap)
-        order.append(i)
-        for u in users.get(i, ()):
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(heap, u)
+    order = kahn_order([{produced_by[n] for n in needs[i] if n in produced_by}
+                        for i in range(len(needs))])
     if len(order) != len(graph.node):
         raise ModelLoadError("the graph has a cycle: no topological order exists")
     return order

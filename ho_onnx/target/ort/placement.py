@@ -34,6 +34,7 @@ import onnx
 from onnx import TensorProto
 
 from ... import contract
+from ...graph.analyse import kahn_order
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -149,23 +150,7 @@ def _has_cuda_kernel(node: onnx.NodeProto) -> bool:
 
 def _topological(nodes: list[onnx.NodeProto], produced_by: Mapping[str, int]) -> list[int]:
     """Kahn's algorithm, ties by file position (ORT's priority queue uses its own order)."""
-    indeg = [0] * len(nodes)
-    users: list[list[int]] = [[] for _ in nodes]
-    for i, n in enumerate(nodes):
-        for name in {x for x in n.input if x in produced_by}:
-            indeg[i] += 1
-            users[produced_by[name]].append(i)
-    ready = [i for i, d in enumerate(indeg) if d == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, u)
-    return order
+    return kahn_order([{produced_by[x] for x in n.input if x in produced_by} for n in nodes])
 
 
 def predict_cuda_placement(model: onnx.ModelProto) -> Placement:

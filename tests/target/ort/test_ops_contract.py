@@ -13,6 +13,7 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 import pytest
+from native_util import hnode, make_model
 from onnx import TensorProto, helper
 
 from ho_onnx import contract
@@ -49,22 +50,6 @@ TYPES = {
 
 def nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
-
-
-def hnode(op: str, inputs: list[str], outputs: list[str], **attrs) -> onnx.NodeProto:
-    # attributes built explicitly: make_node(name=...) would name the node instead
-    node = helper.make_node(op, inputs, outputs, domain=D)
-    node.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()))
-    return node
-
-
-def make_model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
-    return helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(D, 1)],
-        ir_version=10,
-    )
 
 
 def save(model: onnx.ModelProto, directory, name: str = "model.onnx") -> str:

@@ -29,16 +29,21 @@ def providers(model: onnx.ModelProto) -> dict[str, str]:
     return dict(zip(p.names, p.providers, strict=True))
 
 
-def test_weight_prefetch_ordered_after_a_shape_goes_to_the_cpu_and_splits():
-    m = parse(f"""
+def _weight_prefetch_after(dep: str) -> onnx.ModelProto:
+    """A weight Prefetch whose ordering input is ``dep`` (``s``: a Shape, ``r``: a Relu)."""
+    return parse(f"""
     g (float[4, 4] x) => (float[4, 4] out)
     <float[0] src0 = {{}}> {{
       r = Relu (x)
       s = Shape (x)
-      y = ai.hyperoffload.Prefetch {WEIGHT} (src0, s)
+      y = ai.hyperoffload.Prefetch {WEIGHT} (src0, {dep})
       z = ai.hyperoffload.Wait (y, r)
       out = MatMul (r, z)
     }}""")
+
+
+def test_weight_prefetch_ordered_after_a_shape_goes_to_the_cpu_and_splits():
+    m = _weight_prefetch_after("s")
     for i, name in enumerate(["relu", "shape", "pf", "wait", "mm"]):
         m.graph.node[i].name = name
     assert providers(m) == {"relu": CUDA, "shape": CUDA, "pf": CPU, "wait": CUDA, "mm": CUDA}
@@ -48,15 +53,7 @@ def test_weight_prefetch_ordered_after_a_shape_goes_to_the_cpu_and_splits():
 
 
 def test_the_same_prefetch_ordered_after_a_device_tensor_stays_on_cuda():
-    m = parse(f"""
-    g (float[4, 4] x) => (float[4, 4] out)
-    <float[0] src0 = {{}}> {{
-      r = Relu (x)
-      s = Shape (x)
-      y = ai.hyperoffload.Prefetch {WEIGHT} (src0, r)
-      z = ai.hyperoffload.Wait (y, r)
-      out = MatMul (r, z)
-    }}""")
+    m = _weight_prefetch_after("r")
     report = split_chains(m)
     assert report.ok and report.per_provider == {CUDA: 2}
 
