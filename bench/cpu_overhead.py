@@ -28,7 +28,7 @@ from ho_onnx.schedule.options import OffloadOptions, offload_kinds
 from ho_onnx.target.ort import runtime
 from ho_onnx.target.ort.verify import make_session as _make_session
 from ho_onnx.target.ort.verify import random_inputs
-from models.decoder import build_decoder
+from models.decoder import add_shape_args, build_decoder
 
 _THREADS = 0
 
@@ -54,11 +54,7 @@ def make_session(path, *, optimized, providers, prepacking):  # type: ignore[no-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
+    add_shape_args(ap, layers=12, hidden=512, heads=8, seq=128)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--prefetch-distance", type=int, default=2)
     ap.add_argument("--no-prepacking", action="store_true",

@@ -234,12 +234,10 @@ def _gb(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=2560)
-    ap.add_argument("--heads", type=int, default=20)
+    from models.decoder import add_shape_args
+
+    add_shape_args(ap, layers=24, hidden=2560, heads=20, seq=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--budgets", default="0.75,0.5,0.25",
