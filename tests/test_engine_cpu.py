@@ -280,4 +280,5 @@ def test_memory_is_stable(tmp_path):
         assert runtime.counters()["host_pool_bytes_in_use"] == 0
     np.testing.assert_allclose(out, expected, rtol=1e-6)
     assert runtime.counters()["host_pool_bytes_reserved"] == reserved0  # buffers reused
-    assert _rss_bytes() - rss0 < 4 * 1024 * 1024
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's quarantine holds freed memory
+        assert _rss_bytes() - rss0 < 4 * 1024 * 1024
