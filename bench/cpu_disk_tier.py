@@ -7,13 +7,13 @@ that child):
 
 * ``ort``: onnxruntime's own CPU session on the unmodified model (it reads the external data
   once, at session creation, and keeps every weight resident);
-* ``ho-disk D=<d>``: the model rewritten with ``OffloadPolicy("weights", min_bytes=1<<16,
+* ``ho-disk D=<d>``: the model rewritten with ``OffloadOptions(activations=False, min_bytes=1<<16,
   prefetch_distance=d, weight_tier="disk")``: every weight of 64 KiB or more stays in the
   data file and is read just in time (O_DIRECT, background I/O threads), ``d`` compute nodes
   ahead of its consumer; two read-ahead depths.
 
-The disk's reference rate is ``ho_onnx.calibrate.measure_file_read`` on the same data file
-(O_DIRECT, 8 MiB sequential reads). Prints a table; ``--json PATH`` writes every number.
+The disk's reference rate is ``ho_onnx.target.ort.calibrate.measure_file_read`` on the same
+data file (O_DIRECT, 8 MiB sequential reads). Prints a table; ``--json PATH`` writes every number.
 
     python bench/cpu_disk_tier.py [--workdir DIR] [--runs 3] [--rounds 2]
         [--distances 8,16] [--json out.json]
@@ -68,7 +68,7 @@ def child(args: argparse.Namespace) -> None:
 
     if args.child_ops:
         _load_ops(args.child_ops)
-    from ho_onnx import runtime
+    from ho_onnx.target.ort import runtime
 
     t0 = time.perf_counter()
     so = ort.SessionOptions()
@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
-    from ho_onnx import calibrate, runtime
-    from ho_onnx.choice import OffloadPolicy
-    from ho_onnx.pipeline import optimize
+    from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.options import OffloadOptions
+    from ho_onnx.target.ort import calibrate, runtime
 
     src = build(args)
     data = Path(str(src) + ".data")
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     models = {}
     for d in distances:
         out = src.with_name(f"{src.stem}.disk_d{d}.onnx")
-        r = optimize(src, out, OffloadPolicy("weights", min_bytes=1 << 16, prefetch_distance=d,
-                                             weight_tier="disk"),
+        r = optimize(src, out, OffloadOptions(activations=False, min_bytes=1 << 16,
+                                              prefetch_distance=d, weight_tier="disk"),
                      {"batch": args.batch, "seq": args.seq})
         models[d] = (out, sum(w.nbytes * len(w.consumers) for w in r.choice.weights))
 

@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import onnx
 
-from ho_onnx import runtime
-from ho_onnx.choice import OffloadPolicy
-from ho_onnx.pipeline import optimize
-from ho_onnx.verify import make_session as _make_session
-from ho_onnx.verify import random_inputs
-from models.decoder import build_decoder
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions, offload_kinds
+from ho_onnx.target.ort import runtime
+from ho_onnx.target.ort.verify import make_session as _make_session
+from ho_onnx.target.ort.verify import random_inputs
+from models.decoder import add_shape_args, build_decoder
 
 _THREADS = 0
 
@@ -54,11 +54,7 @@ def make_session(path, *, optimized, providers, prepacking):  # type: ignore[no-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
+    add_shape_args(ap, layers=12, hidden=512, heads=8, seq=128)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--prefetch-distance", type=int, default=2)
     ap.add_argument("--no-prepacking", action="store_true",
@@ -80,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         build_decoder(src, layers=args.layers, hidden=args.hidden, heads=args.heads,
                       vocab=512, external_data=True)
         rows = {"original": (src, None)}
-        for name, what in (("weights", "weights"), ("weights+activations", "all")):
+        for name, offload in (("weights", "weights"), ("weights+activations", "all")):
             out = Path(tmp) / f"{name}.onnx"
-            pol = OffloadPolicy(what, min_bytes=64 << 10, min_gap=2,  # type: ignore[arg-type]
-                                prefetch_distance=args.prefetch_distance)
+            pol = OffloadOptions(**offload_kinds(offload), min_bytes=64 << 10, min_gap=2,
+                                 prefetch_distance=args.prefetch_distance)
             r = optimize(src, out, pol, dims)
             rows[name] = (out, r)
         feeds = random_inputs(onnx.load(str(src), load_external_data=False), dims,

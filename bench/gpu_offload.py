@@ -101,7 +101,8 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dic
     import numpy as np
     import onnxruntime as ort
 
-    from ho_onnx import _ops, runtime
+    from ho_onnx import _ops
+    from ho_onnx.target.ort import runtime
 
     feeds = dict(np.load(feeds_path))
     providers = [(CUDA_EP, {"device_id": 0, "arena_extend_strategy": "kSameAsRequested"})]
@@ -233,12 +234,10 @@ def _gb(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=2560)
-    ap.add_argument("--heads", type=int, default=20)
+    from models.decoder import add_shape_args
+
+    add_shape_args(ap, layers=24, hidden=2560, heads=20, seq=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--budgets", default="0.75,0.5,0.25",
@@ -268,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from ho_onnx import _ops
-    from ho_onnx.pipeline import CostSource, optimize, plan_model
-    from ho_onnx.planner import PlannerOptions
+    from ho_onnx.rewrite.pipeline import CostSource, optimize, plan_model
+    from ho_onnx.schedule.options import OffloadOptions
     from models.decoder import build_decoder, decoder_config_bytes
 
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch",
@@ -299,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                                            dtype=np.int64))
 
     costs = CostSource(machine=args.machine)
-    _, _, base_plan = plan_model(src, PlannerOptions(budget=1 << 62), costs=costs)
+    _, _, base_plan = plan_model(src, OffloadOptions(budget=1 << 62), costs=costs)
     base_peak = base_plan.baseline.peak_bytes
     acts = max(0, base_peak - sizes["total_bytes"])
     rows: list[dict] = []
@@ -328,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, budget in budgets:
         out = work / f"decoder.{name.split()[-1].replace('%', 'pct')}.onnx"
         try:
-            r = optimize(src, out, PlannerOptions(budget=budget), costs=costs)
+            r = optimize(src, out, OffloadOptions(budget=budget), costs=costs)
         except Exception as e:  # the planner refuses an impossible budget: say so
             rows.append({"name": name, "budget_bytes": budget, "error": f"plan: {e}"})
             continue

@@ -8,12 +8,13 @@ count, not on tensor sizes.
 
 Phases, each timed on its own (best of ``--repeat``):
 
-* ``load+analyse``: :func:`ho_onnx.loader.load_model` + :func:`ho_onnx.analysis.analyse`
-* ``costs``: :func:`ho_onnx.costmodel.analytic_costs` on the ``cpu`` preset
-* ``plan``: :func:`ho_onnx.planner.plan` at ``--frac`` of the baseline peak (so the
+* ``load+analyse``: :func:`ho_onnx.graph.load.load_model` + :func:`ho_onnx.graph.analyse.analyse`
+* ``costs``: :func:`ho_onnx.cost.analytic.analytic_costs` on the ``cpu`` preset
+* ``plan``: :func:`ho_onnx.schedule.planner.plan` at ``--frac`` of the baseline peak (so the
   planner has real work: many offloads, a full placement pass and two simulations)
-* ``insert``: :func:`ho_onnx.insertion.insert_cache_ops`
-* ``save``: :func:`ho_onnx.save.save_model` (model file; the data file is linked/copied)
+* ``insert``: :func:`ho_onnx.rewrite.insert.insert_cache_ops`
+* ``save``: :func:`ho_onnx.rewrite.place.place_weight_data` + :func:`ho_onnx.graph.save.save_model`
+  (model file; the data file is linked/copied)
 
 Prints a table (layers, nodes, seconds per phase, total, µs per node), a least-squares fit
 of total seconds against nodes (slope, intercept, and the exponent ``b`` of
@@ -47,13 +48,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ho_onnx.analysis import analyse  # noqa: E402
-from ho_onnx.costmodel import analytic_costs, load_machine  # noqa: E402
-from ho_onnx.insertion import insert_cache_ops  # noqa: E402
-from ho_onnx.loader import load_model  # noqa: E402
-from ho_onnx.planner import Plan, PlannerOptions, plan  # noqa: E402
-from ho_onnx.save import save_model  # noqa: E402
-from ho_onnx.simulate import simulate  # noqa: E402
+from ho_onnx.cost import analytic_costs, load_machine  # noqa: E402
+from ho_onnx.cost.model import CostModel  # noqa: E402
+from ho_onnx.graph.analyse import analyse  # noqa: E402
+from ho_onnx.graph.load import load_model  # noqa: E402
+from ho_onnx.graph.save import save_model  # noqa: E402
+from ho_onnx.rewrite.insert import insert_cache_ops  # noqa: E402
+from ho_onnx.rewrite.place import place_weight_data  # noqa: E402
+from ho_onnx.schedule.options import OffloadOptions  # noqa: E402
+from ho_onnx.schedule.planner import Plan, plan  # noqa: E402
+from ho_onnx.schedule.simulate import simulate  # noqa: E402
 from models.decoder import build_decoder  # noqa: E402
 
 PHASES = ("load+analyse", "costs", "plan", "insert", "save")
@@ -89,12 +93,13 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
     sec["costs"], nc = _best(lambda: analytic_costs(a, machine, dims), args.repeat)
     compute_s, tt = nc.seconds, machine.transfer_time
     base = simulate(a, None, compute_s, tt, dims)
-    opts = PlannerOptions(max(1, int(base.peak_bytes * args.frac)), min_bytes=args.min_bytes)
-    sec["plan"], p = _best(lambda: plan(a, opts, compute_s, tt, dims), args.repeat)
+    opts = OffloadOptions(budget=max(1, int(base.peak_bytes * args.frac)), min_bytes=args.min_bytes)
+    sec["plan"], p = _best(lambda: plan(a, opts, CostModel(compute_s, tt), dims), args.repeat)
     assert isinstance(p, Plan)
     sec["insert"], rw = _best(lambda: insert_cache_ops(a, p.choice), args.repeat)
     out = work / f"dec{layers}.ho.onnx"
-    sec["save"], _ = _best(lambda: save_model(rw, loaded, out), args.repeat)
+    sec["save"], _ = _best(lambda: save_model(place_weight_data(rw, loaded.base_dir, out),
+                                              loaded, out), args.repeat)
     if profiler is not None:
         profiler.disable()
     n = len(a.order)

@@ -13,34 +13,35 @@ Glossary (full version and the op contract: docs/design.md)
     channel          a FIFO transfer queue per direction (load, store)
     ordering input   an extra cache-op input meaning only "not before"
 
-Passes: :mod:`ho_onnx.loader` → :mod:`ho_onnx.analysis` → :mod:`ho_onnx.choice` →
-:mod:`ho_onnx.insertion` → :mod:`ho_onnx.save`, chained by :func:`optimize`.
+Packages, lower layers first (each imports only from those before it): :mod:`.graph`
+(load, analyse, save) → :mod:`.target.ort` (ORT: facts, sessions, verify, profile) →
+:mod:`.cost` → :mod:`.schedule` (options, deciders, simulation) → :mod:`.rewrite` (insert,
+annotate, place data, :func:`optimize`) → :mod:`.report`. The command line (top-level
+``cli/``, installed as ``ho_onnx.cli``) sits on top and is never imported by the library.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
 
-_RUNTIME = ("InferenceSession", "session_options", "library_path", "include_dir", "counters",
-            "reset_counters", "build_info")
+_PUBLIC = {  # name -> module that defines it (imported on first use: ORT loads lazily)
+    **dict.fromkeys(("InferenceSession", "session_options", "library_path", "include_dir",
+                     "counters", "reset_counters", "build_info"), ".target.ort.runtime"),
+    **dict.fromkeys(("optimize", "plan_model", "OptimizeResult"), ".rewrite.pipeline"),
+    "OffloadOptions": ".schedule.options",
+    "ExplicitPolicy": ".schedule.policy",
+    "BudgetPlanner": ".schedule.planner",
+    "CostSource": ".cost.source",
+}
 
 
-def __getattr__(name: str) -> Any:  # runtime names load the compiled library lazily
-    if name in _RUNTIME:
-        from . import runtime
-
-        return getattr(runtime, name)
-    if name in ("optimize", "OptimizeResult"):
-        from . import pipeline
-
-        return getattr(pipeline, name)
-    if name == "OffloadPolicy":
-        from .choice import OffloadPolicy
-
-        return OffloadPolicy
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(import_module(_PUBLIC[name], __name__), name)
     raise AttributeError(f"module 'ho_onnx' has no attribute {name!r}")
 
 
-__all__ = ["OffloadPolicy", "OptimizeResult", "__version__", "optimize", *_RUNTIME]
+__all__ = ["__version__", *_PUBLIC]

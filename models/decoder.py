@@ -346,6 +346,14 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
     return model
 
 
+def add_shape_args(ap: argparse.ArgumentParser, *, layers: int, hidden: int, heads: int,
+                   seq: int, batch: int = 1) -> None:
+    """``--layers --hidden --heads --seq --batch`` of a benchmark's decoder, with its defaults."""
+    for name, default in (("layers", layers), ("hidden", hidden), ("heads", heads),
+                          ("seq", seq), ("batch", batch)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+
+
 def _int_or_str(value: str) -> int | str:
     return int(value) if value.lstrip("-").isdigit() else value
 

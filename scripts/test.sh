@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=${EXTRAS:-cpu,test,hf} bash scripts/setup.sh
-.venv/bin/ruff check ho_onnx models tests bench
+.venv/bin/ruff check ho_onnx cli models tests bench
 .venv/bin/python -m pytest -q -ra "$@"
 if [[ "${HO_SKIP_NATIVE:-0}" != 1 ]]; then
   bash scripts/test_native.sh

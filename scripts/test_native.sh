@@ -31,5 +31,5 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_stack
 export UBSAN_OPTIONS=halt_on_error=1:abort_on_error=1:print_stacktrace=1
 export HO_FUZZ_SECONDS=${HO_FUZZ_SECONDS:-45}
 exec "$py" -m pytest -q -p no:cacheprovider \
-  tests/test_ops_contract.py tests/test_engine_cpu.py tests/test_disk_tier.py \
+  tests/target/ort/test_ops_contract.py tests/target/ort/test_engine_cpu.py tests/target/ort/test_disk_tier.py \
   tests/test_native_safety.py tests/test_native_fuzz.py "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,12 @@ def save(model: onnx.ModelProto, path: Path, external: bool = False,
     else:
         onnx.save_model(model, str(path))
     return path
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file in ``folder`` by name (to show a folder was left untouched)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def tile_model(w1: tuple[int, int], w2: tuple[int, int]) -> onnx.ModelProto:

@@ -1,6 +1,6 @@
 """Fuzzing session creation and run of the custom-op library on mutated optimized models.
 
-Seeds: small models rewritten by ``ho_onnx.pipeline.optimize`` (weights on the host and on
+Seeds: small models rewritten by ``ho_onnx.optimize`` (weights on the host and on
 the disk tier, activations stored and reloaded). Mutations (seeded, one to four per case):
 bytes of the serialized model, attributes of the cache ops (offset, length, shape, tier,
 location, data_size, data_fingerprint, host_bytes), graph edits (a node dropped, an input of
@@ -51,8 +51,8 @@ def make_seeds(work: Path) -> list[Path]:
     """Optimized models, each in its own folder with its data file."""
     from graphs import chain_model, save, two_weights_model
 
-    from ho_onnx.choice import OffloadPolicy
-    from ho_onnx.pipeline import optimize
+    from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.options import OffloadOptions
 
     seeds = []
     for name, make, dims in (("chain", chain_model, {"N": 4}), ("two", two_weights_model, {})):
@@ -62,8 +62,8 @@ def make_seeds(work: Path) -> list[Path]:
             d.mkdir(parents=True, exist_ok=True)
             src = save(model, d / "src.onnx", external=True)
             out = d / "model.onnx"
-            optimize(src, out, OffloadPolicy("all", min_bytes=0, min_gap=1, prefetch_distance=1,
-                                             weight_tier=tier), dims)
+            optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1,
+                                              weight_tier=tier), dims)
             src.unlink()
             seeds.append(d)
     return seeds

@@ -45,6 +45,7 @@ def ops():
 
 
 def hnode(op: str, inputs: list[str], outputs: list[str], **attrs) -> onnx.NodeProto:
+    # attributes built explicitly: make_node(name=...) would name the node instead
     node = helper.make_node(op, inputs, outputs, domain=D)
     node.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()))
     return node

@@ -21,11 +21,11 @@ import onnxruntime as ort
 import pytest
 
 import ho_onnx
-from ho_onnx import OffloadPolicy, optimize
+from ho_onnx import OffloadOptions, optimize
 from models.decoder import build_decoder
 
 HERE = Path(__file__).parent
-FORCE_ALL = OffloadPolicy("all", min_bytes=0, min_gap=1, prefetch_distance=2)
+FORCE_ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=2)
 DIMS = {"batch": 2, "seq": 5}
 
 

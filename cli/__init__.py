@@ -1,0 +1,370 @@
+"""The ``ho-onnx`` command line: a thin click layer over the library's public API.
+
+Lives in the top-level ``cli/`` folder and is installed as ``ho_onnx.cli`` (pyproject's
+``wheel.packages`` mapping); the library never imports it. Option defaults come from
+:class:`ho_onnx.schedule.options.OffloadOptions`, not from here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+
+from ho_onnx import __version__
+from ho_onnx.errors import HoOnnxError
+from ho_onnx.schedule.options import (
+    MIN_BYTES_BUDGET,
+    MIN_BYTES_EXPLICIT,
+    OffloadOptions,
+    offload_kinds,
+)
+from ho_onnx.units import format_bytes, parse_size
+
+_DEFAULTS = OffloadOptions()
+
+
+def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
+    """``('batch=1', 'seq=128')`` → ``{'batch': 1, 'seq': 128}``."""
+    dims: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.strip().isdigit():
+            raise click.BadParameter(f"{item!r}: expected NAME=INTEGER, e.g. seq=2048",
+                                     param_hint="--dim")
+        dims[name.strip()] = int(value)
+    return dims
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    try:
+        yield
+    except HoOnnxError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+def _log(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+_DIM_HELP = "Value of a symbolic dimension, NAME=N (repeatable), e.g. --dim seq=2048."
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ho-onnx")
+def main() -> None:
+    """ho-onnx: offload tensors of an ONNX model off the device with explicit cache operators.
+
+    \b
+    Typical use:
+      ho-onnx plan     model.onnx --budget 6GiB --dim batch=1 --dim seq=512
+      ho-onnx optimize model.onnx model.ho.onnx --budget 6GiB --dim batch=1 --dim seq=512
+      ho-onnx inspect  model.ho.onnx
+      ho-onnx verify   model.onnx model.ho.onnx --dim batch=1 --dim seq=512
+
+    Run the optimized model with ho_onnx.InferenceSession(path), or register
+    ho_onnx.library_path() with onnxruntime.SessionOptions.register_custom_ops_library.
+    """
+
+
+def _progress_bars():  # type: ignore[no-untyped-def]
+    bars: dict[str, object] = {}
+
+    def progress(label: str, done: int, total: int) -> None:
+        bar = bars.get(label)
+        if bar is None:
+            bar = click.progressbar(length=total, label=label, file=sys.stderr)
+            bar.__enter__()  # type: ignore[attr-defined]
+            bars[label] = bar
+        bar.update(done - bar.pos)  # type: ignore[attr-defined]
+        if done >= total:
+            bar.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+    return progress
+
+
+def _planner_options(f):  # type: ignore[no-untyped-def]
+    """Options shared by `optimize --budget` and `plan`."""
+    opts = [
+        click.option("--machine", default="cpu", show_default=True, metavar="NAME|FILE",
+                     help="Target the cost model describes: a preset (h100, h200, cpu) or a "
+                          "JSON machine file (e.g. from `ho-onnx calibrate`)."),
+        click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
+                     default=None,
+                     help="Per-node times from `ho-onnx profile` of the unmodified model "
+                          "(default: analytic roofline estimates on --machine)."),
+        click.option("--min-gap", type=click.IntRange(min=1), default=_DEFAULTS.min_gap,
+                     show_default=True,
+                     help="Offload an activation only across a gap of at least this many "
+                          "nodes between two of its uses."),
+        click.option("--weight-tier", type=click.Choice(["host", "disk"]),
+                     default=_DEFAULTS.weight_tier,
+                     show_default=True,
+                     help="Where offloaded weights wait: the library's host store, or the "
+                          "model's data file (read at every reload)."),
+        click.option("--host-budget", type=SizeType(), default=None,
+                     help="Host (slow-tier) memory budget: offloaded weights that do not fit "
+                          "stay in the model's data file and are read from disk at each use."),
+        click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP),
+        click.option("--ort-optimize", "ort_level", type=click.Choice(["basic", "extended"]),
+                     default=None,
+                     help="First apply ONNX Runtime's own graph optimizations (fusions, "
+                          "constant folding) and plan the graph ORT will run; reads the "
+                          "weights once. 'extended' adds ORT-only contrib ops."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _options(offload: str, **kw: object) -> OffloadOptions:
+    """Options from the command line; options not given keep OffloadOptions' defaults."""
+    given = {k: v for k, v in kw.items() if v is not None}
+    try:
+        return OffloadOptions(**offload_kinds(offload), **given)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+@main.command()
+@click.argument("input_model", type=click.Path(dir_okay=False))
+@click.argument("output_model", type=click.Path(dir_okay=False))
+@click.option("--budget", type=SizeType(), default=None,
+              help="Fast-tier memory budget (e.g. 6GiB): the planner chooses what to offload "
+                   "and when, so the simulated peak fits with the least predicted stall. "
+                   "Without it, the explicit --offload policy applies to every tensor.")
+@click.option("--offload", type=click.Choice(["all", "weights", "activations", "none"]),
+              default="all", show_default=True,
+              help="Which tensors may leave the fast tier: initializers (weights), "
+                   "intermediate tensors with a gap between uses (activations), or both.")
+@click.option("--min-bytes", type=SizeType(), default=None,
+              help="Tensors smaller than this stay resident [default: "
+                   f"{format_bytes(MIN_BYTES_EXPLICIT, 'MiB', 0)}, "
+                   f"{format_bytes(MIN_BYTES_BUDGET, 'KiB', 0)} with --budget].")
+@click.option("--prefetch-distance", type=click.IntRange(min=0), default=None,
+              help="Without --budget: compute nodes between a Prefetch and its Wait "
+                   f"[default: {_DEFAULTS.prefetch_distance}]. With --budget the planner "
+                   "places every Prefetch.")
+@_planner_options
+def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
+             min_bytes: int | None, prefetch_distance: int | None, machine: str,
+             profile_path: str | None, min_gap: int, weight_tier: str,
+             host_budget: int | None, dims: tuple[str, ...], ort_level: str | None) -> None:
+    """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
+
+    Weight bytes are never loaded while planning. External data stays where it is; when
+    OUTPUT_MODEL is in another folder the data files are cloned (copy-on-write) or copied
+    there, with progress. The input is never modified and nothing is left behind on failure;
+    a budget below the smallest feasible one fails first, naming that budget.
+    """
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.rewrite.pipeline import optimize as run
+
+    with _errors():
+        if budget is not None and prefetch_distance is not None:
+            raise click.UsageError("--prefetch-distance is for the explicit policy: with "
+                                   "--budget the planner places every Prefetch")
+        if budget is None and host_budget is not None:
+            raise click.UsageError("--host-budget needs --budget (the planner)")
+        options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
+                           weight_tier=weight_tier, host_budget=host_budget,
+                           prefetch_distance=prefetch_distance)
+        result = run(input_model, output_model, options, parse_dims(dims),
+                     costs=CostSource(machine, profile_path), ort_level=ort_level, log=_log,
+                     progress=_progress_bars())
+    click.echo(f"{output_model}: {len(result.choice.weights)} weights, "
+               f"{len(result.choice.activations)} activations offloaded, "
+               f"{result.choice.offloaded_bytes:,} bytes")
+    if result.plan is not None:
+        p = result.plan
+        click.echo(f"predicted peak {format_bytes(p.planned.peak_bytes, 'MiB', 1)} (budget "
+                   f"{format_bytes(p.budget, 'MiB', 1)}), time x"
+                   f"{p.planned.total_s / p.baseline.total_s if p.baseline.total_s else 1:.3f}")
+
+
+@main.command()
+@click.argument("input_model", type=click.Path(dir_okay=False))
+@click.option("--budget", type=SizeType(), required=True,
+              help="Fast-tier memory budget, e.g. 6GiB.")
+@click.option("--offload", type=click.Choice(["all", "weights", "activations"]),
+              default="all", show_default=True, help="Which tensors may leave the fast tier.")
+@click.option("--min-bytes", type=SizeType(), default=None,
+              help="Tensors smaller than this stay resident [default: "
+                   f"{format_bytes(MIN_BYTES_BUDGET, 'KiB', 0)}].")
+@_planner_options
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the plan as JSON (with the simulator's per-step trace).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of device memory over the schedule, before and after, with "
+                   "the transfers on their copy channels (needs matplotlib).")
+def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
+         profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
+         dims: tuple[str, ...], ort_level: str | None, as_json: bool,
+         plot_path: str | None) -> None:
+    """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
+
+    The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
+    time, predicted stall), the peak and the predicted time before and after.
+    """
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.report.text import format_plan, plan_to_dict
+    from ho_onnx.rewrite.pipeline import plan_model
+
+    with _errors():
+        _, analysis, p = plan_model(input_model,
+                                    _options(offload, budget=budget, min_bytes=min_bytes,
+                                             min_gap=min_gap, weight_tier=weight_tier,
+                                             host_budget=host_budget),
+                                    parse_dims(dims), CostSource(machine, profile_path),
+                                    ort_level=ort_level, log=_log)
+        names = [analysis.node_at(i).name or analysis.node_at(i).op_type
+                 for i in range(len(analysis.order))]
+        if plot_path:
+            from ho_onnx.report.plot import plot_timeline
+
+            plot_timeline(p, names, plot_path)
+            _log(f"wrote {plot_path}")
+    if as_json:
+        click.echo(json.dumps(plan_to_dict(p, names, steps=True), indent=1))
+    else:
+        click.echo(format_plan(p, names))
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), required=True,
+              help="Where to write the per-node times (JSON).")
+@click.option("--provider", default="CPUExecutionProvider", show_default=True,
+              help="ORT execution provider to profile on.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP)
+@click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True)
+@click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]),
+              default="disable", show_default=True,
+              help="ORT graph optimizations while profiling: 'disable' times every original "
+                   "node; 'all' times what really runs (fused nodes).")
+@click.option("--int-high", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Integer inputs are drawn from [0, INT_HIGH).")
+def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...], runs: int,
+            warmup: int, opt_level: str, int_high: int) -> None:
+    """Run the unmodified MODEL under ORT's profiler and save median per-node times, for
+    `optimize --budget ... --profile FILE` and `plan --profile FILE`."""
+    from ho_onnx.target.ort.profile import profile_model
+
+    with _errors():
+        _log(f"profiling {model}: {warmup} warm-up + {runs} measured runs on {provider}")
+        r = profile_model(model, out_json, providers=[provider], dims=parse_dims(dims),
+                          runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high)
+    click.echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
+               f"{r['total_median_s'] * 1e3:.3f} ms")
+
+
+@main.command()
+@click.argument("original", type=click.Path(exists=True, dir_okay=False))
+@click.argument("optimized", type=click.Path(exists=True, dir_okay=False))
+@click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP)
+@click.option("--runs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Runs, each on fresh random inputs.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--int-high", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Integer inputs are drawn from [0, INT_HIGH) (keeps token ids in range).")
+@click.option("--atol", type=float, default=0.0, show_default=True,
+              help="Absolute tolerance; with --rtol 0 and --atol 0 outputs must be bit-exact.")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance.")
+@click.option("--execution-order", type=click.Choice(["priority", "default"]),
+              default="priority", show_default=True, help="ORT execution order of both runs.")
+@click.option("--prepacking/--no-prepacking", default=False, show_default=True,
+              help="Let ORT pre-pack constant weights (the optimized model then differs by "
+                   "rounding: use a tolerance).")
+@click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]),
+              default="all", show_default=True,
+              help="ORT graph optimization level of both sessions. Fusions that need constant "
+                   "weights do not apply to offloaded ones; 'disable' makes the paths "
+                   "identical.")
+@click.option("--provider", "providers", multiple=True, default=("CPUExecutionProvider",),
+              show_default=True, help="ORT execution provider (repeatable, in priority order).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(original: str, optimized: str, dims: tuple[str, ...], runs: int, seed: int,
+           int_high: int, atol: float, rtol: float, execution_order: str, prepacking: bool,
+           opt_level: str, providers: tuple[str, ...], as_json: bool) -> None:
+    """Run ORIGINAL and OPTIMIZED on the same random inputs and compare every output.
+
+    Exits 1 when an output differs beyond the tolerances (bit-exact by default).
+    """
+    from ho_onnx.target.ort.verify import verify as run
+
+    with _errors():
+        report = run(original, optimized, dims=parse_dims(dims), runs=runs, seed=seed,
+                     int_high=int_high, providers=list(providers),
+                     execution_order=execution_order, prepacking=prepacking, atol=atol,
+                     rtol=rtol, opt_level=opt_level)
+    if as_json:
+        click.echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
+                               "seconds_original": report.seconds_original,
+                               "seconds_optimized": report.seconds_optimized,
+                               "outputs": [vars(o) for o in report.outputs]}, indent=2))
+    else:
+        for o in report.outputs:
+            status = "exact" if o.exact else ("close" if o.close else "MISMATCH")
+            click.echo(f"{o.name:<24} {list(o.shape)!s:<18} max_abs={o.max_abs:.3g} "
+                       f"max_rel={o.max_rel:.3g}  {status}")
+        med = sorted(report.seconds_original)[len(report.seconds_original) // 2]
+        med_opt = sorted(report.seconds_optimized)[len(report.seconds_optimized) // 2]
+        click.echo(f"median run: original {med * 1e3:.1f} ms, optimized {med_opt * 1e3:.1f} ms "
+                   "(first runs include warm-up)")
+        click.echo(f"{report.runs} run(s): " + ("OK" if report.ok else "MISMATCH")
+                   + (" (bit-exact)" if report.exact else ""))
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(model: str, as_json: bool) -> None:
+    """Show what MODEL offloads: each transfer, its bytes, its prefetch window, the plan."""
+    from ho_onnx.report.inspect import format_summary, summarize
+
+    with _errors():
+        s = summarize(model)
+    click.echo(json.dumps(s.to_dict(), indent=2) if as_json else format_summary(s))
+
+
+@main.command()
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), required=True,
+              help="Machine file to write (use it with --machine FILE).")
+@click.option("--base", type=click.Choice(["cpu", "h100", "h200"]), default="cpu",
+              show_default=True, help="Preset the measured rates are merged onto.")
+@click.option("--file", "data_file", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="Measure disk reads of this file (e.g. a model's data file) "
+                                 "instead of a temporary one.")
+@click.option("--size", type=SizeType(), default="1GiB", show_default=True,
+              help="Size of the temporary file for the disk measurement.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Folder for the temporary file (the disk you will stream from).")
+def calibrate(out_json: str, base: str, data_file: str | None, size: int,
+              directory: str | None) -> None:
+    """Measure host->device / device->host copy rates (pinned, on a GPU; host memcpy on the
+    CPU) and the disk read rate (O_DIRECT), and write them as a machine file."""
+    from ho_onnx.target.ort.calibrate import calibrate as run
+
+    with _errors():
+        r = run(out_json, base=base, file=data_file, size=size, directory=directory, log=_log)
+    click.echo(f"{out_json}: h2d {float(r['h2d_bw']) / 1e9:.2f} GB/s, d2h "  # type: ignore[arg-type]
+               f"{float(r['d2h_bw']) / 1e9:.2f} GB/s, disk {float(r['disk_bw']) / 1e9:.2f} GB/s")  # type: ignore[arg-type]

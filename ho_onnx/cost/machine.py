@@ -1,0 +1,202 @@
+"""The machine a plan targets: its rates (presets or a JSON file) and transfer times.
+
+Transfer time (:func:`transfer_time`) is ``latency + bytes / bandwidth`` for one direction
+(``h2d``: slow tier to fast tier, ``d2h``: fast to slow, ``disk``: a read from disk).
+Units everywhere: seconds, bytes, bytes/s, FLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import HoOnnxError
+from .model import Direction
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rates of one target. All fields are SI units (FLOP/s, bytes/s, seconds).
+
+    ``peak_flops`` is for the dtype class the preset assumes: dense fp16/bf16 tensor-core
+    math on GPUs (fp32 models run well below it: override, or lower ``efficiency``), fp32
+    on the CPU. ``h2d_bw``/``d2h_bw`` are the two directions between the slow tier (host
+    memory) and the fast tier: PCIe on a GPU, ``memcpy`` between ORT buffers and the
+    library's host pool on the CPU EP.
+    """
+
+    name: str
+    peak_flops: float  # FLOP/s
+    mem_bw: float  # fast-tier (device) memory bandwidth, bytes/s
+    h2d_bw: float  # slow -> fast, bytes/s
+    d2h_bw: float  # fast -> slow, bytes/s
+    disk_bw: float  # disk read, bytes/s
+    transfer_latency_s: float  # fixed cost of one transfer (any direction)
+    launch_overhead_s: float  # fixed cost of one node: kernel launch / ORT dispatch
+    efficiency: float = 0.6  # achievable fraction of peak_flops
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            v = getattr(self, f.name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"machine {self.name!r}: {f.name} must be a finite number, "
+                                 f"got {v!r}")
+            if f.name in _NONNEG_FIELDS:
+                if v < 0:
+                    raise ValueError(f"machine {self.name!r}: {f.name} must be >= 0, got {v}")
+            elif v <= 0:
+                raise ValueError(f"machine {self.name!r}: {f.name} must be > 0, got {v}")
+        if self.efficiency > 1:
+            raise ValueError(f"machine {self.name!r}: efficiency must be in (0, 1], "
+                             f"got {self.efficiency}")
+
+    def with_overrides(self, **kw: Any) -> Machine:
+        """A copy with some fields replaced (numbers may be given as strings)."""
+        return replace(self, **_coerce(kw, self.name))
+
+    def transfer_time(self, nbytes: float, direction: Direction | str) -> float:
+        """:func:`transfer_time` on this machine (fits the planner's ``TransferTime``)."""
+        return transfer_time(self, nbytes, direction)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write every field as a JSON object."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str],
+                  base: Machine | str | None = None) -> Machine:
+        """Read a machine file; keys it lacks come from a preset.
+
+        The file is a JSON object with any subset of the fields (a ``ho-onnx calibrate``
+        output may carry only ``h2d_bw``, ``d2h_bw``, ``disk_bw``, ``transfer_latency_s``).
+        The preset it is merged onto is ``base`` if given, else the file's ``"base"`` key,
+        else its ``"name"`` if that names a preset, else ``"cpu"``. Keys that are not
+        fields (metadata such as sample sizes) are ignored.
+        """
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise MachineError(f"machine file {str(p)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise MachineError(f"machine file {str(p)!r} is not readable JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise MachineError(f"machine file {str(p)!r} must hold a JSON object")
+        if base is None:
+            base = data.get("base")
+            if base is None and data.get("name") in MACHINES:
+                base = data["name"]
+            base = base or "cpu"
+        base_m = base if isinstance(base, Machine) else _preset(str(base))
+        known = {f.name for f in fields(cls)} - {"name"}
+        kw = {k: v for k, v in data.items() if k in known}
+        name = data.get("name") or f"{base_m.name}+{p.name}"
+        try:
+            return replace(base_m, name=str(name), **_coerce(kw, str(name)))
+        except ValueError as e:
+            raise MachineError(f"machine file {str(p)!r}: {e}") from None
+
+
+_NONNEG_FIELDS = {"transfer_latency_s", "launch_overhead_s"}
+
+
+class MachineError(HoOnnxError, ValueError):
+    """A machine preset or file cannot be used."""
+
+
+def _coerce(kw: Mapping[str, Any], who: str) -> dict[str, Any]:
+    names = {f.name for f in fields(Machine)}
+    out: dict[str, Any] = {}
+    for k, v in kw.items():
+        if k not in names:
+            raise MachineError(f"machine {who!r}: unknown field {k!r} "
+                               f"(fields: {', '.join(sorted(names))})")
+        if k == "name":
+            out[k] = str(v)
+            continue
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            raise MachineError(f"machine {who!r}: {k} must be a number, got {v!r}") from None
+    return out
+
+
+# Presets. Sources:
+#  * H100 SXM5 80 GB (NVIDIA H100 Tensor Core GPU datasheet): 989 TFLOP/s dense FP16/BF16
+#    tensor core (1,979 "with sparsity"), HBM3 3.35 TB/s. Host link PCIe Gen5 x16:
+#    ~64 GB/s theoretical per direction; 50 GB/s is an assumed achievable rate for pinned
+#    cudaMemcpyAsync (measure with `ho-onnx calibrate`).
+#  * H200 SXM 141 GB (NVIDIA H200 datasheet): same GH100 compute, 989 TFLOP/s dense
+#    FP16/BF16; HBM3e 4.8 TB/s; PCIe Gen5 x16 as above.
+#  * GPU launch overhead ~5 us (CUDA kernel launch + ORT dispatch), transfer latency ~10 us
+#    (cudaMemcpyAsync issue + completion event); disk 3 GB/s (a PCIe 4 NVMe, sequential).
+#  * cpu: deliberately modest defaults for the CPU EP (100 GFLOP/s fp32, 10 GB/s memory,
+#    5 GB/s memcpy to/from the library's host pool, 1 GB/s disk): override them with
+#    `ho-onnx calibrate` output or use a profile.
+MACHINES: dict[str, Machine] = {
+    "h100": Machine(
+        name="h100", peak_flops=989e12, mem_bw=3.35e12, h2d_bw=50e9, d2h_bw=50e9,
+        disk_bw=3e9, transfer_latency_s=10e-6, launch_overhead_s=5e-6, efficiency=0.6,
+    ),
+    "h200": Machine(
+        name="h200", peak_flops=989e12, mem_bw=4.8e12, h2d_bw=50e9, d2h_bw=50e9,
+        disk_bw=3e9, transfer_latency_s=10e-6, launch_overhead_s=5e-6, efficiency=0.6,
+    ),
+    "cpu": Machine(
+        name="cpu", peak_flops=100e9, mem_bw=10e9, h2d_bw=5e9, d2h_bw=5e9, disk_bw=1e9,
+        transfer_latency_s=5e-6, launch_overhead_s=2e-6, efficiency=0.6,
+    ),
+}
+
+
+def _preset(name: str) -> Machine:
+    key = name.lower()
+    if key not in MACHINES:
+        raise MachineError(f"unknown machine {name!r}: presets are "
+                           f"{', '.join(sorted(MACHINES))}, or give a JSON machine file")
+    return MACHINES[key]
+
+
+def load_machine(name_or_path: str | os.PathLike[str] | Machine,
+                 overrides: Mapping[str, Any] | None = None) -> Machine:
+    """A preset name (``h100``, ``h200``, ``cpu``), a JSON machine file (see
+    :meth:`Machine.from_json`) or a Machine, with ``overrides`` applied on top."""
+    if isinstance(name_or_path, Machine):
+        m = name_or_path
+    else:
+        s = os.fspath(name_or_path)
+        if s.lower() in MACHINES:
+            m = MACHINES[s.lower()]
+        elif s.endswith(".json") or os.sep in s or os.path.exists(s):
+            m = Machine.from_json(s)
+        else:
+            m = _preset(s)  # raises, listing the presets
+    if overrides:
+        m = m.with_overrides(**dict(overrides))
+    return m
+
+
+_DIRECTIONS = ("h2d", "d2h", "disk")
+
+
+def transfer_time(machine: Machine, nbytes: float, direction: Direction | str) -> float:
+    """Seconds for one transfer: ``transfer_latency_s + nbytes / bandwidth``; 0 for 0 bytes.
+
+    ``direction`` is ``"h2d"`` (slow to fast tier), ``"d2h"`` (fast to slow) or ``"disk"``.
+    """
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
+    if nbytes <= 0:
+        return 0.0
+    bw = {"h2d": machine.h2d_bw, "d2h": machine.d2h_bw, "disk": machine.disk_bw}[direction]
+    return machine.transfer_latency_s + float(nbytes) / bw

@@ -1,0 +1,57 @@
+"""What the planner asks of a cost model: compute seconds per step, seconds per transfer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+Direction = Literal["h2d", "d2h", "disk"]
+TransferTime = Callable[[int, Direction], float]  # (bytes, direction) -> seconds
+
+
+@dataclass
+class NodeCosts:
+    """Compute seconds per schedule position (``seconds[pos]``, positions of
+    ``GraphAnalysis.order``)."""
+
+    seconds: np.ndarray  # float64, len(analysis.order)
+    source: str  # "analytic" | "profile"
+    coverage: float = 1.0  # fraction of nodes whose time came from the profile by name
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return float(self.seconds.sum())
+
+    def between(self, start: int, stop: int) -> float:
+        """Compute seconds of positions ``start <= pos < stop``."""
+        return float(self.seconds[max(start, 0):max(stop, 0)].sum())
+
+    def cumulative(self) -> np.ndarray:
+        """``c[i]`` = seconds of positions ``< i`` (length ``len(seconds) + 1``)."""
+        return cumulative(self.seconds)
+
+
+def cumulative(seconds: np.ndarray) -> np.ndarray:
+    """Prefix sums: ``c[i]`` = seconds of positions ``< i`` (length ``len(seconds) + 1``)."""
+    return np.concatenate(([0.0], np.cumsum(seconds)))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The planner's view of the target: ``compute_s[pos]`` seconds per schedule step,
+    ``transfer_time(bytes, direction)`` seconds per copy, and where both came from."""
+
+    compute_s: np.ndarray
+    transfer_time: TransferTime
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compute_s", np.asarray(self.compute_s, dtype=np.float64))
+
+    def prefix(self) -> np.ndarray:
+        """:func:`cumulative` of ``compute_s``."""
+        return cumulative(self.compute_s)

@@ -1,0 +1,130 @@
+"""Compute time measured on the target: an ORT profile (``ho-onnx profile``) mapped onto
+the nodes of the unmodified model; nodes the profile does not name are filled in as
+:func:`profile_costs` describes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..graph.analyse import GraphAnalysis
+from ..target.ort.facts import never_runs
+from ..target.ort.profile import read_profile
+from .analytic import node_flops_bytes, node_time
+from .machine import MACHINES, Machine
+from .model import NodeCosts
+
+_FUSION_SEPARATORS = ("/", "_", ":")
+_TRANSFER_OPS = frozenset(("MemcpyFromHost", "MemcpyToHost"))
+
+
+def profile_costs(analysis: GraphAnalysis, profile_json_path: str | os.PathLike[str],
+                  machine: Machine | None = None,
+                  dims: Mapping[str, int] | None = None) -> NodeCosts:
+    """Per-node seconds from a profile file, mapped onto ``analysis``'s positions.
+
+    Mapping rule, in order, for each profiled entry:
+
+    1. **index**: the entry's ORT ``node_index`` names an original node with the same op
+       type whose name is the entry's name or empty (ORT invents ``<Op>_<i>`` names for
+       unnamed nodes); used only when the profile recorded the same node count as the model;
+    2. **name**: the entry's name equals an original node's name;
+    3. **fusion**: the entry's name starts with an original node's name followed by ``/``,
+       ``_`` or ``:`` (ORT names most fused nodes after the node it fused into, e.g.
+       ``fc2/MatMulScaleFusion/``); the longest such name wins and the time is *added*
+       to that node.
+
+    Nodes matched by 1–3 count towards ``coverage``, and so do Constant nodes (0 s: ORT
+    makes them initializers, they never run). Entries left over (nodes ORT created
+    with invented names, e.g. ``Gelu`` or ``LayerNormalization`` fusions) form a pool whose
+    time is spread over the unmatched nodes in proportion to their analytic estimates, so
+    the total equals the profile's. With no pool, unmatched nodes cost 0 when the profile
+    ran with ORT optimizations (they were fused into a matched node or folded away) and
+    their analytic estimate when it ran with ``opt_level="disable"``. ORT's own copy nodes
+    (``MemcpyFromHost``/``MemcpyToHost``) are transfers, not compute, and are skipped.
+
+    ``machine`` (for the analytic weights) defaults to ``h100`` for a CUDA profile and
+    ``cpu`` otherwise; ``dims`` defaults to the dims the profile was taken with.
+    """
+    prof = read_profile(profile_json_path)
+    n = len(analysis.order)
+    locate = _Locator(analysis, prof.get("model_nodes") == len(analysis.model.graph.node))
+    secs = np.zeros(n, dtype=np.float64)
+    matched = np.zeros(n, dtype=bool)
+    pool, pool_entries = 0.0, 0
+    for ename, e in prof["nodes"].items():
+        if e.get("op") in _TRANSFER_OPS:
+            continue
+        pos = locate(ename, e)
+        if pos is None:
+            pool += float(e["median_s"])
+            pool_entries += 1
+            continue
+        secs[pos] += float(e["median_s"])
+        matched[pos] = True
+    for pos in range(n):  # nodes ORT never runs (Constant: made initializers) cost 0 s
+        if not matched[pos] and never_runs(analysis.node_at(pos)):
+            matched[pos] = True
+    notes = _fill_unmatched(analysis, prof, secs, matched, pool, pool_entries, machine, dims)
+    coverage = float(matched.mean()) if n else 1.0
+    return NodeCosts(secs, "profile", coverage, notes)
+
+
+class _Locator:
+    """The schedule position of a profiled entry (rules 1-3 of :func:`profile_costs`)."""
+
+    def __init__(self, analysis: GraphAnalysis, same_model: bool) -> None:
+        self.graph = analysis.model.graph
+        self.same_model = same_model
+        self.pos_of_index = {idx: pos for pos, idx in enumerate(analysis.order)}
+        self.pos_of_name: dict[str, int] = {}
+        for pos, idx in enumerate(analysis.order):
+            name = self.graph.node[idx].name
+            if name:
+                self.pos_of_name.setdefault(name, pos)
+        self.names_by_len = sorted(self.pos_of_name, key=len, reverse=True)
+
+    def __call__(self, ename: str, e: Mapping[str, Any]) -> int | None:
+        idx = e.get("index")
+        if self.same_model and isinstance(idx, int) and idx in self.pos_of_index:
+            node = self.graph.node[idx]
+            if node.op_type == e.get("op") and node.name in (ename, ""):
+                return self.pos_of_index[idx]
+        pos = self.pos_of_name.get(ename)
+        if pos is not None:
+            return pos
+        for cand in self.names_by_len:
+            if ename.startswith(cand) and ename[len(cand):len(cand) + 1] in _FUSION_SEPARATORS:
+                return self.pos_of_name[cand]
+        return None
+
+
+def _fill_unmatched(analysis: GraphAnalysis, prof: Mapping[str, Any], secs: np.ndarray,
+                    matched: np.ndarray, pool: float, pool_entries: int,
+                    machine: Machine | None, dims: Mapping[str, int] | None) -> list[str]:
+    """Give the unmatched nodes their time (the pool, an estimate or 0); say what was done."""
+    unmatched = np.flatnonzero(~matched)
+    if not len(unmatched):
+        if pool > 0:
+            return [f"{pool_entries} profiled entries ({pool:.3g} s) matched no node: dropped"]
+        return []
+    optimized = prof.get("opt_level", "all") != "disable"
+    if pool <= 0 and optimized:
+        return [f"{len(unmatched)} nodes not in the optimized profile: 0 s "
+                "(fused or folded by ORT)"]
+    if machine is None:
+        prov = str(prof.get("provider", ""))
+        machine = MACHINES["h100" if prov.startswith("CUDA") else "cpu"]
+    use_dims = dict(prof.get("dims") or {}) if dims is None else dims
+    est = np.array([node_time(machine, *node_flops_bytes(analysis, int(p), use_dims))
+                    for p in unmatched])
+    if pool <= 0:
+        secs[unmatched] = est
+        return [f"{len(unmatched)} nodes not in the profile: analytic estimate"]
+    w = est / est.sum() if est.sum() > 0 else np.full(len(est), 1.0 / len(est))
+    secs[unmatched] = pool * w
+    return [f"{pool_entries} profiled entries ({pool:.3g} s) matched no node: "
+            f"spread over {len(unmatched)} unmatched nodes"]

@@ -1,0 +1,36 @@
+"""Where a plan's times come from: a machine and optionally an ORT profile, as one
+:class:`~ho_onnx.cost.model.CostModel`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..graph.analyse import GraphAnalysis
+from .analytic import analytic_costs
+from .machine import load_machine
+from .model import CostModel
+from .profiled import profile_costs
+
+
+@dataclass(frozen=True)
+class CostSource:
+    """Where the planner's times come from: a machine (preset or JSON file) and optionally
+    an ORT profile of the unmodified model (``ho-onnx profile``)."""
+
+    machine: str | os.PathLike[str] = "cpu"
+    profile: str | os.PathLike[str] | None = None
+
+    def cost_model(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> CostModel:
+        """Compute seconds per step of ``analysis`` and transfer times, with a description."""
+        machine = load_machine(self.machine)
+        if self.profile is not None:
+            nc = profile_costs(analysis, self.profile, machine, dims)
+            what = f"profile {Path(self.profile).name} ({nc.coverage:.0%} of nodes by name)"
+        else:
+            nc = analytic_costs(analysis, machine, dims)
+            what = f"analytic roofline on {machine.name}"
+        return CostModel(nc.seconds, machine.transfer_time,
+                         f"{what}; transfers on {machine.name}")

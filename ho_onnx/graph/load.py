@@ -1,0 +1,185 @@
+"""Load an ONNX model for planning without reading weight bytes, and validate it.
+
+External data stays on disk: only its references (location, offset, length) are read and
+checked against the files' sizes. The returned proto is what every later pass works on.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto
+
+from ..contract import DOMAIN
+from ..errors import ExternalDataError, ModelLoadError, UnsupportedModelError
+from .dtypes import ELEMENT_BITS, dense_nbytes
+
+
+@dataclass(frozen=True)
+class ExternalRef:
+    """Where an initializer's bytes live on disk (location is relative to the model dir)."""
+
+    location: str
+    offset: int
+    length: int | None
+
+
+@dataclass
+class LoadedModel:
+    """A model proto without weight bytes, and the folder its external data is relative to.
+
+    ``keepalive``: an object that owns the files (a temporary folder), kept as long as this.
+    """
+
+    model: onnx.ModelProto
+    path: Path
+    base_dir: Path
+    keepalive: object = field(default=None, repr=False)
+
+
+def external_ref(tensor: TensorProto) -> ExternalRef | None:
+    """The external-data reference of ``tensor``, or None when its bytes are inline."""
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return None
+    kv = {e.key: e.value for e in tensor.external_data}
+    if "location" not in kv:
+        raise ExternalDataError(f"initializer {tensor.name!r} is external but has no location")
+    try:
+        offset = int(kv.get("offset", "0"))
+        length = int(kv["length"]) if "length" in kv else None
+    except ValueError as e:
+        raise ExternalDataError(
+            f"initializer {tensor.name!r}: offset/length are not integers ({e})"
+        ) from None
+    if offset < 0 or (length is not None and length < 0):
+        raise ExternalDataError(f"initializer {tensor.name!r}: negative offset or length")
+    return ExternalRef(kv["location"], offset, length)
+
+
+def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph (If/Loop/Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_graphs(g)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(base_dir: Path, location: str) -> tuple[Path, Path]:
+    base = base_dir.resolve()
+    return base, (base / location).resolve()
+
+
+def resolve_data_path(base_dir: Path, location: str, what: str) -> Path:
+    """The file ``location`` names, refusing absolute paths and escapes from ``base_dir``.
+
+    (Resolution is cached per (folder, location): a model has one or a few data files and
+    thousands of initializers.)"""
+    if not location or os.path.isabs(location) or location.startswith(("\\", "/")):
+        raise ExternalDataError(
+            f"{what}: external data location {location!r} must be a relative path inside the "
+            f"model folder {str(base_dir)!r}"
+        )
+    base, path = _resolve(base_dir, location)
+    if path != base and base not in path.parents:
+        raise ExternalDataError(
+            f"{what}: external data location {location!r} points outside the model folder "
+            f"{str(base)!r}"
+        )
+    return path
+
+
+def expected_nbytes(tensor: TensorProto) -> int | None:
+    """Bytes a dense tensor of this type and shape occupies (None for strings/unknown types)."""
+    if tensor.data_type not in ELEMENT_BITS:
+        return None
+    return dense_nbytes(tensor.data_type, tensor.dims)
+
+
+def validate_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Every external reference must name a file inside ``base_dir`` that is long enough."""
+    sizes: dict[Path, int] = {}
+    for graph in iter_graphs(model.graph):
+        for tensor in graph.initializer:
+            ref = external_ref(tensor)
+            if ref is None:
+                continue
+            what = f"initializer {tensor.name!r}"
+            path = resolve_data_path(base_dir, ref.location, what)
+            if path not in sizes:
+                if not path.is_file():
+                    raise ExternalDataError(
+                        f"{what}: external data file {ref.location!r} not found in "
+                        f"{str(base_dir)!r}"
+                    )
+                sizes[path] = path.stat().st_size
+            want = expected_nbytes(tensor)
+            if ref.length is not None and want is not None and ref.length != want:
+                raise ExternalDataError(
+                    f"{what}: external data length {ref.length} does not match its type and "
+                    f"shape ({want} bytes)"
+                )
+            length = ref.length if ref.length is not None else (want or 0)
+            if ref.offset + length > sizes[path]:
+                raise ExternalDataError(
+                    f"{what}: needs bytes [{ref.offset}, {ref.offset + length}) of "
+                    f"{ref.location!r}, but the file has only {sizes[path]} bytes "
+                    "(truncated or wrong file?)"
+                )
+
+
+def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False) -> None:
+    """Refuse opsets this onnx cannot interpret and (unless allowed) rewritten models."""
+    max_onnx = onnx.defs.onnx_opset_version()
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx") and imp.version > max_onnx:
+            raise UnsupportedModelError(
+                f"the model imports ai.onnx opset {imp.version}, newer than the newest this "
+                f"onnx ({onnx.__version__}) knows ({max_onnx}); upgrade onnx or convert the model"
+            )
+        if imp.domain in ("", "ai.onnx") and imp.version < 1:
+            raise UnsupportedModelError(f"invalid ai.onnx opset version {imp.version}")
+    # An opset import alone is harmless (ORT's saved optimized models import every domain it
+    # knows, ours included once the library was loaded); cache operators are not.
+    if not allow_cache_ops and any(n.domain == DOMAIN for g in iter_graphs(model.graph)
+                                   for n in g.node):
+        raise UnsupportedModelError(
+            f"the model already contains {DOMAIN} cache operators: optimize the original "
+            "model, not an optimized one"
+        )
+
+
+def load_model(path: str | os.PathLike[str], *, check: bool = True,
+               allow_cache_ops: bool = False) -> LoadedModel:
+    """Read ``path`` (weight bytes stay on disk), check it and its external data references."""
+    p = Path(path)
+    _resolve.cache_clear()  # resolutions are cached within one load/save, never across
+    if not p.exists():
+        raise ModelLoadError(f"model file {str(p)!r} does not exist")
+    if not p.is_file():
+        raise ModelLoadError(f"{str(p)!r} is not a file")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise ModelLoadError(f"{str(p)!r} is not a readable ONNX model: {e}") from None
+    if not model.HasField("graph") or model.ir_version == 0:
+        raise ModelLoadError(f"{str(p)!r} is not an ONNX model (no graph or IR version)")
+    check_opsets(model, allow_cache_ops)
+    base_dir = p.resolve().parent
+    validate_external_data(model, base_dir)
+    if check:
+        try:
+            onnx.checker.check_model(str(p))  # by path: external data checked beside it
+        except onnx.checker.ValidationError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
+    return LoadedModel(model=model, path=p, base_dir=base_dir)

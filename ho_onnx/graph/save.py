@@ -1,0 +1,260 @@
+"""Write a finished model atomically, with the data files it references.
+
+Only writes: what goes where was decided before (:class:`OutputFiles`, made by
+:func:`ho_onnx.rewrite.place.place_weight_data`).
+
+* Data files the model references stay where they are when the output is beside the input;
+  written elsewhere, each is cloned into the output folder (copy-on-write, instant) where the
+  filesystem can, else copied with progress, holes kept. Not linked: onnx.checker refuses
+  hard- and symlinked data files. An existing different file is never overwritten.
+* The sidecar (offloaded weights that were inline) is written at the offsets laid out.
+* Everything is written to temporary files in the output folder and renamed into place
+  last, so a failure leaves no partial output; the input is never opened for writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ..errors import OutputPathError
+from .load import LoadedModel, external_ref, iter_graphs, resolve_data_path
+
+Progress = Callable[[str, int, int], None]  # (what, done bytes, total bytes)
+
+_CHUNK = 8 << 20
+
+
+@dataclass
+class Sidecar:
+    """A data file written beside the model: each tensor's bytes at its offset."""
+
+    name: str  # file name in the output folder
+    tensors: list[tuple[TensorProto, int, int]] = field(default_factory=list)  # (t, off, len)
+
+
+@dataclass
+class OutputFiles:
+    """What :func:`save_model` writes: the finished model, the data files it references
+    (location relative to the output folder -> source file), and the sidecar."""
+
+    model: onnx.ModelProto
+    data_files: dict[str, Path] = field(default_factory=dict)
+    sidecar: Sidecar | None = None
+
+
+@dataclass
+class SaveReport:
+    """What :func:`save_model` wrote and copied."""
+
+    model_path: Path
+    sidecar: Path | None = None
+    copied: list[Path] = field(default_factory=list)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _raw_bytes(t: TensorProto) -> bytes:
+    """The little-endian bytes ORT expects for an inline initializer."""
+    if t.HasField("raw_data"):
+        return t.raw_data
+    arr = numpy_helper.to_array(t)
+    packed = numpy_helper.from_array(np.asarray(arr), t.name)
+    if packed.HasField("raw_data") and packed.data_type == t.data_type:
+        return packed.raw_data
+    raise OutputPathError(f"cannot serialise inline initializer {t.name!r} to raw bytes")
+
+
+_FICLONE = 0x40049409  # linux/fs.h: share the extents (copy-on-write clone)
+
+
+def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of the allocated regions of a file; the whole file if unsupported."""
+    segs: list[tuple[int, int]] = []
+    pos = 0
+    try:
+        while pos < size:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            segs.append((start, end))
+            pos = end
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # no data after pos
+            return segs
+        return [(0, size)]
+    return segs
+
+
+def copy_sparse(src: Path, dst: Path, progress: Progress | None = None) -> None:
+    """Copy ``src`` to ``dst``: a copy-on-write clone where the filesystem can, else the data
+    regions only (holes stay holes), reporting bytes done/total to ``progress``."""
+    total = src.stat().st_size
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        try:
+            fcntl.ioctl(fo.fileno(), _FICLONE, fi.fileno())
+            if progress:
+                progress(f"cloning {src.name}", total, total)
+            return
+        except OSError:
+            pass
+        segs = _data_segments(fi.fileno(), total)
+        todo = sum(e - s for s, e in segs) or 1
+        done = 0
+        for start, end in segs:
+            pos = start
+            while pos < end:
+                n = min(_CHUNK, end - pos)
+                chunk = os.pread(fi.fileno(), n, pos)
+                if not chunk:
+                    raise OutputPathError(f"{str(src)!r} shrank while being copied")
+                os.pwrite(fo.fileno(), chunk, pos)
+                pos += len(chunk)
+                done += len(chunk)
+                if progress:
+                    progress(f"copying {src.name}", done, todo)
+        fo.truncate(total)
+        if progress and done == 0:
+            progress(f"copying {src.name}", todo, todo)
+    shutil.copystat(src, dst)
+
+
+def _place_data_file(src: Path, dst: Path, report: SaveReport, progress: Progress | None,
+                     temps: list[Path]) -> None:
+    if _same_file(src, dst):
+        return
+    if dst.exists():
+        s, d = src.stat(), dst.stat()
+        if s.st_size == d.st_size and s.st_mtime_ns == d.st_mtime_ns:
+            return  # an earlier copy of the same file
+        raise OutputPathError(
+            f"{str(dst)!r} already exists and is not the model's data file {str(src)!r}; "
+            "choose another output folder or remove it"
+        )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # Not a hard or symbolic link: onnx.checker refuses both as a possible attack.
+    tmp = dst.with_name(f".{dst.name}.ho-tmp-{os.getpid()}")
+    temps.append(tmp)
+    copy_sparse(src, tmp, progress)
+    os.replace(tmp, dst)
+    temps.remove(tmp)
+    report.copied.append(dst)
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> Path:
+    """Refuse an output that is the input (or one of its data files)."""
+    out = Path(out_path)
+    out_abs = out.resolve()
+    if out_abs == loaded.path.resolve() or _same_file(out, loaded.path):
+        raise OutputPathError(f"output {str(out)!r} is the input model: choose another path")
+    if out.exists() and out.is_dir():
+        raise OutputPathError(f"output {str(out)!r} is a directory")
+    checked: set[str] = set()
+    for graph in iter_graphs(loaded.model.graph):
+        for t in graph.initializer:
+            ref = external_ref(t)
+            if ref is None or ref.location in checked:
+                continue
+            checked.add(ref.location)
+            data = resolve_data_path(loaded.base_dir, ref.location, f"initializer {t.name!r}")
+            if out_abs == data or _same_file(out, data):
+                raise OutputPathError(
+                    f"output {str(out)!r} is the external data file of the input model"
+                )
+    return out
+
+
+def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathLike[str], *,
+               progress: Progress | None = None) -> SaveReport:
+    """Write ``files`` for the output ``out_path`` of ``loaded`` (see module docstring)."""
+    out = check_output_path(loaded, out_path)
+    out_dir = out.resolve().parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = SaveReport(model_path=out)
+    temps: list[Path] = []
+    try:
+        if out_dir != loaded.base_dir:
+            for loc, src in files.data_files.items():
+                _place_data_file(src, out_dir / loc, report, progress, temps)
+        sidecar_tmp = None
+        if files.sidecar is not None and files.sidecar.tensors:
+            sidecar_tmp = _write_temp(out_dir, f".{files.sidecar.name}.", temps,
+                                      lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
+        blob = _serialise(files.model)
+        model_tmp = _write_temp(out_dir, f".{out.name}.", temps, lambda f: f.write(blob))
+        try:  # by path, so external data is checked where the output will find it
+            onnx.checker.check_model(str(model_tmp))
+        except onnx.checker.ValidationError as e:
+            raise OutputPathError(f"the rewritten model does not pass onnx.checker: {e}") from e
+        mode = _umask_mode()
+        os.chmod(model_tmp, mode)
+        if sidecar_tmp is not None:
+            sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
+            os.chmod(sidecar_tmp, mode)
+            os.replace(sidecar_tmp, sidecar)
+            temps.remove(sidecar_tmp)
+            temps.append(sidecar)  # removed again if the model's rename fails
+            report.sidecar = sidecar
+        os.replace(model_tmp, out)
+        if report.sidecar is not None:
+            temps.remove(report.sidecar)
+        temps.remove(model_tmp)
+        return report
+    finally:
+        for t in temps:
+            with contextlib.suppress(OSError):
+                t.unlink()
+
+
+def _serialise(model: onnx.ModelProto) -> bytes:
+    try:
+        return model.SerializeToString()
+    except ValueError as e:  # > 2 GiB protobuf
+        raise OutputPathError(f"the rewritten model cannot be serialised: {e}") from e
+
+
+def _write_temp(out_dir: Path, prefix: str, temps: list[Path],
+                write: Callable[[Any], object]) -> Path:
+    """A new temporary file in ``out_dir`` (recorded in ``temps``), written and synced."""
+    fd, name = tempfile.mkstemp(prefix=prefix, dir=out_dir)
+    path = Path(name)
+    temps.append(path)
+    with os.fdopen(fd, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def _write_sidecar(f: Any, sidecar: Sidecar) -> None:
+    pos = 0
+    for t, offset, length in sidecar.tensors:
+        data = _raw_bytes(t)
+        if len(data) != length or offset < pos:
+            raise OutputPathError(f"inline initializer {t.name!r}: {len(data)} bytes do not "
+                                  f"fit the sidecar layout ({length} bytes at {offset})")
+        f.write(b"\0" * (offset - pos))
+        f.write(data)
+        pos = offset + length

@@ -1,0 +1,124 @@
+"""Describe what an optimized model offloads: transfers, bytes, windows, recorded plan."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import onnx
+
+from .. import contract
+from ..graph.dtypes import ELEMENT_BITS, dense_nbytes, dtype_name
+from ..graph.load import load_model
+
+
+@dataclass
+class Transfer:
+    """One reload: a Prefetch and its Wait, with the schedule steps between them."""
+
+    tensor: str
+    kind: str  # "weight" | "activation"
+    nbytes: int | None
+    prefetch_step: int
+    wait_step: int
+    window_nodes: int  # compute nodes between prefetch and wait
+    source: str  # "file@offset" for weights, the Store node for activations
+
+
+@dataclass
+class ModelSummary:
+    """Cache ops of a model, in schedule order."""
+
+    nodes: int
+    compute_nodes: int
+    cache_ops: dict[str, int]
+    transfers: list[Transfer] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def summarize(path: str | os.PathLike[str]) -> ModelSummary:
+    """Read ``path`` (no weight bytes) and list its transfers."""
+    model = load_model(path, check=False, allow_cache_ops=True).model
+    g = model.graph
+    types = {vi.name: vi.type for vi in list(g.value_info) + list(g.input) + list(g.output)}
+    counts = {op: 0 for op in contract.ALL_OPS}
+    producers: dict[str, onnx.NodeProto] = {}
+    compute_before: list[int] = []  # compute nodes strictly before each step
+    n_compute = 0
+    for node in g.node:
+        compute_before.append(n_compute)
+        if node.domain == contract.DOMAIN:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        else:
+            n_compute += 1
+        for o in node.output:
+            producers[o] = node
+    step = {id(n): i for i, n in enumerate(g.node)}
+    summary = ModelSummary(len(g.node), n_compute, counts,
+                           metadata={p.key: p.value for p in model.metadata_props
+                                     if p.key.startswith(contract.META_PREFIX)})
+    for node in g.node:
+        if node.domain != contract.DOMAIN or node.op_type != contract.WAIT:
+            continue
+        pf = producers.get(node.input[0])
+        if pf is None or pf.op_type != contract.PREFETCH:
+            continue
+        a = _attrs(pf)
+        nbytes = None
+        tt = types.get(node.input[0])
+        if contract.ATTR_LOCATION in a:
+            kind = "weight"
+            tensor = a.get(contract.ATTR_NAME, b"")
+            tensor = tensor.decode() if isinstance(tensor, bytes) else str(tensor)
+            loc = a[contract.ATTR_LOCATION]
+            loc = loc.decode() if isinstance(loc, bytes) else str(loc)
+            source = f"{loc}@{a.get(contract.ATTR_OFFSET, 0)}"
+            nbytes = int(a.get(contract.ATTR_LENGTH, 0))  # type: ignore[call-overload]
+        else:
+            kind = "activation"
+            det = producers.get(pf.input[0])
+            tensor = det.input[0] if det is not None else "?"
+            source = det.name if det is not None else "?"
+            if tt is not None and tt.tensor_type.elem_type in ELEMENT_BITS:
+                dims = [d.dim_value if d.HasField("dim_value") else None
+                        for d in tt.tensor_type.shape.dim]
+                if all(d is not None for d in dims):
+                    nbytes = dense_nbytes(tt.tensor_type.elem_type, dims)  # type: ignore[arg-type]
+        i, j = step[id(pf)], step[id(node)]
+        summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
+                                          compute_before[j] - compute_before[i], source))
+    return summary
+
+
+def format_summary(s: ModelSummary) -> str:
+    """A human-readable table of :func:`summarize`'s result."""
+    lines = [f"{s.nodes} nodes: {s.compute_nodes} compute, "
+             + ", ".join(f"{v} {k}" for k, v in s.cache_ops.items())]
+    if s.metadata:
+        lines.append("plan: " + "; ".join(f"{k.removeprefix(contract.META_PREFIX)}={v}"
+                                          for k, v in sorted(s.metadata.items())))
+    if not s.transfers:
+        lines.append("no transfers: nothing is offloaded")
+        return "\n".join(lines)
+    w = max(len(t.tensor) for t in s.transfers)
+    w = min(max(w, 6), 48)
+    lines.append(f"{'tensor':<{w}}  {'kind':<10} {'bytes':>12}  {'prefetch':>8} {'wait':>6} "
+                 f"{'window':>6}  source")
+    total = 0
+    for t in s.transfers:
+        total += t.nbytes or 0
+        nb = "?" if t.nbytes is None else f"{t.nbytes:,}"
+        lines.append(f"{t.tensor[:w]:<{w}}  {t.kind:<10} {nb:>12}  {t.prefetch_step:>8} "
+                     f"{t.wait_step:>6} {t.window_nodes:>6}  {t.source}")
+    lines.append(f"{len(s.transfers)} transfers per run, {total:,} bytes reloaded per run")
+    return "\n".join(lines)
+
+
+__all__ = ["ModelSummary", "Transfer", "dtype_name", "format_summary", "summarize"]

@@ -1,0 +1,98 @@
+"""Human and machine views of a :class:`~ho_onnx.schedule.planner.Plan`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..schedule.planner import Plan
+from ..schedule.simulate import Simulation
+from ..units import format_bytes
+
+
+def _mib(b: float) -> str:
+    return format_bytes(b, "MiB", 1)
+
+
+def transfer_rows(plan: Plan, analysis_names: list[str]) -> list[dict[str, Any]]:
+    """One row per simulated transfer, in issue order."""
+    rows = []
+    sim = plan.planned
+    for ev in sorted(sim.transfers, key=lambda e: (e.start_s, e.issue_pos)):
+        window = float(sim.compute_s[ev.issue_pos:ev.wait_pos].sum()) if ev.kind == "reload" \
+            else float(sim.compute_s[ev.issue_pos + 1:ev.wait_pos + 1].sum())
+        rows.append({
+            "tensor": ev.tensor, "kind": ev.kind, "direction": ev.direction,
+            "bytes": ev.nbytes, "issue_step": ev.issue_pos, "wait_step": ev.wait_pos,
+            "issue_node": analysis_names[ev.issue_pos], "wait_node": analysis_names[ev.wait_pos],
+            "window_s": window, "transfer_s": ev.end_s - ev.start_s,
+            "start_s": ev.start_s, "end_s": ev.end_s, "stall_s": ev.stall_s,
+        })
+    return rows
+
+
+def _sim_dict(sim: Simulation) -> dict[str, Any]:
+    return {"peak_bytes": sim.peak_bytes, "peak_step": sim.peak_pos, "time_s": sim.total_s,
+            "stall_s": sim.stall_s, "compute_s": float(sim.compute_s.sum())}
+
+
+def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
+                 ) -> dict[str, Any]:
+    """The plan as JSON-ready data (``steps``: the simulator's per-step trace too)."""
+    c = plan.choice
+    d: dict[str, Any] = {
+        "budget_bytes": plan.budget,
+        "min_budget_bytes": plan.min_budget,
+        "fits": plan.fits,
+        "host_bytes": plan.host_bytes,
+        "before": _sim_dict(plan.baseline),
+        "after": _sim_dict(plan.planned),
+        "offloaded": {
+            "weights": [{"name": w.name, "bytes": w.nbytes, "readers": list(w.consumers),
+                         "prefetch_at": list(w.prefetch_at), "tier": w.tier}
+                        for w in c.weights],
+            "activations": [{"name": a.name, "bytes": a.nbytes, "producer": a.producer,
+                             "early": list(a.early), "late": list(a.late),
+                             "prefetch_at": a.prefetch_at} for a in c.activations],
+        },
+        "transfers": transfer_rows(plan, analysis_names),
+    }
+    if steps:
+        d["steps"] = [{"step": i, "node": analysis_names[i],
+                       "start_s": float(plan.planned.step_start_s[i]),
+                       "compute_s": float(plan.planned.compute_s[i]),
+                       "bytes_after": int(plan.planned.memory[i]),
+                       "bytes_before": int(plan.baseline.memory[i])}
+                      for i in range(len(analysis_names))]
+    return d
+
+
+def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) -> str:
+    """The table ``ho-onnx plan`` prints."""
+    b, a = plan.baseline, plan.planned
+    c = plan.choice
+    lines = [
+        f"budget {_mib(plan.budget)}   smallest feasible {_mib(plan.min_budget)}",
+        f"peak   {_mib(b.peak_bytes)} -> {_mib(a.peak_bytes)} "
+        f"(step {a.peak_pos}: {analysis_names[a.peak_pos] if analysis_names else '-'})",
+        f"time   {b.total_s * 1e3:,.3f} ms -> {a.total_s * 1e3:,.3f} ms predicted "
+        f"(stall {a.stall_s * 1e3:,.3f} ms, x{a.total_s / b.total_s if b.total_s else 1:.3f})",
+        f"offloaded: {len(c.weights)} weights ({_mib(sum(w.nbytes for w in c.weights))}), "
+        f"{len(c.activations)} activations "
+        f"({_mib(sum(x.nbytes or 0 for x in c.activations))}); host holds up to "
+        f"{_mib(plan.host_bytes)}",
+    ]
+    rows = transfer_rows(plan, analysis_names)
+    if rows:
+        w = min(max(len(r["tensor"]) for r in rows), 40)
+        lines.append(f"{'tensor':<{w}} {'kind':<7} {'dir':<4} {'bytes':>12} {'window':>13} "
+                     f"{'window ms':>9} {'copy ms':>8} {'stall ms':>8}")
+        for r in rows[:max_rows]:
+            lines.append(
+                f"{r['tensor'][:w]:<{w}} {r['kind']:<7} {r['direction']:<4} {r['bytes']:>12,} "
+                f"{r['issue_step']:>6}->{r['wait_step']:<6} {r['window_s'] * 1e3:>9.3f} "
+                f"{r['transfer_s'] * 1e3:>8.3f} {r['stall_s'] * 1e3:>8.3f}")
+        if len(rows) > max_rows:
+            lines.append(f"... {len(rows) - max_rows} more transfers (--json for all)")
+    else:
+        lines.append("nothing to offload: the model fits the budget")
+    return "\n".join(lines)

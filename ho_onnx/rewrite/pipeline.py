@@ -1,0 +1,180 @@
+"""``optimize`` and ``plan_model``: load → analyse → decide → insert → annotate → place data
+→ save, with progress and the time of each step."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..cost.source import CostSource
+from ..graph.analyse import GraphAnalysis, analyse
+from ..graph.load import LoadedModel, load_model
+from ..graph.save import Progress, SaveReport, check_output_path, save_model
+from ..schedule.options import OffloadOptions
+from ..schedule.planner import BudgetPlanner, Plan
+from ..schedule.policy import ExplicitPolicy
+from ..schedule.types import Decider, Decision, OffloadChoice
+from ..units import format_bytes
+from .annotate import annotate, plan_metadata
+from .insert import RewrittenModel, insert_cache_ops
+from .place import place_weight_data
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class OptimizeResult:
+    """Everything one optimize run decided and wrote, and how long each step took."""
+
+    analysis: GraphAnalysis
+    decision: Decision
+    rewritten: RewrittenModel
+    report: SaveReport
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def choice(self) -> OffloadChoice:
+        return self.decision.choice
+
+    @property
+    def plan(self) -> Plan | None:
+        """The planner's decision and predictions (None for the explicit policy)."""
+        return self.decision if isinstance(self.decision, Plan) else None
+
+
+def decider_for(options: OffloadOptions, costs: CostSource | None = None) -> Decider:
+    """The budget planner when ``options`` has a budget, else the explicit policy."""
+    if options.budget is not None:
+        return BudgetPlanner(options, costs or CostSource())
+    return ExplicitPolicy(options)
+
+
+class _Steps:
+    """Times and logs the steps of one run."""
+
+    def __init__(self, log: Log | None) -> None:
+        self.say = log or (lambda _msg: None)
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t
+
+
+@contextmanager
+def _ort_optimized_beside(in_path: str | os.PathLike[str], out: Path, ort_level: str
+                          ) -> Iterator[Path]:
+    """ORT's ``ort_level`` optimization of ``in_path``, written beside the output ``out``: its
+    data file is what the output's initializers and offloaded weights reference, so it stays;
+    the intermediate model is removed on exit."""
+    from ..target.ort.optimize import ort_optimize
+
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    pre = ort_optimize(in_path, out.with_name(f"{out.name}.ort.onnx"), ort_level)
+    try:
+        yield pre
+    finally:
+        pre.unlink(missing_ok=True)
+
+
+def _load_ort_optimized(model: str | os.PathLike[str], ort_level: str) -> LoadedModel:
+    """ORT's ``ort_level`` optimization of ``model``, loaded; written in a temporary folder
+    that lives as long as the returned model (:attr:`LoadedModel.keepalive`)."""
+    from ..target.ort.optimize import ort_optimize
+
+    tmp = tempfile.TemporaryDirectory(prefix="ho_onnx_ort_")
+    loaded = load_model(ort_optimize(model, Path(tmp.name) / "model.onnx", ort_level))
+    loaded.keepalive = tmp
+    return loaded
+
+
+def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOptions,
+               dims: Mapping[str, int] | None = None, costs: CostSource | None = None, *,
+               ort_level: str | None = None, log: Log | None = None
+               ) -> tuple[LoadedModel, GraphAnalysis, Plan]:
+    """Load (unless given loaded) and plan ``model`` under ``options.budget``; nothing is
+    written. ``ort_level``: plan ORT's optimized graph (made in a temporary folder that
+    lives as long as the returned model)."""
+    dims = dict(dims or {})
+    steps = _Steps(log)
+    if isinstance(model, LoadedModel):
+        loaded = model
+    elif ort_level is not None:
+        loaded = _load_ort_optimized(model, ort_level)
+    else:
+        loaded = load_model(model)
+    analysis, decision = _decide(loaded, BudgetPlanner(options, costs or CostSource()), dims,
+                                 steps)
+    assert isinstance(decision, Plan)
+    return loaded, analysis, decision
+
+
+def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps
+            ) -> tuple[GraphAnalysis, Decision]:
+    with steps.step("analyse"):
+        analysis = analyse(loaded.model, dims)
+    steps.say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors "
+              f"({steps.seconds['analyse']:.2f} s)")
+    with steps.step("decide"):
+        decision = decider.decide(analysis, dims)
+    if isinstance(decision, Plan):
+        steps.say(f"planned in {steps.seconds['decide']:.2f} s: peak "
+                  f"{format_bytes(decision.baseline.peak_bytes, 'MiB', 1)} -> "
+                  f"{format_bytes(decision.planned.peak_bytes, 'MiB', 1)} (budget "
+                  f"{format_bytes(decision.budget, 'MiB', 1)})")
+    return analysis, decision
+
+
+def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
+             options: OffloadOptions | Decider | None = None,
+             dims: Mapping[str, int] | None = None, *, costs: CostSource | None = None,
+             ort_level: str | None = None, log: Log | None = None,
+             progress: Progress | None = None) -> OptimizeResult:
+    """Rewrite ``in_path`` into ``out_path`` with cache operators (input never modified).
+
+    ``options`` select the decider (:func:`decider_for`: the budget planner, with times from
+    ``costs``, when they have a budget; else the explicit policy), or are a
+    :class:`~ho_onnx.schedule.types.Decider` itself. ``ort_level`` (``basic``/``extended``)
+    first applies ORT's own graph optimizations and decides on the graph ORT will run (see
+    :mod:`ho_onnx.target.ort.optimize`); its data file is written beside the output.
+    """
+    options = options if options is not None else OffloadOptions()
+    decider = decider_for(options, costs) if isinstance(options, OffloadOptions) else options
+    dims = dict(dims or {})
+    steps = _Steps(log)
+    with ExitStack() as stack:
+        with steps.step("load"):
+            loaded = load_model(in_path)
+            check_output_path(loaded, out_path)  # fail before any work
+            if ort_level is not None:
+                n_before = len(loaded.model.graph.node)
+                pre = stack.enter_context(
+                    _ort_optimized_beside(in_path, Path(out_path), ort_level))
+                loaded = load_model(pre)
+                check_output_path(loaded, out_path)
+                steps.say(f"ORT {ort_level} optimizations applied: {n_before} -> "
+                          f"{len(loaded.model.graph.node)} nodes")
+        steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph.node)} nodes, "
+                  f"{len(loaded.model.graph.initializer)} initializers "
+                  f"({steps.seconds['load']:.2f} s)")
+        analysis, decision = _decide(loaded, decider, dims, steps)
+        with steps.step("rewrite"):
+            rewritten = insert_cache_ops(analysis, decision.choice)
+            annotate(rewritten.model, plan_metadata(decision, dims))
+            files = place_weight_data(rewritten, loaded.base_dir, out_path)
+        c = decision.choice
+        steps.say(f"offloading {len(c.weights)} weights and {len(c.activations)} activations "
+                  f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}), {rewritten.cache_nodes} "
+                  f"cache ops ({steps.seconds['rewrite']:.2f} s)")
+        with steps.step("save"):
+            report = save_model(files, loaded, out_path, progress=progress)
+    steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"
+              + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
+    return OptimizeResult(analysis, decision, rewritten, report, steps.seconds)

@@ -1,0 +1,59 @@
+"""Which tensors may be offloaded at all, and the facts both deciders read from their uses:
+the shape-only readers of a weight and the gaps between an activation's uses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ..graph.analyse import GraphAnalysis, TensorInfo
+from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
+
+
+def kind_of(t: TensorInfo) -> str | None:
+    """``"weight"`` (an initializer), ``"activation"`` (a node output) or None (a graph
+    input: the caller owns its memory)."""
+    if t.is_initializer:
+        return "weight"
+    return "activation" if t.producer is not None else None
+
+
+def ineligible(t: TensorInfo) -> str | None:
+    """Why ``t`` can never be offloaded, or None when it can."""
+    if t.is_initializer and t.is_graph_input:
+        return "initializer that is also a graph input (overridable)"
+    if not t.fixed_size_type:
+        return "not a tensor of a fixed-size element type (strings, sequences, unknown type)"
+    if t.elem_type in UNSUPPORTED_TYPES:
+        return UNSUPPORTED_REASON
+    if t.is_graph_output:
+        return "graph output"
+    if t.implicit_consumers:
+        return "read by a subgraph (If/Loop/Scan) from the outer scope"
+    if not t.consumers:
+        return "no consumers"
+    return None
+
+
+def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
+                        ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(data readers, shape-only readers) of ``t``: Shape/Size need no transfer."""
+    shape = tuple(c for c in t.consumers if reads_only_shape(analysis.node_at(c)))
+    return tuple(c for c in t.consumers if c not in shape), shape
+
+
+def gaps(producer: int, uses: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(start, end, k)`` of each gap producer→u1→u2...: ``k`` uses lie before it."""
+    prev = producer
+    for k, u in enumerate(uses):
+        yield prev, u, k
+        prev = u
+
+
+def largest_gap(producer: int, uses: Sequence[int]) -> tuple[int, int]:
+    """(gap length, number of uses before it) over producer→u1→u2...; first of equal gaps
+    (``(-1, 0)`` without uses)."""
+    best, best_k = -1, 0
+    for start, end, k in gaps(producer, uses):
+        if end - start > best:
+            best, best_k = end - start, k
+    return best, best_k

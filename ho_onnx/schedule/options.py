@@ -1,0 +1,89 @@
+"""The one vocabulary of offload options, shared by the explicit policy, the budget planner,
+the pipeline and the command line; every default is defined here and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .types import Tier
+
+# Smallest tensor worth a transfer: the explicit policy offloads every eligible tensor, so it
+# keeps a high floor; the planner offloads only what the budget needs, so it may go lower.
+MIN_BYTES_EXPLICIT = 1 << 20
+MIN_BYTES_BUDGET = 64 << 10
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """What may leave the fast tier, and how the decider works.
+
+    Candidates (both deciders):
+      ``weights``, ``activations``: which kinds of tensors may be offloaded.
+      ``min_bytes``: smaller tensors stay resident (None: :data:`MIN_BYTES_BUDGET` with a
+      ``budget``, :data:`MIN_BYTES_EXPLICIT` without; see :attr:`min_bytes_or_default`).
+      ``min_gap``: an activation is offloaded only across a gap of at least this many
+      schedule steps between two of its uses.
+      ``weight_tier``: where offloaded weights wait (``host`` store, or ``disk``: read from
+      the data file at every reload).
+
+    Explicit policy (no ``budget``): every eligible tensor is offloaded.
+      ``prefetch_distance``: compute nodes between a Prefetch and its Wait.
+
+    Budget planner (``budget`` set): offloads only what the budget needs.
+      ``budget``: fast-tier bytes the simulated peak must fit.
+      ``host_budget``: slow-tier (host) bytes; offloaded weights beyond it go to disk.
+      ``preferred_overlap``, ``max_overlap``: a reload's window hides its copy with this
+      margin, and opens at most this many copy-times early (XLA MSA's overlap ratios).
+      ``max_extra``, ``max_extra_s``: tries and seconds of the look-ahead that offloads one
+      more tensor to rescue a stalled reload.
+    """
+
+    weights: bool = True
+    activations: bool = True
+    min_bytes: int | None = None
+    min_gap: int = 2
+    weight_tier: Tier = "host"
+    prefetch_distance: int = 2
+    budget: int | None = None
+    host_budget: int | None = None
+    preferred_overlap: float = 1.5
+    max_overlap: float = 10.0
+    max_extra: int = 64
+    max_extra_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.weight_tier not in ("host", "disk"):
+            raise ValueError(f"weight_tier must be host|disk, not {self.weight_tier!r}")
+        for name in ("min_gap", "prefetch_distance", "max_extra"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.min_bytes is not None and self.min_bytes < 0:
+            raise ValueError("min_bytes must be >= 0")
+        if self.budget is not None and self.budget <= 0:
+            raise ValueError("budget must be positive")
+        if self.host_budget is not None and self.budget is None:
+            raise ValueError("host_budget needs a budget (the planner)")
+        if self.preferred_overlap < 1 or self.max_overlap < self.preferred_overlap:
+            raise ValueError("need 1 <= preferred_overlap <= max_overlap")
+
+    @property
+    def min_bytes_or_default(self) -> int:
+        """``min_bytes``, or the default of the decider these options select."""
+        if self.min_bytes is not None:
+            return self.min_bytes
+        return MIN_BYTES_EXPLICIT if self.budget is None else MIN_BYTES_BUDGET
+
+    @property
+    def offloads(self) -> str:
+        """``all``, ``weights``, ``activations`` or ``none`` (for messages and metadata)."""
+        if self.weights and self.activations:
+            return "all"
+        return "weights" if self.weights else "activations" if self.activations else "none"
+
+
+def offload_kinds(offload: str) -> dict[str, bool]:
+    """``weights=``/``activations=`` of an ``all|weights|activations|none`` word."""
+    if offload not in ("all", "weights", "activations", "none"):
+        raise ValueError(f"offload must be all|weights|activations|none, not {offload!r}")
+    return {"weights": offload in ("all", "weights"),
+            "activations": offload in ("all", "activations")}

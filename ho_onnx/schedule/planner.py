@@ -1,0 +1,495 @@
+"""The budget planner: which tensors leave the fast tier, and when each transfer starts.
+
+1. **Candidates**: initializers and activations (with a gap of at least ``min_gap`` steps)
+   of at least ``min_bytes``. Each gets the HyperOffload multi-factor score
+   ``bytes × seconds off-device / (transfer seconds × transfers)``: big, long-idle, rarely
+   read tensors on a fast link first.
+2. **Feasibility**: the peak with every candidate offloaded and every reload issued just
+   before its reader is the smallest budget this planner can meet; a budget below it fails
+   before anything is written, naming that budget and the step and tensors that dominate it.
+3. **Selection** (greedy, re-simulating memory after every decision): while the simulated
+   peak exceeds the budget, offload the best-scoring candidate that is resident at the peak
+   step and would not be after offloading (an activation is split around that step). Then a
+   trim pass drops, latest first, every offload the budget does not need.
+4. **Execution-order refinement**: each reload's Prefetch position ``p`` minimises
+   ``cost(p) = max(0, C_trans − C_overlap(p)) + α · residency(p)`` with ``α → 0+``: the
+   latest position whose predicted completion leaves ``(preferred_overlap − 1) × C_trans`` of
+   slack before its reader, never opening the window more than ``max_overlap × C_trans``
+   of compute early, never where the window would break the budget. Copies on one channel
+   are FIFO: reloads are placed in reader order, issue positions never go backwards, and a
+   reload cannot start before the channel is free (so oversubscription shows as stall).
+   Stores start right after the producer; Detaches sit right after the last early reader.
+   Look-ahead: a reload still stalling because the budget was full where its window would
+   open gets one more tensor offloaded there, kept only if the re-simulated time drops.
+5. **Prediction**: :func:`ho_onnx.schedule.simulate.simulate` of the final schedule.
+
+No compute nodes are reordered (the refinement moves only cache operators). Every
+candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
+state (the selection, fast-tier bytes per step, tiers) is local to one :func:`plan` call:
+each look-ahead try builds a new :class:`_Selection` instead of undoing the last one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..cost.model import CostModel
+from ..cost.source import CostSource
+from ..errors import HoOnnxError
+from ..graph.analyse import GraphAnalysis
+from ..units import format_bytes
+from .eligibility import gaps, ineligible, kind_of, largest_gap, split_shape_readers
+from .lifetimes import (
+    Interval,
+    Residency,
+    host_bytes,
+    memory_profile,
+    peak,
+    resident_intervals,
+)
+from .options import OffloadOptions
+from .simulate import Simulation, simulate
+from .types import ActivationOffload, Decision, OffloadChoice, Tier, WeightOffload
+
+
+class InfeasibleBudgetError(HoOnnxError):
+    """The budget is below the smallest peak any plan of this planner reaches."""
+
+    def __init__(self, message: str, min_budget: int) -> None:
+        super().__init__(message)
+        self.min_budget = min_budget
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A tensor the planner may offload, with its uses and score (module docstring, 1)."""
+
+    name: str
+    kind: str  # "weight" | "activation"
+    nbytes: int
+    uses: tuple[int, ...]  # data readers, ascending
+    shape_readers: tuple[int, ...]
+    producer: int  # -1 for weights
+    score: float
+    span: tuple[int, int]  # baseline residency
+
+
+@dataclass
+class Plan(Decision):
+    """What the planner decided and what it predicts."""
+
+    options: OffloadOptions
+    baseline: Simulation
+    planned: Simulation
+    min_budget: int
+    host_bytes: int  # peak bytes the slow tier holds (weights + stored activations)
+
+    @property
+    def budget(self) -> int:
+        assert self.options.budget is not None
+        return self.options.budget
+
+    @property
+    def fits(self) -> bool:
+        return self.planned.peak_bytes <= self.budget
+
+    def metadata(self) -> dict[str, str]:
+        b, p = self.baseline, self.planned
+        return {
+            "budget_bytes": str(self.budget),
+            "predicted_peak_bytes": str(p.peak_bytes),
+            "baseline_peak_bytes": str(b.peak_bytes),
+            "predicted_time_s": f"{p.total_s:.6g}",
+            "baseline_time_s": f"{b.total_s:.6g}",
+            "predicted_stall_s": f"{p.stall_s:.6g}",
+        } | super().metadata() | {"host_bytes": str(self.host_bytes)}
+
+
+@dataclass(frozen=True)
+class BudgetPlanner:
+    """:class:`~ho_onnx.schedule.types.Decider` of the budget planner: ``costs`` is a
+    :class:`CostModel` of the graph it will see, or a :class:`CostSource` that makes one
+    for each graph."""
+
+    options: OffloadOptions
+    costs: CostModel | CostSource
+
+    def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Plan:
+        costs = self.costs if isinstance(self.costs, CostModel) else \
+            self.costs.cost_model(analysis, dims)
+        return plan(analysis, self.options, costs, dims)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What one :func:`plan` call reads and never changes."""
+
+    analysis: GraphAnalysis
+    options: OffloadOptions
+    costs: CostModel
+    dims: Mapping[str, int]
+    candidates: list[Candidate]  # best score first
+    by_name: dict[str, Candidate]
+    residency: Residency  # of the unmodified schedule (resident_intervals)
+
+    @property
+    def budget(self) -> int:
+        assert self.options.budget is not None
+        return self.options.budget
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """Offloaded candidates (name -> early uses, in order of choice), the fast-tier bytes per
+    step with each reload just in time, and the tier of each offloaded weight."""
+
+    early: dict[str, tuple[int, ...]]
+    mem: np.ndarray
+    tiers: dict[str, Tier]
+
+    def plus(self, c: Candidate, early: tuple[int, ...]) -> _Selection:
+        """A new selection with ``c`` offloaded too (this one unchanged)."""
+        mem = self.mem.copy()
+        _offload(mem, c, early)
+        return replace(self, early={**self.early, c.name: early}, mem=mem)
+
+
+# Reason for length: one pass over the tensors that filters (each filter records its reason)
+# and scores the two kinds; the score formulas are the module docstring's, side by side.
+def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, int],
+                costs: CostModel, spans: dict[str, tuple[int, int]],
+                skipped: dict[str, str]) -> list[Candidate]:
+    """Scored candidates, best first; the others of the chosen kinds go to ``skipped``."""
+    compute_s = costs.compute_s
+    total = float(compute_s.sum()) or 1.0
+    prefix = costs.prefix()
+    min_bytes = opts.min_bytes_or_default
+    wanted = {"weight": opts.weights, "activation": opts.activations}
+    out: list[Candidate] = []
+    for name, t in analysis.tensors.items():
+        kind = kind_of(t)
+        if kind is None or not wanted[kind]:
+            continue
+        reason = ineligible(t) or (None if name in spans else "not resident")
+        nbytes = None if reason else t.nbytes(dims)  # raises UnboundDimError naming the dim
+        if reason is None and nbytes is None:
+            reason = "size unknown (shape inference gave no shape)"
+        elif reason is None and nbytes is not None and nbytes < min_bytes:
+            reason = f"{nbytes} bytes < min_bytes"
+        if reason is not None:
+            skipped[name] = reason
+            continue
+        assert nbytes is not None
+        if kind == "weight":
+            uses, shape_readers = split_shape_readers(analysis, t)
+            tt = costs.transfer_time(nbytes, "disk" if opts.weight_tier == "disk" else "h2d")
+            busy = sum(float(compute_s[c]) for c in uses)
+            score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
+            out.append(Candidate(name, kind, nbytes, uses, shape_readers, -1, score, spans[name]))
+            continue
+        assert t.producer is not None
+        uses = tuple(sorted(t.consumers))
+        long_gaps = [(s, e) for s, e, _ in gaps(t.producer, uses) if e - s >= opts.min_gap]
+        if not long_gaps:
+            skipped[name] = f"largest gap {largest_gap(t.producer, uses)[0]} < min_gap"
+            continue
+        best = max([0.0, *(float(prefix[e] - prefix[s + 1]) for s, e in long_gaps)])
+        tt = costs.transfer_time(nbytes, "d2h") + costs.transfer_time(nbytes, "h2d")
+        out.append(Candidate(name, kind, nbytes, uses, (), t.producer, nbytes * best / tt,
+                             spans[name]))
+    out.sort(key=lambda c: -c.score)
+    return out
+
+
+def _early_uses_if_freed_at(c: Candidate, s: int, min_gap: int) -> tuple[int, ...] | None:
+    """Early uses of ``c`` offloaded so that it leaves the fast tier at step ``s`` (None: no
+    offload of ``c`` frees step ``s``)."""
+    if c.kind == "weight":
+        return None if s in c.uses or not c.uses else ()
+    if s <= c.producer or s in c.uses:
+        return None
+    early = tuple(u for u in c.uses if u < s)
+    late = [u for u in c.uses if u > s]
+    last_early = early[-1] if early else c.producer
+    if not late or late[0] - last_early < min_gap:
+        return None
+    return early
+
+
+def _early_uses_at_largest_gap(c: Candidate, min_gap: int) -> tuple[int, ...] | None:
+    """Early uses of ``c`` offloaded across its largest gap (None: no gap of ``min_gap``)."""
+    if c.kind == "weight":
+        return ()
+    gap, k = largest_gap(c.producer, c.uses)
+    return tuple(c.uses[:k]) if gap >= min_gap else None
+
+
+def _just_in_time_intervals(c: Candidate, early: tuple[int, ...]) -> list[Interval]:
+    """Fast-tier intervals of ``c`` offloaded with every reload just before its reader."""
+    if c.kind == "weight":
+        return [(u, u, c.nbytes) for u in c.uses]
+    late = [u for u in c.uses if u not in early]
+    last_early = early[-1] if early else c.producer
+    return [(c.producer, last_early, c.nbytes), (late[0], late[-1], c.nbytes)]
+
+
+def _offload(mem: np.ndarray, c: Candidate, early: tuple[int, ...]) -> None:
+    """Replace ``c``'s baseline residency in ``mem`` by its just-in-time intervals."""
+    _shift(mem, c, early, +1)
+
+
+def _keep_resident(mem: np.ndarray, c: Candidate, early: tuple[int, ...]) -> None:
+    """Undo :func:`_offload` of ``c`` in ``mem``."""
+    _shift(mem, c, early, -1)
+
+
+def _shift(mem: np.ndarray, c: Candidate, early: tuple[int, ...], sign: int) -> None:
+    s, e = c.span
+    mem[s:e + 1] -= sign * c.nbytes
+    for a, b, n in _just_in_time_intervals(c, early):
+        mem[a:b + 1] += sign * n
+
+
+def _first_freeing(ctx: _Context, chosen: Container[str], step: int,
+                   exclude: Container[str] = frozenset()
+                   ) -> tuple[Candidate, tuple[int, ...]] | None:
+    """The best-scoring candidate not yet chosen whose offload frees ``step``."""
+    for c in ctx.candidates:
+        if c.name in chosen or c.name in exclude or not c.span[0] <= step <= c.span[1]:
+            continue
+        early = _early_uses_if_freed_at(c, step, ctx.options.min_gap)
+        if early is not None:
+            return c, early
+    return None
+
+
+def _smallest_budget(ctx: _Context, spans: dict[str, tuple[int, int]], sizes: dict[str, int]
+                     ) -> tuple[int, str]:
+    """Smallest budget this planner can meet (every candidate offloaded across its largest
+    gap, reloads just in time), and what dominates it."""
+    n = len(ctx.analysis.order)
+    mem = memory_profile(n, [(s, e, sizes[k]) for k, (s, e) in spans.items()])
+    moved: dict[str, list[Interval]] = {}
+    for c in ctx.candidates:
+        early = _early_uses_at_largest_gap(c, ctx.options.min_gap)
+        if early is not None:
+            _offload(mem, c, early)
+            moved[c.name] = _just_in_time_intervals(c, early)
+    pos = int(mem.argmax())
+    alive = sorted(((sizes[k], k) for k, (s, e) in spans.items() if sizes[k] and any(
+        a <= pos <= b for a, b, _ in moved.get(k, [(s, e, sizes[k])]))), reverse=True)
+    node = ctx.analysis.node_at(pos)
+    top = ", ".join(f"{k} ({format_bytes(b)})" for b, k in alive[:4])
+    what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
+            f"{format_bytes(int(mem[pos]))} must be resident: {top}")
+    return int(mem.max()), what
+
+
+def _select(ctx: _Context, mem: np.ndarray, min_budget: int, skipped: dict[str, str]
+            ) -> dict[str, tuple[int, ...]]:
+    """Greedy selection at the peak step, then the trim pass (module docstring, 3); ``mem``
+    (this call's own copy) ends as the fast-tier bytes of the selection."""
+    chosen: dict[str, tuple[int, ...]] = {}
+    while mem.max() > ctx.budget:
+        s = int(mem.argmax())
+        pick = _first_freeing(ctx, chosen, s)
+        if pick is None:
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(ctx.budget)} not reached: at step {s} "
+                f"{format_bytes(int(mem[s]))} stays resident after offloading "
+                f"{len(chosen)} tensors (smallest feasible estimate "
+                f"{format_bytes(min_budget)}); try a larger budget", int(mem[s]))
+        c, early = pick
+        _offload(mem, c, early)
+        chosen[c.name] = early
+    for name in reversed(list(chosen)):
+        c = ctx.by_name[name]
+        _keep_resident(mem, c, chosen[name])
+        if mem.max() <= ctx.budget:
+            del chosen[name]
+            skipped[name] = "not needed: the budget holds with it resident (trim pass)"
+        else:
+            _offload(mem, c, chosen[name])
+    return chosen
+
+
+def _assign_tiers(ctx: _Context, early: Mapping[str, tuple[int, ...]],
+                  tiers: Mapping[str, Tier]) -> dict[str, Tier]:
+    """Tiers that fit ``options.host_budget``: offloaded weights move to the disk tier (from
+    ``tiers``, the previous assignment), those read fewest times and biggest first (each
+    byte moved frees host memory for the fewest disk reads)."""
+    opts = ctx.options
+    out = {k: tiers.get(k, opts.weight_tier) for k in early
+           if ctx.by_name[k].kind == "weight"}
+    if opts.host_budget is None:
+        return out
+    acts = peak([(c.producer, c.uses[-1], c.nbytes) for c in map(ctx.by_name.get, early)
+                 if c is not None and c.kind == "activation"])
+    if acts > opts.host_budget:
+        raise InfeasibleBudgetError(
+            f"host budget {format_bytes(opts.host_budget)} is below the {format_bytes(acts)} "
+            "the offloaded activations need on the host at once; raise --host-budget or the "
+            "device budget", acts)
+    on_host = sorted((ctx.by_name[k] for k, tier in out.items() if tier == "host"),
+                     key=lambda c: (len(c.uses), -c.nbytes))
+    weights = sum(c.nbytes for c in on_host)
+    for c in on_host:
+        if weights + acts <= opts.host_budget:
+            break
+        out[c.name] = "disk"
+        weights -= c.nbytes
+    return out
+
+
+# Reason for length: one loop over the reloads in reader order whose FIFO bookkeeping
+# (channel free time, last issue position) is shared by every step of the search; split,
+# the pieces would pass that state around.
+def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
+    """Refine the Prefetch positions (module docstring, step 4) and build the choice."""
+    opts, prefix = ctx.options, ctx.costs.prefix()
+    mem = sel.mem.copy()
+    reloads: list[tuple[int, str, int]] = []  # (reader, name, index of reload)
+    for name, early in sel.early.items():
+        c = ctx.by_name[name]
+        if c.kind == "weight":
+            reloads.extend((u, name, k) for k, u in enumerate(c.uses))
+        else:
+            reloads.append((next(u for u in c.uses if u not in early), name, 0))
+    reloads.sort()
+    positions: dict[tuple[str, int], int] = {}
+    free = {"h2d": 0.0, "disk": 0.0}
+    last_issue = {"h2d": 0, "disk": 0}
+    for u, name, k in reloads:
+        c = ctx.by_name[name]
+        direction = "disk" if sel.tiers.get(name) == "disk" else "h2d"
+        tt = ctx.costs.transfer_time(c.nbytes, direction)  # type: ignore[arg-type]
+        early = sel.early[name]
+        lo = 0 if c.kind == "weight" else (early[-1] if early else c.producer) + 1
+        lo = max(lo, last_issue[direction])
+        margin = (opts.preferred_overlap - 1.0) * tt
+        best_p, best_end = u, max(prefix[u], free[direction]) + tt
+        p = u
+        while p > lo:
+            q = p - 1
+            if mem[q] + c.nbytes > ctx.budget or prefix[u] - prefix[q] > opts.max_overlap * tt:
+                break
+            p = q
+            end = max(prefix[p], free[direction]) + tt
+            if end < best_end:
+                best_p, best_end = p, end
+            if prefix[u] - end >= margin:
+                break
+        mem[best_p:u] += c.nbytes
+        positions[(name, k)] = best_p
+        free[direction] = best_end
+        last_issue[direction] = best_p
+    return _choice(ctx, sel, positions)
+
+
+def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], int]
+            ) -> OffloadChoice:
+    choice = OffloadChoice(decided_by="planner")
+    for name, early in sel.early.items():
+        c = ctx.by_name[name]
+        if c.kind == "weight":
+            choice.weights.append(WeightOffload(
+                name, c.nbytes, c.uses, tuple(positions[(name, k)] for k in range(len(c.uses))),
+                c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier)))
+        else:
+            late = tuple(u for u in c.uses if u not in early)
+            choice.activations.append(ActivationOffload(
+                name, c.nbytes, c.producer, early, late, positions[(name, 0)]))
+    return choice
+
+
+def _blocked_by_memory(ctx: _Context, sel: _Selection, planned: Simulation,
+                       tried: set[str]) -> tuple[Candidate, tuple[int, ...]] | None:
+    """The tensor to offload for the worst reload whose window the budget kept closed."""
+    stalled = sorted((ev for ev in planned.transfers
+                      if ev.kind == "reload" and ev.stall_s > 0 and ev.issue_pos > 0),
+                     key=lambda ev: -ev.stall_s)
+    for ev in stalled:
+        q = ev.issue_pos - 1
+        if sel.mem[q] + ev.nbytes <= ctx.budget:
+            continue  # not blocked by memory (the channel or the window limit is)
+        pick = _first_freeing(ctx, sel.early, q, tried)
+        if pick is not None:
+            return pick
+    return None
+
+
+def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: Simulation,
+               skipped: dict[str, str]) -> tuple[OffloadChoice, Simulation]:
+    """Look-ahead: a reload that stalls because its window could not open (the budget was
+    full just before it) may be rescued by offloading one more tensor resident there. Try
+    the best-scoring such tensor, re-place and re-simulate; keep it only if the predicted
+    time drops. Bounded by ``options.max_extra`` tries and ``options.max_extra_s`` seconds."""
+    t_end = time.perf_counter() + ctx.options.max_extra_s
+    tried: set[str] = set()
+    for _ in range(ctx.options.max_extra):
+        if time.perf_counter() > t_end:
+            break
+        pick = _blocked_by_memory(ctx, sel, planned, tried)
+        if pick is None:
+            break
+        c, early = pick
+        tried.add(c.name)
+        trial = sel.plus(c, early)
+        try:
+            trial = replace(trial, tiers=_assign_tiers(ctx, trial.early, sel.tiers))
+        except InfeasibleBudgetError:  # the extra tensor would not fit the host budget
+            skipped[c.name] = "look-ahead: offloading it would exceed the host budget"
+            continue
+        new_choice = _place(ctx, trial)
+        new_sim = simulate(ctx.analysis, new_choice, ctx.costs.compute_s,
+                           ctx.costs.transfer_time, ctx.dims, ctx.residency)
+        if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
+            sel, choice, planned = trial, new_choice, new_sim
+            skipped.pop(c.name, None)
+        else:
+            skipped[c.name] = "look-ahead: offloading it did not shorten the predicted time"
+    return choice, planned
+
+
+def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+         dims: Mapping[str, int] | None = None) -> Plan:
+    """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring)."""
+    if opts.budget is None:
+        raise ValueError("the planner needs options with a budget")
+    dims = dict(dims or {})
+    n = len(analysis.order)
+    if costs.compute_s.shape != (n,):
+        raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
+    residency = spans, sizes = resident_intervals(analysis, dims)
+    baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims, residency)
+    skipped: dict[str, str] = {}
+    cands = _candidates(analysis, opts, dims, costs, spans, skipped)
+    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency)
+    mem = baseline.memory.copy()
+    if baseline.peak_bytes > ctx.budget:
+        min_budget, what = _smallest_budget(ctx, spans, sizes)
+        if ctx.budget < min_budget:
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(ctx.budget)} is below the smallest feasible budget "
+                f"{format_bytes(min_budget)} ({min_budget} bytes): {what}", min_budget)
+        early = _select(ctx, mem, min_budget, skipped)
+    else:
+        min_budget, early = baseline.peak_bytes, {}
+    sel = _Selection(early, mem, {})
+    sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
+    choice = _place(ctx, sel)
+    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency)
+    choice, planned = _make_room(ctx, sel, choice, planned, skipped)
+    offloaded = {x.name for x in [*choice.weights, *choice.activations]}
+    for c in cands:
+        if c.name not in skipped and c.name not in offloaded:
+            skipped[c.name] = ("the model fits the budget" if not early else
+                               "not needed: the greedy selection met the budget without it")
+    choice.skipped = skipped
+    if planned.peak_bytes > ctx.budget:  # the planner's own invariant
+        raise AssertionError(f"plan peak {planned.peak_bytes} > budget {ctx.budget}")
+    return Plan(choice, opts, baseline, planned, min_budget, host_bytes(choice))

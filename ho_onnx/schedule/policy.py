@@ -1,0 +1,87 @@
+"""The explicit policy: offload every eligible tensor of the chosen kinds and sizes, each
+reload issued a fixed number of compute nodes before its reader (v1's rewriter)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..errors import UnboundDimError
+from ..graph.analyse import GraphAnalysis, TensorInfo
+from .eligibility import ineligible, kind_of, largest_gap, split_shape_readers
+from .options import OffloadOptions
+from .types import ActivationOffload, Decision, OffloadChoice, WeightOffload
+
+
+@dataclass(frozen=True)
+class ExplicitPolicy:
+    """:class:`~ho_onnx.schedule.types.Decider` of the explicit policy (``options.budget``
+    is ignored; ``prefetch_distance`` places every reload)."""
+
+    options: OffloadOptions = field(default_factory=OffloadOptions)
+
+    def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Decision:
+        return Decision(choose(analysis, self.options, dims))
+
+
+def describe(options: OffloadOptions) -> str:
+    """The options of an explicit choice as recorded in the output's metadata."""
+    o = options
+    return (f"offload={o.offloads} min_bytes={o.min_bytes_or_default} min_gap={o.min_gap} "
+            f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}")
+
+
+def choose(analysis: GraphAnalysis, options: OffloadOptions,
+           dims: Mapping[str, int] | None = None) -> OffloadChoice:
+    """Apply the explicit policy to every tensor of the main graph; every candidate of the
+    chosen kinds that stays resident gets its reason in ``skipped``."""
+    choice = OffloadChoice(describe(options))
+    wanted = {"weight": options.weights, "activation": options.activations}
+    for name, t in analysis.tensors.items():
+        kind = kind_of(t)
+        if kind is None or not wanted[kind]:
+            continue
+        reason = ineligible(t) or (
+            _weight(analysis, t, options, dims, choice) if kind == "weight"
+            else _activation(t, options, dims, choice))
+        if reason:
+            choice.skipped[name] = reason
+    return choice
+
+
+def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
+            dims: Mapping[str, int] | None, choice: OffloadChoice) -> str | None:
+    nbytes = t.nbytes(dims)
+    assert nbytes is not None
+    if nbytes < options.min_bytes_or_default:
+        return f"{nbytes} bytes < min_bytes"
+    data, shape_readers = split_shape_readers(analysis, t)
+    d = options.prefetch_distance
+    choice.weights.append(WeightOffload(t.name, nbytes, data, tuple(max(0, c - d) for c in data),
+                                        shape_readers, options.weight_tier))
+    return None
+
+
+def _activation(t: TensorInfo, options: OffloadOptions, dims: Mapping[str, int] | None,
+                choice: OffloadChoice) -> str | None:
+    assert t.producer is not None
+    min_bytes = options.min_bytes_or_default
+    gap, k = largest_gap(t.producer, t.consumers)
+    if gap < max(options.min_gap, 1):
+        return f"largest gap {gap} < min_gap"
+    try:
+        nbytes = t.nbytes(dims)
+    except UnboundDimError:
+        if min_bytes > 0:
+            raise
+        nbytes = None
+    if nbytes is None and min_bytes > 0:
+        return "size unknown (shape inference gave no shape)"
+    if nbytes is not None and nbytes < min_bytes:
+        return f"{nbytes} bytes < min_bytes"
+    early, late = tuple(t.consumers[:k]), tuple(t.consumers[k:])
+    last_early = max(early) if early else t.producer
+    choice.activations.append(ActivationOffload(
+        t.name, nbytes, t.producer, early, late,
+        max(last_early + 1, late[0] - options.prefetch_distance)))
+    return None

@@ -1,0 +1,122 @@
+"""Simulate a schedule: fast-tier memory per step and time with FIFO copy channels.
+
+A schedule is the analysis' node order plus the transfers of an :class:`OffloadChoice`.
+Memory is counted per compute position (a tensor occupies the fast tier from the step that
+allocates it through its last reader, inclusive). Time follows the order the rewritten
+graph executes in under PRIORITY_BASED: before compute step ``i`` the Prefetches issued
+there start, then the Waits there block; after step ``i`` the Stores there start, then the
+Detaches there block. Each direction is one FIFO channel: a transfer starts when it is
+issued and its channel is free (a reload also not before its store finished), and takes
+``latency + bytes / bandwidth``. Oversubscription therefore shows as stall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from ..cost.model import Direction, TransferTime
+from ..graph.analyse import GraphAnalysis
+from .lifetimes import Residency, schedule_memory
+from .types import OffloadChoice
+
+
+@dataclass
+class TransferEvent:
+    """One simulated transfer."""
+
+    tensor: str
+    kind: Literal["reload", "store"]
+    direction: Direction
+    nbytes: int
+    issue_pos: int  # Prefetch: before this step; Store: after this step
+    wait_pos: int  # Wait: before this step; Detach: after this step
+    start_s: float = 0.0
+    end_s: float = 0.0
+    stall_s: float = 0.0  # time the compute stream waited for it
+
+
+@dataclass
+class Simulation:
+    """Predicted time, memory and per-step trace of one schedule."""
+
+    compute_s: np.ndarray  # per step
+    step_start_s: np.ndarray  # when each compute step starts
+    memory: np.ndarray  # fast-tier bytes per step
+    total_s: float  # end of the run, stalls included
+    transfers: list[TransferEvent] = field(default_factory=list)
+
+    @property
+    def stall_s(self) -> float:
+        return float(sum(t.stall_s for t in self.transfers))
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.memory.max()) if len(self.memory) else 0
+
+    @property
+    def peak_pos(self) -> int:
+        return int(self.memory.argmax()) if len(self.memory) else 0
+
+
+def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
+             transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
+             residency: Residency | None = None) -> Simulation:
+    """Predict time (with FIFO channels) and memory of the schedule of ``choice``
+    (``residency``: the unmodified schedule's, when the caller already has it)."""
+    n = len(analysis.order)
+    events: list[TransferEvent] = []
+    loads_at: list[list[TransferEvent]] = [[] for _ in range(n)]
+    waits_at: list[list[TransferEvent]] = [[] for _ in range(n)]
+    stores_after: list[list[TransferEvent]] = [[] for _ in range(n)]
+    detach_after: list[list[TransferEvent]] = [[] for _ in range(n)]
+    store_of: dict[str, TransferEvent] = {}
+    if choice is not None:
+        for w in choice.weights:
+            d: Direction = "disk" if w.tier == "disk" else "h2d"
+            for c, p in zip(w.consumers, w.prefetch_at, strict=True):
+                ev = TransferEvent(w.name, "reload", d, w.nbytes, p, c)
+                events.append(ev)
+        for a in choice.activations:
+            b = a.nbytes or 0
+            st = TransferEvent(a.name, "store", "d2h", b, a.producer, a.last_early)
+            ld = TransferEvent(a.name, "reload", "h2d", b, a.prefetch_at, a.late[0])
+            store_of[a.name] = st
+            events.extend((st, ld))
+    for ev in events:
+        if ev.kind == "reload":
+            loads_at[ev.issue_pos].append(ev)
+            waits_at[ev.wait_pos].append(ev)
+        else:
+            stores_after[ev.issue_pos].append(ev)
+            detach_after[ev.wait_pos].append(ev)
+    free = {"h2d": 0.0, "d2h": 0.0, "disk": 0.0}
+    now = 0.0
+    starts = np.zeros(n)
+    for i in range(n):
+        for ev in loads_at[i]:
+            ready = now
+            if ev.tensor in store_of and ev.kind == "reload" and ev.direction == "h2d":
+                ready = max(ready, store_of[ev.tensor].end_s)
+            ev.start_s = max(ready, free[ev.direction])
+            ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
+            free[ev.direction] = ev.end_s
+        for ev in waits_at[i]:
+            if ev.end_s > now:
+                ev.stall_s = ev.end_s - now
+                now = ev.end_s
+        starts[i] = now
+        now += float(compute_s[i])
+        for ev in stores_after[i]:
+            ev.start_s = max(now, free["d2h"])
+            ev.end_s = ev.start_s + transfer_time(ev.nbytes, "d2h")
+            free["d2h"] = ev.end_s
+        for ev in detach_after[i]:
+            if ev.end_s > now:
+                ev.stall_s = ev.end_s - now
+                now = ev.end_s
+    return Simulation(np.asarray(compute_s, dtype=np.float64), starts,
+                      schedule_memory(analysis, choice, dims, residency), now, events)

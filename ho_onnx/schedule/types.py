@@ -1,0 +1,115 @@
+"""What a decision is: the data every decider produces and the insertion pass consumes.
+
+An :class:`OffloadChoice` says, for each offloaded weight, which readers reload it and where
+each reload is issued; for each offloaded activation, the uses before and after its gap; and
+for every candidate that stays resident, why. A :class:`Decider` (the explicit policy or the
+budget planner) makes one from a :class:`~ho_onnx.graph.analyse.GraphAnalysis`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from ..graph.analyse import GraphAnalysis
+
+Tier = Literal["host", "disk"]
+
+
+@dataclass(frozen=True)
+class WeightOffload:
+    """An initializer reloaded once before each consumer node that reads its data.
+
+    ``prefetch_at[k]`` is the schedule position before which the reload for
+    ``consumers[k]`` is issued (``<= consumers[k]``; the Wait sits right before the consumer).
+    ``shape_readers`` (Shape/Size nodes) read only its static shape: the insertion pass
+    replaces them with constants, so they cost no transfer. ``tier``: where the bytes wait
+    between uses (the library's host store, or read from the data file each time).
+    """
+
+    name: str
+    nbytes: int
+    consumers: tuple[int, ...]
+    prefetch_at: tuple[int, ...]
+    shape_readers: tuple[int, ...] = ()
+    tier: Tier = "host"
+
+    def __post_init__(self) -> None:
+        if len(self.prefetch_at) != len(self.consumers) or any(
+            not 0 <= p <= c for p, c in zip(self.prefetch_at, self.consumers, strict=True)
+        ):
+            raise ValueError(f"{self.name}: prefetch positions {self.prefetch_at} do not fit "
+                             f"consumers {self.consumers}")
+
+
+@dataclass(frozen=True)
+class ActivationOffload:
+    """An activation stored after ``producer``, detached after ``early``, reloaded for ``late``."""
+
+    name: str
+    nbytes: int | None  # None: symbolic size (only with min_bytes == 0)
+    producer: int
+    early: tuple[int, ...]
+    late: tuple[int, ...]
+    prefetch_at: int  # position before which the reload is issued: after early, <= late[0]
+
+    @property
+    def last_early(self) -> int:
+        """Position after which the Detach ends the first residency."""
+        return max(self.early) if self.early else self.producer
+
+    def __post_init__(self) -> None:
+        if not self.late or not self.last_early < self.prefetch_at <= self.late[0]:
+            raise ValueError(f"{self.name}: prefetch position {self.prefetch_at} is not in "
+                             f"({self.last_early}, {self.late[:1]}]")
+
+
+@dataclass
+class OffloadChoice:
+    """The tensors to offload, and why each other candidate stays resident.
+
+    ``decided_by`` names the decider and its options (recorded in the output's metadata).
+    """
+
+    decided_by: str = ""
+    weights: list[WeightOffload] = field(default_factory=list)
+    activations: list[ActivationOffload] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights) + sum(
+            a.nbytes or 0 for a in self.activations
+        )
+
+
+@dataclass
+class Decision:
+    """What a decider returns: the choice, and what to record about it in the output."""
+
+    choice: OffloadChoice
+
+    def metadata(self) -> dict[str, str]:
+        """The decision as recorded in the output's ``metadata_props`` (keys without the
+        ``ho_onnx.`` prefix)."""
+        c = self.choice
+        return {
+            "policy": c.decided_by,
+            "offloaded_weights": str(len(c.weights)),
+            "offloaded_activations": str(len(c.activations)),
+            "offloaded_bytes": str(c.offloaded_bytes),
+            "host_bytes": str(c.offloaded_bytes),
+        }
+
+
+class Decider(Protocol):
+    """The decision seam: which tensors leave the fast tier and when their reloads start.
+
+    Implemented by :class:`~ho_onnx.schedule.policy.ExplicitPolicy` and
+    :class:`~ho_onnx.schedule.planner.BudgetPlanner`; a decider never modifies ``analysis``.
+    """
+
+    def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Decision:
+        """The offloads of ``analysis``'s model with symbolic dims bound by ``dims``."""
+        ...

@@ -1,0 +1,1 @@
+"""Runtimes the rewritten models target (today: ONNX Runtime, :mod:`ho_onnx.target.ort`)."""

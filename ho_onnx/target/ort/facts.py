@@ -1,0 +1,33 @@
+"""What ONNX Runtime does with a model that the decisions must respect, in one place.
+
+Each fact names the ORT behaviour it encodes; the deciders, the cost model and the insertion
+pass consult these instead of knowing ORT themselves.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+# ORT 1.31 cannot register custom-op kernels for complex tensors (session creation fails),
+# so complex tensors are never offloaded.
+UNSUPPORTED_TYPES = (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128)
+UNSUPPORTED_REASON = "complex tensors cannot be offloaded (ORT has no custom-op support for them)"
+
+# Shape and Size read only their input's shape: ORT never needs the data for them.
+SHAPE_OPS = ("Shape", "Size")
+
+
+def is_default_domain(node: onnx.NodeProto) -> bool:
+    """A node of the ONNX standard domain."""
+    return node.domain in ("", "ai.onnx")
+
+
+def reads_only_shape(node: onnx.NodeProto) -> bool:
+    """A default-domain Shape or Size node: it needs its input's shape, not its data."""
+    return node.op_type in SHAPE_OPS and is_default_domain(node)
+
+
+def never_runs(node: onnx.NodeProto) -> bool:
+    """ORT turns Constant nodes into initializers at load time: they cost no compute."""
+    return node.op_type == "Constant" and is_default_domain(node)
+

@@ -1,0 +1,290 @@
+"""Predict where ONNX Runtime's CUDA execution provider places every cache op.
+
+ORT's CUDA EP claims every node it has a kernel for, then hands some back to the CPU EP in
+``GetCpuPreferredNodes`` (onnxruntime ``core/framework/fallback_cpu_capability.cc``):
+
+* seeds: outputs that a CUDA kernel leaves in host memory (``Shape``, ``Size``) and every
+  output of a node the CUDA EP cannot run; their consumers become candidates, visited in
+  topological order;
+* a candidate goes to the CPU when none of its inputs is float16/bfloat16/float8 and every
+  input is a small initializer (<= 100 elements, which includes the empty ``[0]`` Prefetch
+  source), a graph input, or a host tensor that its CUDA kernel does not itself take in host
+  memory; its outputs become host tensors and its consumers candidates.
+
+Our ops have CPU kernels too, so a cache op that meets that rule runs on the CPU EP while
+the rest of its chain runs on CUDA: the CUDA ``Wait`` then finds no transfer ("no transfer
+pending"), the CUDA ``Detach`` no store. :func:`predict_cuda_placement` replays the rule on
+a rewritten graph; :func:`split_chains` names every chain whose ops would not all run on
+one provider. The rewriter avoids the rule's trigger (no host tensor is offloaded for a
+CUDA target and no ordering input is a host tensor), and ``ho-onnx inspect`` runs this
+check on every model.
+
+Approximations (documented, conservative): which standard ops lack a CUDA kernel is a
+fixed list (:data:`NO_CUDA_KERNEL`, plus every op of a domain other than ONNX's, ORT's
+contrib domain and ours), and per-type kernel gaps are ignored.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import TensorProto
+
+from ... import contract
+from ...graph.analyse import kahn_order
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+SMALL_INITIALIZER = 100  # kSmallInitializerThreshold
+_NO_CPU_FALLBACK_TYPES = frozenset({
+    TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN,
+    TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2, TensorProto.FLOAT8E5M2FNUZ,
+})
+# CUDA kernels whose outputs live in host memory (OutputMemoryType CPU).
+HOST_OUTPUTS: Mapping[str, tuple[int, ...]] = {"Shape": (0,), "Size": (0,)}
+# CUDA kernels that take these inputs in host memory (InputMemoryType CPU): a host tensor
+# there does not pull the node to the CPU.
+HOST_INPUTS: Mapping[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Expand": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Tile": (1,),
+    "ConstantOfShape": (0,), "Range": (0, 1, 2), "Slice": (1, 2, 3, 4), "TopK": (1,),
+    "OneHot": (1,), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "Upsample": (1,),
+    "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+    "ReduceProd": (1,), "ReduceL2": (1,), "Split": (1,), "CumSum": (1,),
+    "NonMaxSuppression": (2, 3, 4),
+}
+# Standard ops the CUDA EP has no kernel for (they run on the CPU EP).
+NO_CUDA_KERNEL = frozenset({
+    "StringNormalizer", "TfIdfVectorizer", "RegexFullMatch", "StringConcat", "StringSplit",
+    "Unique", "Bernoulli", "Multinomial", "BitShift", "DFT", "STFT", "MelWeightMatrix",
+    "HannWindow", "HammingWindow", "BlackmanWindow", "Col2Im", "ImageDecoder", "MaxUnpool",
+    "LpPool", "Hardmax", "SequenceInsert", "SequenceAt", "SequenceConstruct", "SequenceEmpty",
+    "SequenceErase", "SequenceLength", "SplitToSequence", "ConcatFromSequence",
+    "OptionalHasElement", "OptionalGetElement", "Optional", "Det", "Momentum", "Adagrad",
+    "Adam", "AffineGrid",
+})
+_CUDA_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft", contract.DOMAIN})
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Predicted provider of every node (by position) and the host tensors of the graph."""
+
+    providers: tuple[str, ...]
+    host_tensors: frozenset[str]
+    names: tuple[str, ...]
+
+    def cache_ops(self, model: onnx.ModelProto) -> dict[str, str]:
+        """Cache-op node name -> predicted provider."""
+        return {n.name: p for n, p in zip(model.graph.node, self.providers, strict=True)
+                if n.domain == contract.DOMAIN}
+
+
+@dataclass(frozen=True)
+class SplitChain:
+    """Cache ops of one transfer that would run on different providers (or off CUDA)."""
+
+    tensor: str
+    nodes: tuple[tuple[str, str, str], ...]  # (op, node name, provider)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{op} '{name}' on {prov.removesuffix('ExecutionProvider')}"
+                          for op, name, prov in self.nodes)
+        return f"{self.tensor}: {parts}"
+
+
+@dataclass
+class PlacementReport:
+    """What ``ho-onnx inspect`` prints: cache ops per provider and every split chain."""
+
+    per_provider: dict[str, int] = field(default_factory=dict)
+    split: list[SplitChain] = field(default_factory=list)
+    off_cuda: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.split and not self.off_cuda
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every typed value (declared, inferred, and through the cache ops)."""
+    g = model.graph
+    types: dict[str, int] = {}
+    for t in g.initializer:
+        types[t.name] = t.data_type
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)
+    for t in skeleton.graph.initializer:  # types only: no weight bytes needed
+        t.ClearField("raw_data")
+        t.ClearField("external_data")
+        t.data_location = TensorProto.DEFAULT
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False).graph
+        infos = list(inferred.value_info) + list(inferred.input) + list(inferred.output)
+    except Exception:  # inference is a refinement; declared types still count
+        infos = list(g.value_info) + list(g.input) + list(g.output)
+    for vi in list(g.value_info) + list(g.input) + list(g.output) + infos:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types.setdefault(vi.name, vi.type.tensor_type.elem_type)
+    for node in g.node:  # cache ops pass the element type of input 0 through
+        if node.domain == contract.DOMAIN and node.input and node.input[0] in types:
+            for o in node.output:
+                types.setdefault(o, types[node.input[0]])
+    return types
+
+
+def _numel(t: TensorProto) -> int:
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n
+
+
+def _has_cuda_kernel(node: onnx.NodeProto) -> bool:
+    return node.domain in _CUDA_DOMAINS and not (
+        node.domain in ("", "ai.onnx") and node.op_type in NO_CUDA_KERNEL)
+
+
+def _topological(nodes: list[onnx.NodeProto], produced_by: Mapping[str, int]) -> list[int]:
+    """Kahn's algorithm, ties by file position (ORT's priority queue uses its own order)."""
+    return kahn_order([{produced_by[x] for x in n.input if x in produced_by} for n in nodes])
+
+
+def predict_cuda_placement(model: onnx.ModelProto) -> Placement:
+    """Replay ORT's CUDA capability + CPU fallback on ``model``'s main graph."""
+    g = model.graph
+    nodes = list(g.node)
+    produced_by = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for x in n.input:
+            if x:
+                consumers.setdefault(x, []).append(i)
+    order = _topological(nodes, produced_by)
+    rank = {i: r for r, i in enumerate(order)}
+    types = _elem_types(model)
+    small = {t.name for t in g.initializer if _numel(t) <= SMALL_INITIALIZER}
+    inputs = {i.name for i in g.input} - {t.name for t in g.initializer}
+    on_cuda = [_has_cuda_kernel(n) for n in nodes]
+
+    host: set[str] = set()
+    queue: list[tuple[int, int]] = []
+
+    def push_consumers(name: str) -> None:
+        for c in consumers.get(name, ()):
+            heapq.heappush(queue, (rank.get(c, c), c))
+
+    for i, n in enumerate(nodes):
+        if on_cuda[i]:
+            for k in HOST_OUTPUTS.get(n.op_type, ()) if n.domain in ("", "ai.onnx") else ():
+                if k < len(n.output):
+                    host.add(n.output[k])
+                    push_consumers(n.output[k])
+    visited: set[int] = set()
+    cpu_nodes: set[int] = set()
+    while queue:
+        _, cur = heapq.heappop(queue)
+        if cur in visited:
+            continue
+        visited.add(cur)
+        node = nodes[cur]
+        if not on_cuda[cur]:  # the CPU EP runs it: its outputs are host tensors
+            for o in node.output:
+                host.add(o)
+                push_consumers(o)
+            continue
+        host_inputs = HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+        to_cpu = True
+        for k, x in enumerate(node.input):
+            if not x:
+                continue
+            if types.get(x) in _NO_CPU_FALLBACK_TYPES:
+                to_cpu = False
+                break
+            if x in small or x in inputs:
+                continue
+            if x not in host or k in host_inputs:
+                to_cpu = False
+                break
+        if to_cpu:
+            cpu_nodes.add(cur)
+            for o in node.output:
+                host.add(o)
+                push_consumers(o)
+    providers = tuple(CUDA if on_cuda[i] and i not in cpu_nodes else CPU
+                      for i in range(len(nodes)))
+    return Placement(providers, frozenset(host), tuple(n.name for n in nodes))
+
+
+def _chains(model: onnx.ModelProto) -> list[tuple[str, list[int]]]:
+    """Every transfer's cache ops: Store -> Detach -> Prefetch -> Wait, or Prefetch -> Wait."""
+    nodes = list(model.graph.node)
+    by_input: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        if n.domain == contract.DOMAIN and n.input:
+            by_input.setdefault(n.input[0], []).append(i)
+            if n.op_type == contract.DETACH and len(n.input) > 1:
+                by_input.setdefault(n.input[1], []).append(i)
+    seen: set[int] = set()
+    chains: list[tuple[str, list[int]]] = []
+    for i, n in enumerate(nodes):
+        if n.domain != contract.DOMAIN or i in seen:
+            continue
+        if n.op_type == contract.STORE:
+            tensor = n.input[0]
+        elif n.op_type == contract.PREFETCH and any(a.name == contract.ATTR_LOCATION
+                                                    for a in n.attribute):
+            tensor = next((onnx.helper.get_attribute_value(a).decode() for a in n.attribute
+                           if a.name == contract.ATTR_NAME), n.name)
+        else:
+            continue
+        chain, frontier = [i], [n.output[0]]
+        while frontier:
+            name = frontier.pop()
+            for j in by_input.get(name, ()):
+                if j not in chain and nodes[j].domain == contract.DOMAIN:
+                    chain.append(j)
+                    frontier.extend(nodes[j].output)
+        seen.update(chain)
+        chains.append((tensor, chain))
+    return chains
+
+
+def split_chains(model: onnx.ModelProto, placement: Placement | None = None
+                 ) -> PlacementReport:
+    """Check that every transfer's cache ops all run on the CUDA EP."""
+    placement = placement or predict_cuda_placement(model)
+    nodes = list(model.graph.node)
+    report = PlacementReport()
+    for n, p in zip(nodes, placement.providers, strict=True):
+        if n.domain == contract.DOMAIN:
+            report.per_provider[p] = report.per_provider.get(p, 0) + 1
+            if p != CUDA:
+                report.off_cuda.append(n.name)
+    for tensor, chain in _chains(model):
+        provs = {placement.providers[i] for i in chain}
+        if len(provs) > 1:
+            report.split.append(SplitChain(tensor, tuple(
+                (nodes[i].op_type, nodes[i].name, placement.providers[i]) for i in chain)))
+    return report
+
+
+def host_tensors(model: onnx.ModelProto) -> frozenset[str]:
+    """Tensors that live in host memory when ``model`` runs on the CUDA EP."""
+    return predict_cuda_placement(model).host_tensors
+
+
+def format_report(report: PlacementReport, limit: int = 20) -> str:
+    """A few lines for ``ho-onnx inspect``."""
+    per = ", ".join(f"{k.removesuffix('ExecutionProvider')} {v}"
+                    for k, v in sorted(report.per_provider.items()))
+    lines = [f"CUDA placement (ORT's CPU-fallback rule replayed): cache ops {per or 'none'}; "
+             f"{len(report.split)} split chain(s)"]
+    lines += [f"  SPLIT {s.describe()}" for s in report.split[:limit]]
+    rest: Iterable[str] = [x for x in report.off_cuda
+                           if not any(x == nm for s in report.split for _, nm, _ in s.nodes)]
+    lines += [f"  on CPU {x}" for x in list(rest)[:limit]]
+    return "\n".join(lines)

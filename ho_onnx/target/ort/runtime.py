@@ -1,0 +1,202 @@
+"""Run a rewritten model: ONNX Runtime sessions with the ho-onnx custom-op library loaded.
+
+The ORT custom-op library ``libho_onnx_ops.so`` (no Python in it; C/C++ hosts load the same
+file) implements the cache operators of domain ``ai.hyperoffload`` (see docs/design.md). The
+Python module ``ho_onnx._ops`` (counters, build facts, test hooks) links to it and is
+imported before ORT loads it, so both see the same process-wide state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import onnxruntime as ort
+
+from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR
+
+_ORDERS = {
+    "priority": ort.ExecutionOrder.PRIORITY_BASED,
+    "default": ort.ExecutionOrder.DEFAULT,
+}
+
+
+def _ops() -> Any:
+    from ... import _ops
+
+    return _ops
+
+
+LIBRARY_NAME = "libho_onnx_ops.so"
+
+
+def library_path() -> str:
+    """Path of the ORT custom-op library ``libho_onnx_ops.so`` (loaded into this process first).
+
+    The file is Python-free: C, C++, C# or Java hosts register it with
+    ``RegisterCustomOpsLibrary`` (README: "C and C++ hosts").
+    """
+    return os.path.join(os.path.dirname(os.path.abspath(_ops().__file__)), LIBRARY_NAME)
+
+
+def include_dir() -> str:
+    """Folder with ``ho_onnx_c_api.h`` and the ``onnxruntime/onnxruntime_c_api.h`` the
+    library was compiled against, for C/C++ hosts."""
+    return os.path.join(os.path.dirname(library_path()), "include")
+
+
+def session_options(
+    model_path: str | os.PathLike[str] | None = None,
+    base: ort.SessionOptions | None = None,
+    execution_order: str = "priority",
+) -> ort.SessionOptions:
+    """Session options that load the ho-onnx ops.
+
+    ``base`` is copied (never modified). ``execution_order`` is ``"priority"`` (ORT's
+    PRIORITY_BASED order, which follows the rewritten file's node order and so overlaps
+    transfers with compute) or ``"default"`` (leave ORT's order alone). ``model_path`` sets
+    the directory external weight files are resolved against.
+    """
+    if execution_order not in _ORDERS:
+        raise ValueError(
+            f"execution_order must be one of {sorted(_ORDERS)}, got {execution_order!r}"
+        )
+    so = ort.SessionOptions()
+    if base is not None:
+        _copy_options(base, so, skip=(CONFIG_MODEL_DIR,) if model_path is not None else ())
+    if execution_order == "priority":
+        so.execution_order = _ORDERS["priority"]
+    elif base is None:
+        so.execution_order = _ORDERS["default"]
+    if model_path is not None:
+        so.add_session_config_entry(
+            CONFIG_MODEL_DIR, os.path.dirname(os.path.abspath(os.fspath(model_path)))
+        )
+    # The config entry must be set before registering: the library reads it then.
+    so.register_custom_ops_library(library_path())
+    return so
+
+
+_COPIED = (
+    "enable_cpu_mem_arena",
+    "enable_mem_pattern",
+    "enable_mem_reuse",
+    "enable_profiling",
+    "execution_mode",
+    "execution_order",
+    "graph_optimization_level",
+    "inter_op_num_threads",
+    "intra_op_num_threads",
+    "log_severity_level",
+    "log_verbosity_level",
+    "logid",
+    "optimized_model_filepath",
+    "profile_file_prefix",
+    "use_deterministic_compute",
+)
+
+
+# Session config keys of onnxruntime_session_options_config_keys.h (API 21), and ours.
+_CONFIG_KEYS = (
+    "session.disable_prepacking",
+    "session.use_env_allocators",
+    "session.load_model_format",
+    "session.save_model_format",
+    "session.set_denormal_as_zero",
+    "session.disable_quant_qdq",
+    "session.disable_double_qdq_remover",
+    "session.enable_quant_qdq_cleanup",
+    "optimization.enable_gelu_approximation",
+    "session.disable_aot_function_inlining",
+    "optimization.memory_optimizer_config",
+    "optimization.enable_memory_probe_recompute_config",
+    "optimization.disable_specified_optimizers",
+    "session.use_device_allocator_for_initializers",
+    "session.inter_op.allow_spinning",
+    "session.intra_op.allow_spinning",
+    "session.use_ort_model_bytes_directly",
+    "session.use_ort_model_bytes_for_initializers",
+    "session.qdqisint8allowed",
+    "session.x64quantprecision",
+    "optimization.minimal_build_optimizations",
+    "ep.nnapi.partitioning_stop_ops",
+    "session.dynamic_block_base",
+    "session.force_spinning_stop",
+    "session.strict_shape_type_inference",
+    "session.allow_released_opsets_only",
+    "session.node_partition_config_file",
+    "session.intra_op_thread_affinities",
+    "session.debug_layout_transformation",
+    "session.disable_cpu_ep_fallback",
+    "session.optimized_model_external_initializers_file_name",
+    "session.optimized_model_external_initializers_min_size_in_bytes",
+    "session.model_external_initializers_file_folder_path",
+    "session.save_external_prepacked_constant_initializers",
+    "session.collect_node_memory_stats_to_file",
+    "session.resource_cuda_partitioning_settings",
+    "ep.context_enable",
+    "ep.context_file_path",
+    "ep.context_embed_mode",
+    "ep.context_node_name_prefix",
+    "ep.share_ep_contexts",
+    "ep.context_model_external_initializers_file_name",
+    "mlas.enable_gemm_fastmath_arm64_bfloat16",
+    "session.qdq_matmulnbits_accuracy_level",
+    "ep.dynamic.workload_type",
+    CONFIG_MODEL_DIR,
+    CONFIG_HOST_BYTES,
+)
+
+
+def _copy_options(
+    src: ort.SessionOptions, dst: ort.SessionOptions, skip: tuple[str, ...] = ()
+) -> None:
+    # onnxruntime.SessionOptions has no copy() and cannot list its config entries: the
+    # attributes above and the known config keys travel; custom-op libraries, providers,
+    # free-dimension overrides and added initializers do not.
+    for name in _COPIED:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
+    for key in _CONFIG_KEYS:
+        if key in skip:
+            continue
+        try:
+            value = src.get_session_config_entry(key)
+        except RuntimeError:
+            continue
+        dst.add_session_config_entry(key, value)
+
+
+def InferenceSession(  # mirrors onnxruntime.InferenceSession
+    path: str | os.PathLike[str] | bytes,
+    providers: list[Any] | None = None,
+    sess_options: ort.SessionOptions | None = None,
+    execution_order: str = "priority",
+    **kw: Any,
+) -> ort.InferenceSession:
+    """An ``onnxruntime.InferenceSession`` that runs ho-onnx's cache operators.
+
+    ``path`` is a model file (weights resolve next to it) or serialized model bytes (weights
+    then resolve through each Prefetch's ``base_dir`` attribute).
+    """
+    model_path = None if isinstance(path, bytes) else path
+    so = session_options(model_path, base=sess_options, execution_order=execution_order)
+    model = path if isinstance(path, bytes) else os.fspath(path)
+    return ort.InferenceSession(
+        model, sess_options=so, providers=providers or ["CPUExecutionProvider"], **kw
+    )
+
+
+def counters() -> dict[str, int]:
+    """Process-wide counters of the library (bytes moved, waits, host memory held, engines)."""
+    return dict(_ops().counters())
+
+
+def reset_counters() -> None:
+    """Reset the monotonic counters (bytes, counts, wait time); memory gauges are kept."""
+    _ops().reset_counters()
+
+
+def build_info() -> dict[str, Any]:
+    """How the library was built (version, ORT API version, CUDA, compiler, element types)."""
+    return dict(_ops().build_info())

@@ -1,0 +1,124 @@
+"""ORT sessions and inputs for the tools that run models (verify, profile, optimize).
+
+Optimization levels by name, a session with or without the op library, and random feeds
+for a model's inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from ...errors import UnboundDimError, UnsupportedModelError
+
+_NP_TYPES: dict[int, type] = {
+    onnx.TensorProto.FLOAT: np.float32,
+    onnx.TensorProto.DOUBLE: np.float64,
+    onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.INT8: np.int8,
+    onnx.TensorProto.INT16: np.int16,
+    onnx.TensorProto.INT32: np.int32,
+    onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.UINT8: np.uint8,
+    onnx.TensorProto.UINT16: np.uint16,
+    onnx.TensorProto.UINT32: np.uint32,
+    onnx.TensorProto.UINT64: np.uint64,
+    onnx.TensorProto.BOOL: np.bool_,
+}
+
+
+def input_shape(vi: onnx.ValueInfoProto, dims: Mapping[str, int]) -> list[int]:
+    """Concrete shape of a graph input: symbolic dims from ``dims``, unnamed ones 1."""
+    shape = []
+    for d in vi.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            shape.append(d.dim_value)
+        elif d.dim_param:
+            if d.dim_param not in dims:
+                raise UnboundDimError(
+                    f"input {vi.name!r} has symbolic dimension {d.dim_param!r}: "
+                    f"pass --dim {d.dim_param}=N"
+                )
+            shape.append(dims[d.dim_param])
+        else:
+            shape.append(1)
+    return shape
+
+
+def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
+                  seed: int = 0, int_high: int = 8) -> dict[str, np.ndarray]:
+    """Random feeds for every graph input that is not an initializer.
+
+    Floats are standard normal, integers uniform in ``[0, int_high)`` (keeps indices such
+    as token ids in range), booleans fair coins.
+    """
+    dims = dict(dims or {})
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds: dict[str, np.ndarray] = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        if not vi.type.HasField("tensor_type"):
+            raise UnsupportedModelError(f"input {vi.name!r} is not a tensor: cannot make data")
+        elem = vi.type.tensor_type.elem_type
+        if elem not in _NP_TYPES:
+            raise UnsupportedModelError(
+                f"input {vi.name!r} has element type "
+                f"{onnx.TensorProto.DataType.Name(elem)}, for which no random data is made"
+            )
+        shape = input_shape(vi, dims)
+        np_type = _NP_TYPES[elem]
+        if np_type is np.bool_:
+            arr = rng.random(shape) < 0.5
+        elif np.issubdtype(np_type, np.floating):
+            arr = rng.standard_normal(shape).astype(np_type)
+        else:
+            arr = rng.integers(0, int_high, size=shape).astype(np_type)
+        feeds[vi.name] = np.asarray(arr)
+    return feeds
+
+
+OPT_LEVELS = ("disable", "basic", "extended", "all")
+
+
+def ort_opt_level(name: str):  # type: ignore[no-untyped-def]
+    """ORT's GraphOptimizationLevel for ``disable``/``basic``/``extended``/``all``."""
+    import onnxruntime as ort
+
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    if name not in levels:
+        raise ValueError(f"optimization level must be one of {OPT_LEVELS}, not {name!r}")
+    return levels[name]
+
+
+def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: list[str],
+                 execution_order: str = "priority", prepacking: bool = False,
+                 opt_level: str = "all"):  # type: ignore[no-untyped-def]
+    """An ORT session; ``optimized`` registers the ho_onnx library.
+
+    ``opt_level`` is ORT's graph optimization level (``disable`` ... ``all``, the default).
+    """
+    import onnxruntime as ort
+
+    from .runtime import session_options
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort_opt_level(opt_level)
+    if not prepacking:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    if optimized:
+        so = session_options(path, base=so, execution_order=execution_order)
+    elif execution_order == "priority":
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return ort.InferenceSession(str(path), sess_options=so, providers=providers)
+
+

@@ -1,0 +1,109 @@
+"""Run an original and an optimized model on the same random inputs and compare outputs.
+
+Both sessions get the same options. Pre-packing is disabled in both by default: ORT
+pre-packs a constant MatMul weight, an offloaded weight is no longer constant, and the two
+kernels round differently (~1e-5); with pre-packing off the paths are identical and the
+outputs are expected to be bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from ...errors import UnsupportedModelError
+from .session import make_session, random_inputs
+
+
+@dataclass
+class OutputDiff:
+    """How one output of the optimized model differs from the original's."""
+
+    name: str
+    shape: tuple[int, ...]
+    max_abs: float
+    max_rel: float
+    exact: bool
+    close: bool  # every element within atol + rtol * |original| (exact when both are 0)
+
+
+@dataclass
+class VerifyReport:
+    """Comparison of all outputs over all runs."""
+
+    outputs: list[OutputDiff] = field(default_factory=list)
+    runs: int = 0
+    seconds_original: list[float] = field(default_factory=list)  # per run
+    seconds_optimized: list[float] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return all(o.exact for o in self.outputs)
+
+    @property
+    def ok(self) -> bool:
+        return all(o.close for o in self.outputs)
+
+
+def compare_arrays(name: str, a: np.ndarray, b: np.ndarray, *, atol: float = 0.0,
+                   rtol: float = 0.0) -> OutputDiff:
+    """Max abs/rel error of ``b`` against ``a`` (NaNs in the same places count as equal)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return OutputDiff(name, tuple(b.shape), float("inf"), float("inf"), False, False)
+    exact = bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if a.size == 0 or exact or a.dtype.kind not in "fciub":
+        bad = 0.0 if exact else float("inf")
+        return OutputDiff(name, tuple(a.shape), bad, bad, exact, exact)
+    af, bf = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64), b.astype(
+        np.complex128 if a.dtype.kind == "c" else np.float64)
+    diff = np.abs(af - bf)
+    both_nan = np.isnan(af) & np.isnan(bf)
+    diff[both_nan] = 0.0
+    diff[np.isnan(diff)] = np.inf
+    max_abs = float(diff.max())
+    rel = diff / np.maximum(np.abs(af), 1e-30)
+    close = bool(np.all(diff <= atol + rtol * np.abs(af))) if (atol or rtol) else False
+    return OutputDiff(name, tuple(a.shape), max_abs, float(rel.max()), False, close)
+
+
+def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], *,
+           dims: Mapping[str, int] | None = None, runs: int = 1, seed: int = 0,
+           int_high: int = 8, providers: list[str] | None = None,
+           execution_order: str = "priority", prepacking: bool = False, atol: float = 0.0,
+           rtol: float = 0.0, opt_level: str = "all") -> VerifyReport:
+    """Run both models ``runs`` times on fresh random inputs; worst differences per output."""
+    providers = providers or ["CPUExecutionProvider"]
+    model = onnx.load(str(original), load_external_data=False)
+    kw = {"providers": providers, "execution_order": execution_order,
+          "prepacking": prepacking, "opt_level": opt_level}
+    s_orig = make_session(original, optimized=False, **kw)  # type: ignore[arg-type]
+    s_opt = make_session(optimized, optimized=True, **kw)  # type: ignore[arg-type]
+    names = [o.name for o in s_orig.get_outputs()]
+    if names != [o.name for o in s_opt.get_outputs()]:
+        raise UnsupportedModelError("the two models have different outputs")
+    worst: dict[str, OutputDiff] = {}
+    report = VerifyReport()
+    for r in range(runs):
+        feeds = random_inputs(model, dims, seed=seed + r, int_high=int_high)
+        t0 = time.perf_counter()
+        a = s_orig.run(None, feeds)
+        t1 = time.perf_counter()
+        b = s_opt.run(None, feeds)
+        report.seconds_optimized.append(time.perf_counter() - t1)
+        report.seconds_original.append(t1 - t0)
+        for name, x, y in zip(names, a, b, strict=True):
+            d = compare_arrays(name, x, y, atol=atol, rtol=rtol)
+            w = worst.get(name)
+            if w is None or (w.close and not d.close) or (
+                w.close == d.close and d.max_abs > w.max_abs
+            ):
+                worst[name] = d
+        report.runs += 1
+    report.outputs = [worst[n] for n in names]
+    return report

@@ -1,0 +1,40 @@
+"""The command line (cli/): errors are one clear line with exit 2; every command has help."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from graphs import chain_model, save
+
+from ho_onnx.cli import main
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    src = save(chain_model(), tmp_path / "m.onnx")
+    runner = CliRunner()
+    r = runner.invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"), "--min-bytes", "1"])
+    assert r.exit_code == 2 and "error: " in r.output and "--dim N=" in r.output
+    assert "Traceback" not in r.output
+    r = runner.invoke(main, ["optimize", str(src), str(src)])
+    assert r.exit_code == 2 and "is the input model" in r.output
+    r = runner.invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"), "--dim", "N"])
+    assert r.exit_code == 2 and "NAME=INTEGER" in r.output
+    r = runner.invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"),
+                             "--min-bytes", "lots"])
+    assert r.exit_code == 2 and "is not a size" in r.output
+
+
+@pytest.mark.parametrize("cmd", [[], ["optimize"], ["verify"], ["inspect"]])
+def test_help(cmd):
+    r = CliRunner().invoke(main, [*cmd, "--help"])
+    assert r.exit_code == 0 and "Usage:" in r.output and len(r.output) > 200
+
+
+@pytest.mark.parametrize("module", ["ho_onnx", "ho_onnx.cli"])
+def test_python_dash_m_runs_the_cli(module):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ho-onnx, version 0.1.0", r.stderr

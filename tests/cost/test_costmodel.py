@@ -1,0 +1,305 @@
+"""The machine cost model: presets, machine files, analytic FLOPs/roofline, ORT profiles."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+
+from ho_onnx.cost import (
+    MACHINES,
+    Machine,
+    MachineError,
+    NodeCosts,
+    analytic_costs,
+    load_machine,
+    node_flops_bytes,
+    profile_costs,
+    transfer_time,
+)
+from ho_onnx.errors import UnboundDimError
+from ho_onnx.graph.analyse import analyse
+from ho_onnx.target.ort.profile import ProfileError, parse_trace, profile_model
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:  # `models` is a top-level folder, not part of the installed package
+    sys.path.insert(0, _ROOT)
+
+from models.decoder import build_decoder  # noqa: E402
+
+HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
+
+
+def parse(body: str) -> onnx.ModelProto:
+    m = onnx.parser.parse_model(f"{HEADER}\n{body}")
+    onnx.checker.check_model(m)
+    return m
+
+
+def matmul_model(m: int | str, k: int, n: int, batch: int = 1) -> onnx.ModelProto:
+    return parse(f"""
+    g (float[{batch}, {m}, {k}] a, float[{k}, {n}] b) => (float[{batch}, {m}, {n}] y) {{
+      y = MatMul(a, b)
+    }}""")
+
+
+# ---- machines ------------------------------------------------------------------------
+
+
+def test_presets_units():
+    h100, h200, cpu = MACHINES["h100"], MACHINES["h200"], MACHINES["cpu"]
+    for g in (h100, h200):
+        assert 5e14 < g.peak_flops < 2e15  # ~989 TFLOP/s dense bf16
+        assert 1e12 < g.mem_bw < 1e13  # TB/s of HBM
+        assert 1e10 < g.h2d_bw <= 64e9 and 1e10 < g.d2h_bw <= 64e9  # PCIe 5 x16
+        assert g.transfer_latency_s < 1e-3 and g.launch_overhead_s < 1e-3
+    assert h200.mem_bw > h100.mem_bw and h200.peak_flops == h100.peak_flops
+    assert cpu.peak_flops < h100.peak_flops and cpu.mem_bw < h100.mem_bw
+    assert all(0 < x.efficiency <= 1 for x in MACHINES.values())
+    # 1 GB over the H100's PCIe takes ~20 ms, on the CPU "link" ~200 ms
+    assert transfer_time(h100, 1e9, "h2d") == pytest.approx(1e9 / 50e9 + 10e-6)
+    assert transfer_time(cpu, 1e9, "disk") == pytest.approx(1.0, rel=1e-3)
+    assert transfer_time(h100, 0, "d2h") == 0.0
+    assert h100.transfer_time(4096, "d2h") == transfer_time(h100, 4096, "d2h")
+    with pytest.raises(ValueError, match="direction"):
+        transfer_time(h100, 1, "up")
+
+
+def test_machine_json_round_trip_and_partial(tmp_path: Path):
+    m = MACHINES["h100"].with_overrides(h2d_bw="25e9", name="mine")
+    assert m.h2d_bw == 25e9 and m.d2h_bw == 50e9
+    m.to_json(tmp_path / "m.json")
+    assert Machine.from_json(tmp_path / "m.json") == m
+    assert load_machine(str(tmp_path / "m.json")) == m
+    # a calibrate output: only some keys (+ metadata), merged onto a preset
+    calib = tmp_path / "calib.json"
+    calib.write_text(json.dumps({"base": "h200", "h2d_bw": 40e9, "d2h_bw": 45e9,
+                                 "transfer_latency_s": 8e-6, "samples": [1, 2]}))
+    c = load_machine(calib, {"efficiency": 0.5})
+    assert (c.h2d_bw, c.d2h_bw, c.transfer_latency_s, c.efficiency) == (40e9, 45e9, 8e-6, 0.5)
+    assert c.mem_bw == MACHINES["h200"].mem_bw
+    assert Machine.from_json(calib, base="cpu").peak_flops == MACHINES["cpu"].peak_flops
+    calib.write_text(json.dumps({"disk_bw": 2e9}))  # no base: cpu
+    assert load_machine(calib).peak_flops == MACHINES["cpu"].peak_flops
+    assert load_machine("H100", {"disk_bw": 7e9}).disk_bw == 7e9
+
+
+def test_machine_errors(tmp_path: Path):
+    with pytest.raises(MachineError, match=r"unknown machine 'a100'.*cpu, h100, h200"):
+        load_machine("a100")
+    with pytest.raises(MachineError, match="unknown field 'bw'"):
+        load_machine("cpu", {"bw": 1})
+    with pytest.raises(MachineError, match="h2d_bw must be a number"):
+        load_machine("cpu", {"h2d_bw": "fast"})
+    with pytest.raises(ValueError, match="mem_bw must be > 0"):
+        MACHINES["cpu"].with_overrides(mem_bw=0)
+    with pytest.raises(MachineError, match="does not exist"):
+        load_machine(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    with pytest.raises(MachineError, match="not readable JSON"):
+        load_machine(bad)
+    bad.write_text(json.dumps({"base": "tpu"}))
+    with pytest.raises(MachineError, match="unknown machine 'tpu'"):
+        load_machine(bad)
+
+
+# ---- analytic ------------------------------------------------------------------------
+
+
+def test_matmul_flops_exact():
+    a = analyse(matmul_model(5, 7, 3, batch=2))
+    flops, nbytes = node_flops_bytes(a, 0)
+    assert flops == 2 * 2 * 5 * 3 * 7
+    assert nbytes == 4 * (2 * 5 * 7 + 7 * 3 + 2 * 5 * 3)
+    # symbolic dims come from dims; an unbound one is named
+    s = analyse(matmul_model("M", 7, 3))
+    assert node_flops_bytes(s, 0, {"M": 11})[0] == 2 * 11 * 3 * 7
+    with pytest.raises(UnboundDimError, match="'M'"):
+        node_flops_bytes(s, 0, {})
+
+
+def test_other_ops_flops():
+    m = parse("""
+    g (float[2, 3, 8, 8] x, float[4, 3, 3, 3] w, float[6, 5] p, float[4, 6] q)
+      => (float[2, 4, 6, 6] y, float[5, 4] g, float[2, 3, 64] r, float[2, 3, 8, 8] s) {
+      w_in = Relu(x)
+      y = Conv(w_in, w)
+      g = Gemm<transA = 1, transB = 1>(p, q)
+      shp = Constant<value = int64[3] {2, 3, 64}>()
+      r = Reshape(x, shp)
+      s = Softmax(x)
+    }""")
+    a = analyse(m)
+    by_op = {a.node_at(i).op_type: node_flops_bytes(a, i) for i in range(len(a.order))}
+    assert by_op["Conv"][0] == 2 * (2 * 4 * 6 * 6) * 3 * 3 * 3
+    assert by_op["Gemm"][0] == 2 * 5 * 4 * 6
+    assert by_op["Reshape"] == (0.0, 4 * 384 * 2 + 8 * 3)
+    assert by_op["Softmax"][0] == 5 * 384
+    assert by_op["Relu"][0] == 384
+    c = analytic_costs(a, MACHINES["cpu"])
+    assert c.seconds[[a.node_at(i).op_type for i in range(len(a.order))].index("Constant")] == 0
+
+
+def test_unknown_shapes_do_not_crash():
+    m = parse("""
+    g (float[N, 4] x) => (float[M] y) {
+      y = NonZero(x)
+    }""")
+    m.graph.output[0].type.tensor_type.ClearField("shape")
+    a = analyse(m)
+    flops, nbytes = node_flops_bytes(a, 0, {"N": 3})
+    assert flops == 0 and nbytes >= 3 * 4 * 4
+
+
+def test_roofline():
+    cpu = MACHINES["cpu"]
+    small = analyse(matmul_model(1, 1024, 1024))  # a vector-matrix product: memory bound
+    big = analyse(matmul_model(1024, 1024, 1024))  # compute bound
+    fs, bs = node_flops_bytes(small, 0)
+    fb, _ = node_flops_bytes(big, 0)
+    ts = analytic_costs(small, cpu).seconds[0]
+    tb = analytic_costs(big, cpu).seconds[0]
+    assert ts == pytest.approx(bs / cpu.mem_bw + cpu.launch_overhead_s)
+    assert tb == pytest.approx(fb / (cpu.peak_flops * cpu.efficiency) + cpu.launch_overhead_s)
+    assert fs / (cpu.peak_flops * cpu.efficiency) < bs / cpu.mem_bw
+    # the same matmul on an H100 is far faster
+    assert analytic_costs(big, MACHINES["h100"]).total < tb / 100
+
+
+# ---- profiles ------------------------------------------------------------------------
+
+DIMS = {"batch": 2, "seq": 16}
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("dec") / "tiny.onnx"
+    build_decoder(path, layers=2, hidden=64, heads=4)
+    return path
+
+
+def test_profile_model_disable(decoder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "prof.json"
+    r = profile_model(decoder, out, dims=DIMS, runs=3, warmup=1, opt_level="disable")
+    assert list(tmp_path.iterdir()) == [out]  # ORT's raw trace is gone
+    assert json.loads(out.read_text()) == r
+    assert r["runs"] == 3 and r["provider"] == "CPUExecutionProvider"
+    model = onnx.load(str(decoder))
+    names = {n.name for n in model.graph.node}
+    assert len(set(r["nodes"]) & names) >= 0.8 * len(names)
+    e = r["nodes"]["layers.0.attn.qkv"]
+    assert e["op"] == "MatMul" and e["runs"] == 3 and 0 < e["median_s"] < 1
+    assert r["nodes_sum_s"] > 0 and r["total_median_s"] > 0
+
+    a = analyse(model, DIMS)
+    costs = profile_costs(a, out)
+    assert isinstance(costs, NodeCosts) and costs.source == "profile"
+    assert len(costs.seconds) == len(a.order) and costs.coverage == 1.0
+    pos = [a.node_at(i).name for i in range(len(a.order))].index("layers.0.attn.qkv")
+    assert costs.seconds[pos] == e["median_s"]
+
+    # nodes missing from the profile get the analytic estimate (a profile without dims
+    # needs them passed)
+    data = json.loads(out.read_text())
+    del data["nodes"]["layers.0.attn.qkv"]
+    out.write_text(json.dumps(data))
+    cpu = MACHINES["cpu"]
+    costs = profile_costs(a, out, machine=cpu)
+    assert costs.coverage < 1.0
+    assert costs.seconds[pos] == pytest.approx(analytic_costs(a, cpu, DIMS).seconds[pos])
+    assert costs.cumulative()[-1] == pytest.approx(costs.total)
+    assert costs.between(pos, pos + 1) == costs.seconds[pos]
+
+
+def test_profile_model_optimized(decoder: Path, tmp_path: Path):
+    out = tmp_path / "prof.json"
+    r = profile_model(decoder, out, dims=DIMS, runs=2, warmup=1, opt_level="all")
+    a = analyse(onnx.load(str(decoder)), DIMS)
+    costs = profile_costs(a, out)
+    # fused nodes are mapped by name prefix; the total is the profile's
+    assert costs.coverage > 0.6
+    assert costs.total == pytest.approx(r["nodes_sum_s"])
+    assert np.all(costs.seconds >= 0)
+
+
+def test_profile_mapping_rules(tmp_path: Path):
+    m = parse("""
+    g (float[4, 8] x, float[8, 8] w) => (float[4, 8] y) {
+      h = MatMul(x, w)
+      s = Mul(h, h)
+      y = Relu(s)
+    }""")
+    for node, name in zip(m.graph.node, ["mm", "", "relu"], strict=True):
+        node.name = name
+    a = analyse(m)
+    prof = {"opt_level": "all", "model_nodes": 3, "nodes": {
+        "mm/MatMulScaleFusion/": {"op": "FusedMatMul", "median_s": 3e-6, "index": 5},
+        "Mul_1": {"op": "Mul", "median_s": 1e-6, "index": 1},
+        "Gelu_7": {"op": "Gelu", "median_s": 2e-6, "index": 7},
+        "MemcpyToHost": {"op": "MemcpyToHost", "median_s": 9.0},
+    }}
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(prof))
+    c = profile_costs(a, p)
+    # fusion prefix -> mm, ORT name of the unnamed node by index -> Mul; Gelu_7 matches
+    # nothing: its time goes to the unmatched relu; Memcpy is not compute
+    assert list(c.seconds) == pytest.approx([3e-6, 1e-6, 2e-6])
+    assert c.coverage == pytest.approx(2 / 3)
+    del prof["nodes"]["Gelu_7"]
+    p.write_text(json.dumps(prof))
+    assert profile_costs(a, p).seconds[2] == 0.0  # optimized away: fused or folded
+    prof["opt_level"] = "disable"
+    p.write_text(json.dumps(prof))
+    assert profile_costs(a, p).seconds[2] > 0  # not profiled: analytic
+
+
+def test_profile_errors(tmp_path: Path):
+    a = analyse(matmul_model(2, 2, 2))
+    with pytest.raises(ProfileError, match="does not exist"):
+        profile_costs(a, tmp_path / "none.json")
+    p = tmp_path / "p.json"
+    p.write_text("{oops")
+    with pytest.raises(ProfileError, match="not readable JSON"):
+        profile_costs(a, p)
+    p.write_text(json.dumps([{"cat": "Node"}]))
+    with pytest.raises(ProfileError, match="raw trace"):
+        profile_costs(a, p)
+    p.write_text(json.dumps({"model": "x"}))
+    with pytest.raises(ProfileError, match="'nodes'"):
+        profile_costs(a, p)
+    p.write_text(json.dumps({"nodes": {"n": {"op": "MatMul"}}}))
+    with pytest.raises(ProfileError, match="'n' has no valid 'median_s'"):
+        profile_costs(a, p)
+
+
+def test_parse_trace_runs_and_nesting():
+    def node(name: str, ts: int, dur: int, tid: int = 1) -> dict:
+        return {"cat": "Node", "name": f"{name}_kernel_time", "ts": ts, "dur": dur, "tid": tid,
+                "args": {"op_name": "Op", "node_index": "0", "provider": "CPU"}}
+
+    def run(ts: int, dur: int) -> dict:
+        return {"cat": "Session", "name": "model_run", "ts": ts, "dur": dur}
+
+    events = [node("a", 1, 50), run(0, 100),  # warm-up
+              node("a", 101, 10), node("loop", 120, 30), node("body", 125, 5), run(100, 100),
+              node("a", 201, 30), node("loop", 240, 20), run(200, 100),
+              node("a", 301, 20), run(300, 100)]
+    nodes, totals, basis = parse_trace(events, warmup=1)
+    assert basis == "host" and totals == pytest.approx([1e-4] * 3)
+    assert nodes["a"]["median_s"] == pytest.approx(20e-6) and nodes["a"]["runs"] == 3
+    assert nodes["loop"]["runs"] == 2 and "body" not in nodes  # nested in loop
+    assert nodes["a"]["index"] == 0
+    # device kernels replace host launch times
+    events.insert(3, {"cat": "Kernel", "name": "k", "ts": 105, "dur": 70, "args": {}})
+    nodes, _, basis = parse_trace(events, warmup=1)
+    assert basis == "device"
+    assert nodes["a"]["median_s"] == pytest.approx(30e-6)  # runs: 70, 30, 20
+    with pytest.raises(Exception, match="model_run"):
+        parse_trace([node("a", 1, 5)])

@@ -1,0 +1,117 @@
+"""Writing the output (graph.save, with rewrite.place): data kept where the runtime finds
+it, atomic, the input never touched."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from graphs import chain_model, folder_digest, save
+
+from ho_onnx import contract
+from ho_onnx.errors import (
+    OutputPathError,
+)
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions
+
+ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1)
+
+
+def _weight_attrs(path: Path) -> dict[str, tuple[str, int, int]]:
+    m = onnx.load(str(path), load_external_data=False)
+    out = {}
+    for n in m.graph.node:
+        if n.op_type == contract.PREFETCH and any(a.name == contract.ATTR_LOCATION
+                                                  for a in n.attribute):
+            a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
+            out[a["name"].decode()] = (a["location"].decode(), a["offset"], a["length"])
+    return out
+
+
+def _read(folder: Path, ref: tuple[str, int, int]) -> bytes:
+    loc, off, length = ref
+    with open(folder / loc, "rb") as f:
+        f.seek(off)
+        return f.read(length)
+
+
+def test_external_data_beside_input_is_reused(tmp_path):
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    before = folder_digest(tmp_path)
+    optimize(src, tmp_path / "m.ho.onnx", ALL)
+    assert {k: v for k, v in folder_digest(tmp_path).items() if k in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.ho.onnx", "m.onnx", "m.onnx.data"]
+    full = onnx.load(str(src))
+    arrays = {t.name: onnx.numpy_helper.to_array(t) for t in full.graph.initializer}
+    for name, ref in _weight_attrs(tmp_path / "m.ho.onnx").items():
+        assert ref[0] == "m.onnx.data"
+        assert _read(tmp_path, ref) == arrays[name].tobytes()
+
+
+def test_inline_weights_go_to_an_aligned_sidecar(tmp_path):
+    src = save(chain_model(), tmp_path / "m.onnx")
+    optimize(src, tmp_path / "out.onnx", ALL)
+    arrays = {t.name: onnx.numpy_helper.to_array(t) for t in chain_model().graph.initializer}
+    refs = _weight_attrs(tmp_path / "out.onnx")
+    assert set(refs) == {"W1", "W2"}
+    for name, ref in refs.items():
+        assert ref[0] == "out.onnx.data" and ref[1] % 64 == 0
+        assert np.array_equal(np.frombuffer(_read(tmp_path, ref), np.float32).reshape(16, 16),
+                              arrays[name])
+
+
+def test_output_elsewhere_copies_data_with_progress_keeping_holes(tmp_path, monkeypatch):
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    with open(tmp_path / "m.onnx.data", "ab") as f:  # a hole of 64 MiB at the end
+        f.truncate(f.tell() + (64 << 20))
+    out = tmp_path / "other" / "dir" / "m.ho.onnx"
+    seen = []
+    r = optimize(src, out, ALL, progress=lambda what, done, total: seen.append((done, total)))
+    copied = out.parent / "m.onnx.data"
+    assert r.report.copied == [copied]
+    assert copied.read_bytes() == (tmp_path / "m.onnx.data").read_bytes()
+    assert seen and seen[-1][0] == seen[-1][1]  # progress reached 100%
+    assert copied.stat().st_blocks * 512 < (8 << 20)  # the hole stayed a hole
+    assert copied.stat().st_nlink == 1  # onnx.checker refuses hard-linked data
+    optimize(src, out, ALL)  # again: the earlier copy is recognised, not an error
+
+
+def test_existing_different_data_file_is_not_overwritten(tmp_path):
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "m.onnx.data").write_bytes(b"someone else's")
+    with pytest.raises(OutputPathError, match="already exists"):
+        optimize(src, tmp_path / "o" / "m.ho.onnx", ALL)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["m.onnx.data"]
+
+
+def test_output_equal_to_input_is_refused(tmp_path):
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    before = folder_digest(tmp_path)
+    for target in (src, tmp_path / "." / "m.onnx", tmp_path / "m.onnx.data"):
+        with pytest.raises(OutputPathError):
+            optimize(src, target, ALL)
+    assert folder_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_failure_while_saving_leaves_nothing(tmp_path, monkeypatch, fail_at):
+    """The sidecar's rename (1) or the model's (2) fails: no output, no temporary file."""
+    src = save(chain_model(), tmp_path / "m.onnx")
+    before = folder_digest(tmp_path)
+    real, calls = os.replace, []
+
+    def flaky(a, b):
+        calls.append(b)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device (simulated)")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", flaky)
+    with pytest.raises(OSError, match="simulated"):
+        optimize(src, tmp_path / "out.onnx", ALL)
+    assert folder_digest(tmp_path) == before

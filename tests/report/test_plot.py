@@ -1,0 +1,105 @@
+"""``ho_onnx.report.plot.plot_timeline``: a readable PNG of a plan (matplotlib is optional)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from graphs import two_weights_model
+
+from ho_onnx.cost.source import CostSource
+from ho_onnx.errors import HoOnnxError
+from ho_onnx.graph.analyse import analyse
+from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.schedule.planner import Plan, plan
+from ho_onnx.schedule.simulate import simulate
+from ho_onnx.schedule.types import OffloadChoice, WeightOffload
+from models.decoder import build_decoder
+
+DIMS = {"batch": 1, "seq": 64}
+
+
+def _read_png(path):
+    mpimg = pytest.importorskip("matplotlib.image")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(str(path))
+    assert img.ndim == 3 and img.shape[2] in (3, 4)
+    h, w = img.shape[:2]
+    assert 500 <= h <= 2000 and 800 <= w <= 3000, img.shape
+    rgb = img[..., :3]
+    ink = (rgb.sum(axis=2) < 2.7).mean()  # share of pixels that are not (near) white
+    assert 0.02 < ink < 0.6, ink
+    assert rgb.std() > 0.05
+    return rgb
+
+
+def _decoder_plan(frac: float):
+    a = analyse(build_decoder(layers=3, hidden=128, heads=4), DIMS)
+    costs = CostSource().cost_model(a, DIMS)
+    base = simulate(a, None, costs.compute_s, costs.transfer_time, DIMS)
+    p = plan(a, OffloadOptions(budget=int(base.peak_bytes * frac), min_bytes=0), costs, DIMS)
+    return a, p
+
+
+def test_plot_of_a_decoder_plan(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ho_onnx.report.plot import plot_timeline
+
+    a, p = _decoder_plan(0.5)
+    assert p.planned.transfers and p.planned.peak_bytes < p.baseline.peak_bytes
+    out = tmp_path / "sub" / "timeline.png"  # the folder is created
+    plot_timeline(p, [n.name for n in a.nodes], out)
+    rgb = _read_png(out)
+    # the planned memory line is drawn in matplotlib's default blue (#1f77b4)
+    blue = (np.abs(rgb - np.array([0x1F, 0x77, 0xB4]) / 255).max(axis=2) < 0.05).mean()
+    assert blue > 1e-4
+
+
+def test_plot_when_nothing_moves(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ho_onnx.report.plot import plot_timeline
+
+    a, p = _decoder_plan(1.0)
+    assert not p.planned.transfers
+    out = tmp_path / "fits.png"
+    plot_timeline(p, [n.name for n in a.nodes], out)
+    _read_png(out)
+
+
+def test_fifo_queue_is_drawn(tmp_path):
+    """Two reloads issued together on one channel: the second waits for the first (the
+    queue line from its issue to its start) and the compute stalls for both."""
+    pytest.importorskip("matplotlib")
+    from ho_onnx.report.plot import _issue_times, plot_timeline
+
+    m = two_weights_model()
+    a = analyse(m)
+    cs = np.full(4, 1e-3)
+    nbytes = 512 * 512 * 4
+
+    def tt(n, direction):
+        return n / (nbytes / 3e-3)
+
+    choice = OffloadChoice(weights=[WeightOffload("W1", nbytes, (2,), (0,)),
+                                    WeightOffload("W2", nbytes, (3,), (0,))])
+    base, after = simulate(a, None, cs, tt), simulate(a, choice, cs, tt)
+    p = Plan(choice, OffloadOptions(budget=after.peak_bytes), base, after, after.peak_bytes,
+             2 * nbytes)
+    w1, w2 = after.transfers
+    issued = _issue_times(after)
+    assert issued[id(w1)] == 0 and issued[id(w2)] == 0
+    assert w2.start_s == pytest.approx(w1.end_s) and w1.stall_s > 0 and w2.stall_s > 0
+    out = tmp_path / "fifo.png"
+    plot_timeline(p, [n.name for n in a.nodes], out)
+    _read_png(out)
+
+
+def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    from ho_onnx.report.plot import plot_timeline
+
+    a, p = _decoder_plan(1.0)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(HoOnnxError, match="pip install matplotlib"):
+        plot_timeline(p, [n.name for n in a.nodes], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()

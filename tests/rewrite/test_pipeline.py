@@ -1,0 +1,214 @@
+"""Planned rewrites (a memory budget) of real models, checked in ORT against the originals.
+
+Bit-exact with ORT's graph optimizations off in both sessions (identical kernels; see
+README "Correctness"). The library's counters must show every planned reload move.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from ho_onnx.cli import main
+from ho_onnx.cost.source import CostSource
+from ho_onnx.rewrite.pipeline import optimize, plan_model
+from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.target.ort import runtime
+from ho_onnx.target.ort.verify import random_inputs, verify
+from models.decoder import build_decoder
+
+DIMS = {"batch": 1, "seq": 64}
+
+
+def _reload_bytes(choice) -> int:
+    return sum(w.nbytes * len(w.consumers) for w in choice.weights) + sum(
+        a.nbytes or 0 for a in choice.activations)
+
+
+def _check(src, out, dims, int_high=8) -> None:
+    rep = verify(src, out, dims=dims, runs=2, int_high=int_high, opt_level="disable")
+    assert rep.exact, rep.outputs
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dec") / "dec.onnx"
+    build_decoder(path, layers=4, hidden=128, heads=4, vocab=256, external_data=True)
+    return path
+
+
+@pytest.mark.parametrize("frac", [0.75, 0.5, 0.25])
+def test_decoder_at_budget(decoder, tmp_path, frac):
+    _, _, p0 = plan_model(decoder, OffloadOptions(budget=1 << 40, min_bytes=0), DIMS)
+    budget = int(p0.baseline.peak_bytes * frac)
+    out = tmp_path / "dec.ho.onnx"
+    r = optimize(decoder, out, OffloadOptions(budget=budget, min_bytes=16 << 10), DIMS)
+    p = r.plan
+    assert p is not None and p.planned.peak_bytes <= budget < p.baseline.peak_bytes
+    assert r.choice.weights  # a decoder this size streams weights at these budgets
+    weights = sum(t.nbytes() or 0 for t in r.analysis.tensors.values() if t.is_initializer)
+    if frac == 0.25:  # the weights alone exceed the budget: they stream, layer by layer
+        assert weights > budget
+        offloaded = sorted(r.choice.weights, key=lambda w: w.consumers[0])
+        assert len(offloaded) >= 4 * 2  # at least two big weights of every layer
+    meta = {e.key: e.value for e in onnx.load(str(out), load_external_data=False).metadata_props}
+    assert int(meta["ho_onnx.budget_bytes"]) == budget
+    assert int(meta["ho_onnx.predicted_peak_bytes"]) == p.planned.peak_bytes
+    assert float(meta["ho_onnx.predicted_stall_s"]) == pytest.approx(p.planned.stall_s, rel=1e-5)
+    assert int(meta["ho_onnx.host_bytes"]) == p.host_bytes
+    _check(decoder, out, DIMS)
+    sess = runtime.InferenceSession(out)
+    feeds = random_inputs(onnx.load(str(decoder), load_external_data=False), DIMS)
+    for _ in range(2):
+        runtime.reset_counters()
+        sess.run(None, feeds)
+        assert runtime.counters()["bytes_loaded"] == _reload_bytes(r.choice)
+
+
+def test_smaller_budget_never_offloads_less(decoder):
+    _, _, p0 = plan_model(decoder, OffloadOptions(budget=1 << 40, min_bytes=0), DIMS)
+    moved = []
+    for frac in (0.9, 0.6, 0.3):
+        _, _, p = plan_model(decoder, OffloadOptions(budget=int(p0.baseline.peak_bytes * frac)),
+                             DIMS)
+        moved.append(p.baseline.peak_bytes - p.planned.peak_bytes)
+    assert moved == sorted(moved)
+
+
+def test_cli_plan_json_and_infeasible(decoder, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(main, ["plan", str(decoder), "--budget", "1MiB", "--dim", "batch=1",
+                             "--dim", "seq=64", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    assert d["fits"] and d["after"]["peak_bytes"] <= 1 << 20 < d["before"]["peak_bytes"]
+    assert d["transfers"] and len(d["steps"]) == len(onnx.load(
+        str(decoder), load_external_data=False).graph.node)
+    r = runner.invoke(main, ["optimize", str(decoder), str(tmp_path / "o.onnx"), "--budget",
+                             "10KiB", "--dim", "batch=1", "--dim", "seq=64"])
+    assert r.exit_code == 2 and "smallest feasible budget" in r.output
+    assert not (tmp_path / "o.onnx").exists()
+    r = runner.invoke(main, ["plan", str(decoder), "--budget", "1MiB"])
+    assert r.exit_code == 2 and "--dim" in r.output  # the unbound dim is named
+
+
+def test_profile_drives_the_plan(decoder, tmp_path):
+    runner = CliRunner()
+    prof = tmp_path / "prof.json"
+    r = runner.invoke(main, ["profile", str(decoder), "--out", str(prof), "--dim", "batch=1",
+                             "--dim", "seq=64", "--runs", "3"])
+    assert r.exit_code == 0, r.output
+    _, _, p = plan_model(decoder, OffloadOptions(budget=1 << 20), DIMS, CostSource("cpu", prof))
+    data = json.loads(prof.read_text())
+    assert p.baseline.total_s == pytest.approx(
+        sum(v["median_s"] for v in data["nodes"].values()), rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_exports_at_budgets(tmp_path_factory, arch):
+    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
+    from models.hf_export import export_hf
+
+    folder = tmp_path_factory.mktemp(f"{arch}_plan")
+    src = export_hf(arch, folder / f"{arch}.onnx", layers=2, hidden=64, heads=4, vocab=256,
+                    seq=16, external_data=True)
+    dims = {"batch": 2, "seq": 9}
+    _, _, p0 = plan_model(src, OffloadOptions(budget=1 << 40, min_bytes=0), dims)
+    for frac in (0.75, 0.5, 0.25):
+        budget = int(p0.baseline.peak_bytes * frac)
+        out = folder / f"{arch}.{frac}.onnx"
+        r = optimize(src, out, OffloadOptions(budget=budget, min_bytes=1024), dims)
+        assert r.plan is not None and r.plan.planned.peak_bytes <= budget
+        _check(src, out, dims, int_high=256)
+
+
+def test_planning_the_graph_ort_runs(decoder, tmp_path):
+    """--ort-optimize: ORT's fusions are applied before planning, so at ORT's default
+    optimization level the optimized model runs the same kernels as the original
+    (bit-exact), and the intermediate model is not left behind."""
+    out = tmp_path / "o" / "dec.ho.onnx"
+    r = optimize(decoder, out, OffloadOptions(budget=1 << 20, min_bytes=16 << 10), DIMS,
+                 ort_level="extended")
+    assert r.plan is not None and r.choice.weights
+    assert sorted(p.name for p in out.parent.iterdir()) == ["dec.ho.onnx",
+                                                           "dec.ho.onnx.ort.onnx.data"]
+    rep = verify(decoder, out, dims=DIMS, runs=2)  # opt level "all" in both sessions
+    assert rep.exact, rep.outputs
+    sess = runtime.InferenceSession(out)
+    feeds = random_inputs(onnx.load(str(decoder), load_external_data=False), DIMS)
+    runtime.reset_counters()
+    sess.run(None, feeds)
+    assert runtime.counters()["bytes_loaded"] == _reload_bytes(r.choice)
+
+
+def test_planning_ort_optimized_graph_keeps_its_files(decoder):
+    """plan_model(ort_level=...) returns a model whose files exist as long as it does (they
+    lived in a temporary folder deleted on return), and only then are removed."""
+    import gc
+
+    loaded, analysis, p = plan_model(decoder, OffloadOptions(budget=1 << 20, min_bytes=16 << 10),
+                                     DIMS, ort_level="basic")
+    assert p.choice.weights and analysis.model is loaded.model
+    folder = loaded.path.parent
+    assert loaded.path.is_file() and (folder / "model.onnx.data").is_file()
+    onnx.checker.check_model(str(loaded.path))  # the data its initializers name is there
+    del loaded, analysis, p
+    gc.collect()
+    assert not folder.exists()
+
+
+def test_host_budget_sends_weights_to_disk(decoder, tmp_path):
+    """Offloaded weights beyond --host-budget stay in the data file and are read at each
+    use; the host holds no more than the budget, and the outputs are unchanged."""
+    _, _, p0 = plan_model(decoder, OffloadOptions(budget=1 << 40), DIMS)
+    budget = p0.baseline.peak_bytes // 4
+    _, _, p_host = plan_model(decoder, OffloadOptions(budget=budget, min_bytes=16 << 10), DIMS)
+    host_budget = p_host.host_bytes // 2
+    out = tmp_path / "dec.ho.onnx"
+    r = optimize(decoder, out, OffloadOptions(budget=budget, min_bytes=16 << 10,
+                                              host_budget=host_budget), DIMS)
+    p = r.plan
+    assert p is not None and p.host_bytes <= host_budget < p_host.host_bytes
+    disk = [w for w in r.choice.weights if w.tier == "disk"]
+    assert disk and any(w.tier == "host" for w in r.choice.weights)
+    assert p.planned.peak_bytes <= budget
+    _check(decoder, out, DIMS)
+    sess = runtime.InferenceSession(out)
+    feeds = random_inputs(onnx.load(str(decoder), load_external_data=False), DIMS)
+    runtime.reset_counters()
+    sess.run(None, feeds)
+    c = runtime.counters()
+    assert c["bytes_read_disk"] == sum(w.nbytes * len(w.consumers) for w in disk)
+    assert c["bytes_loaded"] == _reload_bytes(r.choice)
+
+
+def test_host_budget_below_stored_activations_is_refused(decoder):
+    from ho_onnx.schedule.planner import InfeasibleBudgetError
+
+    dims = {"batch": 1, "seq": 512}  # long prompt: activations matter
+    _, _, p0 = plan_model(decoder, OffloadOptions(budget=1 << 40), dims)
+    opts = OffloadOptions(budget=int(p0.baseline.peak_bytes * 0.97), min_bytes=1 << 10,
+                          weights=False)
+    _, _, p = plan_model(decoder, opts, dims)
+    assert p.choice.activations and p.host_bytes > 1024
+    with pytest.raises(InfeasibleBudgetError, match="host budget"):
+        plan_model(decoder, OffloadOptions(budget=opts.budget, min_bytes=1 << 10, weights=False,
+                                           host_budget=1024), dims)
+
+
+def test_calibrate_cli_writes_a_machine_file(tmp_path):
+    from ho_onnx.cost import load_machine
+
+    out = tmp_path / "m.json"
+    r = CliRunner().invoke(main, ["calibrate", "--out", str(out), "--size", "32MiB",
+                                  "--dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["h2d_bw"] > 1e8 and data["disk_bw"] > 1e6
+    m = load_machine(out)
+    assert m.h2d_bw == data["h2d_bw"] and m.disk_bw == data["disk_bw"]
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # the temporary file is gone

@@ -1,0 +1,77 @@
+"""The data-placement pass (rewrite.place) and the annotation (rewrite.annotate): where each
+offloaded weight's bytes are, decided before anything is written."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from graphs import chain_model, save, text_model
+
+from ho_onnx import contract
+from ho_onnx.errors import OutputPathError
+from ho_onnx.graph.analyse import analyse
+from ho_onnx.rewrite.annotate import annotate
+from ho_onnx.rewrite.insert import insert_cache_ops
+from ho_onnx.rewrite.place import place_weight_data
+from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.schedule.policy import choose
+
+WEIGHTS = OffloadOptions(activations=False, min_bytes=0)
+
+
+def _rewrite(model: onnx.ModelProto):
+    a = analyse(model, {"N": 4})
+    return insert_cache_ops(a, choose(a, WEIGHTS, {"N": 4}))
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_inline_weights_get_aligned_sidecar_slots(tmp_path):
+    m = text_model("""
+    g (float[4, 16] x) => (float[4, 1024] y) {
+      h = MatMul(x, Small)
+      y = MatMul(h, Big)
+    }
+    """, Small=(16, 16), Big=(16, 1024))
+    rw = _rewrite(m)
+    files = place_weight_data(rw, tmp_path, tmp_path / "out.onnx")
+    assert files.sidecar is not None and files.sidecar.name == "out.onnx.data"
+    slots = {t.name: (off, n) for t, off, n in files.sidecar.tensors}
+    # 64 KiB and more: page aligned (O_DIRECT reads); smaller: 64-byte aligned
+    assert slots == {"Small": (0, 1024), "Big": (4096, 16 * 1024 * 4)}
+    assert not files.data_files and not list(tmp_path.iterdir())  # nothing written
+    for name, positions in rw.weight_prefetches.items():
+        for i in positions:
+            a = _attrs(rw.model.graph.node[i])
+            assert a[contract.ATTR_LOCATION] == b"out.onnx.data"
+            assert (a[contract.ATTR_OFFSET], a[contract.ATTR_LENGTH]) == slots[name]
+            assert a[contract.ATTR_BASE_DIR] == str(tmp_path).encode()
+
+
+def test_external_weights_keep_their_file(tmp_path):
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    rw = _rewrite(onnx.load(str(src), load_external_data=False))
+    files = place_weight_data(rw, tmp_path, tmp_path / "sub" / "m.ho.onnx")
+    assert files.sidecar is None
+    assert files.data_files == {"m.onnx.data": tmp_path / "m.onnx.data"}
+    refs = sorted((_attrs(rw.model.graph.node[i])[contract.ATTR_OFFSET],
+                   _attrs(rw.model.graph.node[i])[contract.ATTR_LENGTH])
+                  for positions in rw.weight_prefetches.values() for i in positions)
+    assert refs == [(0, 1024), (1024, 1024)]
+
+
+def test_a_sidecar_over_the_models_data_is_refused(tmp_path):
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    rw = _rewrite(onnx.load(str(src), load_external_data=False))
+    with pytest.raises(OutputPathError, match="sidecar"):
+        place_weight_data(rw, tmp_path, tmp_path / "m.onnx")  # sidecar: m.onnx.data
+
+
+def test_annotate_replaces_entries():
+    m = chain_model()
+    annotate(m, {"policy": "a", "dims": "N=4"})
+    annotate(m, {"policy": "b"})
+    props = [(p.key, p.value) for p in m.metadata_props]
+    assert props == [(contract.META_PREFIX + "dims", "N=4"), (contract.META_PREFIX + "policy", "b")]

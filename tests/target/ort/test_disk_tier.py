@@ -1,0 +1,335 @@
+"""The disk tier: weights read from their external-data file at every Prefetch (CPU EP).
+
+Evidence that the tier really streams from the file: the counters (bytes_read_disk equals
+the disk-tier weight bytes per run, nothing enters the host store), a data file rewritten
+after session creation changes the disk tier's output but not the host tier's, and a file
+truncated after session creation gives a runtime error from the Wait naming the weight.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+from onnx import TensorProto, helper
+from threads import run_threads
+
+from ho_onnx import contract
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.target.ort import runtime
+from ho_onnx.target.ort.verify import make_session, random_inputs, verify
+from models.decoder import build_decoder
+
+D = contract.DOMAIN
+ORDERS = ["priority", "default"]
+DIMS = {"batch": 2, "seq": 5}
+
+
+pytestmark = pytest.mark.usefixtures("no_debug_hooks")
+
+
+def _c() -> dict[str, int]:
+    return runtime.counters()
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-written graphs: out = Wait(Prefetch<tier="disk">) + x
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], **attrs) -> onnx.NodeProto:
+    node = helper.make_node(op, inputs, outputs, domain=D)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()))
+    return node
+
+
+def _model(directory: Path, *, n: int, location: str = "w.bin", offset: int = 0,
+           length: int | None = None, tier: str | None = "disk", name: str = "layer.weight",
+           copies: int = 1, file_name: str = "model.onnx") -> str:
+    """`copies` Prefetch/Wait pairs of the same weight, summed with x."""
+    attrs: dict[str, object] = dict(location=location, offset=offset,
+                                    length=4 * n if length is None else length, shape=[n],
+                                    name=name)
+    if tier is not None:
+        attrs["tier"] = tier
+    nodes, acc = [], "x"
+    for i in range(copies):
+        nodes += [_node("Prefetch", ["s0"], [f"wy{i}"], **attrs),
+                  _node("Wait", [f"wy{i}"], [f"w{i}"]),
+                  helper.make_node("Add", [acc, f"w{i}"], [f"a{i}"])]
+        acc = f"a{i}"
+    nodes.append(helper.make_node("Identity", [acc], ["out"]))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [n])],
+        [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid(D, 1)])
+    path = directory / file_name
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def _data(directory: Path, n: int, offset: int, seed: int = 0, tail: int = 0) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    with open(directory / "w.bin", "wb") as f:
+        f.write(b"\x7f" * offset)
+        w.tofile(f)
+        f.write(b"\x7f" * tail)
+    return w
+
+
+@pytest.mark.parametrize(("n", "offset", "tail"), [
+    (16, 0, 0),          # tiny, at the start, file ends unaligned
+    (1000, 100, 7),      # unaligned offset and length
+    (4096, 4096, 0),     # block-aligned offset and length, ends at EOF
+    (70_000, 4093, 3),   # several blocks, unaligned both sides
+])
+@pytest.mark.parametrize("order", ORDERS)
+def test_disk_weight_exact_and_counted(tmp_path, n, offset, tail, order):
+    w = _data(tmp_path, n, offset, tail=tail)
+    gc.collect()
+    store0 = _c()["host_store_bytes"]
+    runtime.reset_counters()
+    sess = runtime.InferenceSession(_model(tmp_path, n=n, offset=offset, copies=2),
+                                    execution_order=order)
+    c = _c()
+    assert c["host_store_bytes"] == store0  # validated only: nothing loaded at creation
+    assert c["bytes_read_disk"] == 0
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    for run in range(1, 4):
+        (out,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(out, (x + w) + w)
+        c = _c()
+        assert c["bytes_read_disk"] == run * 2 * 4 * n  # every Prefetch reads the file
+        assert c["bytes_loaded"] == run * 2 * 4 * n
+        assert c["host_store_bytes"] == store0
+    assert c["disk_read_ns"] > 0
+    assert c["disk_direct_reads"] + c["disk_buffered_reads"] >= 6
+
+
+def test_disk_tier_reads_the_file_every_run_host_tier_does_not(tmp_path):
+    n = 256
+    w = _data(tmp_path, n, 64)
+    disk = runtime.InferenceSession(_model(tmp_path, n=n, offset=64))
+    host = runtime.InferenceSession(_model(tmp_path, n=n, offset=64, tier=None,
+                                           file_name="host.onnx"))
+    x = np.zeros(n, np.float32)
+    np.testing.assert_array_equal(disk.run(None, {"x": x})[0], w)
+    np.testing.assert_array_equal(host.run(None, {"x": x})[0], w)
+    w2 = _data(tmp_path, n, 64, seed=5)  # rewritten in place, same size
+    np.testing.assert_array_equal(disk.run(None, {"x": x})[0], w2)
+    np.testing.assert_array_equal(host.run(None, {"x": x})[0], w)  # read at creation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(location="../../etc/passwd"), "escapes the model directory"),
+        (dict(location="sub/../../model/w.bin"), "escapes the model directory"),
+        (dict(location="/etc/passwd"), "must be relative"),
+        (dict(location="link.bin"), "symbolic links"),
+        (dict(offset=64), "past the end"),
+        (dict(offset=1 << 40), "past the end"),
+        (dict(offset=-1), "negative offset"),
+        (dict(length=60), "does not match shape"),
+        (dict(location="missing.bin"), "does not exist"),
+        (dict(location="sub"), "not a regular file"),
+        (dict(tier="flash"), "unknown tier 'flash'"),
+    ],
+)
+def test_hostile_or_bad_disk_weights_refused_at_creation(hostile_model_dir, kwargs, message):
+    model_dir = hostile_model_dir
+    runtime.reset_counters()
+    with pytest.raises(Exception, match=message) as info:
+        runtime.InferenceSession(_model(model_dir, n=16, **kwargs))
+    assert "layer.weight" in str(info.value)
+    assert _c()["bytes_read_disk"] == 0
+    # the process is fine and a good model still loads and runs afterwards
+    sess = runtime.InferenceSession(_model(model_dir, n=16, file_name="good.onnx"))
+    assert sess.run(None, {"x": np.zeros(16, np.float32)})[0].shape == (16,)
+
+
+def test_truncated_before_creation_is_refused(tmp_path):
+    n = 1000
+    _data(tmp_path, n, 100)
+    os.truncate(tmp_path / "w.bin", 100 + 4 * n - 1)
+    with pytest.raises(Exception, match="past the end") as info:
+        runtime.InferenceSession(_model(tmp_path, n=n, offset=100))
+    assert "layer.weight" in str(info.value)
+
+
+@pytest.mark.parametrize("cut", [0, 4096, 100 + 4 * 5000 - 1])
+def test_truncated_after_creation_is_a_runtime_error(tmp_path, cut):
+    n = 5000
+    w = _data(tmp_path, n, 100)
+    sess = runtime.InferenceSession(_model(tmp_path, n=n, offset=100, copies=2))
+    x = np.zeros(n, np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], 2 * w)
+    os.truncate(tmp_path / "w.bin", cut)
+    for _ in range(2):  # the error repeats; nothing stale, no crash
+        with pytest.raises(Exception, match="unexpected end of file") as info:
+            sess.run(None, {"x": x})
+        msg = str(info.value)
+        assert "Wait" in msg and "layer.weight" in msg and "w.bin" in msg
+        assert f"now {cut} bytes" in msg
+    # the file comes back: the same session reads it again
+    w2 = _data(tmp_path, n, 100, seed=3)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], 2 * w2)
+
+
+# --------------------------------------------------------------------------------------------
+# Wait semantics on the disk channel (the hooks make a missing wait visible)
+
+
+def test_waits_matter_on_the_disk_channel(tmp_path):
+    n = 3000
+    w = _data(tmp_path, n, 4)
+    sess = runtime.InferenceSession(_model(tmp_path, n=n, offset=4, copies=3))
+    x = np.ones(n, np.float32)
+    runtime._ops().set_debug(delay_us=20_000, poison=True)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ((x + w) + w) + w)
+    runtime._ops().set_debug(delay_us=20_000, poison=True, skip_wait=True)
+    assert np.isnan(sess.run(None, {"x": x})[0]).all()  # the transfer never landed
+    runtime._ops().set_debug()
+    time.sleep(0.1)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ((x + w) + w) + w)
+
+
+def test_concurrent_runs_on_one_session(tmp_path):
+    n = 20_000
+    w = _data(tmp_path, n, 12)
+    sess = runtime.InferenceSession(_model(tmp_path, n=n, offset=12, copies=3))
+    errors: list[BaseException] = []
+    runtime.reset_counters()
+
+    def worker(k: int) -> None:
+        try:
+            x = np.full(n, float(k), np.float32)
+            for _ in range(15):
+                np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ((x + w) + w) + w)
+        except BaseException as e:
+            errors.append(e)
+
+    run_threads(worker, 3)
+    assert not errors, errors[0]
+    assert _c()["bytes_read_disk"] == 3 * 15 * 3 * 4 * n
+
+
+def test_unwaited_disk_reads_are_dropped_with_the_engine(tmp_path, young_heap):
+    n = 64
+    _data(tmp_path, n, 0)
+    k = 10
+    attrs = dict(location="w.bin", offset=0, length=4 * n, shape=[n], name="W", tier="disk")
+    nodes = []
+    for i in range(k):
+        nodes += [_node("Prefetch", ["s0"], [f"wy{i}"], **attrs),
+                  helper.make_node("ReduceSum", [f"wy{i}"], [f"r{i}"])]
+    nodes.append(helper.make_node("Sum", [f"r{i}" for i in range(k)], ["out"]))
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info(
+        "out", TensorProto.FLOAT, [])], [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid(D, 1)])
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    sess = runtime.InferenceSession(str(tmp_path / "m.onnx"))
+    gc.collect()
+    alive = _c()["engines_alive"]
+    runtime._ops().set_debug(delay_us=50_000, poison=True)
+    (out,) = sess.run(None, {})
+    assert np.isnan(out)
+    t0 = time.perf_counter()
+    del sess
+    gc.collect()
+    assert time.perf_counter() - t0 < 0.4  # queued reads were dropped, not run
+    assert _c()["engines_alive"] == alive - 1
+
+
+# --------------------------------------------------------------------------------------------
+# The rewriter's disk tier on the decoder: bit-exact against the unmodified model
+
+
+def _decoder(tmp: Path, **kw) -> Path:
+    path = tmp / "dec.onnx"
+    build_decoder(path, external_data=True, **kw)
+    return path
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_decoder_all_weights_on_disk_bit_exact(tmp_path, order):
+    src = _decoder(tmp_path, layers=2, hidden=64, heads=4)
+    out = tmp_path / "dec.ho.onnx"
+    r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=2,
+                                          weight_tier="disk"), DIMS)
+    n_init = len(onnx.load(str(src), load_external_data=False).graph.initializer)
+    assert len(r.choice.weights) == n_init and all(w.tier == "disk" for w in r.choice.weights)
+    pf = [nd for nd in onnx.load(str(out), load_external_data=False).graph.node
+          if nd.op_type == "Prefetch"]
+    assert pf and all(helper.get_attribute_value(
+        next(a for a in nd.attribute if a.name == "tier")) == b"disk" for nd in pf)
+    per_run = sum(w.nbytes * len(w.consumers) for w in r.choice.weights)
+
+    rep = verify(src, out, dims=DIMS, runs=2, execution_order=order, opt_level="disable")
+    assert rep.exact, rep.outputs
+
+    gc.collect()
+    store0 = _c()["host_store_bytes"]
+    sess = make_session(out, optimized=True, providers=["CPUExecutionProvider"],
+                        execution_order=order, opt_level="disable")
+    assert _c()["host_store_bytes"] == store0
+    base = make_session(src, optimized=False, providers=["CPUExecutionProvider"],
+                        execution_order=order, opt_level="disable")
+    feeds = random_inputs(onnx.load(str(src), load_external_data=False), DIMS, seed=4)
+    runtime.reset_counters()
+    for run in range(1, 3):
+        got = sess.run(None, feeds)
+        for a, b in zip(got, base.run(None, feeds), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert _c()["bytes_read_disk"] == run * per_run
+    assert _c()["host_store_bytes"] == store0
+
+
+# --------------------------------------------------------------------------------------------
+# Other I/O configurations need a fresh process (read once from the environment)
+
+_CHILD = r"""
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import test_disk_tier as t
+from ho_onnx.target.ort import runtime
+d = Path(sys.argv[2])
+n, off = 300_000, 4093
+w = t._data(d, n, off, tail=5)
+runtime.reset_counters()
+sess = runtime.InferenceSession(t._model(d, n=n, offset=off, copies=2))
+x = np.ones(n, np.float32)
+for _ in range(2):
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], (x + w) + w)
+c = runtime.counters()
+assert c["bytes_read_disk"] == 2 * 2 * 4 * n, c
+print(c["disk_direct_reads"], c["disk_buffered_reads"])
+"""
+
+
+@pytest.mark.parametrize(("env", "direct"), [
+    ({"HO_ONNX_DISK_CHUNK_KB": "64", "HO_ONNX_IO_THREADS": "3"}, True),  # ~19 chunks/transfer
+    ({"HO_ONNX_DISK_DIRECT": "0", "HO_ONNX_IO_THREADS": "1"}, False),    # page-cache fallback
+])
+def test_chunked_and_buffered_configurations(tmp_path, env, direct):
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(Path(__file__).parent), str(tmp_path)],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    n_direct, n_buffered = map(int, proc.stdout.split())
+    if direct:
+        assert n_direct >= 4 * 19 and n_buffered == 0
+    else:
+        assert n_direct == 0 and n_buffered >= 4

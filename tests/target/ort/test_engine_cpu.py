@@ -1,0 +1,276 @@
+"""The CPU engine behind the cache operators: asynchrony, concurrency, lifetime, memory.
+
+Graphs are written by hand in ONNX text and run in ORT on the CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnxruntime as ort
+import pytest
+from threads import run_threads
+
+from ho_onnx import contract
+from ho_onnx.target.ort import runtime
+
+D = contract.DOMAIN
+OPSETS = f'["" : 21, "{D}" : 1]'
+N = 256  # elements of W and x
+ORDERS = ["default", "priority"]
+
+
+pytestmark = pytest.mark.usefixtures("no_debug_hooks")
+
+
+def _weight(tmp_path) -> np.ndarray:
+    w = (np.arange(N, dtype=np.float32) - 100.0) / 7.0
+    with open(tmp_path / "weights.bin", "wb") as f:
+        f.write(b"\0" * 16)
+        w.tofile(f)
+    return w
+
+
+def _model(tmp_path, body: str, outputs: str = f"float[{N}] out", n: int = N) -> str:
+    text = f"""
+    <ir_version: 10, opset_import: {OPSETS}>
+    g (float[{n}] x) => ({outputs}) <float[0] s0 = {{}}> {{
+      {body}
+    }}
+    """
+    path = os.path.join(str(tmp_path), "model.onnx")
+    onnx.save(onnx.parser.parse_model(text), path)
+    return path
+
+
+WEIGHT = (
+    f'{D}.Prefetch<location = "weights.bin", offset = 16, length = {4 * N}, '
+    f'shape = [{N}], name = "W">'
+)
+
+# The proper schedule: every consumer reads the Wait output.
+PROPER = f"""
+      wy = {WEIGHT}(s0)
+      t = {D}.Store(x)
+      h = Mul(x, x)
+      t2 = {D}.Detach(x, t, h)
+      y = {D}.Prefetch(t2, wy)
+      w = {D}.Wait(wy, h)
+      z = {D}.Wait(y, w)
+      zw = Mul(z, w)
+      out = Add(zw, h)
+"""
+
+
+def _expected(x, w):
+    return x * w + x * x
+
+
+# --------------------------------------------------------------------------------------------
+# A missing Wait is caught (and the test can fail)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_consumer_reading_prefetch_output_sees_garbage(tmp_path, order):
+    _weight(tmp_path)
+    # `bad` reads the Prefetch output before its Wait ran: a race the hooks make visible.
+    body = f"""
+      wy = {WEIGHT}(s0)
+      bad = Add(wy, x)
+      w = {D}.Wait(wy, bad)
+      out = Add(w, x)
+    """
+    path = _model(tmp_path, body, f"float[{N}] out, float[{N}] bad")
+    sess = runtime.InferenceSession(path, execution_order=order)
+    x = np.ones(N, np.float32)
+    runtime._ops().set_debug(delay_us=20000, poison=True)
+    out, bad = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(out, _weight(tmp_path) + x)
+    assert np.isnan(bad).all()  # 0xFF bytes: the transfer had not landed
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_proper_schedule_is_right_with_slow_transfers(tmp_path, order):
+    w = _weight(tmp_path)
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER), execution_order=order)
+    x = np.random.default_rng(0).random(N).astype(np.float32)
+    runtime._ops().set_debug(delay_us=20000, poison=True)
+    for _ in range(3):
+        (out,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(out, _expected(x, w))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_skip_wait_breaks_the_proper_schedule(tmp_path, order):
+    w = _weight(tmp_path)
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER), execution_order=order)
+    x = np.random.default_rng(0).random(N).astype(np.float32)
+    runtime._ops().set_debug(delay_us=20000, poison=True, skip_wait=True)
+    (out,) = sess.run(None, {"x": x})
+    runtime._ops().set_debug()
+    time.sleep(0.1)
+    # a skipped Wait cancels its transfer (nothing lands late), so consumers read the poison
+    assert np.isnan(out).all()
+    # the engine recovers: stale transfers are waited for by the next Prefetch of a buffer
+    for _ in range(3):
+        (out,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(out, _expected(x, w))
+
+
+def test_unwaited_transfers_are_cancelled_with_the_engine(tmp_path, young_heap):
+    """A graph without its Waits leaves transfers queued; destroying the session drops them
+    (they would write into ORT's freed buffers) instead of running them."""
+    _weight(tmp_path)
+    k = 10
+    body = "\n".join(f"wy{i} = {WEIGHT}(s0)\n r{i} = ReduceSum(wy{i})" for i in range(k))
+    sums = ", ".join(f"r{i}" for i in range(k))
+    body += f"\n out = Sum({sums})"
+    sess = runtime.InferenceSession(_model(tmp_path, body, "float out"))
+    gc.collect()
+    alive = runtime.counters()["engines_alive"]
+    runtime._ops().set_debug(delay_us=50_000, poison=True)
+    (out,) = sess.run(None, {"x": np.ones(N, np.float32)})
+    assert np.isnan(out)
+    t0 = time.perf_counter()
+    del sess
+    gc.collect()
+    assert time.perf_counter() - t0 < 0.3  # not k * 50 ms: queued transfers were dropped
+    assert runtime.counters()["engines_alive"] == alive - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrent runs on one session; exact counters
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_concurrent_runs(tmp_path, order):
+    w = _weight(tmp_path)
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER), execution_order=order)
+    threads, runs = 4, 50
+    errors: list[BaseException] = []
+    runtime.reset_counters()
+
+    def worker(k: int) -> None:
+        rng = np.random.default_rng(k)
+        try:
+            for _ in range(runs):
+                x = rng.random(N).astype(np.float32) * (k + 1)
+                (out,) = sess.run(None, {"x": x})
+                np.testing.assert_array_equal(out, _expected(x, w))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    run_threads(worker, threads)
+    assert not errors, errors[0]
+    c = runtime.counters()
+    total = threads * runs
+    assert c["bytes_loaded"] == total * 2 * 4 * N  # W and the stored x come back each run
+    assert c["bytes_stored"] == total * 4 * N
+    assert c["prefetches"] == total * 2
+    assert c["stores"] == total
+    assert c["waits"] == total * 3  # two Waits and a Detach
+    assert c["host_pool_bytes_in_use"] == 0
+
+
+def test_parallel_executor_concurrent(tmp_path):
+    w = _weight(tmp_path)
+    so = ort.SessionOptions()
+    so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER), sess_options=so)
+    x = np.random.default_rng(3).random(N).astype(np.float32)
+    for _ in range(20):
+        (out,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(out, _expected(x, w))
+
+
+# --------------------------------------------------------------------------------------------
+# Engine lifetime
+
+
+def test_engine_lifetime(tmp_path):
+    _weight(tmp_path)
+    path = _model(tmp_path, PROPER)
+    gc.collect()
+    base = runtime.counters()
+    s1 = runtime.InferenceSession(path)
+    s2 = runtime.InferenceSession(path)
+    c = runtime.counters()
+    # one engine per library configuration (issue 9: registrations are shared, so creating
+    # and destroying sessions retains nothing): the two sessions share it, and its weights
+    assert c["engines_alive"] == base["engines_alive"] + 1
+    assert c["host_store_bytes"] == base["host_store_bytes"] + 4 * N
+    so = runtime.session_options(path)
+    s3 = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    s4 = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    assert runtime.counters()["engines_alive"] == base["engines_alive"] + 1
+    # another configuration: another engine
+    so5 = ort.SessionOptions()
+    so5.add_session_config_entry("ho_onnx.model_dir", str(tmp_path))
+    so5.add_session_config_entry("ho_onnx.host_pool_limit_bytes", str(1 << 30))
+    so5.register_custom_ops_library(runtime.library_path())
+    s5 = ort.InferenceSession(path, so5, providers=["CPUExecutionProvider"])
+    assert runtime.counters()["engines_alive"] == base["engines_alive"] + 2
+    del s5, so5
+    gc.collect()
+    x = np.ones(N, np.float32)
+    for s in (s1, s2, s3, s4):
+        s.run(None, {"x": x})
+    del s1, s2, s3
+    gc.collect()
+    assert runtime.counters()["engines_alive"] == base["engines_alive"] + 1
+    s4.run(None, {"x": x})
+    del s4, s, so
+    gc.collect()
+    c = runtime.counters()
+    assert c["engines_alive"] == base["engines_alive"]
+    assert c["host_store_bytes"] == base["host_store_bytes"]
+    assert c["host_pool_bytes_reserved"] == base["host_pool_bytes_reserved"]
+
+
+# --------------------------------------------------------------------------------------------
+# Stable memory
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_memory_is_stable(tmp_path):
+    w = _weight(tmp_path)
+    n = 64 * 1024  # 256 KiB stored per run
+    body = f"""
+      t = {D}.Store(x)
+      h = Mul(x, x)
+      t2 = {D}.Detach(x, t, h)
+      wy = {WEIGHT}(s0)
+      y = {D}.Prefetch(t2, wy)
+      w = {D}.Wait(wy, h)
+      z = {D}.Wait(y, w)
+      s = ReduceSum(w)
+      zs = Mul(z, s)
+      out = Add(zs, h)
+    """
+    sess = runtime.InferenceSession(_model(tmp_path, body, f"float[{n}] out", n=n))
+    x = np.random.default_rng(0).random(n).astype(np.float32)
+    expected = x * w.sum(dtype=np.float32) + x * x
+    for _ in range(20):
+        sess.run(None, {"x": x})
+    rss0 = _rss_bytes()
+    reserved0 = runtime.counters()["host_pool_bytes_reserved"]
+    for _ in range(300):
+        (out,) = sess.run(None, {"x": x})
+        assert runtime.counters()["host_pool_bytes_in_use"] == 0
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    assert runtime.counters()["host_pool_bytes_reserved"] == reserved0  # buffers reused
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's quarantine holds freed memory
+        assert _rss_bytes() - rss0 < 4 * 1024 * 1024

@@ -1,0 +1,243 @@
+"""Optimized vs original decoder models on the same inputs, in ORT on the CPU EP.
+
+Tolerances: with pre-packing disabled in both sessions the computation path is identical,
+so outputs must be bit-exact (``exact``); with pre-packing on, the original MatMul uses a
+pre-packed constant weight and the optimized one does not, so ``atol=1e-5, rtol=1e-4``.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from threads import run_threads
+
+from ho_onnx import contract
+from ho_onnx.cli import main
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.target.ort import runtime
+from ho_onnx.target.ort.verify import make_session, random_inputs, verify
+from models.decoder import build_decoder
+
+FORCE_ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=2)
+DIMS = {"batch": 2, "seq": 7}
+
+
+pytestmark = pytest.mark.usefixtures("no_debug_hooks")
+
+
+def _decoder(tmp: Path, external: bool = True, **kw) -> Path:
+    path = tmp / "dec.onnx"
+    build_decoder(path, external_data=external, **kw)
+    return path
+
+
+@pytest.mark.parametrize("execution_order", ["priority", "default"])
+@pytest.mark.parametrize(
+    ("layers", "hidden", "heads", "external"),
+    [(1, 32, 2, False), (2, 64, 4, True), (3, 48, 3, True)],
+)
+def test_decoder_bit_exact_everything_offloaded(tmp_path, layers, hidden, heads, external,
+                                                execution_order):
+    src = _decoder(tmp_path, external, layers=layers, hidden=hidden, heads=heads)
+    r = optimize(src, tmp_path / "dec.ho.onnx", FORCE_ALL, DIMS)
+    n_weights = len(onnx.load(str(src), load_external_data=False).graph.initializer)
+    # every initializer and every activation with a consumer is off the fast tier
+    assert len(r.choice.weights) == n_weights
+    assert len(r.choice.activations) > 3 * layers
+    for seq in (7, 1):
+        rep = verify(src, tmp_path / "dec.ho.onnx", dims={"batch": 2, "seq": seq}, runs=2,
+                     execution_order=execution_order)
+        assert rep.exact, rep.outputs
+
+
+def test_decoder_with_prepacking_within_tolerance(tmp_path):
+    src = _decoder(tmp_path, layers=2, hidden=64, heads=4)
+    optimize(src, tmp_path / "dec.ho.onnx", FORCE_ALL, DIMS)
+    rep = verify(src, tmp_path / "dec.ho.onnx", dims=DIMS, prepacking=True, atol=1e-5,
+                 rtol=1e-4)
+    assert rep.ok, rep.outputs
+
+
+def test_every_offloaded_byte_moves_on_every_run(tmp_path):
+    """Nothing is folded back into a resident constant: the counters see all bytes, per run."""
+    src = _decoder(tmp_path, layers=2, hidden=64, heads=4)
+    # min_bytes=1: every tensor whose size the analyses know (all but two position tensors)
+    r = optimize(src, tmp_path / "dec.ho.onnx",
+                 OffloadOptions(min_bytes=1, min_gap=1, prefetch_distance=2), DIMS)
+    assert len(r.choice.activations) > 40
+    weight_bytes = sum(w.nbytes * len(w.consumers) for w in r.choice.weights)
+    act_bytes = sum(a.nbytes or 0 for a in r.choice.activations)
+    assert all(a.nbytes for a in r.choice.activations)  # sizes known with DIMS bound
+    model = onnx.load(str(src), load_external_data=False)
+    sess = runtime.InferenceSession(tmp_path / "dec.ho.onnx")
+    feeds = random_inputs(model, DIMS)
+    for _ in range(3):
+        runtime.reset_counters()
+        sess.run(None, feeds)
+        c = runtime.counters()
+        assert c["bytes_loaded"] == weight_bytes + act_bytes
+        assert c["bytes_stored"] == act_bytes
+        assert c["prefetches"] == sum(len(w.consumers) for w in r.choice.weights) + len(
+            r.choice.activations)
+        assert c["host_pool_bytes_in_use"] == 0
+
+
+def _without_waits(path: Path, out: Path) -> None:
+    """The same model with every Wait removed: consumers read the Prefetch output directly."""
+    m = onnx.load(str(path), load_external_data=False)
+    alias = {n.output[0]: n.input[0] for n in m.graph.node
+             if n.domain == contract.DOMAIN and n.op_type == contract.WAIT}
+    keep = [n for n in m.graph.node
+            if not (n.domain == contract.DOMAIN and n.op_type == contract.WAIT)]
+    for n in keep:
+        for i, name in enumerate(n.input):
+            while name in alias:
+                name = alias[name]
+            n.input[i] = name
+    del m.graph.node[:]
+    m.graph.node.extend(keep)
+    onnx.save(m, str(out))
+
+
+def test_waits_matter(tmp_path):
+    """With slow transfers a model without its Waits reads unfinished buffers, and so does a
+    Wait that does not wait; the real schedule stays exact. (This is the test that would
+    catch a missing wait in the rewriter or the engine.)"""
+    src = _decoder(tmp_path, layers=1, hidden=32, heads=2)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, FORCE_ALL, DIMS)
+    _without_waits(opt, tmp_path / "nowait.onnx")
+    ops_mod = runtime._ops()
+    ops_mod.set_debug(delay_us=2000, poison=True)
+    assert _passes(src, opt)
+    assert not _passes(src, tmp_path / "nowait.onnx")
+    ops_mod.set_debug(delay_us=2000, poison=True, skip_wait=True)
+    assert not _passes(src, opt)
+
+
+def _passes(src: Path, opt: Path) -> bool:
+    """Bit-exact against the original; an error in the run counts as not passing."""
+    try:
+        return verify(src, opt, dims=DIMS).exact
+    except ort.capi.onnxruntime_pybind11_state.Fail:
+        return False
+    except ort.capi.onnxruntime_pybind11_state.InvalidArgument:
+        return False
+    except ort.capi.onnxruntime_pybind11_state.RuntimeException:  # older onnxruntime (1.24)
+        return False
+
+
+def test_concurrent_runs_on_one_session(tmp_path):
+    src = _decoder(tmp_path, layers=2, hidden=64, heads=4)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, FORCE_ALL, DIMS)
+    model = onnx.load(str(src), load_external_data=False)
+    ref = make_session(src, optimized=False, providers=["CPUExecutionProvider"])
+    sess = make_session(opt, optimized=True, providers=["CPUExecutionProvider"])
+    inputs = [random_inputs(model, {"batch": 1 + i % 3, "seq": 3 + i % 5}, seed=i)
+              for i in range(8)]
+    expected = [ref.run(None, f)[0] for f in inputs]
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        for k in range(25):
+            i = (t * 7 + k) % len(inputs)
+            out = sess.run(None, inputs[i])[0]
+            if not np.array_equal(out, expected[i]):
+                errors.append(f"thread {t} run {k} input {i}")
+
+    run_threads(worker, 4)
+    assert not errors
+    assert runtime.counters()["host_pool_bytes_in_use"] == 0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_repeated_runs_keep_memory_stable(tmp_path):
+    src = _decoder(tmp_path, layers=2, hidden=128, heads=4)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, FORCE_ALL, {"batch": 2, "seq": 16})
+    model = onnx.load(str(src), load_external_data=False)
+    sess = runtime.InferenceSession(opt)
+    feeds = random_inputs(model, {"batch": 2, "seq": 16})
+    for _ in range(30):  # warm up arenas and pools
+        sess.run(None, feeds)
+    gc.collect()
+    base = _rss()
+    for _ in range(300):
+        sess.run(None, feeds)
+    gc.collect()
+    assert _rss() - base < 8 << 20
+    assert runtime.counters()["host_pool_bytes_in_use"] == 0
+
+
+def test_engine_released_with_its_session(tmp_path):
+    src = _decoder(tmp_path, layers=1, hidden=32, heads=2)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, FORCE_ALL, DIMS)
+    gc.collect()
+    alive = runtime.counters()["engines_alive"]
+    store_bytes = runtime.counters()["host_store_bytes"]
+    sess = runtime.InferenceSession(opt)
+    assert runtime.counters()["engines_alive"] == alive + 1
+    assert runtime.counters()["host_store_bytes"] > store_bytes
+    del sess
+    gc.collect()
+    assert runtime.counters()["engines_alive"] == alive
+    assert runtime.counters()["host_store_bytes"] == store_bytes
+
+
+def test_plain_onnxruntime_session_with_registered_library(tmp_path):
+    src = _decoder(tmp_path, layers=1, hidden=32, heads=2)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, FORCE_ALL, DIMS)
+    model = onnx.load(str(src), load_external_data=False)
+    feeds = random_inputs(model, DIMS)
+    so = ort.SessionOptions()
+    # the model folder must be named before registering (issue 9: never from the node)
+    so.add_session_config_entry("ho_onnx.model_dir", str(tmp_path))
+    so.register_custom_ops_library(runtime.library_path())
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    got = ort.InferenceSession(str(opt), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    so0 = ort.SessionOptions()
+    so0.add_session_config_entry("session.disable_prepacking", "1")
+    want = ort.InferenceSession(str(src), so0, providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert np.array_equal(got[0], want[0])
+
+
+@pytest.mark.slow
+def test_acceptance_12_layer_decoder_cli(tmp_path):
+    """`ho-onnx optimize` + `ho-onnx verify` on a 12-layer decoder, all tensors offloaded."""
+    src = _decoder(tmp_path, layers=12, hidden=64, heads=4)
+    opt = tmp_path / "dec12.ho.onnx"
+    runner = CliRunner()
+    r = runner.invoke(main, ["optimize", str(src), str(opt), "--offload", "all",
+                             "--min-bytes", "0", "--min-gap", "1", "--dim", "batch=2",
+                             "--dim", "seq=16"])
+    assert r.exit_code == 0, r.output
+    n_init = len(onnx.load(str(src), load_external_data=False).graph.initializer)
+    assert f"{n_init} weights" in r.output
+    r = runner.invoke(main, ["verify", str(src), str(opt), "--dim", "batch=2",
+                             "--dim", "seq=16", "--runs", "2"])
+    assert r.exit_code == 0 and "bit-exact" in r.output, r.output
+    r = runner.invoke(main, ["inspect", str(opt)])
+    assert r.exit_code == 0 and "transfers per run" in r.output, r.output
+
+
+def test_verify_cli_reports_mismatch(tmp_path):
+    src = _decoder(tmp_path, layers=1, hidden=32, heads=2)
+    other = tmp_path / "other.onnx"
+    build_decoder(other, layers=1, hidden=32, heads=2, seed=1)
+    r = CliRunner().invoke(main, ["verify", str(src), str(other), "--dim", "batch=1",
+                                  "--dim", "seq=4"])
+    assert r.exit_code == 1 and "MISMATCH" in r.output

@@ -1,0 +1,78 @@
+"""The packages form layers: each module imports only from its own package or lower ones,
+and nothing in the library imports the command line (``cli/``, installed as ho_onnx.cli)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ho_onnx
+
+ROOT = Path(ho_onnx.__file__).resolve().parent
+# Lowest first; a module may import from its own layer and the ones before it.
+LAYERS = [
+    {"ho_onnx.errors", "ho_onnx.contract", "ho_onnx.units", "ho_onnx._ops"},
+    {"ho_onnx.graph"},
+    {"ho_onnx.target"},
+    {"ho_onnx.cost"},
+    {"ho_onnx.schedule"},
+    {"ho_onnx.rewrite"},
+    {"ho_onnx.report"},
+]
+
+
+def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in layer):
+            return i
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Absolute names of the ho_onnx modules ``path`` (module ``module``) imports."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("ho_onnx"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            if name.startswith("ho_onnx"):
+                out.update(f"{name}.{a.name}" if name == "ho_onnx" else name
+                           for a in node.names)
+    return out
+
+
+def _library_modules() -> dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = ["ho_onnx", *rel.parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def test_every_import_goes_down_the_layers():
+    bad = []
+    for module, path in _library_modules().items():
+        if module in ("ho_onnx", "ho_onnx.__main__", "ho_onnx.cli"):
+            continue  # the entry points and the lazy top-level namespace
+        for target in _imports(path, module):
+            if target == "ho_onnx.__version__":
+                continue
+            if _layer(target) > _layer(module):
+                bad.append(f"{module} imports {target}")
+    assert not bad, bad
+
+
+def test_the_library_never_imports_the_cli():
+    users = [m for m, p in _library_modules().items() if m != "ho_onnx.__main__"
+             and any(t.startswith("ho_onnx.cli") for t in _imports(p, m))]
+    assert not users, users

@@ -1,0 +1,23 @@
+"""The one byte formatter and its parser (ho_onnx.units)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ho_onnx.units import binary_unit, format_bytes, parse_size
+
+
+def test_format_bytes():
+    assert format_bytes(3 << 20) == "3.00 MiB"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(5 << 30, "MiB", 1) == "5,120.0 MiB"
+    assert binary_unit(3 << 20, at_least=4) == ("KiB", 1024)
+
+
+def test_parse_size_round_trips_and_refuses_words():
+    assert parse_size("8GiB") == 8 << 30 and parse_size(" 64 kib ") == 64 << 10
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("4096") == 4096
+    assert parse_size(format_bytes(3 << 20, "MiB", 0).replace(" ", "")) == 3 << 20
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_size("lots")
