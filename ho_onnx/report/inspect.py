@@ -10,6 +10,7 @@ import onnx
 from .. import contract
 from ..graph.dtypes import ELEMENT_BITS, dense_nbytes, dtype_name
 from ..graph.load import load_model
+from ..target.ort.placement import split_chains
 
 
 @dataclass
@@ -34,6 +35,10 @@ class ModelSummary:
     cache_ops: dict[str, int]
     transfers: list[Transfer] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    # Where the CUDA EP would run the cache ops (ORT's CPU fallback replayed): cache ops per
+    # provider, and every chain whose ops would not all run on CUDA.
+    cuda_placement: dict[str, int] = field(default_factory=dict)
+    split_chains: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -94,6 +99,10 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
         i, j = step[id(pf)], step[id(node)]
         summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
                                           compute_before[j] - compute_before[i], source))
+    placement = split_chains(model)
+    summary.cuda_placement = {k.removesuffix("ExecutionProvider"): v
+                              for k, v in sorted(placement.per_provider.items())}
+    summary.split_chains = [c.describe() for c in placement.split]
     return summary
 
 
@@ -104,6 +113,13 @@ def format_summary(s: ModelSummary) -> str:
     if s.metadata:
         lines.append("plan: " + "; ".join(f"{k.removeprefix(contract.META_PREFIX)}={v}"
                                           for k, v in sorted(s.metadata.items())))
+    if s.cuda_placement:
+        per = ", ".join(f"{v} on {k}" for k, v in s.cuda_placement.items())
+        verdict = ("every chain on one provider" if not s.split_chains
+                   else f"{len(s.split_chains)} SPLIT chain(s): the CUDA engine would fail")
+        lines.append(f"under the CUDA EP (ORT's CPU fallback replayed): cache ops {per}; "
+                     f"{verdict}")
+        lines += [f"  split: {c}" for c in s.split_chains[:20]]
     if not s.transfers:
         lines.append("no transfers: nothing is offloaded")
         return "\n".join(lines)

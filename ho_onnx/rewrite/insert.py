@@ -18,8 +18,10 @@ from .. import contract
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.load import iter_graphs
+from ..schedule.eligibility import element_types
 from ..schedule.lifetimes import stored_peak_bytes
 from ..schedule.types import ActivationOffload, OffloadChoice, WeightOffload
+from ..target.ort.placement import predict_cuda_placement
 
 
 @dataclass
@@ -74,6 +76,9 @@ class _Emitter:
     def __init__(self, analysis: GraphAnalysis, names: _Names) -> None:
         self.analysis = analysis
         self.names = names
+        # Never an ordering input: a tensor in host memory on the CUDA EP would pull the
+        # cache op to the CPU EP (ORT's CPU fallback; docs/cuda.md "Placement").
+        self.host = predict_cuda_placement(analysis.model, element_types(analysis)).host_tensors
         self.value_info: list[onnx.ValueInfoProto] = []
         self.sources: dict[int, str] = {}  # elem type -> name of its empty source initializer
         self.new_initializers: list[TensorProto] = []
@@ -91,7 +96,7 @@ class _Emitter:
         for p in range(pos - 1, floor, -1):
             for out in self.analysis.node_at(p).output:
                 t = self.analysis.tensors.get(out)
-                if out and t is not None and t.elem_type is not None:
+                if out and t is not None and t.elem_type is not None and out not in self.host:
                     return [out]
         return []
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
+from ..target.ort.placement import host_side_tensors
 
 
 def kind_of(t: TensorInfo) -> str | None:
@@ -32,6 +33,18 @@ def ineligible(t: TensorInfo) -> str | None:
     if not t.consumers:
         return "no consumers"
     return None
+
+
+def element_types(analysis: GraphAnalysis) -> dict[str, int]:
+    """Element type of every value the analysis typed."""
+    return {n: t.elem_type for n, t in analysis.tensors.items() if t.elem_type is not None}
+
+
+def placement_reasons(analysis: GraphAnalysis) -> dict[str, str]:
+    """Tensors that stay resident so every cache-op chain runs on one provider under the
+    CUDA EP (ORT's CPU fallback replayed, ``target/ort/placement.py``), with the reason.
+    One optimized model runs on either provider, so this holds for every target."""
+    return host_side_tensors(analysis.model, element_types(analysis))
 
 
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo

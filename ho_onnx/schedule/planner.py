@@ -42,7 +42,14 @@ from ..cost.source import CostSource
 from ..errors import HoOnnxError
 from ..graph.analyse import GraphAnalysis
 from ..units import format_bytes
-from .eligibility import gaps, ineligible, kind_of, largest_gap, split_shape_readers
+from .eligibility import (
+    gaps,
+    ineligible,
+    kind_of,
+    largest_gap,
+    placement_reasons,
+    split_shape_readers,
+)
 from .lifetimes import (
     Interval,
     Residency,
@@ -170,11 +177,13 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
     min_bytes = opts.min_bytes_or_default
     wanted = {"weight": opts.weights, "activation": opts.activations}
     out: list[Candidate] = []
+    placement = placement_reasons(analysis)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
         if kind is None or not wanted[kind]:
             continue
-        reason = ineligible(t) or (None if name in spans else "not resident")
+        reason = ineligible(t) or placement.get(name) or (
+            None if name in spans else "not resident")
         nbytes = None if reason else t.nbytes(dims)  # raises UnboundDimError naming the dim
         if reason is None and nbytes is None:
             reason = "size unknown (shape inference gave no shape)"

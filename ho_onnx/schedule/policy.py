@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 
 from ..errors import UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo
-from .eligibility import ineligible, kind_of, largest_gap, split_shape_readers
+from .eligibility import (
+    ineligible,
+    kind_of,
+    largest_gap,
+    placement_reasons,
+    split_shape_readers,
+)
 from .options import OffloadOptions
 from .types import ActivationOffload, Decision, OffloadChoice, WeightOffload
 
@@ -37,11 +43,12 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     chosen kinds that stays resident gets its reason in ``skipped``."""
     choice = OffloadChoice(describe(options))
     wanted = {"weight": options.weights, "activation": options.activations}
+    placement = placement_reasons(analysis)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
         if kind is None or not wanted[kind]:
             continue
-        reason = ineligible(t) or (
+        reason = ineligible(t) or placement.get(name) or (
             _weight(analysis, t, options, dims, choice) if kind == "weight"
             else _activation(t, options, dims, choice))
         if reason:

@@ -153,8 +153,10 @@ def _topological(nodes: list[onnx.NodeProto], produced_by: Mapping[str, int]) ->
     return kahn_order([{produced_by[x] for x in n.input if x in produced_by} for n in nodes])
 
 
-def predict_cuda_placement(model: onnx.ModelProto) -> Placement:
-    """Replay ORT's CUDA capability + CPU fallback on ``model``'s main graph."""
+def predict_cuda_placement(model: onnx.ModelProto, types: Mapping[str, int] | None = None
+                           ) -> Placement:
+    """Replay ORT's CUDA capability + CPU fallback on ``model``'s main graph (``types``:
+    element types of its values when known, e.g. from the analysis; else inferred)."""
     g = model.graph
     nodes = list(g.node)
     produced_by = {o: i for i, n in enumerate(nodes) for o in n.output if o}
@@ -165,7 +167,7 @@ def predict_cuda_placement(model: onnx.ModelProto) -> Placement:
                 consumers.setdefault(x, []).append(i)
     order = _topological(nodes, produced_by)
     rank = {i: r for r, i in enumerate(order)}
-    types = _elem_types(model)
+    types = _elem_types(model) if types is None else types
     small = {t.name for t in g.initializer if _numel(t) <= SMALL_INITIALIZER}
     inputs = {i.name for i in g.input} - {t.name for t in g.initializer}
     on_cuda = [_has_cuda_kernel(n) for n in nodes]
@@ -272,9 +274,16 @@ def split_chains(model: onnx.ModelProto, placement: Placement | None = None
     return report
 
 
-def host_tensors(model: onnx.ModelProto) -> frozenset[str]:
-    """Tensors that live in host memory when ``model`` runs on the CUDA EP."""
-    return predict_cuda_placement(model).host_tensors
+HOST_TENSOR_REASON = ("lives in host memory on the CUDA EP (shape arithmetic): its cache ops "
+                      "would run on the CPU EP and split from the rest of their chain")
+
+
+def host_side_tensors(model: onnx.ModelProto, types: Mapping[str, int] | None = None
+                      ) -> dict[str, str]:
+    """Tensors a rewrite must leave resident so that no cache op runs on the CPU EP beside
+    CUDA, with the reason: those in host memory on the CUDA EP. (A weight read by a node ORT
+    runs on the CPU can move: its Prefetch and Wait stay on CUDA, ORT copies ``z`` over.)"""
+    return dict.fromkeys(predict_cuda_placement(model, types).host_tensors, HOST_TENSOR_REASON)
 
 
 def format_report(report: PlacementReport, limit: int = 20) -> str:

@@ -167,14 +167,48 @@ def _copy_options(
         dst.add_session_config_entry(key, value)
 
 
+CUDA_EP = "CUDAExecutionProvider"
+
+
+def cuda_arena_options(device_limit: int | None = None) -> dict[str, str]:
+    """CUDA EP options that make ORT's arena hold what the plan predicts.
+
+    By default ORT's CUDA arena grows by powers of two (``kNextPowerOfTwo``): a plan that
+    peaks at 50% of the card can still reserve all of it. ``kSameAsRequested`` grows it by
+    what is asked for. ``device_limit`` (bytes) also caps the arena (``gpu_mem_limit``):
+    an allocation beyond it fails instead of taking more of the card.
+    """
+    opts = {"arena_extend_strategy": "kSameAsRequested"}
+    if device_limit is not None:
+        if device_limit <= 0:
+            raise ValueError(f"device_limit must be positive, got {device_limit}")
+        opts["gpu_mem_limit"] = str(int(device_limit))
+    return opts
+
+
+def with_cuda_arena(providers: list[Any], device_limit: int | None = None) -> list[Any]:
+    """``providers`` with :func:`cuda_arena_options` under the CUDA EP; options the caller
+    gave for it win."""
+    out: list[Any] = []
+    for p in providers:
+        name, given = (p, {}) if isinstance(p, str) else (p[0], dict(p[1]))
+        out.append((name, {**cuda_arena_options(device_limit), **given})
+                   if name == CUDA_EP else p)
+    return out
+
+
 def InferenceSession(  # mirrors onnxruntime.InferenceSession
     path: str | os.PathLike[str] | bytes,
     providers: list[Any] | None = None,
     sess_options: ort.SessionOptions | None = None,
     execution_order: str = "priority",
+    device_limit: int | None = None,
     **kw: Any,
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` that runs ho-onnx's cache operators.
+
+    Under the CUDA EP the arena grows by what is requested, not by powers of two, and
+    ``device_limit`` (bytes) caps it (:func:`cuda_arena_options`).
 
     ``path`` is a model file (weights resolve next to it) or serialized model bytes (weights
     then resolve through each Prefetch's ``base_dir`` attribute).
@@ -183,7 +217,8 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     so = session_options(model_path, base=sess_options, execution_order=execution_order)
     model = path if isinstance(path, bytes) else os.fspath(path)
     return ort.InferenceSession(
-        model, sess_options=so, providers=providers or ["CPUExecutionProvider"], **kw
+        model, sess_options=so,
+        providers=with_cuda_arena(providers or ["CPUExecutionProvider"], device_limit), **kw
     )
 
 

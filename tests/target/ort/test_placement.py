@@ -11,7 +11,13 @@ import onnx
 import onnx.parser
 import pytest
 
-from ho_onnx.target.ort.placement import CPU, CUDA, predict_cuda_placement, split_chains
+from ho_onnx.target.ort.placement import (
+    CPU,
+    CUDA,
+    format_report,
+    predict_cuda_placement,
+    split_chains,
+)
 
 HEADER = '<ir_version: 9, opset_import: ["" : 17, "ai.hyperoffload" : 1]>'
 WEIGHT = '<location: string = "w.bin", offset: int = 0, length: int = 64, name: string = "W">'
@@ -140,3 +146,63 @@ def test_small_initializers_have_at_most_100_elements(size, where):
     }}""")
     # Concat reads a host tensor and an initializer: small (<= 100 elements) -> CPU.
     assert providers(m)["n1"] == where
+
+
+# ---- the rewriter keeps every chain on CUDA ---------------------------------------------------
+
+def _dims_of(model: onnx.ModelProto) -> dict[str, int]:
+    return {d.dim_param: 8 for i in model.graph.input for d in i.type.tensor_type.shape.dim
+            if d.dim_param}
+
+
+def _optimized(src, tmp_path, options) -> onnx.ModelProto:
+    import ho_onnx
+
+    out = tmp_path / f"{src.stem}.ho.onnx"
+    ho_onnx.optimize(src, out, options, dims=_dims_of(onnx.load(src, load_external_data=False)))
+    return onnx.load(out, load_external_data=False)
+
+
+def _assert_every_chain_on_cuda(m: onnx.ModelProto) -> None:
+    report = split_chains(m)
+    assert report.split == [] and report.off_cuda == [], format_report(report)
+    assert report.per_provider.get(CUDA, 0) > 0
+    host = predict_cuda_placement(m).host_tensors
+    for n in m.graph.node:  # no ordering input of a cache op lives in host memory
+        if n.domain == "ai.hyperoffload":
+            assert not host.intersection(n.input[1:]), (n.name, host.intersection(n.input[1:]))
+
+
+def _source(kind: str, tmp_path):
+    if kind == "decoder":
+        from models.decoder import build_decoder
+
+        src = tmp_path / "decoder.onnx"
+        build_decoder(src, layers=2, hidden=64, heads=4, external_data=True)
+        return src
+    from models.hf_export import export_hf
+
+    return export_hf(kind, tmp_path / f"{kind}.onnx", layers=2, hidden=64, heads=4, vocab=256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["decoder", "gpt2", "llama"])
+def test_no_split_chain_forced_all_and_planned(kind, tmp_path):
+    from ho_onnx import OffloadOptions
+
+    if kind != "decoder":
+        pytest.importorskip("torch")
+    src = _source(kind, tmp_path)
+    forced = _optimized(src, tmp_path / "all", OffloadOptions(min_bytes=0, min_gap=1))
+    _assert_every_chain_on_cuda(forced)
+    from ho_onnx.rewrite.pipeline import plan_model
+    from ho_onnx.schedule.planner import InfeasibleBudgetError
+
+    dims = _dims_of(onnx.load(src, load_external_data=False))
+    with pytest.raises(InfeasibleBudgetError) as e:  # the smallest feasible budget
+        plan_model(src, OffloadOptions(min_bytes=0, budget=1), dims)
+    _, _, plan = plan_model(src, OffloadOptions(min_bytes=0, budget=1 << 40), dims)
+    budget = (e.value.min_budget + plan.baseline.peak_bytes) // 2  # halfway: a real plan
+    planned = _optimized(src, tmp_path / "plan", OffloadOptions(min_bytes=0, budget=budget))
+    assert any(n.domain == "ai.hyperoffload" for n in planned.graph.node)
+    _assert_every_chain_on_cuda(planned)

@@ -1,0 +1,48 @@
+"""``ho-onnx inspect``: transfers of an optimized model and the CUDA placement verdict."""
+
+from __future__ import annotations
+
+import onnx
+import onnx.parser
+from click.testing import CliRunner
+
+from cli import main
+from ho_onnx import OffloadOptions, optimize
+from ho_onnx.report.inspect import summarize
+from models.decoder import build_decoder
+
+SPLIT = """<ir_version: 9, opset_import: ["" : 17, "ai.hyperoffload" : 1]>
+g (float[4, 4] x) => (float[4, 4] out)
+<float[0] src0 = {}> {
+  r = Relu (x)
+  s = Shape (x)
+  y = ai.hyperoffload.Prefetch <location: string = "w.bin", offset: int = 0, length: int = 64,
+                                name: string = "W", shape: ints = [4, 4]> (src0, s)
+  z = ai.hyperoffload.Wait (y, r)
+  out = MatMul (r, z)
+}"""
+
+
+def test_inspect_reports_every_chain_on_cuda_for_an_optimized_decoder(tmp_path):
+    src = tmp_path / "d.onnx"
+    build_decoder(src, layers=1, hidden=32, heads=2, external_data=True)
+    out = tmp_path / "d.ho.onnx"
+    optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1), dims={"batch": 1, "seq": 4})
+    s = summarize(out)
+    assert s.split_chains == [] and set(s.cuda_placement) == {"CUDA"}
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "every chain on one provider" in r.output
+
+
+def test_inspect_names_a_split_chain(tmp_path):
+    m = onnx.parser.parse_model(SPLIT)
+    for i, n in enumerate(m.graph.node):
+        n.name = f"n{i}"
+    p = tmp_path / "split.onnx"
+    onnx.save(m, p)
+    s = summarize(p)
+    assert s.cuda_placement == {"CPU": 1, "CUDA": 1}
+    assert len(s.split_chains) == 1 and "W: Prefetch 'n2' on CPU" in s.split_chains[0]
+    r = CliRunner().invoke(main, ["inspect", str(p)])
+    assert "1 SPLIT chain(s)" in r.output and "split: W" in r.output
