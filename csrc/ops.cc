@@ -33,6 +33,10 @@
 #endif
 
 namespace ho {
+#if !HO_ONNX_WITH_CUDA
+// No CUDA-EP kernel exists in such a build.
+inline void cuda_set_device(int) {}
+#endif
 
 namespace {
 
@@ -198,6 +202,20 @@ OrtValue* output(const OrtApi* api, OrtKernelContext* ctx, const std::vector<int
   OrtValue* v = nullptr;
   check(api, api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &v));
   return v;
+}
+
+// Prefetch's optional second output `issued` (docs/design.md, op contract): an empty [0]
+// tensor of T, produced once the transfer was issued and only when the node declares it. A
+// later Prefetch of the same channel takes it as an ordering input (FIFO issue order)
+// without keeping `y`, a full-size buffer, alive. On the CUDA EP it is a device tensor
+// (nothing is written: zero bytes), so its consumers stay on the CUDA EP.
+void produce_issued(const OrtApi* api, OrtKernelContext* ctx) {
+  size_t n = 0;
+  check(api, api->KernelContext_GetOutputCount(ctx, &n));
+  if (n < 2) return;
+  const int64_t dims[1] = {0};
+  OrtValue* v = nullptr;  // null when the node names no second output ("")
+  check(api, api->KernelContext_GetOutput(ctx, 1, dims, 1, &v));
 }
 
 // Returns false when the attribute is absent.
@@ -415,6 +433,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
         } else {
           engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
         }
+        produce_issued(api, ctx);
         return;
       }
       const StoreKey t = read_token(api, input(api, ctx, 0), bits);
@@ -423,6 +442,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
       OrtValue* y = output(api, ctx, rec->shape());
       void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
       engine->prefetch_stored(std::move(rec), dst, ec);
+      produce_issued(api, ctx);
       return;
     }
     case OpKind::kWait: {
@@ -528,6 +548,15 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
   ec.device = device;
   ec.kernel = this;
   check(api, api->KernelContext_GetGPUComputeStream(ctx, &ec.stream));
+  // The header allows a null stream ("not relevant" for the kernel's EP). Every ordering of
+  // the engine is an event edge with ORT's compute stream; substituting the legacy default
+  // stream would silently change what those edges order against, so refuse instead.
+  if (ec.stream == nullptr) {
+    fail(ORT_EP_FAIL, "ORT gave this CUDA-EP kernel no GPU compute stream "
+                      "(KernelContext_GetGPUComputeStream returned null); the CUDA engine "
+                      "orders its copies only against that stream");
+  }
+  cuda_set_device(device);  // ORT's thread may have another device current
   switch (kind) {
     case OpKind::kPrefetch: {
       if (weight) {
@@ -537,6 +566,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
         } else {
           engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
         }
+        produce_issued(api, ctx);
         return;
       }
       StoreKey key;
@@ -546,6 +576,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
       OrtValue* y = output(api, ctx, rec->shape());
       void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
       engine->prefetch_stored(std::move(rec), dst, ec);
+      produce_issued(api, ctx);
       return;
     }
     case OpKind::kWait: {
@@ -599,7 +630,10 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
     k->gpu = d.cuda;
     k->node = node;
     k->engine = d.reg->acquire_engine(d.cuda);
-    if (k->gpu) k->device = kernel_device(api, info);
+    if (k->gpu) {
+      k->device = kernel_device(api, info);
+      cuda_set_device(k->device);
+    }
     std::string location;
     if (d.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
       k->weight = true;
@@ -619,7 +653,10 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
 
 OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
   auto* k = static_cast<Kernel*>(kernel);
-  return guarded(k->api, k->kind, k->node, [&] { k->compute(ctx); });
+  return guarded(k->api, k->kind, k->node, [&] {
+    k->compute(ctx);
+    (k->gpu ? counters().ops_cuda : counters().ops_cpu) += 1;
+  });
 }
 
 void ORT_API_CALL destroy_kernel(void* kernel) noexcept {
@@ -640,14 +677,19 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_char(const OrtCustomOp* 
   return i < fixed_inputs(def(op)->kind) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_VARIADIC;
 }
 
-size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+// Prefetch: (y, issued optional); the others: one output.
+size_t ORT_API_CALL output_count(const OrtCustomOp* op) {
+  return def(op)->kind == OpKind::kPrefetch ? 2 : 1;
+}
 
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp* op, size_t) {
   return def(op)->type;
 }
 
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_char(const OrtCustomOp*, size_t) {
-  return INPUT_OUTPUT_REQUIRED;
+// Optional outputs came with OrtCustomOp version 8 (ORT's custom_ops.cc:
+// min_ort_version_with_optional_io_support), below the API version 18 the ops declare.
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_char(const OrtCustomOp*, size_t i) {
+  return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
 OrtMemType ORT_API_CALL input_mem_type(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }

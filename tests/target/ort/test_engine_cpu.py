@@ -274,3 +274,52 @@ def test_memory_is_stable(tmp_path):
     assert runtime.counters()["host_pool_bytes_reserved"] == reserved0  # buffers reused
     if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's quarantine holds freed memory
         assert _rss_bytes() - rss0 < 4 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# Per-provider counters: what tells a CUDA run from a CPU fallback (test_cuda_engine.py)
+
+CUDA_ONLY = ("ops_cuda", "cuda_bytes_h2d", "cuda_bytes_d2h", "cuda_bytes_d2d")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_cpu_engine_counts_ops_cpu_and_never_the_cuda_counters(tmp_path, order):
+    w = _weight(tmp_path)
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER), execution_order=order)
+    x = np.random.default_rng(1).random(N).astype(np.float32)
+    before = runtime.counters()
+    runs = 3
+    for _ in range(runs):
+        (out,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(out, _expected(x, w))
+    after = runtime.counters()
+    cache_ops = PROPER.count(f"{D}.")  # Prefetch x2, Store, Detach, Wait x2
+    assert cache_ops == 6
+    assert after["ops_cpu"] - before["ops_cpu"] == runs * cache_ops
+    for name in CUDA_ONLY:
+        assert after[name] == before[name], name
+    # bytes the CPU engine moved: W and x loaded, x stored, every run
+    assert after["bytes_loaded"] - before["bytes_loaded"] == runs * 2 * 4 * N
+
+
+def test_failed_compute_is_not_counted(tmp_path):
+    body = f"""
+      w = {D}.Wait(x)
+      out = Add(w, x)
+    """
+    sess = runtime.InferenceSession(_model(tmp_path, body), execution_order="priority")
+    before = runtime.counters()["ops_cpu"]
+    with pytest.raises(Exception, match="no transfer pending"):
+        sess.run(None, {"x": np.ones(N, np.float32)})
+    assert runtime.counters()["ops_cpu"] == before
+
+
+def test_reset_counters_resets_the_per_provider_counters(tmp_path):
+    w = _weight(tmp_path)
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER))
+    x = np.ones(N, np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], _expected(x, w))
+    assert runtime.counters()["ops_cpu"] > 0
+    runtime.reset_counters()
+    c = runtime.counters()
+    assert c["ops_cpu"] == 0 and c["ops_cuda"] == 0 and c["cuda_bytes_h2d"] == 0
