@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +32,9 @@
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
 #endif
+
+// Declared by onnxruntime_c_api.h from API 22 on; the library may be built with older headers.
+struct OrtKeyValuePairs;
 
 namespace ho {
 #if !HO_ONNX_WITH_CUDA
@@ -59,6 +63,91 @@ constexpr const char* kCpuEp = "CPUExecutionProvider";
 // newer (ORT_API_VERSION).
 constexpr uint32_t kOrtApiVersion = HO_ONNX_ORT_API_REQUIRED;
 static_assert(ORT_API_VERSION >= kOrtApiVersion, "ONNX Runtime headers older than the API used");
+
+// ---------------------------------------------------------------------------------------
+// ORT's allocator statistics (issue 11 item 5): OrtApi::AllocatorGetStats came with API 23
+// (onnxruntime 1.23), the OrtKeyValuePairs accessors with API 22: above the API 18 the
+// library requires. They are called only when the runtime serves API 23
+// (OrtApiBase::GetApi(23), asked only of runtimes >= 1.23), through that table. With headers
+// older than 23 the table positions are those of onnxruntime_c_api.h 1.23 (the table is
+// append-only: a position never changes once released): API 21 ends with
+// SetEpDynamicOptions at index 284; API 22 appends ReleaseValueInfo, ReleaseNode,
+// ReleaseGraph, ReleaseModel, GetValueInfoName, GetValueInfoTypeInfo, GetModelEditorApi,
+// CreateTensorWithDataAndDeleterAsOrtValue, SessionOptionsSetLoadCancellationFlag,
+// GetCompileApi, CreateKeyValuePairs, AddKeyValuePair, GetKeyValue, GetKeyValuePairs (298),
+// RemoveKeyValuePair, ReleaseKeyValuePairs (300), ... and API 23 GetTensorSizeInBytes (318),
+// AllocatorGetStats (319). test_engine_cpu.py checks the result against the CPU arena.
+constexpr uint32_t kStatsApiVersion = 23;
+#if ORT_API_VERSION >= 23
+constexpr bool kStatsKnown = true;
+constexpr size_t kIdxGetKeyValuePairs = offsetof(OrtApi, GetKeyValuePairs) / sizeof(void*);
+constexpr size_t kIdxReleaseKeyValuePairs = offsetof(OrtApi, ReleaseKeyValuePairs) / sizeof(void*);
+constexpr size_t kIdxAllocatorGetStats = offsetof(OrtApi, AllocatorGetStats) / sizeof(void*);
+#elif ORT_API_VERSION == 21
+static_assert(offsetof(OrtApi, SetEpDynamicOptions) / sizeof(void*) == 284 &&
+                  sizeof(OrtApi) == 285 * sizeof(void*),
+              "OrtApi of API 21 does not have the layout the stats positions assume");
+constexpr bool kStatsKnown = true;
+constexpr size_t kIdxGetKeyValuePairs = 298;
+constexpr size_t kIdxReleaseKeyValuePairs = 300;
+constexpr size_t kIdxAllocatorGetStats = 319;
+#else
+constexpr bool kStatsKnown = false;  // headers of API 18-20 or 22: positions not checked here
+constexpr size_t kIdxGetKeyValuePairs = 0;
+constexpr size_t kIdxReleaseKeyValuePairs = 0;
+constexpr size_t kIdxAllocatorGetStats = 0;
+#endif
+
+struct StatsApi {
+  using GetStats = OrtStatus*(ORT_API_CALL*)(const OrtAllocator*, OrtKeyValuePairs**);
+  using GetPairs = void(ORT_API_CALL*)(const OrtKeyValuePairs*, const char* const**,
+                                       const char* const**, size_t*);
+  using ReleasePairs = void(ORT_API_CALL*)(OrtKeyValuePairs*);
+  GetStats get_stats = nullptr;
+  GetPairs get_pairs = nullptr;
+  ReleasePairs release_pairs = nullptr;
+  bool ok() const { return get_stats && get_pairs && release_pairs; }
+};
+
+// Empty (ok() false) when the runtime is older than 1.23 or the headers' layout is unknown.
+StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime) {
+  StatsApi s;
+  if (!kStatsKnown || runtime < std::make_pair(1, 23)) return s;
+  const OrtApi* api = base->GetApi(kStatsApiVersion);
+  if (api == nullptr) return s;
+  void* const* table = reinterpret_cast<void* const*>(api);
+  s.get_stats = reinterpret_cast<StatsApi::GetStats>(table[kIdxAllocatorGetStats]);
+  s.get_pairs = reinterpret_cast<StatsApi::GetPairs>(table[kIdxGetKeyValuePairs]);
+  s.release_pairs = reinterpret_cast<StatsApi::ReleasePairs>(table[kIdxReleaseKeyValuePairs]);
+  return s;
+}
+
+// Records InUse / MaxInUse / TotalAllocated of `alloc` (names as ORT reports them) into the
+// ort_arena_* counters. An allocator without statistics (not an arena) leaves them as they
+// are; nothing here fails the op (a measurement, not a transfer).
+void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc) {
+  if (!s.ok() || alloc == nullptr) return;
+  OrtKeyValuePairs* kv = nullptr;
+  OrtStatus* st = s.get_stats(alloc, &kv);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return;
+  }
+  if (kv == nullptr) return;
+  std::unique_ptr<OrtKeyValuePairs, StatsApi::ReleasePairs> owned(kv, s.release_pairs);
+  const char* const* keys = nullptr;
+  const char* const* values = nullptr;
+  size_t n = 0;
+  s.get_pairs(kv, &keys, &values, &n);
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] == nullptr || values[i] == nullptr) continue;
+    std::atomic<int64_t>* dst = nullptr;
+    if (std::strcmp(keys[i], "InUse") == 0) dst = &counters().ort_arena_in_use;
+    if (std::strcmp(keys[i], "MaxInUse") == 0) dst = &counters().ort_arena_max_in_use;
+    if (std::strcmp(keys[i], "TotalAllocated") == 0) dst = &counters().ort_arena_total_allocated;
+    if (dst != nullptr) dst->store(std::strtoll(values[i], nullptr, 10));
+  }
+}
 
 enum class OpKind { kPrefetch, kWait, kStore, kDetach };
 
@@ -100,6 +189,7 @@ struct Registration {
   bool cuda = false;
   std::weak_ptr<Engine> engine;       // CPU EP kernels
   std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
+  StatsApi stats;                     // ORT allocator statistics (runtime >= 1.23)
   std::vector<std::unique_ptr<OpDef>> ops;
 
   // The data_fingerprint of an open data file, computed once per file and registration.
@@ -301,6 +391,9 @@ void check_stored(const StoredTensor& rec, ONNXTensorElementDataType want, int b
 // Kernels.
 
 struct Kernel {
+  ~Kernel() {
+    if (alloc != nullptr) api->ReleaseAllocator(alloc);
+  }
   const OrtApi* api;
   OpKind kind;
   int bits;
@@ -309,6 +402,9 @@ struct Kernel {
   int device = 0;
   std::string node;  // the node's name, for messages
   std::shared_ptr<Engine> engine;
+  // Wait: the kernel's default allocator (ORT's arena of its EP), sampled at every Wait.
+  OrtAllocator* alloc = nullptr;
+  const StatsApi* stats = nullptr;
 
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
@@ -456,6 +552,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
       // The engine copies from its own memory into z (= y when ORT aliased them).
       engine->wait(src, dst, bytes, ec);
       if (dst != src) counters().alias_copies += 1;
+      if (stats != nullptr) sample_arena(*stats, api, alloc);
       return;
     }
     case OpKind::kStore: {
@@ -587,6 +684,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
       if (bytes == 0) return;
       ec.out = tensor_data(api, z);
       engine->wait(tensor_data(api, y), ec.out, bytes, ec);
+      if (stats != nullptr) sample_arena(*stats, api, alloc);
       return;
     }
     case OpKind::kStore: {
@@ -633,6 +731,15 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
     if (k->gpu) {
       k->device = kernel_device(api, info);
       cuda_set_device(k->device);
+    }
+    if (d.kind == OpKind::kWait && d.reg->stats.ok()) {
+      OrtStatus* st = api->KernelInfoGetAllocator(info, OrtMemTypeDefault, &k->alloc);
+      if (st != nullptr) {  // no statistics then; never a reason to fail the session
+        api->ReleaseStatus(st);
+        k->alloc = nullptr;
+      } else {
+        k->stats = &d.reg->stats;
+      }
     }
     std::string location;
     if (d.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
@@ -821,10 +928,11 @@ bool runtime_has_type(ONNXTensorElementDataType t, std::pair<int, int> rt) {
   return rt.first > 1 || (rt.first == 1 && rt.second >= since_minor);
 }
 
-OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const char* ort_version) {
-  const std::pair<int, int> rt = runtime_version(ort_version);
+OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const OrtApiBase* base) {
+  const std::pair<int, int> rt = runtime_version(base->GetVersionString());
   auto reg = std::make_unique<Registration>();
   reg->api = api;
+  reg->stats = resolve_stats_api(base, rt);
 
   bool has = false;
   std::string v = config_entry(api, options, kModelDirKey, &has);
@@ -912,7 +1020,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                                                 .c_str());
   }
   try {
-    return ho::register_ops(options, api, api_base->GetVersionString());
+    return ho::register_ops(options, api, api_base);
   } catch (const ho::Error& e) {
     return api->CreateStatus(e.code(), (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
   } catch (const std::exception& e) {

@@ -124,6 +124,7 @@ struct TimedCopy {
   Lease start, end;
   uint64_t bytes;
   bool h2d;
+  int device;
 };
 std::mutex g_times_mu;
 std::vector<TimedCopy>* g_times = new std::vector<TimedCopy>();  // never freed (exit order)
@@ -463,7 +464,8 @@ void spin(int64_t us, cudaStream_t s) {
 // Record timing events around a copy when debug().cuda_timing is on.
 class CopyTimer {
  public:
-  CopyTimer(Device& d, cudaStream_t s, uint64_t bytes, bool h2d) : s_(s), bytes_(bytes), h2d_(h2d) {
+  CopyTimer(Device& d, cudaStream_t s, uint64_t bytes, bool h2d)
+      : s_(s), bytes_(bytes), h2d_(h2d), device_(d.id) {
     if (!debug().cuda_timing.load(std::memory_order_relaxed)) return;
     start_ = d.timing->acquire();
     end_ = d.timing->acquire();
@@ -473,13 +475,14 @@ class CopyTimer {
     if (!start_) return;
     check(cudaEventRecord(*end_, s_), "cudaEventRecord (timing)");
     std::lock_guard<std::mutex> lock(g_times_mu);
-    g_times->push_back(TimedCopy{std::move(start_), std::move(end_), bytes_, h2d_});
+    g_times->push_back(TimedCopy{std::move(start_), std::move(end_), bytes_, h2d_, device_});
   }
 
  private:
   cudaStream_t s_;
   uint64_t bytes_;
   bool h2d_;
+  int device_;
   Lease start_, end_;
 };
 
@@ -935,6 +938,7 @@ CudaTransferTimes cuda_transfer_times(bool reset) {
   }
   CudaTransferTimes add;
   for (TimedCopy& t : todo) {
+    cuda::set_device(t.device);
     check(cudaEventSynchronize(*t.end), "cudaEventSynchronize (timing)");
     float ms = 0;
     check(cudaEventElapsedTime(&ms, *t.start, *t.end), "cudaEventElapsedTime");

@@ -165,6 +165,14 @@ def test_decoder_matches_original(decoder, order):
             np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
     # The plan's stored activations, every run, device -> host.
     assert oc.delta["cuda_bytes_d2h"] == 3 * stored
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) >= (1, 23):
+        # ORT's CUDA arena, sampled at the last Wait (AllocatorGetStats): the Waits ran on
+        # CUDA, so this is the device arena; it holds at least the largest offloaded weight
+        # in flight and at most the card.
+        c = oc.after
+        _, total = _ops.cuda_mem_info(0)
+        assert 0 < c["ort_arena_in_use"] <= c["ort_arena_max_in_use"]
+        assert c["ort_arena_max_in_use"] <= c["ort_arena_total_allocated"] <= total
 
 
 def test_decoder_bit_exact_on_cuda_at_basic_level(decoder):

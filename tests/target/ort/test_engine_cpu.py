@@ -323,3 +323,44 @@ def test_reset_counters_resets_the_per_provider_counters(tmp_path):
     runtime.reset_counters()
     c = runtime.counters()
     assert c["ops_cpu"] == 0 and c["ops_cuda"] == 0 and c["cuda_bytes_h2d"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# ORT's arena as measured: AllocatorGetStats (ORT API 23) sampled at every Wait
+
+
+def _one_weight_model(tmp_path, n: int) -> str:
+    np.arange(n, dtype=np.float32).tofile(tmp_path / f"w{n}.bin")
+    text = f"""
+    <ir_version: 10, opset_import: {OPSETS}>
+    g (float[{n}] x) => (float[{n}] out) <float[0] s0 = {{}}> {{
+      wy = {D}.Prefetch<location = "w{n}.bin", offset = 0, length = {4 * n}, shape = [{n}],
+                        name = "W">(s0)
+      w = {D}.Wait(wy)
+      out = Add(w, x)
+    }}
+    """
+    path = os.path.join(str(tmp_path), f"m{n}.onnx")
+    onnx.save(onnx.parser.parse_model(text), path)
+    return path
+
+
+def test_wait_samples_the_cpu_arena(tmp_path):
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 23):
+        pytest.skip("AllocatorGetStats needs onnxruntime >= 1.23")
+    big, small = 2 << 20, 1 << 10  # elements: an 8 MiB and a 4 KiB weight
+    for n in (big, small):
+        sess = runtime.InferenceSession(_one_weight_model(tmp_path, n))
+        x = np.ones(n, np.float32)
+        out = sess.run(None, {"x": x})[0]
+        np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) + 1)
+        c = runtime.counters()
+        in_use, peak, total = (c["ort_arena_in_use"], c["ort_arena_max_in_use"],
+                               c["ort_arena_total_allocated"])
+        # At the Wait the Prefetch output (4n bytes) is live in this session's CPU arena.
+        assert in_use >= 4 * n, (n, in_use)
+        assert total >= peak >= in_use, (total, peak, in_use)
+        if n == small:
+            # sampled at this session's Wait, not left over from the big one
+            assert in_use < 4 * big, in_use
+        del sess
