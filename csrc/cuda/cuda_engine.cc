@@ -137,6 +137,15 @@ CudaTransferTimes g_times_done;
 class Staging {
  public:
   struct Buf {
+    Buf() = default;
+    Buf(const Buf&) = delete;
+    Buf& operator=(const Buf&) = delete;
+    // RAII: also on a constructor error path of Staging (the buffers made so far).
+    ~Buf() {
+      if (ev == nullptr) return;
+      if (recorded) cuda::ignore(cudaEventSynchronize(ev));  // the copy reading `mem`
+      cuda::ignore(cudaEventDestroy(ev));
+    }
     std::unique_ptr<cuda::PinnedBlock> mem;
     cudaEvent_t ev = nullptr;
     bool recorded = false;
@@ -152,12 +161,7 @@ class Staging {
       all_.push_back(std::move(b));
     }
   }
-  ~Staging() {
-    for (auto& b : all_) {
-      if (b->recorded) cuda::ignore(cudaEventSynchronize(b->ev));
-      cuda::ignore(cudaEventDestroy(b->ev));
-    }
-  }
+  ~Staging() = default;  // each Buf waits for its last copy, then frees its event
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
 
@@ -227,6 +231,7 @@ class DeviceStaging : public std::enable_shared_from_this<DeviceStaging> {
     for (auto& kv : free_) {
       if (kv.second.second) cuda::ignore(cudaEventSynchronize(*kv.second.second));
     }
+    counters().device_staging_bytes -= static_cast<int64_t>(held_);
   }
   DeviceStaging(const DeviceStaging&) = delete;
   DeviceStaging& operator=(const DeviceStaging&) = delete;
@@ -245,6 +250,10 @@ class DeviceStaging : public std::enable_shared_from_this<DeviceStaging> {
     }
     auto mem = std::make_unique<cuda::DeviceBuffer>(device_, bytes);
     counters().device_staging_bytes += static_cast<int64_t>(bytes);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_ += bytes;
+    }
     return std::make_shared<Buf>(shared_from_this(), std::move(mem), bytes, Lease());
   }
 
@@ -256,6 +265,7 @@ class DeviceStaging : public std::enable_shared_from_this<DeviceStaging> {
 
   int device_;
   std::mutex mu_;
+  size_t held_ = 0;  // bytes of every buffer made (device_staging_bytes' share of this pool)
   std::multimap<size_t, std::pair<std::unique_ptr<cuda::DeviceBuffer>, Lease>> free_;
 };
 using StageBuf = std::shared_ptr<DeviceStaging::Buf>;
