@@ -364,3 +364,12 @@ def test_wait_samples_the_cpu_arena(tmp_path):
             # sampled at this session's Wait, not left over from the big one
             assert in_use < 4 * big, in_use
         del sess
+
+
+def test_set_debug_names_one_flag_per_edge():
+    ops = runtime._ops()
+    for flag in ("skip_staging_fence", "skip_detach_wait", "skip_wait_event", "skip_store_start"):
+        ops.set_debug(**{flag: True})  # accepted (CUDA engine only)
+    ops.set_debug()
+    with pytest.raises(TypeError, match="unknown hook 'skip_order'"):
+        ops.set_debug(skip_order=True)  # removed: it named two edges at once
