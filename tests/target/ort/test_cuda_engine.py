@@ -267,6 +267,56 @@ def test_hf_export_matches_original(tmp_path_factory, arch):
     oc.__exit__(None, None, None)  # every cache op ran on CUDA: no chain split to the CPU
 
 
+def test_issued_chain_stays_on_cuda(tmp_path):
+    """Prefetch's `issued` output ([0] device tensor) as the next Prefetch's ordering input
+    (the FIFO chain): every op of the chain, the reload included, runs on the CUDA EP, the
+    outputs are bit-exact, and the poisoned, slowed copies are still waited for."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ho_onnx import contract
+
+    n, numel = 4, 1 << 16
+    rng = np.random.default_rng(11)
+    w = rng.random(n * numel).astype(np.float32)
+    w.tofile(tmp_path / "w.bin")
+    size = 4 * numel
+
+    def node(op, ins, outs, **attrs):
+        nd = helper.make_node(op, ins, outs, domain=contract.DOMAIN)
+        nd.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()))
+        return nd
+
+    nodes, outs, prev = [], [], None
+    for i in range(n):
+        nodes.append(node("Prefetch", ["s0"] + ([prev] if prev else []), [f"y{i}", f"i{i}"],
+                          location="w.bin", offset=i * size, length=size, shape=[numel],
+                          name=f"W{i}"))
+        nodes.append(node("Wait", [f"y{i}"], [f"w{i}"]))
+        outs.append(helper.make_tensor_value_info(f"w{i}", TensorProto.FLOAT, None))
+        prev = f"i{i}"
+    nodes += [node("Store", ["x"], ["t"]), node("Detach", ["x", "t"], ["t2"]),
+              node("Prefetch", ["t2", prev], ["ry", "ri"]), node("Wait", ["ry"], ["rz"])]
+    outs.append(helper.make_tensor_value_info("rz", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [numel])], outs,
+        [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])])
+    m = helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid(contract.DOMAIN, 1)])
+    path = tmp_path / "chain.onnx"
+    onnx.save(m, str(path))
+    s = _session(path, optimized=True)
+    x = rng.random(numel).astype(np.float32)
+    _ops.set_debug(poison=True, delay_us=5_000)
+    with _OnCuda(path, runs=3) as oc:
+        for _ in range(3):
+            res = s.run(None, {"x": x})
+            for i in range(n):
+                assert res[i].tobytes() == w[i * numel:(i + 1) * numel].tobytes()
+            assert res[n].tobytes() == x.tobytes()
+    assert oc.delta["cuda_bytes_h2d"] == 3 * (n + 1) * size
+
+
 # ---- stream ordering -------------------------------------------------------------------------
 
 class _BusyDevice:
