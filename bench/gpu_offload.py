@@ -11,7 +11,10 @@ Rows (each measured in its own process, so ORT's arena and the CUDA context star
 
 Per row: measured peak device memory (``cudaMemGetInfo`` polled every millisecond in a thread,
 through ``ho_onnx._ops.cuda_mem_info``: used bytes above those used before the session was
-made), median latency, ratio to the baseline, the host-to-device bytes per run and the rate
+made) next to ORT's CUDA arena as ORT reports it (``MaxInUse`` / ``InUse`` /
+``TotalAllocated`` of ``AllocatorGetStats``, sampled by the library at every Wait into the
+``ort_arena_*`` counters: onnxruntime >= 1.23, optimized rows only), median latency, ratio
+to the baseline, the host-to-device bytes per run and the rate
 the copies achieved (GPU time of the engine's copies, ``_ops.cuda_transfer_times``) next to
 the calibrated pinned rate (``_ops.cuda_calibrate``), and the planner's predicted peak and
 time. Prints a table and writes JSON.
@@ -132,6 +135,17 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dic
         "h2d_bytes_per_run": c["bytes_loaded"] // max(1, runs),
         "d2h_bytes_per_run": c["bytes_stored"] // max(1, runs),
         "pinned_host_bytes": c["pinned_bytes"],
+        # Which EP ran the cache ops (a CPU fallback shows as ops_cpu > 0), and what the
+        # CUDA engine itself copied.
+        "cache_ops_cuda_per_run": c["ops_cuda"] // max(1, runs),
+        "cache_ops_cpu_per_run": c["ops_cpu"] // max(1, runs),
+        "cuda_h2d_bytes_per_run": c["cuda_bytes_h2d"] // max(1, runs),
+        # ORT's CUDA arena at the last Wait (None: no Wait ran, or onnxruntime < 1.23).
+        "ort_arena_max_in_use": c["ort_arena_max_in_use"] if c["ort_arena_max_in_use"] >= 0
+        else None,
+        "ort_arena_in_use": c["ort_arena_in_use"] if c["ort_arena_in_use"] >= 0 else None,
+        "ort_arena_total_allocated": c["ort_arena_total_allocated"]
+        if c["ort_arena_total_allocated"] >= 0 else None,
     }
     if optimized:
         # One more run with timing events around every copy: the copies' own GPU time.
@@ -357,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("h2d_achieved_bw"):
             r["h2d_fraction_of_calibrated"] = r["h2d_achieved_bw"] / cal["h2d_bw"]
 
-    hdr = (f"{'row':<24}{'budget GiB':>11}{'peak GiB':>10}{'pred GiB':>10}{'median ms':>11}"
+    hdr = (f"{'row':<24}{'budget GiB':>11}{'peak GiB':>10}{'arena max':>10}{'arena tot':>10}"
+           f"{'pred GiB':>10}{'median ms':>11}"
            f"{'pred ms':>9}{'x base':>8}{'H2D GB/run':>11}{'H2D GB/s':>10}{'of cal':>8}")
     print()
     print(hdr)
@@ -369,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         med = r.get("median_s")
         bw = r.get("h2d_achieved_bw")
         print(f"{r['name']:<24}{_gb(r.get('budget_bytes')):>11}{_gb(r['peak_device_bytes']):>10}"
+              f"{_gb(r.get('ort_arena_max_in_use')):>10}"
+              f"{_gb(r.get('ort_arena_total_allocated')):>10}"
               f"{_gb(r.get('predicted_peak_bytes')):>10}"
               f"{(med or 0) * 1e3:>11.1f}"
               f"{(r['predicted_s'] * 1e3 if r.get('predicted_s') else float('nan')):>9.1f}"
@@ -377,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{(bw or 0) / 1e9:>10.1f}"
               f"{r.get('h2d_fraction_of_calibrated', float('nan')):>8.0%}")
     print("\npeak = device bytes in use above those used before the session (cudaMemGetInfo, "
-          "1 ms polling); pred = the planner's simulated tensor peak and time.")
+          "1 ms polling); arena max / tot = ORT's CUDA arena MaxInUse / TotalAllocated at the "
+          "last Wait (AllocatorGetStats); pred = the planner's simulated tensor peak and time.")
     result = {"config": cfg, "weight_bytes": sizes["total_bytes"], "calibration": cal,
               "machine": str(args.machine), "rows": rows,
               "onnxruntime": __import__("onnxruntime").__version__}

@@ -105,6 +105,14 @@ const CounterDef kCounters[] = {
     HO_COUNTER(pinned_allocs),
     HO_COUNTER(cuda_events_created),
     HO_COUNTER(ring_segments),
+    HO_COUNTER(ops_cpu),
+    HO_COUNTER(ops_cuda),
+    HO_COUNTER(cuda_bytes_h2d),
+    HO_COUNTER(cuda_bytes_d2h),
+    HO_COUNTER(cuda_bytes_d2d),
+    HO_COUNTER(ort_arena_in_use),
+    HO_COUNTER(ort_arena_max_in_use),
+    HO_COUNTER(ort_arena_total_allocated),
     HO_COUNTER(registrations),
     HO_COUNTER(cuda_registrations),
 };
@@ -151,6 +159,11 @@ void HoOnnx_ResetCounters(void) {
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;
   c.disk_buffered_reads = 0;
+  c.ops_cpu = 0;
+  c.ops_cuda = 0;
+  c.cuda_bytes_h2d = 0;
+  c.cuda_bytes_d2h = 0;
+  c.cuda_bytes_d2d = 0;
 }
 
 int HoOnnx_SetDebug(const char* name, int64_t value) {
@@ -163,8 +176,14 @@ int HoOnnx_SetDebug(const char* name, int64_t value) {
     d.poison = value != 0;
   } else if (std::strcmp(name, "skip_wait") == 0) {
     d.skip_wait = value != 0;
-  } else if (std::strcmp(name, "skip_order") == 0) {
-    d.skip_order = value != 0;
+  } else if (std::strcmp(name, "skip_staging_fence") == 0) {
+    d.skip_staging_fence = value != 0;
+  } else if (std::strcmp(name, "skip_detach_wait") == 0) {
+    d.skip_detach_wait = value != 0;
+  } else if (std::strcmp(name, "skip_wait_event") == 0) {
+    d.skip_wait_event = value != 0;
+  } else if (std::strcmp(name, "skip_store_start") == 0) {
+    d.skip_store_start = value != 0;
   } else if (std::strcmp(name, "compute_delay_us") == 0) {
     d.compute_delay_us = value < 0 ? 0 : value;
   } else if (std::strcmp(name, "cuda_timing") == 0) {

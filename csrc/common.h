@@ -64,6 +64,21 @@ struct Counters {
   std::atomic<uint64_t> cuda_events_created{0};
   std::atomic<int64_t> ring_segments{0};
   // RegisterCustomOps calls, and those that also registered the CUDA-EP variants.
+  // Cache ops executed (Compute calls that returned success), per execution provider: a
+  // test tells a CUDA run from a CPU fallback by these.
+  std::atomic<uint64_t> ops_cpu{0};
+  std::atomic<uint64_t> ops_cuda{0};
+  // CUDA engine only: bytes it copied, per direction (host-to-device: loads of weights,
+  // stored activations and disk chunks; device-to-host: stores; device-to-device: the
+  // Wait's copy staging -> z). The CPU engine never touches them.
+  std::atomic<uint64_t> cuda_bytes_h2d{0};
+  std::atomic<uint64_t> cuda_bytes_d2h{0};
+  std::atomic<uint64_t> cuda_bytes_d2d{0};
+  // ORT's allocator statistics of the Wait's device (AllocatorGetStats, ORT API >= 23),
+  // sampled at every Wait; -1 when the runtime or the allocator does not report them.
+  std::atomic<int64_t> ort_arena_in_use{-1};
+  std::atomic<int64_t> ort_arena_max_in_use{-1};
+  std::atomic<int64_t> ort_arena_total_allocated{-1};
   std::atomic<uint64_t> registrations{0};
   std::atomic<uint64_t> cuda_registrations{0};
 };
@@ -73,12 +88,19 @@ Counters& counters();
 struct Debug {
   std::atomic<int64_t> delay_us{0};
   std::atomic<bool> poison{false};
+  // CPU engine: the Wait does not wait (nor copy). CUDA engine: same as skip_wait_event.
   std::atomic<bool> skip_wait{false};
-  // CUDA engine only. skip_order: a prefetch's copy does not wait for the compute stream
-  // (hazard a) and a Detach does not make the compute stream wait for the store (hazard b).
+  // CUDA engine only, one flag per ordering edge (docs/cuda.md, "The hazards"):
+  //  skip_staging_fence (a): a load does not wait for its staging buffer's fence;
+  //  skip_detach_wait   (b): Detach does not make the compute stream wait for the store;
+  //  skip_wait_event    (c): Wait copies staging -> z without waiting for the load;
+  //  skip_store_start   (d): a Store's copy does not wait for the compute stream (x written).
   // compute_delay_us: a spin kernel on the compute stream at every Prefetch, before the
   // poison memset. cuda_timing: timing events around every copy (cuda_transfer_times).
-  std::atomic<bool> skip_order{false};
+  std::atomic<bool> skip_staging_fence{false};
+  std::atomic<bool> skip_detach_wait{false};
+  std::atomic<bool> skip_wait_event{false};
+  std::atomic<bool> skip_store_start{false};
   std::atomic<int64_t> compute_delay_us{0};
   std::atomic<bool> cuda_timing{false};
 };

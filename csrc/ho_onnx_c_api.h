@@ -48,8 +48,9 @@ HO_ONNX_EXPORT size_t HoOnnx_GetCounters(const char** names, int64_t* values, si
 /* Reset the monotonic counters (bytes, counts, wait time); the memory gauges are kept. */
 HO_ONNX_EXPORT void HoOnnx_ResetCounters(void);
 
-/* Test hooks (all 0 by default): "delay_us", "poison", "skip_wait", "skip_order",
- * "compute_delay_us", "cuda_timing" (see csrc/common.h). -1 for an unknown name. */
+/* Test hooks (all 0 by default): "delay_us", "poison", "skip_wait", "skip_staging_fence",
+ * "skip_detach_wait", "skip_wait_event", "skip_store_start", "compute_delay_us",
+ * "cuda_timing" (see csrc/common.h). -1 for an unknown name. */
 HO_ONNX_EXPORT int HoOnnx_SetDebug(const char* name, int64_t value);
 
 /* CUDA helpers. Without a CUDA build they fail (CudaDeviceCount returns 0). */

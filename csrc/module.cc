@@ -51,14 +51,23 @@ py::dict counters() {
 
 void reset_counters() { HoOnnx_ResetCounters(); }
 
-void set_debug(int64_t delay_us, bool poison, bool skip_wait, bool skip_order,
-               int64_t compute_delay_us, bool cuda_timing) {
-  check(HoOnnx_SetDebug("delay_us", delay_us));
-  check(HoOnnx_SetDebug("poison", poison));
-  check(HoOnnx_SetDebug("skip_wait", skip_wait));
-  check(HoOnnx_SetDebug("skip_order", skip_order));
-  check(HoOnnx_SetDebug("compute_delay_us", compute_delay_us));
-  check(HoOnnx_SetDebug("cuda_timing", cuda_timing));
+// Every test hook of HoOnnx_SetDebug: set_debug(**kw) sets those named and resets the rest.
+const char* const kDebugHooks[] = {"delay_us",         "poison",          "skip_wait",
+                                   "skip_staging_fence", "skip_detach_wait", "skip_wait_event",
+                                   "skip_store_start", "compute_delay_us", "cuda_timing"};
+
+void set_debug(const py::kwargs& kw) {
+  for (auto item : kw) {
+    const std::string name = py::str(item.first);
+    bool known = false;
+    for (const char* h : kDebugHooks) known = known || name == h;
+    if (!known) throw py::type_error("set_debug: unknown hook '" + name + "'");
+  }
+  for (const char* h : kDebugHooks) {
+    int64_t v = 0;
+    if (kw.contains(h)) v = py::cast<int64_t>(kw[h]);
+    check(HoOnnx_SetDebug(h, v));
+  }
 }
 
 py::tuple cuda_mem_info(int device) {
@@ -372,12 +381,13 @@ PYBIND11_MODULE(_ops, m) {
   m.def("counters", &counters, "Process-wide transfer and memory counters.");
   m.def("reset_counters", &reset_counters,
         "Reset the monotonic counters (bytes, counts, wait time); gauges are kept.");
-  m.def("set_debug", &set_debug, py::arg("delay_us") = 0, py::arg("poison") = false,
-        py::arg("skip_wait") = false, py::arg("skip_order") = false,
-        py::arg("compute_delay_us") = 0, py::arg("cuda_timing") = false,
-        "Test hooks: delay every transfer, poison Prefetch outputs, make Wait/Detach not wait; "
-        "CUDA only: skip_order (copies not ordered after the compute stream, Detach not "
-        "ordered after its store), compute_delay_us (spin on the compute stream at each "
+  m.def("set_debug", &set_debug,
+        "Test hooks, each 0 unless named (set_debug() resets all): delay_us (spin/sleep "
+        "before every transfer), poison (fill Prefetch outputs, and on CUDA the staging "
+        "buffers after use, with 0xFF), skip_wait (CPU: Wait neither waits nor copies; CUDA: "
+        "= skip_wait_event). CUDA only, one per ordering edge (docs/cuda.md): "
+        "skip_staging_fence (a), skip_detach_wait (b), skip_wait_event (c), "
+        "skip_store_start (d); compute_delay_us (spin on the compute stream at each "
         "Prefetch), cuda_timing (time every copy: cuda_transfer_times).");
   m.def("cuda_mem_info", &cuda_mem_info, py::arg("device") = 0,
         "(free, total) bytes of a CUDA device (cudaMemGetInfo: every allocation on the "

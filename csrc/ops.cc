@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -32,7 +33,14 @@
 #include "cuda/cuda_api.h"
 #endif
 
+// Declared by onnxruntime_c_api.h from API 22 on; the library may be built with older headers.
+struct OrtKeyValuePairs;
+
 namespace ho {
+#if !HO_ONNX_WITH_CUDA
+// No CUDA-EP kernel exists in such a build.
+inline void cuda_set_device(int) {}
+#endif
 
 namespace {
 
@@ -55,6 +63,91 @@ constexpr const char* kCpuEp = "CPUExecutionProvider";
 // newer (ORT_API_VERSION).
 constexpr uint32_t kOrtApiVersion = HO_ONNX_ORT_API_REQUIRED;
 static_assert(ORT_API_VERSION >= kOrtApiVersion, "ONNX Runtime headers older than the API used");
+
+// ---------------------------------------------------------------------------------------
+// ORT's allocator statistics (issue 11 item 5): OrtApi::AllocatorGetStats came with API 23
+// (onnxruntime 1.23), the OrtKeyValuePairs accessors with API 22: above the API 18 the
+// library requires. They are called only when the runtime serves API 23
+// (OrtApiBase::GetApi(23), asked only of runtimes >= 1.23), through that table. With headers
+// older than 23 the table positions are those of onnxruntime_c_api.h 1.23 (the table is
+// append-only: a position never changes once released): API 21 ends with
+// SetEpDynamicOptions at index 284; API 22 appends ReleaseValueInfo, ReleaseNode,
+// ReleaseGraph, ReleaseModel, GetValueInfoName, GetValueInfoTypeInfo, GetModelEditorApi,
+// CreateTensorWithDataAndDeleterAsOrtValue, SessionOptionsSetLoadCancellationFlag,
+// GetCompileApi, CreateKeyValuePairs, AddKeyValuePair, GetKeyValue, GetKeyValuePairs (298),
+// RemoveKeyValuePair, ReleaseKeyValuePairs (300), ... and API 23 GetTensorSizeInBytes (318),
+// AllocatorGetStats (319). test_engine_cpu.py checks the result against the CPU arena.
+constexpr uint32_t kStatsApiVersion = 23;
+#if ORT_API_VERSION >= 23
+constexpr bool kStatsKnown = true;
+constexpr size_t kIdxGetKeyValuePairs = offsetof(OrtApi, GetKeyValuePairs) / sizeof(void*);
+constexpr size_t kIdxReleaseKeyValuePairs = offsetof(OrtApi, ReleaseKeyValuePairs) / sizeof(void*);
+constexpr size_t kIdxAllocatorGetStats = offsetof(OrtApi, AllocatorGetStats) / sizeof(void*);
+#elif ORT_API_VERSION == 21
+static_assert(offsetof(OrtApi, SetEpDynamicOptions) / sizeof(void*) == 284 &&
+                  sizeof(OrtApi) == 285 * sizeof(void*),
+              "OrtApi of API 21 does not have the layout the stats positions assume");
+constexpr bool kStatsKnown = true;
+constexpr size_t kIdxGetKeyValuePairs = 298;
+constexpr size_t kIdxReleaseKeyValuePairs = 300;
+constexpr size_t kIdxAllocatorGetStats = 319;
+#else
+constexpr bool kStatsKnown = false;  // headers of API 18-20 or 22: positions not checked here
+constexpr size_t kIdxGetKeyValuePairs = 0;
+constexpr size_t kIdxReleaseKeyValuePairs = 0;
+constexpr size_t kIdxAllocatorGetStats = 0;
+#endif
+
+struct StatsApi {
+  using GetStats = OrtStatus*(ORT_API_CALL*)(const OrtAllocator*, OrtKeyValuePairs**);
+  using GetPairs = void(ORT_API_CALL*)(const OrtKeyValuePairs*, const char* const**,
+                                       const char* const**, size_t*);
+  using ReleasePairs = void(ORT_API_CALL*)(OrtKeyValuePairs*);
+  GetStats get_stats = nullptr;
+  GetPairs get_pairs = nullptr;
+  ReleasePairs release_pairs = nullptr;
+  bool ok() const { return get_stats && get_pairs && release_pairs; }
+};
+
+// Empty (ok() false) when the runtime is older than 1.23 or the headers' layout is unknown.
+StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime) {
+  StatsApi s;
+  if (!kStatsKnown || runtime < std::make_pair(1, 23)) return s;
+  const OrtApi* api = base->GetApi(kStatsApiVersion);
+  if (api == nullptr) return s;
+  void* const* table = reinterpret_cast<void* const*>(api);
+  s.get_stats = reinterpret_cast<StatsApi::GetStats>(table[kIdxAllocatorGetStats]);
+  s.get_pairs = reinterpret_cast<StatsApi::GetPairs>(table[kIdxGetKeyValuePairs]);
+  s.release_pairs = reinterpret_cast<StatsApi::ReleasePairs>(table[kIdxReleaseKeyValuePairs]);
+  return s;
+}
+
+// Records InUse / MaxInUse / TotalAllocated of `alloc` (names as ORT reports them) into the
+// ort_arena_* counters. An allocator without statistics (not an arena) leaves them as they
+// are; nothing here fails the op (a measurement, not a transfer).
+void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc) {
+  if (!s.ok() || alloc == nullptr) return;
+  OrtKeyValuePairs* kv = nullptr;
+  OrtStatus* st = s.get_stats(alloc, &kv);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return;
+  }
+  if (kv == nullptr) return;
+  std::unique_ptr<OrtKeyValuePairs, StatsApi::ReleasePairs> owned(kv, s.release_pairs);
+  const char* const* keys = nullptr;
+  const char* const* values = nullptr;
+  size_t n = 0;
+  s.get_pairs(kv, &keys, &values, &n);
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] == nullptr || values[i] == nullptr) continue;
+    std::atomic<int64_t>* dst = nullptr;
+    if (std::strcmp(keys[i], "InUse") == 0) dst = &counters().ort_arena_in_use;
+    if (std::strcmp(keys[i], "MaxInUse") == 0) dst = &counters().ort_arena_max_in_use;
+    if (std::strcmp(keys[i], "TotalAllocated") == 0) dst = &counters().ort_arena_total_allocated;
+    if (dst != nullptr) dst->store(std::strtoll(values[i], nullptr, 10));
+  }
+}
 
 enum class OpKind { kPrefetch, kWait, kStore, kDetach };
 
@@ -96,6 +189,7 @@ struct Registration {
   bool cuda = false;
   std::weak_ptr<Engine> engine;       // CPU EP kernels
   std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
+  StatsApi stats;                     // ORT allocator statistics (runtime >= 1.23)
   std::vector<std::unique_ptr<OpDef>> ops;
 
   // The data_fingerprint of an open data file, computed once per file and registration.
@@ -200,6 +294,20 @@ OrtValue* output(const OrtApi* api, OrtKernelContext* ctx, const std::vector<int
   return v;
 }
 
+// Prefetch's optional second output `issued` (docs/design.md, op contract): an empty [0]
+// tensor of T, produced once the transfer was issued and only when the node declares it. A
+// later Prefetch of the same channel takes it as an ordering input (FIFO issue order)
+// without keeping `y`, a full-size buffer, alive. On the CUDA EP it is a device tensor
+// (nothing is written: zero bytes), so its consumers stay on the CUDA EP.
+void produce_issued(const OrtApi* api, OrtKernelContext* ctx) {
+  size_t n = 0;
+  check(api, api->KernelContext_GetOutputCount(ctx, &n));
+  if (n < 2) return;
+  const int64_t dims[1] = {0};
+  OrtValue* v = nullptr;  // null when the node names no second output ("")
+  check(api, api->KernelContext_GetOutput(ctx, 1, dims, 1, &v));
+}
+
 // Returns false when the attribute is absent.
 bool attr_string(const OrtApi* api, const OrtKernelInfo* info, const char* name,
                  std::string* out) {
@@ -283,6 +391,9 @@ void check_stored(const StoredTensor& rec, ONNXTensorElementDataType want, int b
 // Kernels.
 
 struct Kernel {
+  ~Kernel() {
+    if (alloc != nullptr) api->ReleaseAllocator(alloc);
+  }
   const OrtApi* api;
   OpKind kind;
   int bits;
@@ -291,6 +402,9 @@ struct Kernel {
   int device = 0;
   std::string node;  // the node's name, for messages
   std::shared_ptr<Engine> engine;
+  // Wait: the kernel's default allocator (ORT's arena of its EP), sampled at every Wait.
+  OrtAllocator* alloc = nullptr;
+  const StatsApi* stats = nullptr;
 
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
@@ -415,6 +529,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
         } else {
           engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
         }
+        produce_issued(api, ctx);
         return;
       }
       const StoreKey t = read_token(api, input(api, ctx, 0), bits);
@@ -423,6 +538,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
       OrtValue* y = output(api, ctx, rec->shape());
       void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
       engine->prefetch_stored(std::move(rec), dst, ec);
+      produce_issued(api, ctx);
       return;
     }
     case OpKind::kWait: {
@@ -436,6 +552,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
       // The engine copies from its own memory into z (= y when ORT aliased them).
       engine->wait(src, dst, bytes, ec);
       if (dst != src) counters().alias_copies += 1;
+      if (stats != nullptr) sample_arena(*stats, api, alloc);
       return;
     }
     case OpKind::kStore: {
@@ -528,6 +645,15 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
   ec.device = device;
   ec.kernel = this;
   check(api, api->KernelContext_GetGPUComputeStream(ctx, &ec.stream));
+  // The header allows a null stream ("not relevant" for the kernel's EP). Every ordering of
+  // the engine is an event edge with ORT's compute stream; substituting the legacy default
+  // stream would silently change what those edges order against, so refuse instead.
+  if (ec.stream == nullptr) {
+    fail(ORT_EP_FAIL, "ORT gave this CUDA-EP kernel no GPU compute stream "
+                      "(KernelContext_GetGPUComputeStream returned null); the CUDA engine "
+                      "orders its copies only against that stream");
+  }
+  cuda_set_device(device);  // ORT's thread may have another device current
   switch (kind) {
     case OpKind::kPrefetch: {
       if (weight) {
@@ -537,6 +663,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
         } else {
           engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
         }
+        produce_issued(api, ctx);
         return;
       }
       StoreKey key;
@@ -546,6 +673,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
       OrtValue* y = output(api, ctx, rec->shape());
       void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
       engine->prefetch_stored(std::move(rec), dst, ec);
+      produce_issued(api, ctx);
       return;
     }
     case OpKind::kWait: {
@@ -556,6 +684,7 @@ void Kernel::compute_gpu(OrtKernelContext* ctx) {
       if (bytes == 0) return;
       ec.out = tensor_data(api, z);
       engine->wait(tensor_data(api, y), ec.out, bytes, ec);
+      if (stats != nullptr) sample_arena(*stats, api, alloc);
       return;
     }
     case OpKind::kStore: {
@@ -599,7 +728,19 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
     k->gpu = d.cuda;
     k->node = node;
     k->engine = d.reg->acquire_engine(d.cuda);
-    if (k->gpu) k->device = kernel_device(api, info);
+    if (k->gpu) {
+      k->device = kernel_device(api, info);
+      cuda_set_device(k->device);
+    }
+    if (d.kind == OpKind::kWait && d.reg->stats.ok()) {
+      OrtStatus* st = api->KernelInfoGetAllocator(info, OrtMemTypeDefault, &k->alloc);
+      if (st != nullptr) {  // no statistics then; never a reason to fail the session
+        api->ReleaseStatus(st);
+        k->alloc = nullptr;
+      } else {
+        k->stats = &d.reg->stats;
+      }
+    }
     std::string location;
     if (d.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
       k->weight = true;
@@ -619,7 +760,10 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api
 
 OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
   auto* k = static_cast<Kernel*>(kernel);
-  return guarded(k->api, k->kind, k->node, [&] { k->compute(ctx); });
+  return guarded(k->api, k->kind, k->node, [&] {
+    k->compute(ctx);
+    (k->gpu ? counters().ops_cuda : counters().ops_cpu) += 1;
+  });
 }
 
 void ORT_API_CALL destroy_kernel(void* kernel) noexcept {
@@ -640,14 +784,19 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_char(const OrtCustomOp* 
   return i < fixed_inputs(def(op)->kind) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_VARIADIC;
 }
 
-size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+// Prefetch: (y, issued optional); the others: one output.
+size_t ORT_API_CALL output_count(const OrtCustomOp* op) {
+  return def(op)->kind == OpKind::kPrefetch ? 2 : 1;
+}
 
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp* op, size_t) {
   return def(op)->type;
 }
 
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_char(const OrtCustomOp*, size_t) {
-  return INPUT_OUTPUT_REQUIRED;
+// Optional outputs came with OrtCustomOp version 8 (ORT's custom_ops.cc:
+// min_ort_version_with_optional_io_support), below the API version 18 the ops declare.
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_char(const OrtCustomOp*, size_t i) {
+  return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
 OrtMemType ORT_API_CALL input_mem_type(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
@@ -779,10 +928,11 @@ bool runtime_has_type(ONNXTensorElementDataType t, std::pair<int, int> rt) {
   return rt.first > 1 || (rt.first == 1 && rt.second >= since_minor);
 }
 
-OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const char* ort_version) {
-  const std::pair<int, int> rt = runtime_version(ort_version);
+OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const OrtApiBase* base) {
+  const std::pair<int, int> rt = runtime_version(base->GetVersionString());
   auto reg = std::make_unique<Registration>();
   reg->api = api;
+  reg->stats = resolve_stats_api(base, rt);
 
   bool has = false;
   std::string v = config_entry(api, options, kModelDirKey, &has);
@@ -870,7 +1020,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                                                 .c_str());
   }
   try {
-    return ho::register_ops(options, api, api_base->GetVersionString());
+    return ho::register_ops(options, api, api_base);
   } catch (const ho::Error& e) {
     return api->CreateStatus(e.code(), (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
   } catch (const std::exception& e) {

@@ -15,6 +15,10 @@ namespace ho {
 // Engine::prepare_device at session creation). Throws ho::Error when CUDA is unusable.
 std::shared_ptr<Engine> make_cuda_engine();
 
+// cudaSetDevice(device) on the calling thread (every entry point that uses a device calls
+// it: ORT's threads may have another device current). Throws ho::Error.
+void cuda_set_device(int device);
+
 struct CudaMemInfo {
   size_t free_bytes = 0;
   size_t total_bytes = 0;

@@ -124,6 +124,7 @@ struct TimedCopy {
   Lease start, end;
   uint64_t bytes;
   bool h2d;
+  int device;
 };
 std::mutex g_times_mu;
 std::vector<TimedCopy>* g_times = new std::vector<TimedCopy>();  // never freed (exit order)
@@ -136,6 +137,15 @@ CudaTransferTimes g_times_done;
 class Staging {
  public:
   struct Buf {
+    Buf() = default;
+    Buf(const Buf&) = delete;
+    Buf& operator=(const Buf&) = delete;
+    // RAII: also on a constructor error path of Staging (the buffers made so far).
+    ~Buf() {
+      if (ev == nullptr) return;
+      if (recorded) cuda::ignore(cudaEventSynchronize(ev));  // the copy reading `mem`
+      cuda::ignore(cudaEventDestroy(ev));
+    }
     std::unique_ptr<cuda::PinnedBlock> mem;
     cudaEvent_t ev = nullptr;
     bool recorded = false;
@@ -151,12 +161,7 @@ class Staging {
       all_.push_back(std::move(b));
     }
   }
-  ~Staging() {
-    for (auto& b : all_) {
-      if (b->recorded) cuda::ignore(cudaEventSynchronize(b->ev));
-      cuda::ignore(cudaEventDestroy(b->ev));
-    }
-  }
+  ~Staging() = default;  // each Buf waits for its last copy, then frees its event
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
 
@@ -226,6 +231,7 @@ class DeviceStaging : public std::enable_shared_from_this<DeviceStaging> {
     for (auto& kv : free_) {
       if (kv.second.second) cuda::ignore(cudaEventSynchronize(*kv.second.second));
     }
+    counters().device_staging_bytes -= static_cast<int64_t>(held_);
   }
   DeviceStaging(const DeviceStaging&) = delete;
   DeviceStaging& operator=(const DeviceStaging&) = delete;
@@ -244,6 +250,10 @@ class DeviceStaging : public std::enable_shared_from_this<DeviceStaging> {
     }
     auto mem = std::make_unique<cuda::DeviceBuffer>(device_, bytes);
     counters().device_staging_bytes += static_cast<int64_t>(bytes);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_ += bytes;
+    }
     return std::make_shared<Buf>(shared_from_this(), std::move(mem), bytes, Lease());
   }
 
@@ -255,6 +265,7 @@ class DeviceStaging : public std::enable_shared_from_this<DeviceStaging> {
 
   int device_;
   std::mutex mu_;
+  size_t held_ = 0;  // bytes of every buffer made (device_staging_bytes' share of this pool)
   std::multimap<size_t, std::pair<std::unique_ptr<cuda::DeviceBuffer>, Lease>> free_;
 };
 using StageBuf = std::shared_ptr<DeviceStaging::Buf>;
@@ -463,7 +474,8 @@ void spin(int64_t us, cudaStream_t s) {
 // Record timing events around a copy when debug().cuda_timing is on.
 class CopyTimer {
  public:
-  CopyTimer(Device& d, cudaStream_t s, uint64_t bytes, bool h2d) : s_(s), bytes_(bytes), h2d_(h2d) {
+  CopyTimer(Device& d, cudaStream_t s, uint64_t bytes, bool h2d)
+      : s_(s), bytes_(bytes), h2d_(h2d), device_(d.id) {
     if (!debug().cuda_timing.load(std::memory_order_relaxed)) return;
     start_ = d.timing->acquire();
     end_ = d.timing->acquire();
@@ -473,13 +485,14 @@ class CopyTimer {
     if (!start_) return;
     check(cudaEventRecord(*end_, s_), "cudaEventRecord (timing)");
     std::lock_guard<std::mutex> lock(g_times_mu);
-    g_times->push_back(TimedCopy{std::move(start_), std::move(end_), bytes_, h2d_});
+    g_times->push_back(TimedCopy{std::move(start_), std::move(end_), bytes_, h2d_, device_});
   }
 
  private:
   cudaStream_t s_;
   uint64_t bytes_;
   bool h2d_;
+  int device_;
   Lease start_, end_;
 };
 
@@ -549,6 +562,7 @@ class CudaEngine final : public Engine {
     timer.done();
     check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
     counters().bytes_loaded += bytes;
+    counters().cuda_bytes_h2d += bytes;
     // The pinned source is the engine's (never freed before the streams are synchronized).
     add_pending(dst, std::move(p));
   }
@@ -621,7 +635,8 @@ class CudaEngine final : public Engine {
       rec->slot = ring_->acquire(bytes);
       counters().host_pool_bytes_in_use += static_cast<int64_t>(bytes);
       // `x` is written by earlier kernels of the compute stream: the copy starts after them.
-      {
+      // HAZARD (d).
+      if (!debug().skip_store_start.load(std::memory_order_relaxed)) {
         Lease ready = d.events->acquire();
         check(cudaEventRecord(*ready, cs), "cudaEventRecord (store ready)");
         check(cudaStreamWaitEvent(d.d2h.get(), *ready, 0), "cudaStreamWaitEvent (store ready)");
@@ -634,6 +649,7 @@ class CudaEngine final : public Engine {
       rec->stored = d.events->acquire();
       check(cudaEventRecord(*rec->stored, d.d2h.get()), "cudaEventRecord (store done)");
       counters().bytes_stored += bytes;
+      counters().cuda_bytes_d2h += bytes;
     }
     if (ctx.out == nullptr) fail(ORT_FAIL, "store: no token output");
     check(cuda::launch_write_token(ctx.out, rec->id, kTokenMagic, cs), "token kernel launch");
@@ -670,8 +686,7 @@ class CudaEngine final : public Engine {
     // HAZARD (b): ORT may free `x` right after this op and hand its block to the next
     // allocation; the compute stream must not pass this point before the device-to-host
     // copy has read `x`.
-    if (rec->stored && !debug().skip_order.load(std::memory_order_relaxed) &&
-        !debug().skip_wait.load(std::memory_order_relaxed)) {
+    if (rec->stored && !debug().skip_detach_wait.load(std::memory_order_relaxed)) {
       check(cudaStreamWaitEvent(cs, *rec->stored, 0), "cudaStreamWaitEvent (detach)");
     }
     if (ctx.out != nullptr && reinterpret_cast<uintptr_t>(ctx.out) != key) {
@@ -717,6 +732,7 @@ class CudaEngine final : public Engine {
     timer.done();
     check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
     counters().bytes_loaded += bytes;
+    counters().cuda_bytes_h2d += bytes;
     // The slot is reused only after this copy read it (its fence is `done`).
     rec->release_slot(p.done);
     add_pending(dst, std::move(p));
@@ -755,17 +771,23 @@ class CudaEngine final : public Engine {
     Device& d = dev(ctx.device);
     void* z = ctx.out != nullptr ? ctx.out : const_cast<void*>(dst);
     if (z != dst) counters().alias_copies += 1;
-    if (debug().skip_wait.load(std::memory_order_relaxed)) {
-      // Test hook: the consumers see what the Prefetch left in `y` (the poison, if set).
-      p.stage->fence = p.done;
-      return;
-    }
     // HAZARD (c): the copy into `z` runs on the compute stream after the load landed in
     // staging (a stream-side wait only: the host returns at once). `z` is ORT's, written in
-    // this op's stream order: the lifetime rule holds on the GPU.
-    check(cudaStreamWaitEvent(cs, *p.done, 0), "cudaStreamWaitEvent (wait)");
+    // this op's stream order: the lifetime rule holds on the GPU. The test hook removes the
+    // wait only (the copy still runs, and reads the poison when it runs too early).
+    if (!debug().skip_wait_event.load(std::memory_order_relaxed) &&
+        !debug().skip_wait.load(std::memory_order_relaxed)) {
+      check(cudaStreamWaitEvent(cs, *p.done, 0), "cudaStreamWaitEvent (wait)");
+    }
     check(cudaMemcpyAsync(z, p.stage->data(), bytes, cudaMemcpyDeviceToDevice, cs),
           "cudaMemcpyAsync (staging to wait output)");
+    counters().cuda_bytes_d2d += bytes;
+    if (debug().poison.load(std::memory_order_relaxed)) {
+      // Test hook: between its uses a staging buffer holds 0xFF, so a copy out of it that
+      // is not ordered after its load (c), or a load not ordered after the previous read
+      // (a), shows as NaN instead of stale but plausible bytes.
+      check(cudaMemsetAsync(p.stage->data(), 0xFF, bytes, cs), "cudaMemsetAsync (poison)");
+    }
     // The staging buffer is reused only after this copy read it.
     Lease read = d.events->acquire();
     check(cudaEventRecord(*read, cs), "cudaEventRecord (staging read)");
@@ -810,7 +832,7 @@ class CudaEngine final : public Engine {
     // must not overwrite a staging buffer before the last copy that used it (a Wait's copy
     // out of it on some compute stream, or a load of a failed run) is done.
     StageBuf sb = d.loads->acquire(bytes);
-    if (sb->fence && !debug().skip_order.load(std::memory_order_relaxed)) {
+    if (sb->fence && !debug().skip_staging_fence.load(std::memory_order_relaxed)) {
       check(cudaStreamWaitEvent(d.h2d.get(), *sb->fence, 0), "cudaStreamWaitEvent (staging reuse)");
     }
     sb->fence.reset();  // the wait is enqueued: the event may go back to the pool
@@ -825,6 +847,7 @@ class CudaEngine final : public Engine {
   // One chunk of a disk load, on an I/O thread: file -> pinned staging -> dst.
   static void disk_part(Device& d, const GpuDiskWeight& w, uint64_t p, uint64_t q, char* dst,
                         int64_t delay_us) {
+    cuda::set_device(d.id);  // an I/O thread: every CUDA call below is on d's device
     Staging& staging = d.need_staging();
     Staging::Buf* b = staging.acquire();
     struct Back {
@@ -839,11 +862,11 @@ class CudaEngine final : public Engine {
     }
     counters().bytes_read_disk += n;
     counters().bytes_loaded += n;
-    cuda::set_device(d.id);
     spin(delay_us, d.h2d.get());
     CopyTimer timer(d, d.h2d.get(), n, true);
     check(cudaMemcpyAsync(dst, b->mem->data(), n, cudaMemcpyHostToDevice, d.h2d.get()),
           "cudaMemcpyAsync (disk chunk, host to device)");
+    counters().cuda_bytes_h2d += n;
     timer.done();
     check(cudaEventRecord(b->ev, d.h2d.get()), "cudaEventRecord (staging)");
     b->recorded = true;
@@ -868,6 +891,8 @@ class CudaEngine final : public Engine {
 }  // namespace
 
 std::shared_ptr<Engine> make_cuda_engine() { return std::make_shared<CudaEngine>(); }
+
+void cuda_set_device(int device) { cuda::set_device(device); }
 
 CudaMemInfo cuda_mem_info(int device) {
   cuda::set_device(device);
@@ -923,6 +948,7 @@ CudaTransferTimes cuda_transfer_times(bool reset) {
   }
   CudaTransferTimes add;
   for (TimedCopy& t : todo) {
+    cuda::set_device(t.device);
     check(cudaEventSynchronize(*t.end), "cudaEventSynchronize (timing)");
     float ms = 0;
     check(cudaEventElapsedTime(&ms, *t.start, *t.end), "cudaEventElapsedTime");

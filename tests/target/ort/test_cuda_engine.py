@@ -5,7 +5,13 @@ is marked ``gpu`` and skipped with the reason otherwise (``scripts/gpu_run.sh`` 
 a GPU machine). The debug hooks (``_ops.set_debug``) make a missing event edge visible
 instead of rare: ``poison`` fills every Prefetch output with 0xFF before its copy, ``delay_us``
 spins the copy streams before each copy, ``compute_delay_us`` spins the compute stream at
-each Prefetch, and ``skip_wait`` / ``skip_order`` remove the engine's event waits.
+each Prefetch, and one ``skip_*`` flag per ordering edge removes exactly that edge
+(docs/cuda.md, "The hazards").
+
+Every test asserts something a CPU fallback would fail: the cache ops ran on the CUDA EP
+(``ops_cuda`` grew by the number of cache ops each run executes and ``ops_cpu`` did not),
+and the bytes the CUDA engine copied (``cuda_bytes_h2d`` / ``cuda_bytes_d2h``) are what the
+plan moves. The CPU engine never touches those counters (test_engine_cpu.py checks that).
 """
 
 from __future__ import annotations
@@ -99,6 +105,48 @@ def decoder_disk(tmp_path_factory):
     return src, opt
 
 
+def _cache_ops(path) -> dict[str, int]:
+    """Cache ops of each kind in the optimized model."""
+    import onnx
+
+    from ho_onnx import contract
+
+    m = onnx.load(str(path), load_external_data=False)
+    n: dict[str, int] = {}
+    for node in m.graph.node:
+        if node.domain == contract.DOMAIN:
+            n[node.op_type] = n.get(node.op_type, 0) + 1
+    return n
+
+
+class _OnCuda:
+    """Counters around some runs: asserts every cache op ran on the CUDA EP, none on the
+    CPU EP, and the CUDA engine copied the bytes the plan moves."""
+
+    def __init__(self, path, runs: int):
+        self.ops = sum(_cache_ops(path).values())
+        self.runs = runs
+        assert self.ops > 0
+
+    def __enter__(self):
+        self.before = _ops.counters()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return
+        self.after = c = _ops.counters()
+        d = {k: c[k] - self.before[k] for k in c}
+        self.delta = d
+        assert d["ops_cuda"] == self.runs * self.ops, (d["ops_cuda"], self.runs, self.ops)
+        assert d["ops_cpu"] == 0, d["ops_cpu"]
+        # Every byte loaded went host -> device through the CUDA engine; every byte stored
+        # device -> host; every Wait copied its bytes out of staging on the compute stream.
+        assert d["cuda_bytes_h2d"] == d["bytes_loaded"] > 0, d
+        assert d["cuda_bytes_d2h"] == d["bytes_stored"], d
+        assert d["cuda_bytes_d2d"] == d["cuda_bytes_h2d"], d
+
+
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.allclose(a, b, rtol=1e-3, atol=1e-4))
 
@@ -107,20 +155,24 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 
 @pytest.mark.parametrize("order", ["priority", "default"])
 def test_decoder_matches_original(decoder, order):
-    src, opt, _ = decoder
+    src, opt, stored = decoder
     ref = _session(src, optimized=False, order=order)
-    before = _ops.counters()
     s = _session(opt, optimized=True, order=order)
-    # The CUDA kernels were created: their engine prewarmed its event pool.
-    assert _ops.counters()["cuda_events_created"] > before["cuda_events_created"]
-    for seed in range(3):
-        (a,) = ref.run(None, _feeds(seed))
-        (b,) = s.run(None, _feeds(seed))
-        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
-    c = _ops.counters()
-    assert c["bytes_loaded"] > before["bytes_loaded"]
-    assert c["bytes_stored"] > before["bytes_stored"]
-    assert c["pinned_bytes"] > 0
+    with _OnCuda(opt, runs=3) as oc:
+        for seed in range(3):
+            (a,) = ref.run(None, _feeds(seed))
+            (b,) = s.run(None, _feeds(seed))
+            np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
+    # The plan's stored activations, every run, device -> host.
+    assert oc.delta["cuda_bytes_d2h"] == 3 * stored
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) >= (1, 23):
+        # ORT's CUDA arena, sampled at the last Wait (AllocatorGetStats): the Waits ran on
+        # CUDA, so this is the device arena; it holds at least the largest offloaded weight
+        # in flight and at most the card.
+        c = oc.after
+        _, total = _ops.cuda_mem_info(0)
+        assert 0 < c["ort_arena_in_use"] <= c["ort_arena_max_in_use"]
+        assert c["ort_arena_max_in_use"] <= c["ort_arena_total_allocated"] <= total
 
 
 def test_decoder_bit_exact_on_cuda_at_basic_level(decoder):
@@ -137,7 +189,9 @@ def test_decoder_bit_exact_on_cuda_at_basic_level(decoder):
         return ort.InferenceSession(str(path), sess_options=so, providers=PROVIDERS)
 
     a = sess(src, False).run(None, _feeds(5))[0]
-    b = sess(opt, True).run(None, _feeds(5))[0]
+    s = sess(opt, True)
+    with _OnCuda(opt, runs=1):
+        b = s.run(None, _feeds(5))[0]
     np.testing.assert_array_equal(b, a)
 
 
@@ -148,9 +202,10 @@ def test_host_bytes_entry_sizes_the_ring(decoder):
     ref = _session(src, optimized=False)
     # Reserved at session creation: one segment for a whole run.
     assert _ops.counters()["ring_segments"] == before + 1
-    for seed in range(5):
-        np.testing.assert_allclose(s.run(None, _feeds(seed))[0], ref.run(None, _feeds(seed))[0],
-                                   rtol=1e-3, atol=1e-4)
+    with _OnCuda(opt, runs=5):
+        for seed in range(5):
+            np.testing.assert_allclose(s.run(None, _feeds(seed))[0],
+                                       ref.run(None, _feeds(seed))[0], rtol=1e-3, atol=1e-4)
     assert _ops.counters()["ring_segments"] == before + 1  # sequential runs never grow it
 
 
@@ -158,11 +213,12 @@ def test_disk_tier_matches_original(decoder_disk):
     src, opt = decoder_disk
     ref = _session(src, optimized=False)
     s = _session(opt, optimized=True)
-    before = _ops.counters()["bytes_read_disk"]
-    for seed in range(3):
-        np.testing.assert_allclose(s.run(None, _feeds(seed))[0], ref.run(None, _feeds(seed))[0],
-                                   rtol=1e-3, atol=1e-4)
-    assert _ops.counters()["bytes_read_disk"] > before
+    with _OnCuda(opt, runs=3) as oc:
+        for seed in range(3):
+            np.testing.assert_allclose(s.run(None, _feeds(seed))[0],
+                                       ref.run(None, _feeds(seed))[0], rtol=1e-3, atol=1e-4)
+    # Every weight byte read from the file went to the device through the CUDA engine.
+    assert oc.delta["bytes_read_disk"] == oc.delta["cuda_bytes_h2d"] > 0
 
 
 def test_disk_read_error_names_the_node(tmp_path):
@@ -174,8 +230,13 @@ def test_disk_read_error_names_the_node(tmp_path):
     data = [p for p in tmp_path.iterdir() if p.name.endswith(".data")]
     for p in data:
         os.truncate(p, 0)
+    before = _ops.counters()
     with pytest.raises(Exception, match=r"ho_onnx Wait \(node '[^']+'\): transfer failed"):
         s.run(None, _feeds(0))
+    after = _ops.counters()
+    # The Prefetches that issued the reads ran on the CUDA EP, the failing Wait too.
+    assert after["ops_cuda"] > before["ops_cuda"]
+    assert after["ops_cpu"] == before["ops_cpu"]
 
 
 @pytest.mark.slow
@@ -194,6 +255,8 @@ def test_hf_export_matches_original(tmp_path_factory, arch):
     ref = _session(src, optimized=False)
     s = _session(opt, optimized=True)
     names = [i.name for i in ref.get_inputs()]
+    oc = _OnCuda(opt, runs=3)
+    oc.__enter__()
     for seed in range(3):
         feeds = {k: v for k, v in _feeds(seed).items() if k in names}
         for n in names:
@@ -201,6 +264,57 @@ def test_hf_export_matches_original(tmp_path_factory, arch):
                 feeds[n] = np.ones((DIMS["batch"], DIMS["seq"]), np.int64)
         for a, b in zip(ref.run(None, feeds), s.run(None, feeds), strict=True):
             np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
+    oc.__exit__(None, None, None)  # every cache op ran on CUDA: no chain split to the CPU
+
+
+def test_issued_chain_stays_on_cuda(tmp_path):
+    """Prefetch's `issued` output ([0] device tensor) as the next Prefetch's ordering input
+    (the FIFO chain): every op of the chain, the reload included, runs on the CUDA EP, the
+    outputs are bit-exact, and the poisoned, slowed copies are still waited for."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ho_onnx import contract
+
+    n, numel = 4, 1 << 16
+    rng = np.random.default_rng(11)
+    w = rng.random(n * numel).astype(np.float32)
+    w.tofile(tmp_path / "w.bin")
+    size = 4 * numel
+
+    def node(op, ins, outs, **attrs):
+        nd = helper.make_node(op, ins, outs, domain=contract.DOMAIN)
+        nd.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()))
+        return nd
+
+    nodes, outs, prev = [], [], None
+    for i in range(n):
+        nodes.append(node("Prefetch", ["s0"] + ([prev] if prev else []), [f"y{i}", f"i{i}"],
+                          location="w.bin", offset=i * size, length=size, shape=[numel],
+                          name=f"W{i}"))
+        nodes.append(node("Wait", [f"y{i}"], [f"w{i}"]))
+        outs.append(helper.make_tensor_value_info(f"w{i}", TensorProto.FLOAT, None))
+        prev = f"i{i}"
+    nodes += [node("Store", ["x"], ["t"]), node("Detach", ["x", "t"], ["t2"]),
+              node("Prefetch", ["t2", prev], ["ry", "ri"]), node("Wait", ["ry"], ["rz"])]
+    outs.append(helper.make_tensor_value_info("rz", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [numel])], outs,
+        [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])])
+    m = helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid(contract.DOMAIN, 1)])
+    path = tmp_path / "chain.onnx"
+    onnx.save(m, str(path))
+    s = _session(path, optimized=True)
+    x = rng.random(numel).astype(np.float32)
+    _ops.set_debug(poison=True, delay_us=5_000)
+    with _OnCuda(path, runs=3) as oc:
+        for _ in range(3):
+            res = s.run(None, {"x": x})
+            for i in range(n):
+                assert res[i].tobytes() == w[i * numel:(i + 1) * numel].tobytes()
+            assert res[n].tobytes() == x.tobytes()
+    assert oc.delta["cuda_bytes_h2d"] == 3 * (n + 1) * size
 
 
 # ---- stream ordering -------------------------------------------------------------------------
@@ -251,10 +365,11 @@ def _mismatches(src, opt, runs: int, seed0: int = 0) -> int:
     ref = _session(src, optimized=False)
     s = _session(opt, optimized=True)
     bad = 0
-    for i in range(runs):
-        f = _feeds(seed0 + i)
-        if not _close(s.run(None, f)[0], ref.run(None, f)[0]):
-            bad += 1
+    with _OnCuda(opt, runs=runs):  # a broken variant that ran on the CPU proves nothing
+        for i in range(runs):
+            f = _feeds(seed0 + i)
+            if not _close(s.run(None, f)[0], ref.run(None, f)[0]):
+                bad += 1
     del s
     gc.collect()
     time.sleep(0.2)  # copies of a deliberately broken run may still land
@@ -265,9 +380,8 @@ def _mismatches(src, opt, runs: int, seed0: int = 0) -> int:
 def test_stress_with_a_busy_device(decoder):
     src, opt, _ = decoder
     _ops.set_debug(poison=True)  # an unordered read sees 0xFF (NaN), not stale data
-    with _BusyDevice(src) as busy:
+    with _BusyDevice(src):
         assert _mismatches(src, opt, runs=300) == 0
-    assert busy.iters > 0
 
 
 def _assert_hazard(decoder, skip: str, **debug: object) -> None:
@@ -281,22 +395,32 @@ def _assert_hazard(decoder, skip: str, **debug: object) -> None:
 
 
 def test_without_the_wait_event_outputs_are_wrong(decoder):
-    """HAZARD (c): Wait's cudaStreamWaitEvent is what orders consumers after the copy."""
-    _assert_hazard(decoder, "skip_wait", poison=True, delay_us=20_000)
+    """HAZARD (c) alone: Wait's cudaStreamWaitEvent is what orders its staging -> z copy
+    after the load. Slow loads, staging poisoned between uses: without the edge the copy
+    reads 0xFF. (The copy itself still runs: only the edge is removed.)"""
+    _assert_hazard(decoder, "skip_wait_event", poison=True, delay_us=20_000)
 
 
-def test_without_the_start_event_outputs_are_wrong(decoder):
-    """HAZARD (a): a load waits for the fence of its device staging buffer (the Wait's copy
-    out of it on the compute stream) before overwriting it. A slow compute stream: without
-    the fence, the next load of a same-size weight overwrites the staging buffer before the
-    queued device-to-device copy of the previous Wait read it."""
-    _assert_hazard(decoder, "skip_order", poison=True, compute_delay_us=20_000)
+def test_without_the_staging_fence_outputs_are_wrong(decoder):
+    """HAZARD (a) alone: a load waits for the fence of its device staging buffer (the
+    Wait's copy out of it on the compute stream) before overwriting it. A slow compute
+    stream: without the fence, the next load of a same-size weight overwrites the staging
+    buffer before the queued device-to-device copy of the previous Wait read it."""
+    _assert_hazard(decoder, "skip_staging_fence", poison=True, compute_delay_us=20_000)
 
 
 def test_without_the_detach_event_outputs_are_wrong(decoder):
-    """HAZARD (b): Detach keeps the stored tensor's block from ORT until the device-to-host
-    copy read it. With slow store copies and no wait, later kernels overwrite it first."""
-    _assert_hazard(decoder, "skip_order", delay_us=20_000)
+    """HAZARD (b) alone: Detach keeps the stored tensor's block from ORT until the
+    device-to-host copy read it. With slow store copies and no wait, later kernels
+    overwrite it first."""
+    _assert_hazard(decoder, "skip_detach_wait", delay_us=20_000)
+
+
+def test_without_the_store_start_event_outputs_are_wrong(decoder):
+    """HAZARD (d) alone: a Store's device-to-host copy waits for the compute stream (the
+    kernels that write x). A slow compute stream: without the edge the copy reads x before
+    it was written (last run's values, other inputs: wrong)."""
+    _assert_hazard(decoder, "skip_store_start", compute_delay_us=20_000)
 
 
 def test_concurrent_runs(decoder):
@@ -306,6 +430,8 @@ def test_concurrent_runs(decoder):
     _ops.set_debug(poison=True)
     refs = {i: ref.run(None, _feeds(i))[0] for i in range(40)}
     errors: list[str] = []
+    oc = _OnCuda(opt, runs=4 * 25)
+    oc.__enter__()
 
     def worker(k: int) -> None:
         for j in range(25):
@@ -316,6 +442,7 @@ def test_concurrent_runs(decoder):
 
     run_threads(worker, 4)
     assert not errors, errors[:5]
+    oc.__exit__(None, None, None)
 
 
 # ---- memory --------------------------------------------------------------------------------
@@ -337,8 +464,9 @@ def test_thousand_runs_stable_memory(decoder):
     free0, _ = _ops.cuda_mem_info(0)
     rss0 = _rss()
     c0 = _ops.counters()
-    for _ in range(1000):
-        out = s.run(None, _feeds(0))[0]
+    with _OnCuda(opt, runs=1000):
+        for _ in range(1000):
+            out = s.run(None, _feeds(0))[0]
     assert _close(out, want)
     gc.collect()
     free1, _ = _ops.cuda_mem_info(0)
@@ -362,6 +490,9 @@ def test_pinned_weights_within_1_1x(decoder):
     c = _ops.counters()
     weights = c["host_store_bytes"] - h0
     assert weights > 0
+    with _OnCuda(opt, runs=1) as oc:  # the pinned weights are what the CUDA engine loads
+        s.run(None, _feeds(0))
+    assert oc.delta["cuda_bytes_h2d"] >= weights
     # Small test weights: one partly filled 4 MiB chunk beyond the 1.07x of the packing.
     assert c["pinned_bytes"] - p0 <= 1.1 * weights + (4 << 20)
     del s
@@ -381,10 +512,13 @@ def test_transfer_times_match_bytes_loaded(decoder):
     s.run(None, _feeds(0))
     _ops.cuda_transfer_times(reset=True)
     _ops.set_debug(cuda_timing=True)
-    b0 = _ops.counters()["bytes_loaded"]
+    c0 = _ops.counters()
+    b0, h2d0, d2h0 = c0["bytes_loaded"], c0["cuda_bytes_h2d"], c0["cuda_bytes_d2h"]
     s.run(None, _feeds(1))
     _ops.set_debug()
     t = _ops.cuda_transfer_times(reset=True)
-    assert t["h2d_bytes"] == _ops.counters()["bytes_loaded"] - b0
-    assert t["h2d_s"] > 0 and t["d2h_bytes"] > 0
+    c = _ops.counters()
+    assert t["h2d_bytes"] == c["bytes_loaded"] - b0 == c["cuda_bytes_h2d"] - h2d0
+    assert t["d2h_bytes"] == c["cuda_bytes_d2h"] - d2h0 > 0
+    assert t["h2d_s"] > 0
 

@@ -274,3 +274,102 @@ def test_memory_is_stable(tmp_path):
     assert runtime.counters()["host_pool_bytes_reserved"] == reserved0  # buffers reused
     if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's quarantine holds freed memory
         assert _rss_bytes() - rss0 < 4 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# Per-provider counters: what tells a CUDA run from a CPU fallback (test_cuda_engine.py)
+
+CUDA_ONLY = ("ops_cuda", "cuda_bytes_h2d", "cuda_bytes_d2h", "cuda_bytes_d2d")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_cpu_engine_counts_ops_cpu_and_never_the_cuda_counters(tmp_path, order):
+    w = _weight(tmp_path)
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER), execution_order=order)
+    x = np.random.default_rng(1).random(N).astype(np.float32)
+    before = runtime.counters()
+    runs = 3
+    for _ in range(runs):
+        (out,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(out, _expected(x, w))
+    after = runtime.counters()
+    cache_ops = PROPER.count(f"{D}.")  # Prefetch x2, Store, Detach, Wait x2
+    assert cache_ops == 6
+    assert after["ops_cpu"] - before["ops_cpu"] == runs * cache_ops
+    for name in CUDA_ONLY:
+        assert after[name] == before[name], name
+    # bytes the CPU engine moved: W and x loaded, x stored, every run
+    assert after["bytes_loaded"] - before["bytes_loaded"] == runs * 2 * 4 * N
+
+
+def test_failed_compute_is_not_counted(tmp_path):
+    body = f"""
+      w = {D}.Wait(x)
+      out = Add(w, x)
+    """
+    sess = runtime.InferenceSession(_model(tmp_path, body), execution_order="priority")
+    before = runtime.counters()["ops_cpu"]
+    with pytest.raises(Exception, match="no transfer pending"):
+        sess.run(None, {"x": np.ones(N, np.float32)})
+    assert runtime.counters()["ops_cpu"] == before
+
+
+def test_reset_counters_resets_the_per_provider_counters(tmp_path):
+    w = _weight(tmp_path)
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER))
+    x = np.ones(N, np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], _expected(x, w))
+    assert runtime.counters()["ops_cpu"] > 0
+    runtime.reset_counters()
+    c = runtime.counters()
+    assert c["ops_cpu"] == 0 and c["ops_cuda"] == 0 and c["cuda_bytes_h2d"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# ORT's arena as measured: AllocatorGetStats (ORT API 23) sampled at every Wait
+
+
+def _one_weight_model(tmp_path, n: int) -> str:
+    np.arange(n, dtype=np.float32).tofile(tmp_path / f"w{n}.bin")
+    text = f"""
+    <ir_version: 10, opset_import: {OPSETS}>
+    g (float[{n}] x) => (float[{n}] out) <float[0] s0 = {{}}> {{
+      wy = {D}.Prefetch<location = "w{n}.bin", offset = 0, length = {4 * n}, shape = [{n}],
+                        name = "W">(s0)
+      w = {D}.Wait(wy)
+      out = Add(w, x)
+    }}
+    """
+    path = os.path.join(str(tmp_path), f"m{n}.onnx")
+    onnx.save(onnx.parser.parse_model(text), path)
+    return path
+
+
+def test_wait_samples_the_cpu_arena(tmp_path):
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 23):
+        pytest.skip("AllocatorGetStats needs onnxruntime >= 1.23")
+    big, small = 2 << 20, 1 << 10  # elements: an 8 MiB and a 4 KiB weight
+    for n in (big, small):
+        sess = runtime.InferenceSession(_one_weight_model(tmp_path, n))
+        x = np.ones(n, np.float32)
+        out = sess.run(None, {"x": x})[0]
+        np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) + 1)
+        c = runtime.counters()
+        in_use, peak, total = (c["ort_arena_in_use"], c["ort_arena_max_in_use"],
+                               c["ort_arena_total_allocated"])
+        # At the Wait the Prefetch output (4n bytes) is live in this session's CPU arena.
+        assert in_use >= 4 * n, (n, in_use)
+        assert total >= peak >= in_use, (total, peak, in_use)
+        if n == small:
+            # sampled at this session's Wait, not left over from the big one
+            assert in_use < 4 * big, in_use
+        del sess
+
+
+def test_set_debug_names_one_flag_per_edge():
+    ops = runtime._ops()
+    for flag in ("skip_staging_fence", "skip_detach_wait", "skip_wait_event", "skip_store_start"):
+        ops.set_debug(**{flag: True})  # accepted (CUDA engine only)
+    ops.set_debug()
+    with pytest.raises(TypeError, match="unknown hook 'skip_order'"):
+        ops.set_debug(skip_order=True)  # removed: it named two edges at once

@@ -423,3 +423,94 @@ def test_token_reused_twice_is_an_error(tmp_path):
     sess = runtime.InferenceSession(save(m, tmp_path))
     with pytest.raises(Exception, match="already reloaded"):
         sess.run(None, {"x": np.ones(4, np.float32)})
+
+
+# --------------------------------------------------------------------------------------------
+# Prefetch's optional second output `issued`: a [0] tensor of T that orders the next Prefetch
+# of the channel (FIFO) without keeping the full-size `y` alive
+
+
+def _issued_chain_model(n: int, ttype=TensorProto.FLOAT, bits=32, numel=16, declare_last=True):
+    """n weight Prefetches, each taking the previous one's `issued` as its ordering input;
+    then a Store/Detach/Prefetch reload that also chains on `issued`."""
+    size = nbytes(numel, bits)
+    nodes, outs = [], []
+    prev = None
+    for i in range(n):
+        deps = ["s0"] + ([prev] if prev else [])
+        issued = f"i{i}" if (declare_last or i < n - 1) else ""
+        y_outs = [f"y{i}", issued] if issued else [f"y{i}"]
+        nodes.append(hnode("Prefetch", deps, y_outs,
+                           **weight_attrs("w.bin", i * size, size, [numel], f"W{i}")))
+        nodes.append(hnode("Wait", [f"y{i}"], [f"w{i}"]))
+        outs.append(helper.make_tensor_value_info(f"w{i}", ttype, None))
+        prev = issued or prev
+    nodes += [
+        hnode("Store", ["x"], ["t"]),
+        hnode("Detach", ["x", "t"], ["t2"]),
+        hnode("Prefetch", ["t2", prev], ["ry", "ri"]),
+        hnode("Wait", ["ry"], ["rz"]),
+    ]
+    outs += [helper.make_tensor_value_info("rz", ttype, None),
+             helper.make_tensor_value_info("ri", ttype, None)]
+    return make_model(nodes, [helper.make_tensor_value_info("x", ttype, [numel])], outs,
+                      [helper.make_tensor("s0", ttype, [0], b"", raw=True)])
+
+
+@pytest.mark.parametrize("order", ["default", "priority"])
+@pytest.mark.parametrize("declare_last", [True, False])
+def test_issued_output_orders_the_next_prefetch(tmp_path, order, declare_last):
+    n, numel = 4, 16
+    rng = np.random.default_rng(7)
+    w = rng.random(n * numel).astype(np.float32)
+    w.tofile(tmp_path / "w.bin")
+    m = _issued_chain_model(n, numel=numel, declare_last=declare_last)
+    sess = runtime.InferenceSession(save(m, tmp_path), execution_order=order)
+    x = rng.random(numel).astype(np.float32)
+    runtime._ops().set_debug(delay_us=2000, poison=True)  # a late copy would show as NaN
+    for _ in range(3):
+        res = sess.run(None, {"x": x})
+        for i in range(n):
+            assert res[i].tobytes() == w[i * numel:(i + 1) * numel].tobytes()
+        assert res[n].tobytes() == x.tobytes()
+        issued = res[n + 1]
+        assert issued.dtype == np.float32 and issued.shape == (0,)
+
+
+@pytest.mark.parametrize("tname", ["float16", "int64", "bool", "uint4", "bfloat16"])
+def test_issued_output_has_the_element_type_and_no_bytes(tmp_path, tname):
+    ttype, bits = TYPES[tname]
+    numel = 6
+    size = nbytes(numel, bits)
+    data = np.random.default_rng(3).integers(0, 2 if tname == "bool" else 256,
+                                             2 * size, dtype=np.uint8)
+    data.tofile(tmp_path / "w.bin")
+    nodes = [
+        hnode("Prefetch", ["s0"], ["y0", "i0"], **weight_attrs("w.bin", 0, size, [numel], "A")),
+        hnode("Prefetch", ["s0", "i0"], ["y1", "i1"],
+              **weight_attrs("w.bin", size, size, [numel], "B")),
+        hnode("Wait", ["y0"], ["w0"]),
+        hnode("Wait", ["y1"], ["w1"]),
+    ]
+    outs = [helper.make_tensor_value_info(n, ttype, None) for n in ("w0", "w1", "i1")]
+    m = make_model(nodes, [], outs, [helper.make_tensor("s0", ttype, [0], b"", raw=True)])
+    sess = runtime.InferenceSession(save(m, tmp_path))
+    w0, w1, i1 = raw_outputs(sess, ["w0", "w1", "i1"])
+    assert w0 == data[:size].tobytes() and w1 == data[size:].tobytes()
+    assert i1 == b""
+    (v,) = sess.run_with_ort_values(["i1"], {})
+    assert v.shape() == [0]
+
+
+def test_issued_is_optional_in_the_schema(tmp_path):
+    """Only Prefetch has the optional second output: Wait, Store and Detach have one."""
+    for op, args in (("Wait", "x"), ("Store", "x")):
+        m = onnx.parser.parse_model(f"""
+        <ir_version: 10, opset_import: {OPSETS}>
+        g (float[4] x) => (float[4] z) {{
+          z, extra = {D}.{op}({args})
+        }}
+        """)
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+                           match="output size 2 not in range"):
+            runtime.InferenceSession(save(m, tmp_path))
