@@ -90,6 +90,7 @@ class _Emitter:
         self.rename: dict[int, dict[str, str]] = {}  # position -> {old input name: new}
         self.replace: dict[int, onnx.NodeProto] = {}  # position -> node that takes its place
         self.weight_prefetches: dict[str, list[onnx.NodeProto]] = {}
+        self.elem_types: dict[str, int] = {}  # of the values declared with :meth:`like`
 
     def dep_before(self, pos: int, floor: int = -1) -> list[str]:
         """An output of the latest node at a position < ``pos`` (and > ``floor``)."""
@@ -111,6 +112,7 @@ class _Emitter:
     def like(self, name: str, t: TensorInfo) -> None:
         """Declare ``name`` with ``t``'s type and shape (helps ORT's shape-based fusions)."""
         assert t.elem_type is not None
+        self.elem_types[name] = t.elem_type
         shape = None if t.shape is None else [d if d is not None else None for d in t.shape]
         self.value_info.append(helper.make_tensor_value_info(name, t.elem_type, shape))
 
@@ -138,6 +140,25 @@ class _Emitter:
             nodes.append(node)
             nodes.extend(sorted(self.after[pos], key=lambda x: x.op_type != contract.STORE))
         return nodes
+
+    def chain_channels(self, nodes: list[onnx.NodeProto]) -> None:
+        """Each Prefetch on a channel waits for the previous one's ``issued`` output (a
+        zero-size tensor): the issue order is the file's, FIFO per channel as the simulator
+        assumes, under any execution order (docs/design.md, "Schedule in the graph")."""
+        last: dict[str, onnx.NodeProto] = {}
+        for node in nodes:
+            if node.domain != contract.DOMAIN or node.op_type != contract.PREFETCH:
+                continue
+            channel = prefetch_channel(node)
+            prev = last.get(channel)
+            if prev is not None:
+                if len(prev.output) < 2:
+                    issued = self.names.fresh(f"{prev.output[0]}.issued")
+                    prev.output.append(issued)
+                    elem = self.elem_types[prev.output[0]]
+                    self.value_info.append(helper.make_tensor_value_info(issued, elem, [0]))
+                node.input.append(prev.output[1])
+            last[channel] = node
 
     def offload_weight(self, w: WeightOffload) -> None:
         """Prefetch/Wait pairs before each data reader of ``w``; shape readers become
@@ -209,6 +230,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     for a in choice.activations:
         em.offload_activation(a, ring)
     new_nodes = em.schedule()
+    em.chain_channels(new_nodes)
     result = RewrittenModel(model, cache_nodes=len(new_nodes) - len(analysis.order))
     index = {id(node): i for i, node in enumerate(new_nodes)}
     result.weight_prefetches = {name: [index[id(pf)] for pf in pfs]
@@ -227,6 +249,15 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     if not any(o.domain == contract.DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(contract.DOMAIN, contract.OPSET_VERSION))
     return result
+
+
+def prefetch_channel(node: onnx.NodeProto) -> str:
+    """The copy channel a Prefetch's transfer queues on: ``"disk"`` for a disk-tier weight,
+    ``"load"`` (host to device) for a host-tier weight or a stored activation."""
+    for a in node.attribute:
+        if a.name == contract.ATTR_TIER and a.s.decode() == "disk":
+            return "disk"
+    return "load"
 
 
 def shape_constant(node: onnx.NodeProto, dims: list[int]) -> onnx.NodeProto:
