@@ -34,8 +34,9 @@ struct ExecContext {
   // token2 of a Detach, the z of a Wait (the engine copies on the compute stream when ORT
   // did not alias it). Null on the CPU EP (ops.cc copies there).
   void* out = nullptr;
-  // The calling kernel: tells runs apart (an engine's run tracking, see "Transfer lifetime
-  // rule" in docs/design.md).
+  // The calling kernel's identity, unique in the process and never reused (not its address:
+  // a later session's kernel may get a freed kernel's address): tells runs apart (an
+  // engine's run tracking, see "Transfer lifetime rule" in docs/design.md).
   const void* kernel = nullptr;
   // CPU EP: the kernel's context, so that large copies can use ORT's intra-op threads
   // (KernelContext_ParallelFor) inside the Compute call. Null: copy on this thread.

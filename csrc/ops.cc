@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstddef>
@@ -402,6 +403,15 @@ struct Kernel {
   int device = 0;
   std::string node;  // the node's name, for messages
   std::shared_ptr<Engine> engine;
+  // The kernel's identity for the engine's run tracking (ExecContext::kernel): a serial
+  // number, never an address. A freed kernel's address can come back as a later session's
+  // kernel while the thread's run epoch still lists it, which made the CPU engine take a
+  // new run for the same run and drop its pending stores ("no pending store of this run").
+  const void* identity = next_identity();
+  static const void* next_identity() {
+    static std::atomic<uintptr_t> next{1};
+    return reinterpret_cast<const void*>(next.fetch_add(1));
+  }
   // Wait: the kernel's default allocator (ORT's arena of its EP), sampled at every Wait.
   OrtAllocator* alloc = nullptr;
   const StatsApi* stats = nullptr;
@@ -517,7 +527,7 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
 void Kernel::compute(OrtKernelContext* ctx) {
   if (gpu) return compute_gpu(ctx);
   ExecContext ec{};
-  ec.kernel = this;
+  ec.kernel = identity;
   ec.api = api;
   ec.kctx = ctx;
   switch (kind) {
@@ -643,7 +653,7 @@ int kernel_device(const OrtApi* api, const OrtKernelInfo* info) {
 void Kernel::compute_gpu(OrtKernelContext* ctx) {
   ExecContext ec{};
   ec.device = device;
-  ec.kernel = this;
+  ec.kernel = identity;
   check(api, api->KernelContext_GetGPUComputeStream(ctx, &ec.stream));
   // The header allows a null stream ("not relevant" for the kernel's EP). Every ordering of
   // the engine is an event edge with ORT's compute stream; substituting the legacy default

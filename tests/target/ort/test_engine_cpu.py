@@ -373,3 +373,4 @@ def test_set_debug_names_one_flag_per_edge():
     ops.set_debug()
     with pytest.raises(TypeError, match="unknown hook 'skip_order'"):
         ops.set_debug(skip_order=True)  # removed: it named two edges at once
+
