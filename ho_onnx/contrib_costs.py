@@ -133,14 +133,22 @@ _GROUPED: dict[str, tuple[int, tuple[int, ...]]] = {
 }
 
 
+_VIEW_OPS = frozenset(("Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"))
+
+
 def weight_groups(graph: onnx.GraphProto) -> list[tuple[str, ...]]:
     """Initializers that must be offloaded and reloaded together, primary weight first.
 
     Groups sharing a member are merged (a tied embedding feeds a GatherBlockQuantized and
-    the lm_head MatMulNBits with the same packed table and scales). Only groups of two or
+    the lm_head MatMulNBits with the same packed table and scales; a weight seen through a
+    Reshape/Identity/(Un)Squeeze/Flatten of it counts as itself). Only groups of two or
     more initializers are returned, in graph order.
     """
     inits = {t.name for t in graph.initializer}
+    # A view of an initializer (the builder's tied table is Reshape(lm_head weight)) stands
+    # for the initializer itself.
+    view_of = {n.output[0]: n.input[0] for n in graph.node
+               if n.op_type in _VIEW_OPS and n.input and n.input[0] in inits and n.output}
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -156,9 +164,11 @@ def weight_groups(graph: onnx.GraphProto) -> list[tuple[str, ...]]:
         if rule is None or node.domain != "com.microsoft":
             continue
         main, others = rule
-        if len(node.input) <= main or node.input[main] not in inits:
+        if len(node.input) <= main:
             continue
-        w = node.input[main]
+        w = view_of.get(node.input[main], node.input[main])
+        if w not in inits:
+            continue
         primaries.add(w)
         order.setdefault(w, len(order))
         for i in others:

@@ -247,3 +247,7 @@ def test_weight_groups_merge_tied_embeddings():
             numpy_helper.from_array(np.zeros(shape, np.uint8 if name != "scales" else
                                              np.float32), name))
     assert weight_groups(model.graph) == [("table", "scales", "zp")]
+    # The builder's form: the table is a Reshape of the lm_head's packed weight.
+    model.graph.node[0].input[0] = "view"
+    model.graph.node.insert(0, onnx.parser.parse_node("view = Reshape (table, shape)"))
+    assert weight_groups(model.graph) == [("table", "scales", "zp")]
