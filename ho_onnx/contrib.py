@@ -27,6 +27,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .errors import UnsupportedModelError
+from .shapes import free_names
 
 # Domains whose operators onnx defines (every other domain is a custom one).
 STANDARD_DOMAINS = frozenset(
@@ -192,7 +193,8 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
     """Types of the main graph's values as ORT's symbolic shape inference sees them.
 
     ``dims`` binds symbolic input dims by name, ``shapes`` gives whole input shapes (unnamed
-    dims too). Dims it invents are cleared (unknown). Best effort: ``{}`` when
+    dims too). Dims it invents, and expressions other than arithmetic of names (sympy's
+    ``Max(a, b)``), are cleared: unknown. Best effort: ``{}`` when
     onnxruntime's tool is missing or fails. Weight bytes are never read.
     """
     try:
@@ -227,8 +229,9 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
         tp.CopyFrom(vi.type)
         if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
             for d in tp.tensor_type.shape.dim:
-                if d.HasField("dim_param") and invented_dim(d.dim_param):
-                    d.ClearField("dim_param")
+                if d.HasField("dim_param") and (invented_dim(d.dim_param)
+                                                or free_names(d.dim_param) is None):
+                    d.ClearField("dim_param")  # (sympy's Max(a, b), floor(...): unknown)
         types[vi.name] = tp
     return types
 

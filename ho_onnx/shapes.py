@@ -124,6 +124,20 @@ def missing_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]
     return names, odd
 
 
+def require_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]) -> None:
+    """Raise one :class:`UnboundDimError` naming every name ``dim_exprs`` need that ``dims``
+    lacks (dims that are no expression are left to the caller: unknown sizes)."""
+    names, _ = missing_dims(dim_exprs, dims)
+    if names:
+        raise unbound_error(names)
+
+
+def is_mask_input(name: str) -> bool:
+    """Inputs that test data must fill with ones (an attention mask of zeros and random
+    integers makes GroupQueryAttention's sequence lengths out of range)."""
+    return name.lower().endswith("attention_mask")
+
+
 def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None = None
                   ) -> UnboundDimError:
     """One error naming every missing dim and every input that needs a whole shape."""

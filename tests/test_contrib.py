@@ -251,3 +251,24 @@ def test_weight_groups_merge_tied_embeddings():
     model.graph.node[0].input[0] = "view"
     model.graph.node.insert(0, onnx.parser.parse_node("view = Reshape (table, shape)"))
     assert weight_groups(model.graph) == [("table", "scales", "zp")]
+
+
+def test_contrib_shapes_clear_what_no_dim_binding_can_evaluate(monkeypatch):
+    from onnxruntime.tools import symbolic_shape_infer
+
+    def fake(model, **kw):  # what ORT's inference writes for broadcasts, Flatten, unknowns
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        for name, dim in (("h", "Max(a, b)"), ("k", "Flatten_9_o0__d1"), ("m", "unk__2"),
+                          ("z", "a + 2*b")):
+            out.graph.value_info.append(onnx.helper.make_tensor_value_info(
+                name, TensorProto.FLOAT, [dim, 4]))
+        return out
+
+    monkeypatch.setattr(symbolic_shape_infer.SymbolicShapeInference, "infer_shapes",
+                        staticmethod(fake))
+    model = onnx.parser.parse_model(f"""{HEADER}
+    g (float[a, 4] x) => (float[a, 4] y) {{ y = Relu (x) }}""")
+    types = contrib_value_types(model)
+    assert [_dims(types[n]) for n in ("h", "k", "m", "z")] == [
+        [None, 4], [None, 4], [None, 4], ["a + 2*b", 4]]

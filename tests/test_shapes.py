@@ -110,3 +110,18 @@ def test_missing_dims():
     names, odd = missing_dims(["a + b", "c", "a", "?", "b*2"], {"b": 1})
     assert names == ["a", "c"]
     assert odd == ["?"]
+
+
+def test_require_dims_names_all_at_once():
+    from ho_onnx.shapes import require_dims
+
+    require_dims(["a + b", "?"], {"a": 1, "b": 2})  # odd dims are the caller's business
+    with pytest.raises(UnboundDimError, match=r"a, c .*--dim a=N --dim c=N"):
+        require_dims(["a + b", "c", "2*a"], {"b": 1})
+
+
+def test_mask_inputs():
+    from ho_onnx.shapes import is_mask_input
+
+    assert is_mask_input("attention_mask") and is_mask_input("encoder_attention_mask")
+    assert not is_mask_input("input_ids") and not is_mask_input("mask_token")
