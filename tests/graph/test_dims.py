@@ -8,7 +8,7 @@ import onnx.parser
 import pytest
 
 from ho_onnx.errors import UnboundDimError
-from ho_onnx.shapes import (
+from ho_onnx.graph.dims import (
     dims_from_shapes,
     free_names,
     input_shapes,
@@ -113,7 +113,7 @@ def test_missing_dims():
 
 
 def test_require_dims_names_all_at_once():
-    from ho_onnx.shapes import require_dims
+    from ho_onnx.graph.dims import require_dims
 
     require_dims(["a + b", "?"], {"a": 1, "b": 2})  # odd dims are the caller's business
     with pytest.raises(UnboundDimError, match=r"a, c .*--dim a=N --dim c=N"):
@@ -121,7 +121,7 @@ def test_require_dims_names_all_at_once():
 
 
 def test_mask_inputs():
-    from ho_onnx.shapes import is_mask_input
+    from ho_onnx.graph.dims import is_mask_input
 
     assert is_mask_input("attention_mask") and is_mask_input("encoder_attention_mask")
     assert not is_mask_input("input_ids") and not is_mask_input("mask_token")

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import onnx
 
-from .errors import UnboundDimError
+from ..errors import UnboundDimError
 
 Dim = int | str | None
 
@@ -161,7 +161,7 @@ def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
     Raises one :class:`UnboundDimError` naming every dim name that has no value and every
     input whose dims only a whole shape can give (no name, or a name that is no expression).
     """
-    from .analysis import eval_dim
+    from .analyse import eval_dim
 
     shapes = dict(shapes or {})
     dims = dims_from_shapes(model, shapes, dims)

@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 import onnx
 
-from .errors import ModelLoadError, OutputPathError
-from .ops import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
+from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
+from ...errors import ModelLoadError, OutputPathError
 
 FolderKind = Literal["genai", "optimum"]
 GENAI_CONFIG = "genai_config.json"

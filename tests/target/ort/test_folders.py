@@ -10,15 +10,15 @@ import onnxruntime as ort
 import pytest
 from graphs import chain_model, save
 
-from ho_onnx.choice import OffloadPolicy
+from ho_onnx.contract import CONFIG_MODEL_DIR
 from ho_onnx.errors import ModelLoadError, OutputPathError
-from ho_onnx.folders import detect_folder, optimize_folder, optimum_session_options
-from ho_onnx.ops import CONFIG_MODEL_DIR
-from ho_onnx.pipeline import optimize
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.target.ort.folders import detect_folder, optimize_folder, optimum_session_options
 
 
 def _optimize(src: Path, dst: Path) -> None:
-    optimize(src, dst, OffloadPolicy("weights", min_bytes=0))
+    optimize(src, dst, OffloadOptions(activations=False, min_bytes=0))
 
 
 def genai_folder(root: Path) -> Path:
@@ -66,7 +66,7 @@ def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
 def test_genai_folder_is_ready(tmp_path):
     src = genai_folder(tmp_path / "src")
     lib = tmp_path / "libfake_ops.so"
-    from ho_onnx.runtime import library_path
+    from ho_onnx.target.ort.runtime import library_path
 
     lib.write_bytes(Path(library_path()).read_bytes())
     r = optimize_folder(src, tmp_path / "out", _optimize, library=lib)
