@@ -154,9 +154,11 @@ def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None =
 
 
 def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
-                 shapes: Mapping[str, list[int]] | None = None) -> dict[str, list[int]]:
+                 shapes: Mapping[str, list[int]] | None = None, *,
+                 unnamed: int | None = None) -> dict[str, list[int]]:
     """Concrete shape of every input a caller feeds: whole shapes from ``shapes``, symbolic
-    dims evaluated from ``dims`` (expressions too).
+    dims evaluated from ``dims`` (expressions too), dims without a name ``unnamed`` (when
+    given).
 
     Raises one :class:`UnboundDimError` naming every dim name that has no value and every
     input whose dims only a whole shape can give (no name, or a name that is no expression).
@@ -176,6 +178,8 @@ def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
         if declared is None:
             continue  # not a tensor, or unknown rank: callers decide
         for d in declared:
+            if d is None and unnamed is not None:
+                continue
             if d is None or (isinstance(d, str) and d not in dims and free_names(d) is None):
                 odd[vi.name] = declared
             elif isinstance(d, str):
@@ -187,6 +191,6 @@ def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
         declared = _dims_of(vi)
         if vi.name in out or declared is None:
             continue
-        out[vi.name] = [d if isinstance(d, int) else eval_dim(str(d), dims, vi.name)
-                        for d in declared]
+        out[vi.name] = [d if isinstance(d, int) else unnamed if d is None else
+                        eval_dim(d, dims, vi.name) for d in declared]  # type: ignore[misc]
     return out

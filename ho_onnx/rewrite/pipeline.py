@@ -11,8 +11,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..contract import DOMAIN
 from ..cost.source import CostSource
+from ..errors import HoOnnxError, OutputPathError
 from ..graph.analyse import GraphAnalysis, analyse
+from ..graph.check import contrib_ops
 from ..graph.dims import dims_from_shapes, require_dims
 from ..graph.load import LoadedModel, load_model
 from ..graph.save import Progress, SaveReport, check_output_path, save_model
@@ -118,6 +121,16 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
     return loaded, analysis, decision
 
 
+def _ort_validate(path: Path) -> None:
+    """ORT loads the written model (with contrib ops, ``onnx.checker`` cannot judge it)."""
+    from ..target.ort.contrib import ort_check
+
+    try:
+        ort_check(path)
+    except HoOnnxError as e:
+        raise OutputPathError(f"the rewritten model does not load in onnxruntime: {e}") from e
+
+
 def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps,
             shapes: Mapping[str, Sequence[int]] | None = None
             ) -> tuple[GraphAnalysis, Decision]:
@@ -189,7 +202,9 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                   f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}), {rewritten.cache_nodes} "
                   f"cache ops ({steps.seconds['rewrite']:.2f} s)")
         with steps.step("save"):
-            report = save_model(files, loaded, out_path, progress=progress)
+            report = save_model(files, loaded, out_path, progress=progress,
+                                validate=_ort_validate if contrib_ops(
+                                    rewritten.model, ignore=(DOMAIN,)) else None)
     steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"
               + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
     return OptimizeResult(analysis, decision, rewritten, report, steps.seconds)

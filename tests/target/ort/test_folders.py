@@ -60,9 +60,6 @@ def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
     return s.run(None, {"x": x})[0]
 
 
-@pytest.mark.xfail(strict=True, raises=OutputPathError,
-                   reason="save refuses the sidecar name model.onnx.data even when no sidecar "
-                          "is needed (the builder's data file has that name); fixed when wired")
 def test_genai_folder_is_ready(tmp_path):
     src = genai_folder(tmp_path / "src")
     lib = tmp_path / "libfake_ops.so"
