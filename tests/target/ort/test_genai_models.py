@@ -109,3 +109,86 @@ def test_genai_exports_generate(exports):
     for key in ("fp32", "int4", "int4_zp"):
         tokens = genai_greedy(exports[key], PROMPT, max_length=len(PROMPT) + 12)
         assert tokens[:len(PROMPT)] == PROMPT and len(tokens) == len(PROMPT) + 12
+
+
+# Dims of one prefill step: the genai builder's past/present share a buffer of
+# past_sequence_length, total_sequence_length is what the mask covers.
+GENAI_DIMS = ["batch_size=1", "sequence_length=8", "total_sequence_length=8",
+              "past_sequence_length=0", "kv_cache_dim=16"]
+OPTIMUM_DIMS = ["batch_size=1", "sequence_length=8", "past_sequence_length=4"]
+
+
+def _weight_bytes(path) -> int:
+    from ho_onnx.graph.load import expected_nbytes
+
+    m = onnx.load(str(path), load_external_data=False)
+    return sum(expected_nbytes(t) or 0 for t in m.graph.initializer)
+
+
+def _cli(*args: str) -> str:
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    r = CliRunner().invoke(main, list(args))
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+@pytest.mark.parametrize("key", ["fp32", "int4", "int4_zp", "o2"])
+def test_plan_optimize_verify_at_half_the_weights(exports, tmp_path, key):
+    folder = exports[key]
+    dims = [a for d in (OPTIMUM_DIMS if key == "o2" else GENAI_DIMS) for a in ("--dim", d)]
+    budget = str(_weight_bytes(folder / "model.onnx") // 2)
+    plan = _cli("plan", str(folder), "--budget", budget, "--min-bytes", "0", *dims)
+    assert "reload" in plan
+    out = tmp_path / "out"
+    _cli("optimize", str(folder), str(out), "--budget", budget, "--min-bytes", "0", *dims)
+    opt = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    prefetched = {a.s.decode() for n in opt.graph.node if n.op_type == "Prefetch"
+                  for a in n.attribute if a.name == "name"}
+    assert prefetched
+    if key.startswith("int4"):  # scales (and zero points) travel with their packed weight
+        for n in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node:
+            if n.op_type == "MatMulNBits" and n.input[1] in prefetched:
+                assert set(n.input[2:]) <= prefetched
+    assert "OK (bit-exact)" in _cli("verify", str(folder), str(out), *dims)
+
+
+def test_one_error_names_every_missing_dim(exports):
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    r = CliRunner().invoke(main, ["verify", str(exports["o2"]), str(exports["o2"]),
+                                  "--dim", "batch_size=1"])
+    assert r.exit_code == 2
+    assert "sequence_length, past_sequence_length" in r.output
+    r = CliRunner().invoke(main, ["plan", str(exports["o2"]), "--budget", "1MB",
+                                  "--dim", "batch_size=1"])
+    assert r.exit_code == 2 and "sequence_length, past_sequence_length" in r.output
+    # A whole shape binds the dims it names.
+    r = CliRunner().invoke(main, ["plan", str(exports["o2"]), "--budget", "10MB",
+                                  "--shape", "input_ids=1,8", "--dim", "past_sequence_length=4"])
+    assert r.exit_code == 0, r.output
+
+
+def test_greedy_tokens_from_optimized_folders(exports, tmp_path):
+    from ho_onnx.target.ort.folders import optimum_session_options
+
+    for key in ("fp32", "int4"):
+        out = tmp_path / key
+        budget = str(_weight_bytes(exports[key] / "model.onnx") // 2)
+        _cli("optimize", str(exports[key]), str(out), "--budget", budget, "--min-bytes", "0",
+             *[a for d in GENAI_DIMS for a in ("--dim", d)])
+        cfg = (out / "genai_config.json").read_text()
+        assert "custom_ops_library" in cfg and "ho_onnx.model_dir" in cfg
+        want = genai_greedy(exports[key], PROMPT, max_length=32)
+        assert genai_greedy(out, PROMPT, max_length=32) == want
+    out = tmp_path / "o2"
+    budget = str(_weight_bytes(exports["o2"] / "model.onnx") // 2)
+    _cli("optimize", str(exports["o2"]), str(out), "--budget", budget, "--min-bytes", "0",
+         *[a for d in OPTIMUM_DIMS for a in ("--dim", d)])
+    want = optimum_greedy(exports["o2"], PROMPT, max_new_tokens=20)
+    assert optimum_greedy(out, PROMPT, max_new_tokens=20,
+                          session_options=optimum_session_options(out)) == want
