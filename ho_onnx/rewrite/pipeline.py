@@ -145,6 +145,10 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         if isinstance(decider, BudgetPlanner):  # every size matters: name all missing dims
             require_dims((d for t in analysis.tensors.values() for d in t.symbolic_dims()),
                          dims)
+        elif (isinstance(decider, ExplicitPolicy) and decider.options.activations
+              and decider.options.min_bytes_or_default):  # activations' sizes matter
+            require_dims((d for t in analysis.tensors.values() if not t.is_initializer
+                          for d in t.symbolic_dims()), dims)
     steps.say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors "
               f"({steps.seconds['analyse']:.2f} s)"
               + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
