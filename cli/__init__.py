@@ -296,7 +296,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=click.Path(exists=True))
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), required=True,
               help="Where to write the per-node times (JSON).")
 @click.option("--provider", default="CPUExecutionProvider", show_default=True,
@@ -320,7 +320,7 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
 
     with _errors():
         _log(f"profiling {model}: {warmup} warm-up + {runs} measured runs on {provider}")
-        r = profile_model(model, out_json, providers=[provider], dims=parse_dims(dims),
+        r = profile_model(_model_in(model), out_json, providers=[provider], dims=parse_dims(dims),
                           runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high,
                           shapes=parse_shape_options(shapes))
     click.echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
@@ -391,14 +391,14 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(model: str, as_json: bool) -> None:
     """Show what MODEL offloads: each transfer, its bytes, its prefetch window, the plan."""
     from ho_onnx.report.inspect import format_summary, summarize
 
     with _errors():
-        s = summarize(model)
+        s = summarize(_model_in(model))
     click.echo(json.dumps(s.to_dict(), indent=2) if as_json else format_summary(s))
 
 
