@@ -32,8 +32,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 256,
     "max_positions": 128, "tie": True, "seed": 0,
 }
-# (The builder's graph does not reproduce transformers' logits exactly on these random
-# weights, while Optimum's export does: compare genai outputs with genai outputs only.)
+# (The builder 0.15.2 feeds the lm_head from the last layer's post-attention norm, not the
+# final norm, so its logits differ from transformers'; Optimum's export matches them: compare
+# genai outputs with genai outputs only.)
 BOS, EOS, PAD, UNK = 1, 2, 0, 3
 
 
