@@ -143,7 +143,7 @@ def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None =
     """One error naming every missing dim and every input that needs a whole shape."""
     parts = []
     if names:
-        parts.append("symbolic dimensions without a value: " + ", ".join(names)
+        parts.append("symbolic dimensions without a value: " + ", ".join(map(repr, names))
                      + " (pass " + " ".join(f"--dim {n}=N" for n in names) + ")")
     for inp, shape in (odd_inputs or {}).items():
         spec = ",".join("?" if d is None else str(d) for d in shape)

@@ -116,7 +116,7 @@ def test_require_dims_names_all_at_once():
     from ho_onnx.graph.dims import require_dims
 
     require_dims(["a + b", "?"], {"a": 1, "b": 2})  # odd dims are the caller's business
-    with pytest.raises(UnboundDimError, match=r"a, c .*--dim a=N --dim c=N"):
+    with pytest.raises(UnboundDimError, match=r"'a', 'c' .*--dim a=N --dim c=N"):
         require_dims(["a + b", "c", "2*a"], {"b": 1})
 
 
