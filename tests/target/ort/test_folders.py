@@ -15,6 +15,7 @@ from ho_onnx.errors import ModelLoadError, OutputPathError
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.target.ort.folders import detect_folder, optimize_folder, optimum_session_options
+from ho_onnx.target.ort.runtime import library_path
 
 
 def _optimize(src: Path, dst: Path) -> None:
@@ -63,8 +64,6 @@ def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
 def test_genai_folder_is_ready(tmp_path):
     src = genai_folder(tmp_path / "src")
     lib = tmp_path / "libfake_ops.so"
-    from ho_onnx.target.ort.runtime import library_path
-
     lib.write_bytes(Path(library_path()).read_bytes())
     r = optimize_folder(src, tmp_path / "out", _optimize, library=lib)
     out = tmp_path / "out"
@@ -84,7 +83,11 @@ def test_genai_folder_is_ready(tmp_path):
     for k, v in so_cfg.items():
         if k.startswith("ho_onnx."):
             so.add_session_config_entry(k, v)
-    so.register_custom_ops_library(str(out / so_cfg["custom_ops_library"]))
+    copied = out / so_cfg["custom_ops_library"]
+    assert copied.read_bytes() == lib.read_bytes()
+    # (the same bytes, registered from library_path(): a second copy mapped in the test
+    # process would be a second library state; the genai tests load the copy in a child)
+    so.register_custom_ops_library(library_path())
     want = _run(src / "model.onnx", ort.SessionOptions())
     np.testing.assert_array_equal(_run(out / "model.onnx", so), want)
 
