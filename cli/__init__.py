@@ -39,6 +39,27 @@ def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
     return dims
 
 
+def parse_shape_options(items: tuple[str, ...]) -> dict[str, list[int]]:
+    """``('x=1,3,48,320',)`` → ``{'x': [1, 3, 48, 320]}`` (``--shape``)."""
+    from ho_onnx.graph.dims import parse_shapes
+
+    try:
+        return parse_shapes(items)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--shape") from None
+
+
+def _model_in(path: str) -> str:
+    """The model file of ``path``: itself, or the model of a genai/Optimum folder."""
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        return path
+    from ho_onnx.target.ort.folders import detect_folder
+
+    return str(detect_folder(path).model)
+
+
 class SizeType(click.ParamType):
     name = "size"
 
@@ -65,6 +86,8 @@ def _log(msg: str) -> None:
 
 
 _DIM_HELP = "Value of a symbolic dimension, NAME=N (repeatable), e.g. --dim seq=2048."
+_SHAPE_HELP = ("Whole shape of an input, NAME=D0,D1,... (repeatable), for dims without a name "
+               "or with an odd one, e.g. --shape x=1,3,48,320; also binds the dims it names.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -123,6 +146,8 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      help="Host (slow-tier) memory budget: offloaded weights that do not fit "
                           "stay in the model's data file and are read from disk at each use."),
         click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP),
+        click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...",
+                     help=_SHAPE_HELP),
         click.option("--ort-optimize", "ort_level", type=click.Choice(["basic", "extended"]),
                      default=None,
                      help="First apply ONNX Runtime's own graph optimizations (fusions, "
@@ -144,8 +169,8 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 
 
 @main.command()
-@click.argument("input_model", type=click.Path(dir_okay=False))
-@click.argument("output_model", type=click.Path(dir_okay=False))
+@click.argument("input_model", type=click.Path())
+@click.argument("output_model", type=click.Path())
 @click.option("--budget", type=SizeType(), default=None,
               help="Fast-tier memory budget (e.g. 6GiB): the planner chooses what to offload "
                    "and when, so the simulated peak fits with the least predicted stall. "
@@ -166,8 +191,14 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, dims: tuple[str, ...], ort_level: str | None) -> None:
+             host_budget: int | None, dims: tuple[str, ...], shapes: tuple[str, ...],
+             ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
+
+    INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
+    Optimum (config.json + model.onnx); OUTPUT_MODEL is then a new folder, ready to run:
+    the optimized model, its data, every other file, and for genai the op library copied in
+    with genai_config.json's session options set (see docs/llm.md).
 
     Weight bytes are never loaded while planning. External data stays where it is; when
     OUTPUT_MODEL is in another folder the data files are cloned (copy-on-write) or copied
@@ -186,9 +217,25 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance)
-        result = run(input_model, output_model, options, parse_dims(dims),
-                     costs=CostSource(machine, profile_path), ort_level=ort_level, log=_log,
-                     progress=_progress_bars())
+        def run_file(src: object, dst: object):  # type: ignore[no-untyped-def]
+            return run(src, dst, options, parse_dims(dims),  # type: ignore[arg-type]
+                       costs=CostSource(machine, profile_path), ort_level=ort_level, log=_log,
+                       progress=_progress_bars(), shapes=parse_shape_options(shapes))
+
+        from pathlib import Path
+
+        if Path(input_model).is_dir():
+            from ho_onnx.target.ort.folders import optimize_folder
+
+            results = []
+            folder = optimize_folder(input_model, output_model,
+                                     lambda a, b: results.append(run_file(a, b)))
+            result = results[0]
+            _log(f"{folder.kind} folder {output_model}: {folder.model.name}"
+                 + (f", library {folder.library.name}" if folder.library else "")
+                 + (f", copied {', '.join(folder.copied)}" if folder.copied else ""))
+        else:
+            result = run_file(input_model, output_model)
     click.echo(f"{output_model}: {len(result.choice.weights)} weights, "
                f"{len(result.choice.activations)} activations offloaded, "
                f"{result.choice.offloaded_bytes:,} bytes")
@@ -200,7 +247,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
 
 
 @main.command()
-@click.argument("input_model", type=click.Path(dir_okay=False))
+@click.argument("input_model", type=click.Path())
 @click.option("--budget", type=SizeType(), required=True,
               help="Fast-tier memory budget, e.g. 6GiB.")
 @click.option("--offload", type=click.Choice(["all", "weights", "activations"]),
@@ -216,8 +263,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         dims: tuple[str, ...], ort_level: str | None, as_json: bool,
-         plot_path: str | None) -> None:
+         dims: tuple[str, ...], shapes: tuple[str, ...], ort_level: str | None,
+         as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
@@ -228,12 +275,13 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     from ho_onnx.rewrite.pipeline import plan_model
 
     with _errors():
-        _, analysis, p = plan_model(input_model,
+        _, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
                                              host_budget=host_budget),
                                     parse_dims(dims), CostSource(machine, profile_path),
-                                    ort_level=ort_level, log=_log)
+                                    ort_level=ort_level, log=_log,
+                                    shapes=parse_shape_options(shapes))
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type
                  for i in range(len(analysis.order))]
         if plot_path:
@@ -248,12 +296,13 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=click.Path(exists=True))
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), required=True,
               help="Where to write the per-node times (JSON).")
 @click.option("--provider", default="CPUExecutionProvider", show_default=True,
               help="ORT execution provider to profile on.")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP)
+@click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...", help=_SHAPE_HELP)
 @click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True)
 @click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]),
@@ -262,24 +311,27 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                    "node; 'all' times what really runs (fused nodes).")
 @click.option("--int-high", type=click.IntRange(min=1), default=8, show_default=True,
               help="Integer inputs are drawn from [0, INT_HIGH).")
-def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...], runs: int,
-            warmup: int, opt_level: str, int_high: int) -> None:
+def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
+            shapes: tuple[str, ...], runs: int, warmup: int, opt_level: str,
+            int_high: int) -> None:
     """Run the unmodified MODEL under ORT's profiler and save median per-node times, for
     `optimize --budget ... --profile FILE` and `plan --profile FILE`."""
     from ho_onnx.target.ort.profile import profile_model
 
     with _errors():
         _log(f"profiling {model}: {warmup} warm-up + {runs} measured runs on {provider}")
-        r = profile_model(model, out_json, providers=[provider], dims=parse_dims(dims),
-                          runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high)
+        r = profile_model(_model_in(model), out_json, providers=[provider], dims=parse_dims(dims),
+                          runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high,
+                          shapes=parse_shape_options(shapes))
     click.echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
                f"{r['total_median_s'] * 1e3:.3f} ms")
 
 
 @main.command()
-@click.argument("original", type=click.Path(exists=True, dir_okay=False))
-@click.argument("optimized", type=click.Path(exists=True, dir_okay=False))
+@click.argument("original", type=click.Path(exists=True))
+@click.argument("optimized", type=click.Path(exists=True))
 @click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP)
+@click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...", help=_SHAPE_HELP)
 @click.option("--runs", type=click.IntRange(min=1), default=2, show_default=True,
               help="Runs, each on fresh random inputs.")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -301,20 +353,24 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...], run
 @click.option("--provider", "providers", multiple=True, default=("CPUExecutionProvider",),
               show_default=True, help="ORT execution provider (repeatable, in priority order).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(original: str, optimized: str, dims: tuple[str, ...], runs: int, seed: int,
-           int_high: int, atol: float, rtol: float, execution_order: str, prepacking: bool,
-           opt_level: str, providers: tuple[str, ...], as_json: bool) -> None:
+def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[str, ...],
+           runs: int, seed: int, int_high: int, atol: float, rtol: float,
+           execution_order: str, prepacking: bool, opt_level: str,
+           providers: tuple[str, ...], as_json: bool) -> None:
     """Run ORIGINAL and OPTIMIZED on the same random inputs and compare every output.
 
-    Exits 1 when an output differs beyond the tolerances (bit-exact by default).
+    Either may be a genai or Optimum model folder (its model is compared). Input shapes
+    come from --dim and --shape as for `plan` (expression dims evaluated; every missing
+    dim named in one error); attention masks are ones. Exits 1 when an output differs
+    beyond the tolerances (bit-exact by default).
     """
     from ho_onnx.target.ort.verify import verify as run
 
     with _errors():
-        report = run(original, optimized, dims=parse_dims(dims), runs=runs, seed=seed,
-                     int_high=int_high, providers=list(providers),
+        report = run(_model_in(original), _model_in(optimized), dims=parse_dims(dims),
+                     runs=runs, seed=seed, int_high=int_high, providers=list(providers),
                      execution_order=execution_order, prepacking=prepacking, atol=atol,
-                     rtol=rtol, opt_level=opt_level)
+                     rtol=rtol, opt_level=opt_level, shapes=parse_shape_options(shapes))
     if as_json:
         click.echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
                                "seconds_original": report.seconds_original,
@@ -335,14 +391,14 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], runs: int, seed
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(model: str, as_json: bool) -> None:
     """Show what MODEL offloads: each transfer, its bytes, its prefetch window, the plan."""
     from ho_onnx.report.inspect import format_summary, summarize
 
     with _errors():
-        s = summarize(model)
+        s = summarize(_model_in(model))
     click.echo(json.dumps(s.to_dict(), indent=2) if as_json else format_summary(s))
 
 

@@ -15,6 +15,7 @@ import onnx
 
 from ..graph.analyse import GraphAnalysis, TensorInfo, eval_dim
 from ..target.ort.facts import never_runs
+from .contrib import CONTRIB_COST_OPS, contrib_flops_bytes
 from .machine import Machine
 from .model import NodeCosts
 
@@ -200,7 +201,9 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
     MatMul-like ``2*M*N*K`` times the broadcast batch, Gemm ``2*M*N*K``, Conv
     ``2 * out_elems * Cin/group * prod(kernel)``, Attention ``4 * elems(Q) * kv_len``,
     elementwise/normalization/softmax a few per output element, reductions one per input
-    element, data movement 0, unknown ops one per output element. Unknown shapes count as 0
+    element, data movement 0, unknown ops one per output element; ORT's contrib ops of LLM
+    exports (GroupQueryAttention, MatMulNBits, ...) by :func:`~ho_onnx.cost.contrib.
+    contrib_flops_bytes`. Unknown shapes count as 0
     (never an error); an unbound symbolic dim raises :class:`UnboundDimError` naming it.
     """
     dims = dims or {}
@@ -222,6 +225,12 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
     if op in _MOVEMENT_OPS:
         return 0.0, bytes_moved
     shapes = [_dims_of(tensors.get(n) if n else None, dims) for n in node.input]
+    if op in CONTRIB_COST_OPS and node.domain in ("", "ai.onnx", "com.microsoft"):
+        outs = [_dims_of(tensors.get(n) if n else None, dims) for n in node.output]
+        contrib = contrib_flops_bytes(node, shapes, outs, [nbytes(n) for n in node.input],
+                                      [nbytes(n) for n in node.output])
+        if contrib is not None:
+            return contrib
     out_shape = _dims_of(tensors.get(node.output[0]) if node.output and node.output[0]
                          else None, dims) if node.output else None
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}

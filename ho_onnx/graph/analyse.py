@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import heapq
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -204,8 +204,10 @@ def topological_order(graph: onnx.GraphProto) -> list[int]:
 _SKELETON_KEEP_BYTES = 4096
 
 
-def _skeleton(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
-    """A cheap copy for shape inference: big initializers without bytes, inputs bound."""
+def _skeleton(model: onnx.ModelProto, dims: Mapping[str, int],
+              shapes: Mapping[str, Sequence[int]] | None = None) -> onnx.ModelProto:
+    """A cheap copy for shape inference: big initializers without bytes, inputs bound
+    (``shapes``: whole input shapes)."""
     sk = onnx.ModelProto()
     if model.ByteSize() < (64 << 20):
         sk.CopyFrom(model)
@@ -215,7 +217,11 @@ def _skeleton(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProt
         if t.data_location == TensorProto.EXTERNAL or t.ByteSize() > _SKELETON_KEEP_BYTES:
             _strip(t)
     for vi in sk.graph.input:
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+        if shapes and vi.name in shapes and vi.type.HasField("tensor_type"):
+            vi.type.tensor_type.ClearField("shape")
+            for v in shapes[vi.name]:
+                vi.type.tensor_type.shape.dim.add().dim_value = int(v)
+        elif vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
             for d in vi.type.tensor_type.shape.dim:
                 if d.HasField("dim_param") and d.dim_param in dims:
                     d.dim_value = dims[d.dim_param]
@@ -266,12 +272,31 @@ def _shape_of(tp: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
     return elem, tuple(shape)
 
 
-def analyse(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> GraphAnalysis:
-    """Run the analyses on ``model`` (not modified); ``dims`` binds symbolic dims."""
+# Another source of value types (ORT's symbolic shape inference for contrib ops):
+# (model, dims, whole input shapes) -> types by value name.
+TypeSource = Callable[[onnx.ModelProto, Mapping[str, int], Mapping[str, Sequence[int]]],
+                      Mapping[str, onnx.TypeProto]]
+
+
+def _known(tp: onnx.TypeProto | None) -> int:
+    """How much a type tells: -1 nothing, else the number of dims with a value or name."""
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return -1
+    return sum(1 for d in tp.tensor_type.shape.dim if d.HasField("dim_value") or d.dim_param)
+
+
+def analyse(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
+            shapes: Mapping[str, Sequence[int]] | None = None,
+            more_types: TypeSource | None = None) -> GraphAnalysis:
+    """Run the analyses on ``model`` (not modified); ``dims`` binds symbolic dims,
+    ``shapes`` gives whole input shapes. ``more_types`` is asked when onnx's inference
+    leaves a node output unknown or partly known (contrib ops): its types win where they
+    tell more."""
     dims = dict(dims or {})
+    shapes = dict(shapes or {})
     graph = model.graph
     order = topological_order(graph)
-    sk = _skeleton(model, dims)
+    sk = _skeleton(model, dims, shapes)
     try:
         inferred = onnx.shape_inference.infer_shapes(sk, check_type=False, strict_mode=False,
                                                      data_prop=True)
@@ -282,6 +307,14 @@ def analyse(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> Gr
         inferred.graph.input
     ):
         types[vi.name] = vi.type
+    if more_types is not None:
+        outputs = [o for n in graph.node for o in n.output if o]
+        if any(_known(types.get(o)) < 0 or any(
+                not (d.HasField("dim_value") or d.dim_param)
+                for d in types[o].tensor_type.shape.dim) for o in outputs):
+            for name, tp in more_types(model, dims, shapes).items():
+                if _known(tp) > _known(types.get(name)):
+                    types[name] = tp
 
     tensors: dict[str, TensorInfo] = {}
 

@@ -17,6 +17,7 @@ from onnx import TensorProto
 
 from ..contract import DOMAIN
 from ..errors import ExternalDataError, ModelLoadError, UnsupportedModelError
+from .check import check_standard
 from .dtypes import ELEMENT_BITS, dense_nbytes
 
 
@@ -177,8 +178,8 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
     base_dir = p.resolve().parent
     validate_external_data(model, base_dir)
     if check:
-        try:
-            onnx.checker.check_model(str(p))  # by path: external data checked beside it
+        try:  # (external data was checked above; contrib and custom-domain ops pass here)
+            check_standard(model)
         except onnx.checker.ValidationError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None

@@ -187,8 +187,13 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
 
 
 def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathLike[str], *,
-               progress: Progress | None = None) -> SaveReport:
-    """Write ``files`` for the output ``out_path`` of ``loaded`` (see module docstring)."""
+               progress: Progress | None = None,
+               validate: Callable[[Path], None] | None = None) -> SaveReport:
+    """Write ``files`` for the output ``out_path`` of ``loaded`` (see module docstring).
+
+    The written model is validated before it is renamed into place: by ``onnx.checker``,
+    or by ``validate(path)`` when given (a runtime loading it, for models with operators
+    onnx cannot check; the sidecar is then already in place, the model not yet)."""
     out = check_output_path(loaded, out_path)
     out_dir = out.resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -204,10 +209,12 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
                                       lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
         blob = _serialise(files.model)
         model_tmp = _write_temp(out_dir, f".{out.name}.", temps, lambda f: f.write(blob))
-        try:  # by path, so external data is checked where the output will find it
-            onnx.checker.check_model(str(model_tmp))
-        except onnx.checker.ValidationError as e:
-            raise OutputPathError(f"the rewritten model does not pass onnx.checker: {e}") from e
+        if validate is None:
+            try:  # by path, so external data is checked where the output will find it
+                onnx.checker.check_model(str(model_tmp))
+            except onnx.checker.ValidationError as e:
+                raise OutputPathError(
+                    f"the rewritten model does not pass onnx.checker: {e}") from e
         mode = _umask_mode()
         os.chmod(model_tmp, mode)
         if sidecar_tmp is not None:
@@ -217,6 +224,8 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
             temps.remove(sidecar_tmp)
             temps.append(sidecar)  # removed again if the model's rename fails
             report.sidecar = sidecar
+        if validate is not None:
+            validate(model_tmp)
         os.replace(model_tmp, out)
         if report.sidecar is not None:
             temps.remove(report.sidecar)

@@ -6,13 +6,17 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..contract import DOMAIN
 from ..cost.source import CostSource
+from ..errors import HoOnnxError, OutputPathError
 from ..graph.analyse import GraphAnalysis, analyse
+from ..graph.check import contrib_ops
+from ..graph.dims import dims_from_shapes, require_dims
 from ..graph.load import LoadedModel, load_model
 from ..graph.save import Progress, SaveReport, check_output_path, save_model
 from ..schedule.options import OffloadOptions
@@ -97,11 +101,12 @@ def _load_ort_optimized(model: str | os.PathLike[str], ort_level: str) -> Loaded
 
 def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOptions,
                dims: Mapping[str, int] | None = None, costs: CostSource | None = None, *,
-               ort_level: str | None = None, log: Log | None = None
+               ort_level: str | None = None, log: Log | None = None,
+               shapes: Mapping[str, Sequence[int]] | None = None
                ) -> tuple[LoadedModel, GraphAnalysis, Plan]:
     """Load (unless given loaded) and plan ``model`` under ``options.budget``; nothing is
     written. ``ort_level``: plan ORT's optimized graph (made in a temporary folder that
-    lives as long as the returned model)."""
+    lives as long as the returned model). ``shapes``: whole input shapes (``--shape``)."""
     dims = dict(dims or {})
     steps = _Steps(log)
     if isinstance(model, LoadedModel):
@@ -111,17 +116,43 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
     else:
         loaded = load_model(model)
     analysis, decision = _decide(loaded, BudgetPlanner(options, costs or CostSource()), dims,
-                                 steps)
+                                 steps, shapes)
     assert isinstance(decision, Plan)
     return loaded, analysis, decision
 
 
-def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps
+def _ort_validate(path: Path) -> None:
+    """ORT loads the written model (with contrib ops, ``onnx.checker`` cannot judge it)."""
+    from ..target.ort.contrib import ort_check
+
+    try:
+        ort_check(path)
+    except HoOnnxError as e:
+        raise OutputPathError(f"the rewritten model does not load in onnxruntime: {e}") from e
+
+
+def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps,
+            shapes: Mapping[str, Sequence[int]] | None = None
             ) -> tuple[GraphAnalysis, Decision]:
+    from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
+
+    shapes = {k: list(v) for k, v in (shapes or {}).items()}
     with steps.step("analyse"):
-        analysis = analyse(loaded.model, dims)
+        contrib = refuse_unknown_ops(loaded.model)  # ops onnx cannot check: ORT must know them
+        dims = dims_from_shapes(loaded.model, shapes, dims)
+        analysis = analyse(loaded.model, dims, shapes=shapes,
+                           more_types=contrib_value_types if contrib else None)
+        if isinstance(decider, BudgetPlanner):  # every size matters: name all missing dims
+            require_dims((d for t in analysis.tensors.values() for d in t.symbolic_dims()),
+                         dims)
+        elif (isinstance(decider, ExplicitPolicy) and decider.options.activations
+              and decider.options.min_bytes_or_default):  # activations' sizes matter
+            require_dims((d for t in analysis.tensors.values() if not t.is_initializer
+                          for d in t.symbolic_dims()), dims)
     steps.say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors "
-              f"({steps.seconds['analyse']:.2f} s)")
+              f"({steps.seconds['analyse']:.2f} s)"
+              + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
+                 if contrib else ""))
     with steps.step("decide"):
         decision = decider.decide(analysis, dims)
     if isinstance(decision, Plan):
@@ -136,7 +167,8 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
              options: OffloadOptions | Decider | None = None,
              dims: Mapping[str, int] | None = None, *, costs: CostSource | None = None,
              ort_level: str | None = None, log: Log | None = None,
-             progress: Progress | None = None) -> OptimizeResult:
+             progress: Progress | None = None,
+             shapes: Mapping[str, Sequence[int]] | None = None) -> OptimizeResult:
     """Rewrite ``in_path`` into ``out_path`` with cache operators (input never modified).
 
     ``options`` select the decider (:func:`decider_for`: the budget planner, with times from
@@ -164,7 +196,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph.node)} nodes, "
                   f"{len(loaded.model.graph.initializer)} initializers "
                   f"({steps.seconds['load']:.2f} s)")
-        analysis, decision = _decide(loaded, decider, dims, steps)
+        analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
             rewritten = insert_cache_ops(analysis, decision.choice)
             annotate(rewritten.model, plan_metadata(decision, dims))
@@ -174,7 +206,9 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                   f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}), {rewritten.cache_nodes} "
                   f"cache ops ({steps.seconds['rewrite']:.2f} s)")
         with steps.step("save"):
-            report = save_model(files, loaded, out_path, progress=progress)
+            report = save_model(files, loaded, out_path, progress=progress,
+                                validate=_ort_validate if contrib_ops(
+                                    rewritten.model, ignore=(DOMAIN,)) else None)
     steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"
               + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
     return OptimizeResult(analysis, decision, rewritten, report, steps.seconds)

@@ -34,14 +34,14 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
     out_dir = out.resolve().parent
     referenced = _referenced_files(rewritten, base_dir)
     sidecar = Sidecar(f"{out.name}.data")
-    if any(p == out_dir / sidecar.name for p in referenced.values()) or any(
+    where = _sidecar_layout(rewritten, sidecar)
+    if sidecar.tensors and (any(p == out_dir / sidecar.name for p in referenced.values()) or any(
         (out_dir / loc).resolve() == out_dir / sidecar.name for loc in referenced
-    ):
+    )):  # (only when a sidecar is needed: the genai builder's data is model.onnx.data)
         raise OutputPathError(
             f"the sidecar {str(out_dir / sidecar.name)!r} would overwrite external data of the "
             "model; choose another output name"
         )
-    where = _sidecar_layout(rewritten, sidecar)
     for name, t in rewritten.weights.items():
         ref = external_ref(t)
         if ref is not None:

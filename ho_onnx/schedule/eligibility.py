@@ -3,11 +3,14 @@ the shape-only readers of a weight and the gaps between an activation's uses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
+from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
 from ..target.ort.placement import host_side_tensors
+from .types import OffloadChoice, WeightOffload
 
 
 def kind_of(t: TensorInfo) -> str | None:
@@ -70,3 +73,52 @@ def largest_gap(producer: int, uses: Sequence[int]) -> tuple[int, int]:
         if end - start > best:
             best, best_k = end - start, k
     return best, best_k
+
+
+@dataclass(frozen=True)
+class WeightGroups:
+    """Initializers that are offloaded and reloaded as one unit (a MatMulNBits packed weight
+    with its scales and zero points: :func:`~ho_onnx.cost.contrib.weight_groups`)."""
+
+    members: dict[str, tuple[str, ...]]  # primary -> all members, primary first
+    primary_of: dict[str, str]  # companion -> primary
+
+    @classmethod
+    def of(cls, analysis: GraphAnalysis) -> WeightGroups:
+        members = {g[0]: g for g in weight_groups(analysis.model.graph)}
+        return cls(members, {m: p for p, g in members.items() for m in g[1:]})
+
+    def companion_reason(self, name: str) -> str | None:
+        """Why a companion is never a candidate of its own."""
+        p = self.primary_of.get(name)
+        return None if p is None else f"moves together with {p!r}"
+
+    def data_uses(self, analysis: GraphAnalysis, primary: str) -> tuple[int, ...]:
+        """Data readers of every member of ``primary``'s group, ascending."""
+        uses: set[int] = set()
+        for m in self.members.get(primary, (primary,)):
+            uses.update(split_shape_readers(analysis, analysis.tensors[m])[0])
+        return tuple(sorted(uses))
+
+    def nbytes(self, analysis: GraphAnalysis, primary: str,
+               dims: Mapping[str, int] | None = None) -> int:
+        return sum(analysis.tensors[m].nbytes(dims) or 0
+                   for m in self.members.get(primary, (primary,)))
+
+    def split(self, analysis: GraphAnalysis, choice: OffloadChoice,
+              dims: Mapping[str, int] | None = None) -> None:
+        """Replace each offloaded primary (decided over its group's uses and bytes) by one
+        :class:`WeightOffload` per member: its own data readers, each reloaded where the
+        group's reload for that reader was placed (in place)."""
+        out: list[WeightOffload] = []
+        for w in choice.weights:
+            if w.name not in self.members:
+                out.append(w)
+                continue
+            at = dict(zip(w.consumers, w.prefetch_at, strict=True))
+            for m in self.members[w.name]:
+                t = analysis.tensors[m]
+                data, shape = split_shape_readers(analysis, t)
+                out.append(WeightOffload(m, t.nbytes(dims) or 0, data,
+                                         tuple(at[u] for u in data), shape, w.tier))
+        choice.weights[:] = out

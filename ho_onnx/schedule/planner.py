@@ -43,6 +43,7 @@ from ..errors import HoOnnxError
 from ..graph.analyse import GraphAnalysis
 from ..units import format_bytes
 from .eligibility import (
+    WeightGroups,
     gaps,
     ineligible,
     kind_of,
@@ -176,13 +177,14 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
     prefix = costs.prefix()
     min_bytes = opts.min_bytes_or_default
     wanted = {"weight": opts.weights, "activation": opts.activations}
+    groups = WeightGroups.of(analysis)
     out: list[Candidate] = []
     placement = placement_reasons(analysis)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
         if kind is None or not wanted[kind]:
             continue
-        reason = ineligible(t) or placement.get(name) or (
+        reason = ineligible(t) or placement.get(name) or groups.companion_reason(name) or (
             None if name in spans else "not resident")
         nbytes = None if reason else t.nbytes(dims)  # raises UnboundDimError naming the dim
         if reason is None and nbytes is None:
@@ -194,7 +196,9 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             continue
         assert nbytes is not None
         if kind == "weight":
-            uses, shape_readers = split_shape_readers(analysis, t)
+            shape_readers = split_shape_readers(analysis, t)[1]
+            uses = groups.data_uses(analysis, name)  # with its scales and zero points
+            nbytes = groups.nbytes(analysis, name, dims)
             tt = costs.transfer_time(nbytes, "disk" if opts.weight_tier == "disk" else "h2d")
             busy = sum(float(compute_s[c]) for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
@@ -412,6 +416,7 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
             late = tuple(u for u in c.uses if u not in early)
             choice.activations.append(ActivationOffload(
                 name, c.nbytes, c.producer, early, late, positions[(name, 0)]))
+    WeightGroups.of(ctx.analysis).split(ctx.analysis, choice, ctx.dims)  # one per member
     return choice
 
 

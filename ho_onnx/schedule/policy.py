@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ..errors import UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from .eligibility import (
+    WeightGroups,
     ineligible,
     kind_of,
     largest_gap,
@@ -44,25 +45,28 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     choice = OffloadChoice(describe(options))
     wanted = {"weight": options.weights, "activation": options.activations}
     placement = placement_reasons(analysis)
+    groups = WeightGroups.of(analysis)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
         if kind is None or not wanted[kind]:
             continue
         reason = ineligible(t) or placement.get(name) or (
-            _weight(analysis, t, options, dims, choice) if kind == "weight"
-            else _activation(t, options, dims, choice))
+            groups.companion_reason(name) or _weight(analysis, t, options, dims, choice, groups)
+            if kind == "weight" else _activation(t, options, dims, choice))
         if reason:
             choice.skipped[name] = reason
+    groups.split(analysis, choice, dims)
     return choice
 
 
 def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
-            dims: Mapping[str, int] | None, choice: OffloadChoice) -> str | None:
-    nbytes = t.nbytes(dims)
-    assert nbytes is not None
+            dims: Mapping[str, int] | None, choice: OffloadChoice,
+            groups: WeightGroups) -> str | None:
+    nbytes = groups.nbytes(analysis, t.name, dims)  # with its scales and zero points
     if nbytes < options.min_bytes_or_default:
         return f"{nbytes} bytes < min_bytes"
-    data, shape_readers = split_shape_readers(analysis, t)
+    shape_readers = split_shape_readers(analysis, t)[1]
+    data = groups.data_uses(analysis, t.name)
     d = options.prefetch_distance
     choice.weights.append(WeightOffload(t.name, nbytes, data, tuple(max(0, c - d) for c in data),
                                         shape_readers, options.weight_tier))

@@ -64,9 +64,21 @@ def test_external_weights_keep_their_file(tmp_path):
 
 def test_a_sidecar_over_the_models_data_is_refused(tmp_path):
     src = save(chain_model(), tmp_path / "m.onnx", external=True)
-    rw = _rewrite(onnx.load(str(src), load_external_data=False))
+    model = onnx.load(str(src), load_external_data=False)
+    inline = {t.name: t for t in chain_model().graph.initializer}
+    model.graph.initializer[1].CopyFrom(inline[model.graph.initializer[1].name])
+    rw = _rewrite(model)  # one offloaded weight inline: it needs the sidecar m.onnx.data
     with pytest.raises(OutputPathError, match="sidecar"):
-        place_weight_data(rw, tmp_path, tmp_path / "m.onnx")  # sidecar: m.onnx.data
+        place_weight_data(rw, tmp_path, tmp_path / "m.onnx")
+
+
+def test_no_sidecar_needed_no_refusal(tmp_path):
+    # The onnxruntime-genai builder writes model.onnx + model.onnx.data: an optimized
+    # model.onnx in another folder keeps referencing model.onnx.data and needs no sidecar.
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    rw = _rewrite(onnx.load(str(src), load_external_data=False))
+    files = place_weight_data(rw, tmp_path, tmp_path / "out" / "m.onnx")
+    assert files.sidecar is None and set(files.data_files) == {"m.onnx.data"}
 
 
 def test_annotate_replaces_entries():

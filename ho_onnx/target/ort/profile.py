@@ -80,7 +80,8 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
                   *, providers: Sequence[str] = ("CPUExecutionProvider",),
                   dims: Mapping[str, int] | None = None, runs: int = 10, warmup: int = 2,
                   opt_level: str = "all", seed: int = 0, int_high: int = 8,
-                  intra_op_threads: int | None = None) -> dict[str, Any]:
+                  intra_op_threads: int | None = None,
+                  shapes: Mapping[str, list[int]] | None = None) -> dict[str, Any]:
     """Profile ``model_path`` with ORT and write per-node median times to ``out_json``.
 
     ``opt_level`` is ORT's graph optimization level (``disable`` keeps every original node,
@@ -95,7 +96,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
         raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
     dims = dict(dims or {})
     model = onnx.load(os.fspath(model_path), load_external_data=False)
-    feeds = random_inputs(model, dims, seed=seed, int_high=int_high)
+    feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
 
     trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup + runs,
                                 intra_op_threads)

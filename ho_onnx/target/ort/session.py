@@ -12,7 +12,8 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-from ...errors import UnboundDimError, UnsupportedModelError
+from ...errors import UnsupportedModelError
+from ...graph.dims import input_shapes, is_mask_input
 
 _NP_TYPES: dict[int, type] = {
     onnx.TensorProto.FLOAT: np.float32,
@@ -30,32 +31,18 @@ _NP_TYPES: dict[int, type] = {
 }
 
 
-def input_shape(vi: onnx.ValueInfoProto, dims: Mapping[str, int]) -> list[int]:
-    """Concrete shape of a graph input: symbolic dims from ``dims``, unnamed ones 1."""
-    shape = []
-    for d in vi.type.tensor_type.shape.dim:
-        if d.HasField("dim_value"):
-            shape.append(d.dim_value)
-        elif d.dim_param:
-            if d.dim_param not in dims:
-                raise UnboundDimError(
-                    f"input {vi.name!r} has symbolic dimension {d.dim_param!r}: "
-                    f"pass --dim {d.dim_param}=N"
-                )
-            shape.append(dims[d.dim_param])
-        else:
-            shape.append(1)
-    return shape
-
-
 def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
-                  seed: int = 0, int_high: int = 8) -> dict[str, np.ndarray]:
+                  seed: int = 0, int_high: int = 8,
+                  shapes: Mapping[str, list[int]] | None = None) -> dict[str, np.ndarray]:
     """Random feeds for every graph input that is not an initializer.
 
-    Floats are standard normal, integers uniform in ``[0, int_high)`` (keeps indices such
-    as token ids in range), booleans fair coins.
+    Shapes: :func:`~ho_onnx.graph.dims.input_shapes` (``dims``, whole ``shapes``, dims
+    without a name 1; every missing dim named in one error). Floats are standard normal,
+    integers uniform in ``[0, int_high)`` (keeps indices such as token ids in range),
+    booleans fair coins; attention masks are ones.
     """
     dims = dict(dims or {})
+    all_shapes = input_shapes(model, dims, shapes, unnamed=1)
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     feeds: dict[str, np.ndarray] = {}
@@ -70,9 +57,11 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
                 f"input {vi.name!r} has element type "
                 f"{onnx.TensorProto.DataType.Name(elem)}, for which no random data is made"
             )
-        shape = input_shape(vi, dims)
+        shape = all_shapes.get(vi.name, [])
         np_type = _NP_TYPES[elem]
-        if np_type is np.bool_:
+        if is_mask_input(vi.name):
+            arr = np.ones(shape, dtype=np_type)
+        elif np_type is np.bool_:
             arr = rng.random(shape) < 0.5
         elif np.issubdtype(np_type, np.floating):
             arr = rng.standard_normal(shape).astype(np_type)

@@ -76,10 +76,15 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
            dims: Mapping[str, int] | None = None, runs: int = 1, seed: int = 0,
            int_high: int = 8, providers: list[str] | None = None,
            execution_order: str = "priority", prepacking: bool = False, atol: float = 0.0,
-           rtol: float = 0.0, opt_level: str = "all") -> VerifyReport:
-    """Run both models ``runs`` times on fresh random inputs; worst differences per output."""
+           rtol: float = 0.0, opt_level: str = "all",
+           shapes: Mapping[str, list[int]] | None = None) -> VerifyReport:
+    """Run both models ``runs`` times on fresh random inputs; worst differences per output.
+
+    Input shapes come from ``dims`` and whole ``shapes`` as for ``plan`` (expression dims
+    evaluated, every missing dim named in one error, before any session is made)."""
     providers = providers or ["CPUExecutionProvider"]
     model = onnx.load(str(original), load_external_data=False)
+    random_inputs(model, dims, shapes=shapes)  # unbound dims fail here, not after loading
     kw = {"providers": providers, "execution_order": execution_order,
           "prepacking": prepacking, "opt_level": opt_level}
     s_orig = make_session(original, optimized=False, **kw)  # type: ignore[arg-type]
@@ -90,7 +95,7 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     worst: dict[str, OutputDiff] = {}
     report = VerifyReport()
     for r in range(runs):
-        feeds = random_inputs(model, dims, seed=seed + r, int_high=int_high)
+        feeds = random_inputs(model, dims, seed=seed + r, int_high=int_high, shapes=shapes)
         t0 = time.perf_counter()
         a = s_orig.run(None, feeds)
         t1 = time.perf_counter()

@@ -1,0 +1,150 @@
+"""Check a model with ``onnx.checker`` where onnx can judge it, and let the rest through.
+
+Runtimes run operators that ``onnx`` does not define: ONNX Runtime's contrib ops (domain
+``com.microsoft``, and a few it registers in the default domain, such as
+``SimplifiedLayerNormalization``) and the ops of custom-op libraries. :func:`check_standard`
+runs the checker on a copy where those nodes are moved to a domain it skips; graph
+structure and every node onnx defines are still checked. No weight bytes are read
+(:func:`weights_as_inputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Mapping
+
+import onnx
+from onnx import TensorProto, helper
+
+from ..errors import UnsupportedModelError
+
+# Domains whose operators onnx defines (every other domain is a custom one).
+STANDARD_DOMAINS = frozenset(
+    ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.training", "ai.onnx.preview",
+     "ai.onnx.preview.training")
+)
+# Where check_standard moves nodes onnx cannot judge, so the checker skips them.
+UNCHECKED_DOMAIN = "ai.hyperoffload.unchecked"
+# Inline initializers up to this size keep their bytes in the skeletons (shape tensors,
+# axes, small constants that shape inference reads); bigger ones and external ones become
+# typed graph inputs.
+SKELETON_KEEP_BYTES = 4096
+
+
+def domain_name(d: str) -> str:
+    return "" if d == "ai.onnx" else d
+
+
+def _iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _iter_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _iter_graphs(g)
+
+
+def opset_versions(model: onnx.ModelProto) -> dict[str, int]:
+    """Imported opset version per domain (``ai.onnx`` spelled ``""``)."""
+    return {domain_name(i.domain): i.version for i in model.opset_import}
+
+
+def is_onnx_op(node: onnx.NodeProto, opsets: Mapping[str, int],
+               functions: frozenset[tuple[str, str]] = frozenset()) -> bool:
+    """Whether onnx defines ``node``'s operator at the model's opset (or the model defines
+    it as a local function)."""
+    domain = domain_name(node.domain)
+    if (domain, node.op_type) in functions:
+        return True
+    if domain not in STANDARD_DOMAINS:
+        return False
+    version = opsets.get(domain)
+    if version is None:
+        return False
+    return bool(onnx.defs.has(node.op_type, version, domain))
+
+
+def _functions(model: onnx.ModelProto) -> frozenset[tuple[str, str]]:
+    return frozenset((domain_name(f.domain), f.name) for f in model.functions)
+
+
+def nonstandard_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Nodes (subgraphs included) whose operator onnx does not define at the model's opset."""
+    opsets, funcs = opset_versions(model), _functions(model)
+    return [n for g in _iter_graphs(model.graph) for n in g.node
+            if not is_onnx_op(n, opsets, funcs)]
+
+
+def contrib_ops(model: onnx.ModelProto, ignore: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """Distinct ``(domain, op_type)`` onnx cannot check, except those of ``ignore`` domains."""
+    seen = {(domain_name(n.domain), n.op_type) for n in nonstandard_nodes(model)}
+    return sorted(k for k in seen if k[0] not in ignore)
+
+
+def weights_as_inputs(model: onnx.ModelProto,
+                      keep_bytes: int = SKELETON_KEEP_BYTES) -> onnx.ModelProto:
+    """A copy of ``model`` whose external and big initializers are typed graph inputs.
+
+    Nothing of the removed initializers is read or copied but their names, types and dims;
+    small inline ones (shapes, axes) stay. Subgraphs are copied as they are.
+    """
+    src = model.graph
+    sk = onnx.ModelProto()
+    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+        setattr(sk, f, getattr(model, f))
+    sk.opset_import.extend(model.opset_import)
+    sk.functions.extend(model.functions)
+    g = sk.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(src.input)
+    g.output.extend(src.output)
+    g.value_info.extend(src.value_info)
+    g.sparse_initializer.extend(src.sparse_initializer)
+    declared = {vi.name for vi in src.input}
+    for t in src.initializer:
+        if t.data_location != TensorProto.EXTERNAL and t.ByteSize() <= keep_bytes:
+            g.initializer.append(t)
+        elif t.name not in declared:
+            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    sk.ir_version = max(sk.ir_version, 4)  # initializers need not be inputs from IR 4 on
+    return sk
+
+
+def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | None = None
+                   ) -> list[tuple[str, str]]:
+    """``onnx.checker`` on everything onnx can judge; returns the ``(domain, op_type)`` it let
+    through.
+
+    A node of a standard domain that onnx does not define at the model's opset passes when
+    ``known`` (the runtime's operators, e.g. ORT's contrib ops registered in the default
+    domain) has it, or always when ``known`` is None; nodes of custom domains always pass (a
+    custom-op library may define them: the runtime judges them when it loads the model).
+    Raises ``onnx.checker.ValidationError`` for what the checker refuses, and
+    :class:`UnsupportedModelError` for a standard-domain op neither onnx nor ``known`` has.
+    Weight bytes are never read.
+    """
+    sk = weights_as_inputs(model)
+    opsets, funcs = opset_versions(sk), _functions(sk)
+    passed: set[tuple[str, str]] = set()
+    for graph in _iter_graphs(sk.graph):
+        for node in graph.node:
+            if is_onnx_op(node, opsets, funcs):
+                continue
+            key = (domain_name(node.domain), node.op_type)
+            if key[0] in STANDARD_DOMAINS:
+                if key[0] not in opsets:
+                    continue  # the checker names the missing opset import
+                if known is not None and key not in known:
+                    raise UnsupportedModelError(
+                        f"node {node.name or node.op_type!r}: no operator {node.op_type!r} in "
+                        f"domain {key[0] or 'ai.onnx'!r} (opset {opsets[key[0]]}) is known "
+                        "to onnx or to the runtime"
+                    )
+                node.domain = UNCHECKED_DOMAIN
+            passed.add(key)
+    if UNCHECKED_DOMAIN not in opsets:
+        sk.opset_import.append(helper.make_opsetid(UNCHECKED_DOMAIN, 1))
+    onnx.checker.check_model(sk)
+    return sorted(passed)

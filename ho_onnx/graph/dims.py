@@ -1,0 +1,196 @@
+"""Binding symbolic dims: ``--dim NAME=N``, whole input shapes ``--shape x=1,3,48,320``, and
+one error naming every dim a command still needs.
+
+Dims are names (``batch``) or arithmetic expressions of names (``past_sequence_length +
+sequence_length``, ``2*seq``), evaluated as :func:`ho_onnx.analysis.eval_dim` does. A dim
+without a name (``?`` in the viewer, no ``dim_param``), or whose name is no expression
+(``?``, ``p2o.DynamicDimension.0``, ``batch-size``), cannot be given with ``--dim``: the
+input's whole shape is given instead, as ``trtexec --shapes`` does.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+
+import onnx
+
+from ..errors import UnboundDimError
+
+Dim = int | str | None
+
+
+def parse_shapes(items: Iterable[str]) -> dict[str, list[int]]:
+    """``('x=1,3,48,320', 'ids=1x8')`` → ``{'x': [1, 3, 48, 320], 'ids': [1, 8]}``.
+
+    The name is everything before the last ``=`` (input names may hold odd characters);
+    dims are separated by ``,`` or ``x``. Raises ValueError with a one-line message.
+    """
+    shapes: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, spec = item.rpartition("=")
+        parts = [p.strip() for p in spec.replace("x", ",").split(",")] if sep else []
+        if not name or not parts or not all(p.isdigit() for p in parts):
+            raise ValueError(f"{item!r}: expected INPUT=D0,D1,... with integer dims, "
+                             "e.g. x=1,3,48,320")
+        shapes[name] = [int(p) for p in parts]
+    return shapes
+
+
+def free_names(dim: str) -> list[str] | None:
+    """Names an expression dim uses, in order (None when ``dim`` is no expression)."""
+    try:
+        tree = ast.parse(dim, mode="eval")
+    except SyntaxError:
+        return None
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            if node.id not in names:
+                names.append(node.id)
+        elif not isinstance(node, ast.Expression | ast.BinOp | ast.Constant | ast.operator
+                            | ast.Load | ast.UnaryOp | ast.unaryop):
+            return None
+    return names
+
+
+def _dims_of(vi: onnx.ValueInfoProto) -> list[Dim] | None:
+    if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+        return None
+    out: list[Dim] = []
+    for d in vi.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            out.append(d.dim_value)
+        elif d.dim_param:
+            out.append(d.dim_param)
+        else:
+            out.append(None)
+    return out
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """Graph inputs that are not initializers (what a caller feeds)."""
+    inits = {t.name for t in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in inits]
+
+
+def dims_from_shapes(model: onnx.ModelProto, shapes: Mapping[str, list[int]],
+                     dims: Mapping[str, int] | None = None) -> dict[str, int]:
+    """``dims`` plus every plain dim name a whole input shape binds (``--shape ids=1,8`` on
+    ``ids[batch, seq]`` binds ``batch=1, seq=8``).
+
+    Raises :class:`UnboundDimError` for an unknown input, a rank or fixed-dim mismatch, or a
+    name bound to two values.
+    """
+    out = dict(dims or {})
+    by_name = {vi.name: vi for vi in graph_inputs(model)}
+    for name, shape in shapes.items():
+        if name not in by_name:
+            raise UnboundDimError(f"--shape {name}=...: the model has no input {name!r} "
+                                  f"(inputs: {', '.join(sorted(by_name)) or 'none'})")
+        declared = _dims_of(by_name[name])
+        if declared is None:
+            continue
+        if len(declared) != len(shape):
+            raise UnboundDimError(f"--shape {name}: input {name!r} has rank {len(declared)}, "
+                                  f"got {len(shape)} dims")
+        for d, v in zip(declared, shape, strict=True):
+            if isinstance(d, int) and d != v:
+                raise UnboundDimError(f"--shape {name}: dim {d} of input {name!r} is fixed, "
+                                      f"got {v}")
+            if isinstance(d, str) and d.isidentifier():
+                if d in out and out[d] != v:
+                    raise UnboundDimError(f"dim {d!r} is {out[d]} but --shape {name} "
+                                          f"makes it {v}")
+                out[d] = v
+    return out
+
+
+def missing_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]
+                 ) -> tuple[list[str], list[str]]:
+    """``(names, odd)``: names the expressions need that ``dims`` lacks, and dims that are
+    no expression of names (only a whole shape can give them), each in first-seen order."""
+    names: list[str] = []
+    odd: list[str] = []
+    for dim in dim_exprs:
+        if dim in dims:
+            continue
+        free = free_names(dim)
+        if free is None:
+            if dim not in odd:
+                odd.append(dim)
+            continue
+        names.extend(n for n in free if n not in dims and n not in names)
+    return names, odd
+
+
+def require_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]) -> None:
+    """Raise one :class:`UnboundDimError` naming every name ``dim_exprs`` need that ``dims``
+    lacks (dims that are no expression are left to the caller: unknown sizes)."""
+    names, _ = missing_dims(dim_exprs, dims)
+    if names:
+        raise unbound_error(names)
+
+
+def is_mask_input(name: str) -> bool:
+    """Inputs that test data must fill with ones (an attention mask of zeros and random
+    integers makes GroupQueryAttention's sequence lengths out of range)."""
+    return name.lower().endswith("attention_mask")
+
+
+def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None = None
+                  ) -> UnboundDimError:
+    """One error naming every missing dim and every input that needs a whole shape."""
+    parts = []
+    if names:
+        parts.append("symbolic dimensions without a value: " + ", ".join(map(repr, names))
+                     + " (pass " + " ".join(f"--dim {n}=N" for n in names) + ")")
+    for inp, shape in (odd_inputs or {}).items():
+        spec = ",".join("?" if d is None else str(d) for d in shape)
+        parts.append(f"input {inp!r} [{spec}] has dims --dim cannot name: pass its whole "
+                     f"shape, --shape {inp}=" + ",".join(
+                         str(d) if isinstance(d, int) else "N" for d in shape))
+    return UnboundDimError("; ".join(parts))
+
+
+def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
+                 shapes: Mapping[str, list[int]] | None = None, *,
+                 unnamed: int | None = None) -> dict[str, list[int]]:
+    """Concrete shape of every input a caller feeds: whole shapes from ``shapes``, symbolic
+    dims evaluated from ``dims`` (expressions too), dims without a name ``unnamed`` (when
+    given).
+
+    Raises one :class:`UnboundDimError` naming every dim name that has no value and every
+    input whose dims only a whole shape can give (no name, or a name that is no expression).
+    """
+    from .analyse import eval_dim
+
+    shapes = dict(shapes or {})
+    dims = dims_from_shapes(model, shapes, dims)
+    out: dict[str, list[int]] = {}
+    exprs: list[str] = []
+    odd: dict[str, list[Dim]] = {}
+    for vi in graph_inputs(model):
+        if vi.name in shapes:
+            out[vi.name] = list(shapes[vi.name])
+            continue
+        declared = _dims_of(vi)
+        if declared is None:
+            continue  # not a tensor, or unknown rank: callers decide
+        for d in declared:
+            if d is None and unnamed is not None:
+                continue
+            if d is None or (isinstance(d, str) and d not in dims and free_names(d) is None):
+                odd[vi.name] = declared
+            elif isinstance(d, str):
+                exprs.append(d)
+    names, _ = missing_dims(exprs, dims)
+    if names or odd:
+        raise unbound_error(names, odd)
+    for vi in graph_inputs(model):
+        declared = _dims_of(vi)
+        if vi.name in out or declared is None:
+            continue
+        out[vi.name] = [d if isinstance(d, int) else unnamed if d is None else
+                        eval_dim(d, dims, vi.name) for d in declared]  # type: ignore[misc]
+    return out

@@ -1,0 +1,136 @@
+"""ONNX Runtime's view of models with contrib operators: which ops it knows, the shapes of
+their outputs, and whether it loads a written model.
+
+* :func:`ort_schemas`: the ``(domain, op_type)`` ORT registers (for
+  :func:`~ho_onnx.graph.check.check_standard` and :func:`refuse_unknown_ops`);
+* :func:`contrib_value_types` gets the output types of contrib nodes from ORT's symbolic
+  shape inference (``onnxruntime.tools.symbolic_shape_infer``), run on a copy whose weights
+  are typed graph inputs, so no weight bytes are read;
+* :func:`ort_check` validates a written model by ORT loading its graph (weights as inputs),
+  with the ho-onnx library registered: ``onnx.checker`` cannot judge contrib ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import onnx
+
+from ...errors import UnsupportedModelError
+from ...graph.check import check_standard, domain_name, weights_as_inputs
+from ...graph.dims import free_names
+
+
+@functools.lru_cache(maxsize=1)
+def ort_schemas() -> frozenset[tuple[str, str]]:
+    """``(domain, op_type)`` of every operator this onnxruntime registers (empty when
+    onnxruntime is not installed or does not expose its schemas)."""
+    try:
+        from onnxruntime.capi import _pybind_state as C
+    except ImportError:
+        return frozenset()
+    out: set[tuple[str, str]] = set()
+    if hasattr(C, "get_all_operator_schema"):
+        out |= {(domain_name(s.domain), s.name) for s in C.get_all_operator_schema()}
+    if hasattr(C, "get_all_opkernel_def"):
+        out |= {(domain_name(k.domain), k.op_name) for k in C.get_all_opkernel_def()}
+    return frozenset(out)
+
+
+def refuse_unknown_ops(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """:func:`~ho_onnx.graph.check.check_standard` against what this onnxruntime knows:
+    raises :class:`UnsupportedModelError` naming a standard-domain op neither onnx nor ORT
+    defines; returns the ops onnx cannot check."""
+    return check_standard(model, ort_schemas() or None)
+
+
+# Dims ORT's symbolic shape inference invents for values it cannot size (e.g.
+# ``Flatten_99_o0__d1``, ``unk__3``): not bindable by the user, so unknown.
+_INVENTED_DIM = re.compile(r"(?:^|[^A-Za-z0-9_])(?:unk__\d+|[A-Za-z0-9_]*_o\d+__d\d+)"
+                           r"(?:$|[^A-Za-z0-9_])")
+
+
+def invented_dim(dim: str) -> bool:
+    """Whether a dim expression names a dim that shape inference invented."""
+    return dim.startswith("unk__") or bool(_INVENTED_DIM.search(dim))
+
+
+def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
+                        shapes: Mapping[str, list[int]] | None = None
+                        ) -> dict[str, onnx.TypeProto]:
+    """Types of the main graph's values as ORT's symbolic shape inference sees them.
+
+    ``dims`` binds symbolic input dims by name, ``shapes`` gives whole input shapes (unnamed
+    dims too). Dims it invents, and expressions other than arithmetic of names (sympy's
+    ``Max(a, b)``), are cleared: unknown. Best effort: ``{}`` when
+    onnxruntime's tool is missing or fails. Weight bytes are never read.
+    """
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:
+        return {}
+    sk = weights_as_inputs(model)
+    dims, shapes = dict(dims or {}), dict(shapes or {})
+    weight_inputs = {t.name for t in model.graph.initializer}
+    for vi in sk.graph.input:
+        if vi.name in weight_inputs or not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        if vi.name in shapes:
+            tt.ClearField("shape")
+            for v in shapes[vi.name]:
+                tt.shape.dim.add().dim_value = int(v)
+            continue
+        for d in tt.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in dims:
+                d.dim_value = int(dims[d.dim_param])
+    try:
+        out = SymbolicShapeInference.infer_shapes(sk, int_max=2**31 - 1, auto_merge=True,
+                                                  guess_output_rank=True, verbose=0)
+    except Exception:  # best effort, like onnx's inference
+        return {}
+    if out is None:
+        return {}
+    types: dict[str, onnx.TypeProto] = {}
+    for vi in list(out.graph.value_info) + list(out.graph.output):
+        tp = onnx.TypeProto()
+        tp.CopyFrom(vi.type)
+        if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+            for d in tp.tensor_type.shape.dim:
+                if d.HasField("dim_param") and (invented_dim(d.dim_param)
+                                                or free_names(d.dim_param) is None):
+                    d.ClearField("dim_param")  # (sympy's Max(a, b), floor(...): unknown)
+        types[vi.name] = tp
+    return types
+
+
+def ort_check(path: str | os.PathLike[str], library: str | None = None) -> None:
+    """Validate a written model by ORT loading its graph, weights as typed inputs.
+
+    ``library`` (default: ho-onnx's) is registered so cache operators and their types are
+    judged too. Raises :class:`UnsupportedModelError` with ORT's first line on failure.
+    """
+    import onnxruntime as ort
+
+    p = Path(path)
+    model = onnx.load(str(p), load_external_data=False)
+    sk = weights_as_inputs(model, keep_bytes=0)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    if library is None:
+        from .runtime import library_path
+
+        library = library_path()
+    so.add_session_config_entry("ho_onnx.model_dir", str(p.resolve().parent))
+    so.register_custom_ops_library(library)
+    try:
+        ort.InferenceSession(sk.SerializeToString(), sess_options=so,
+                             providers=["CPUExecutionProvider"])
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise UnsupportedModelError(f"onnxruntime does not load {str(p)!r}: {msg}") from None

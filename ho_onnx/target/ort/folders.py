@@ -1,0 +1,179 @@
+"""Model folders: an onnxruntime-genai folder or an Optimum folder in, a ready folder out.
+
+* **onnxruntime-genai** (``genai_config.json`` + the decoder model it names): the output
+  folder holds the optimized decoder, its data, the ho-onnx custom-op library (genai loads a
+  library named relative to the model folder) and ``genai_config.json`` with
+  ``model.decoder.session_options`` extended by ``custom_ops_library`` and the session
+  config entries the library reads (``ho_onnx.model_dir``; unknown string keys of genai's
+  session options are session config entries).
+* **Optimum** (``config.json`` + ``model.onnx``): the output folder holds the optimized
+  ``model.onnx``, its data and every other file; load it with
+  ``ORTModelForCausalLM.from_pretrained(folder, session_options=optimum_session_options(folder))``
+  (:func:`optimum_session_options`: ho-onnx's session options for ``folder/model.onnx``).
+
+Every other file of the input folder (tokenizer, generation config, ...) is copied; model
+data files are written by the optimize step itself. The input folder is never modified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import onnx
+
+from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
+from ...errors import ModelLoadError, OutputPathError
+
+FolderKind = Literal["genai", "optimum"]
+GENAI_CONFIG = "genai_config.json"
+OPTIMUM_CONFIG = "config.json"
+OPTIMUM_MODEL = "model.onnx"
+
+OptimizeFile = Callable[[Path, Path], Any]  # (input model, output model) -> anything
+
+
+@dataclass
+class ModelFolder:
+    """A recognised model folder: its kind and the model file ho-onnx optimizes."""
+
+    kind: FolderKind
+    path: Path
+    model: Path  # the decoder (genai) or model.onnx (Optimum)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{str(path)!r} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{str(path)!r} must hold a JSON object")
+    return data
+
+
+def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
+    """Recognise ``path`` as a genai folder (``genai_config.json``, checked first) or an
+    Optimum folder (``config.json`` + ``model.onnx``); raises :class:`ModelLoadError`
+    saying what is missing otherwise."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"{str(p)!r} is not a folder")
+    if (p / GENAI_CONFIG).is_file():
+        cfg = _read_json(p / GENAI_CONFIG)
+        decoder = cfg.get("model", {}).get("decoder")
+        if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
+            raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names no model.decoder.filename")
+        model = p / decoder["filename"]
+        if not model.is_file():
+            raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names decoder "
+                                 f"{decoder['filename']!r}, which is not in {str(p)!r}")
+        return ModelFolder("genai", p, model, cfg)
+    if (p / OPTIMUM_CONFIG).is_file() and (p / OPTIMUM_MODEL).is_file():
+        return ModelFolder("optimum", p, p / OPTIMUM_MODEL, _read_json(p / OPTIMUM_CONFIG))
+    raise ModelLoadError(
+        f"{str(p)!r} is neither an onnxruntime-genai folder ({GENAI_CONFIG}) nor an Optimum "
+        f"folder ({OPTIMUM_CONFIG} + {OPTIMUM_MODEL})")
+
+
+def _model_files(folder: Path, model: Path) -> set[Path]:
+    """The model file and every external data file it references (not copied as-is)."""
+    out = {model.resolve()}
+    m = onnx.load(str(model), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                out.add((folder / e.value).resolve())
+    return out
+
+
+def _copy_rest(src: Path, dst: Path, skip: set[Path]) -> list[str]:
+    """Copy what the optimize step did not write (never over what it wrote)."""
+    copied = []
+    for item in sorted(src.iterdir()):
+        if item.resolve() in skip or item.name == GENAI_CONFIG or (dst / item.name).exists():
+            continue
+        target = dst / item.name
+        if item.is_dir():
+            shutil.copytree(item, target, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, target)
+        copied.append(item.name)
+    return copied
+
+
+def _plan_entries(model: Path) -> dict[str, str]:
+    """Session config entries for a written optimized model (model dir, planned host bytes)."""
+    m = onnx.load(str(model), load_external_data=False)
+    meta = {p.key: p.value for p in m.metadata_props}
+    entries = {CONFIG_MODEL_DIR: str(model.resolve().parent)}
+    host = meta.get(META_PREFIX + "host_bytes")
+    if host and host.isdigit() and int(host) > 0:
+        entries[CONFIG_HOST_BYTES] = host
+    return entries
+
+
+@dataclass
+class FolderResult:
+    """What :func:`optimize_folder` wrote."""
+
+    kind: FolderKind
+    folder: Path
+    model: Path
+    library: Path | None = None
+    copied: list[str] = field(default_factory=list)
+    session_config: dict[str, str] = field(default_factory=dict)
+
+
+def optimize_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+                    optimize_file: OptimizeFile, library: str | os.PathLike[str] | None = None
+                    ) -> FolderResult:
+    """Optimize the model of folder ``src`` into a ready folder ``dst``.
+
+    ``optimize_file(in_model, out_model)`` writes the optimized model (and its data) at
+    ``out_model`` inside ``dst``. ``library`` is the custom-op library copied into a genai
+    folder (default: :func:`ho_onnx.runtime.library_path`). ``dst`` must not exist or be
+    an empty folder, and must not be ``src``.
+    """
+    folder = detect_folder(src)
+    out = Path(dst)
+    if out.resolve() == folder.path.resolve():
+        raise OutputPathError(f"the output folder {str(out)!r} is the input folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OutputPathError(f"the output folder {str(out)!r} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    out_model = out / folder.model.relative_to(folder.path)
+    out_model.parent.mkdir(parents=True, exist_ok=True)
+    optimize_file(folder.model, out_model)
+    result = FolderResult(folder.kind, out, out_model)
+    result.copied = _copy_rest(folder.path, out, _model_files(folder.path, folder.model))
+    result.session_config = _plan_entries(out_model)
+    if folder.kind == "genai":
+        if library is None:
+            from .runtime import library_path
+
+            library = library_path()
+        lib = Path(library)
+        result.library = out / lib.name
+        shutil.copy2(lib, result.library)
+        cfg = json.loads(json.dumps(folder.config))
+        so = cfg["model"]["decoder"].setdefault("session_options", {})
+        so["custom_ops_library"] = lib.name
+        so.update(result.session_config)
+        (out / GENAI_CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
+    return result
+
+
+def optimum_session_options(folder: str | os.PathLike[str], **kw: Any) -> Any:
+    """``onnxruntime.SessionOptions`` for ``ORTModelForCausalLM.from_pretrained(folder,
+    session_options=...)`` on an optimized Optimum folder (ho-onnx's ops registered, weights
+    resolved in ``folder``); ``kw`` goes to :func:`ho_onnx.runtime.session_options`."""
+    from .runtime import session_options
+
+    return session_options(Path(folder) / OPTIMUM_MODEL, **kw)

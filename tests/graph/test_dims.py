@@ -1,0 +1,127 @@
+"""Binding dims: --shape parsing, whole shapes, expression dims, one error for all that is
+missing."""
+
+from __future__ import annotations
+
+import onnx
+import onnx.parser
+import pytest
+
+from ho_onnx.errors import UnboundDimError
+from ho_onnx.graph.dims import (
+    dims_from_shapes,
+    free_names,
+    input_shapes,
+    missing_dims,
+    parse_shapes,
+)
+
+# The inputs of an Optimum text-generation-with-past export.
+WITH_PAST = """<ir_version: 8, opset_import: ["" : 18]>
+g (int64[batch_size, sequence_length] input_ids,
+   int64[batch_size, total] attention_mask,
+   float[batch_size, 2, past_sequence_length, 16] past_key)
+  => (int64[batch_size, sequence_length] y) { y = Identity (input_ids) }
+"""
+
+
+def with_past() -> onnx.ModelProto:
+    model = onnx.parser.parse_model(WITH_PAST)  # (ONNX text has no expression dims)
+    model.graph.input[1].type.tensor_type.shape.dim[1].dim_param = (
+        "past_sequence_length + sequence_length")
+    return model
+
+
+def paddle_like() -> onnx.ModelProto:
+    """An input whose dynamic dims have no name, another named '?' (as Paddle exports)."""
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+    g (float[1, 3, H, W] x, float[N] z) => (float[1, 3, H, W] y) { y = Identity (x) }""")
+    x = model.graph.input[0].type.tensor_type.shape.dim
+    x[2].ClearField("dim_param")  # no name at all
+    x[3].dim_param = "?"
+    return model
+
+
+def test_parse_shapes():
+    assert parse_shapes(["x=1,3,48,320", "ids=1x8"]) == {"x": [1, 3, 48, 320], "ids": [1, 8]}
+    assert parse_shapes(["input:0=2,4"]) == {"input:0": [2, 4]}
+    assert parse_shapes(["a=b=7"]) == {"a=b": [7]}  # the name is all before the last '='
+    for bad in ("x", "x=", "=1,2", "x=1,?", "x=1,,2"):
+        with pytest.raises(ValueError, match="INPUT=D0,D1"):
+            parse_shapes([bad])
+
+
+def test_free_names():
+    assert free_names("past_sequence_length + sequence_length") == [
+        "past_sequence_length", "sequence_length"]
+    assert free_names("2*seq // 3") == ["seq"]
+    assert free_names("?") is None
+    assert free_names("p2o.DynamicDimension.0") is None
+    assert free_names("f(x)") is None
+
+
+def test_expression_dims_are_evaluated_as_plan_does():
+    shapes = input_shapes(with_past(), {"batch_size": 1, "sequence_length": 8,
+                                        "past_sequence_length": 4})
+    assert shapes == {"input_ids": [1, 8], "attention_mask": [1, 12],
+                      "past_key": [1, 2, 4, 16]}
+
+
+def test_every_unbound_dim_in_one_error():
+    with pytest.raises(UnboundDimError) as e:
+        input_shapes(with_past(), {"batch_size": 1})
+    msg = str(e.value)
+    assert "sequence_length" in msg and "past_sequence_length" in msg
+    assert "--dim sequence_length=N" in msg and "--dim past_sequence_length=N" in msg
+    assert "batch_size" not in msg
+    assert "\n" not in msg
+
+
+def test_unnamed_and_odd_dims_ask_for_whole_shapes():
+    with pytest.raises(UnboundDimError) as e:
+        input_shapes(paddle_like(), {})
+    msg = str(e.value)
+    assert "--shape x=1,3,N,N" in msg
+    assert "--dim ?=N" not in msg
+    assert "--dim N=N" in msg  # z's dim has a plain name
+    shapes = input_shapes(paddle_like(), {"N": 5}, {"x": [1, 3, 48, 320]})
+    assert shapes == {"x": [1, 3, 48, 320], "z": [5]}
+
+
+def test_whole_shapes_bind_the_dims_they_name():
+    dims = dims_from_shapes(with_past(), {"input_ids": [2, 7]})
+    assert dims == {"batch_size": 2, "sequence_length": 7}
+    shapes = input_shapes(with_past(), {"past_sequence_length": 0}, {"input_ids": [2, 7]})
+    assert shapes["attention_mask"] == [2, 7]
+
+
+@pytest.mark.parametrize("shapes,dims,match", [
+    ({"nope": [1]}, {}, "no input 'nope'"),
+    ({"input_ids": [1, 2, 3]}, {}, "rank 2"),
+    ({"past_key": [1, 3, 4, 16]}, {}, "fixed"),
+    ({"input_ids": [1, 8]}, {"batch_size": 2}, "'batch_size' is 2"),
+])
+def test_whole_shape_errors(shapes, dims, match):
+    with pytest.raises(UnboundDimError, match=match):
+        dims_from_shapes(with_past(), shapes, dims)
+
+
+def test_missing_dims():
+    names, odd = missing_dims(["a + b", "c", "a", "?", "b*2"], {"b": 1})
+    assert names == ["a", "c"]
+    assert odd == ["?"]
+
+
+def test_require_dims_names_all_at_once():
+    from ho_onnx.graph.dims import require_dims
+
+    require_dims(["a + b", "?"], {"a": 1, "b": 2})  # odd dims are the caller's business
+    with pytest.raises(UnboundDimError, match=r"'a', 'c' .*--dim a=N --dim c=N"):
+        require_dims(["a + b", "c", "2*a"], {"b": 1})
+
+
+def test_mask_inputs():
+    from ho_onnx.graph.dims import is_mask_input
+
+    assert is_mask_input("attention_mask") and is_mask_input("encoder_attention_mask")
+    assert not is_mask_input("input_ids") and not is_mask_input("mask_token")

@@ -1,0 +1,113 @@
+"""Model folders: genai and Optimum folders in, ready folders out (library, config entries)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from graphs import chain_model, save
+
+from ho_onnx.contract import CONFIG_MODEL_DIR
+from ho_onnx.errors import ModelLoadError, OutputPathError
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.target.ort.folders import detect_folder, optimize_folder, optimum_session_options
+from ho_onnx.target.ort.runtime import library_path
+
+
+def _optimize(src: Path, dst: Path) -> None:
+    optimize(src, dst, OffloadOptions(activations=False, min_bytes=0))
+
+
+def genai_folder(root: Path) -> Path:
+    root.mkdir()
+    save(chain_model(), root / "model.onnx", external=True)
+    cfg = {"model": {"type": "llama", "decoder": {
+        "filename": "model.onnx", "session_options": {"log_id": "onnxruntime-genai",
+                                                      "provider_options": []}}}}
+    (root / "genai_config.json").write_text(json.dumps(cfg))
+    (root / "tokenizer.json").write_text("{}")
+    return root
+
+
+def optimum_folder(root: Path) -> Path:
+    root.mkdir()
+    save(chain_model(), root / "model.onnx")
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    (root / "generation_config.json").write_text("{}")
+    return root
+
+
+def test_detect(tmp_path):
+    g = detect_folder(genai_folder(tmp_path / "g"))
+    assert (g.kind, g.model.name) == ("genai", "model.onnx")
+    o = detect_folder(optimum_folder(tmp_path / "o"))
+    assert (o.kind, o.model.name) == ("optimum", "model.onnx")
+    (tmp_path / "e").mkdir()
+    with pytest.raises(ModelLoadError, match="neither an onnxruntime-genai folder"):
+        detect_folder(tmp_path / "e")
+    (tmp_path / "e" / "genai_config.json").write_text('{"model": {"decoder": '
+                                                      '{"filename": "nope.onnx"}}}')
+    with pytest.raises(ModelLoadError, match=r"'nope\.onnx', which is not in"):
+        detect_folder(tmp_path / "e")
+
+
+def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
+    s = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    return s.run(None, {"x": x})[0]
+
+
+def test_genai_folder_is_ready(tmp_path):
+    src = genai_folder(tmp_path / "src")
+    lib = tmp_path / "libfake_ops.so"
+    lib.write_bytes(Path(library_path()).read_bytes())
+    r = optimize_folder(src, tmp_path / "out", _optimize, library=lib)
+    out = tmp_path / "out"
+    assert r.kind == "genai" and r.library == out / "libfake_ops.so" and r.library.is_file()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "genai_config.json", "libfake_ops.so", "model.onnx", "model.onnx.data",
+        "tokenizer.json"]
+    so_cfg = json.loads((out / "genai_config.json").read_text())["model"]["decoder"][
+        "session_options"]
+    assert so_cfg["custom_ops_library"] == "libfake_ops.so"
+    assert so_cfg[CONFIG_MODEL_DIR] == str(out.resolve())
+    assert so_cfg["log_id"] == "onnxruntime-genai"  # what was there stays
+    assert json.loads((src / "genai_config.json").read_text())["model"]["decoder"][
+        "session_options"] == {"log_id": "onnxruntime-genai", "provider_options": []}
+    # What genai does with that config: config entries first, then the library.
+    so = ort.SessionOptions()
+    for k, v in so_cfg.items():
+        if k.startswith("ho_onnx."):
+            so.add_session_config_entry(k, v)
+    copied = out / so_cfg["custom_ops_library"]
+    assert copied.read_bytes() == lib.read_bytes()
+    # (the same bytes, registered from library_path(): a second copy mapped in the test
+    # process would be a second library state; the genai tests load the copy in a child)
+    so.register_custom_ops_library(library_path())
+    want = _run(src / "model.onnx", ort.SessionOptions())
+    np.testing.assert_array_equal(_run(out / "model.onnx", so), want)
+
+
+def test_optimum_folder_is_ready(tmp_path):
+    src = optimum_folder(tmp_path / "src")
+    r = optimize_folder(src, tmp_path / "out", _optimize)
+    out = tmp_path / "out"
+    assert r.kind == "optimum" and r.library is None
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.onnx", "model.onnx.data"]
+    want = _run(src / "model.onnx", ort.SessionOptions())
+    np.testing.assert_array_equal(_run(out / "model.onnx", optimum_session_options(out)), want)
+
+
+def test_output_folder_must_be_new_or_empty(tmp_path):
+    src = optimum_folder(tmp_path / "src")
+    with pytest.raises(OutputPathError, match="is the input folder"):
+        optimize_folder(src, src, _optimize)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("")
+    with pytest.raises(OutputPathError, match="not empty"):
+        optimize_folder(src, tmp_path / "busy", _optimize)
