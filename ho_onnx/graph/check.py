@@ -10,12 +10,13 @@ structure and every node onnx defines are still checked. No weight bytes are rea
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 
 import onnx
 from onnx import TensorProto, helper
 
 from ..errors import UnsupportedModelError
+from .protos import graph_shell, iter_graphs
 
 # Domains whose operators onnx defines (every other domain is a custom one).
 STANDARD_DOMAINS = frozenset(
@@ -32,17 +33,6 @@ SKELETON_KEEP_BYTES = 4096
 
 def domain_name(d: str) -> str:
     return "" if d == "ai.onnx" else d
-
-
-def _iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _iter_graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _iter_graphs(g)
 
 
 def opset_versions(model: onnx.ModelProto) -> dict[str, int]:
@@ -72,7 +62,7 @@ def _functions(model: onnx.ModelProto) -> frozenset[tuple[str, str]]:
 def nonstandard_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """Nodes (subgraphs included) whose operator onnx does not define at the model's opset."""
     opsets, funcs = opset_versions(model), _functions(model)
-    return [n for g in _iter_graphs(model.graph) for n in g.node
+    return [n for g in iter_graphs(model.graph) for n in g.node
             if not is_onnx_op(n, opsets, funcs)]
 
 
@@ -95,13 +85,10 @@ def weights_as_inputs(model: onnx.ModelProto,
         setattr(sk, f, getattr(model, f))
     sk.opset_import.extend(model.opset_import)
     sk.functions.extend(model.functions)
+    sk.graph.CopyFrom(graph_shell(src))
     g = sk.graph
-    g.name = src.name
     g.node.extend(src.node)
-    g.input.extend(src.input)
-    g.output.extend(src.output)
     g.value_info.extend(src.value_info)
-    g.sparse_initializer.extend(src.sparse_initializer)
     declared = {vi.name for vi in src.input}
     for t in src.initializer:
         if t.data_location != TensorProto.EXTERNAL and t.ByteSize() <= keep_bytes:
@@ -128,7 +115,7 @@ def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | 
     sk = weights_as_inputs(model)
     opsets, funcs = opset_versions(sk), _functions(sk)
     passed: set[tuple[str, str]] = set()
-    for graph in _iter_graphs(sk.graph):
+    for graph in iter_graphs(sk.graph):
         for node in graph.node:
             if is_onnx_op(node, opsets, funcs):
                 continue

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from ..contract import DOMAIN
 from ..errors import ExternalDataError, ModelLoadError, UnsupportedModelError
 from .check import check_standard
 from .dtypes import ELEMENT_BITS, dense_nbytes
+from .protos import iter_graphs
 
 
 @dataclass(frozen=True)
@@ -60,18 +60,6 @@ def external_ref(tensor: TensorProto) -> ExternalRef | None:
     if offset < 0 or (length is not None and length < 0):
         raise ExternalDataError(f"initializer {tensor.name!r}: negative offset or length")
     return ExternalRef(kv["location"], offset, length)
-
-
-def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every subgraph (If/Loop/Scan bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from iter_graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from iter_graphs(g)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 from .. import contract
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
-from ..graph.load import iter_graphs
+from ..graph.protos import graph_shell, iter_graphs
 from ..schedule.eligibility import element_types
 from ..schedule.lifetimes import stored_peak_bytes
 from ..schedule.types import ActivationOffload, OffloadChoice, WeightOffload
@@ -222,7 +222,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     """A new model in which ``choice``'s tensors are offloaded (``analysis.model`` unchanged)."""
     src = analysis.model
     model = _model_without_graph(src)
-    model.graph.CopyFrom(_graph_without_nodes_and_inits(src.graph))
+    model.graph.CopyFrom(graph_shell(src.graph))
     em = _Emitter(analysis, _Names(src))
     for w in choice.weights:
         em.offload_weight(w)
@@ -299,15 +299,3 @@ def _model_without_graph(model: onnx.ModelProto) -> onnx.ModelProto:
         else:
             setattr(m, fd.name, value)
     return m
-
-
-def _graph_without_nodes_and_inits(graph: onnx.GraphProto) -> onnx.GraphProto:
-    g = onnx.GraphProto()
-    g.name = graph.name
-    g.doc_string = graph.doc_string
-    g.input.extend(graph.input)
-    g.output.extend(graph.output)
-    g.sparse_initializer.extend(graph.sparse_initializer)
-    g.metadata_props.extend(graph.metadata_props)
-    g.quantization_annotation.extend(graph.quantization_annotation)
-    return g

@@ -1,0 +1,33 @@
+"""Small helpers over ONNX protos shared by the graph passes: subgraph walk, graph shells."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import onnx
+
+
+def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph (If/Loop/Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_graphs(g)
+
+
+def graph_shell(graph: onnx.GraphProto) -> onnx.GraphProto:
+    """A copy of ``graph`` without its nodes, initializers and value_info (name, doc, inputs,
+    outputs, sparse initializers, metadata and quantization annotations kept)."""
+    g = onnx.GraphProto()
+    g.name = graph.name
+    g.doc_string = graph.doc_string
+    g.input.extend(graph.input)
+    g.output.extend(graph.output)
+    g.sparse_initializer.extend(graph.sparse_initializer)
+    g.metadata_props.extend(graph.metadata_props)
+    g.quantization_annotation.extend(graph.quantization_annotation)
+    return g
