@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnboundDimError
+from .bounded import infer_shapes
 from .dtypes import ELEMENT_BITS, dtype_name, tensor_nbytes
 
 Dim = int | str | None  # a value, a symbolic name, or unknown
@@ -272,11 +273,7 @@ def analyse(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> Gr
     graph = model.graph
     order = topological_order(graph)
     sk = _skeleton(model, dims)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(sk, check_type=False, strict_mode=False,
-                                                     data_prop=True)
-    except Exception:  # inference is best effort: unknown shapes are handled downstream
-        inferred = sk
+    inferred = infer_shapes(sk)  # best effort, bounded in memory and time (.bounded)
     types: dict[str, onnx.TypeProto] = {}
     for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(
         inferred.graph.input

@@ -20,7 +20,7 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,7 +179,7 @@ def _place_data_file(src: Path, dst: Path, report: SaveReport, progress: Progres
     temps.append(tmp)
     copy_sparse(src, tmp, progress)
     os.replace(tmp, dst)
-    temps.remove(tmp)
+    temps[temps.index(tmp)] = dst  # removed again if the model is not written
     report.copied.append(dst)
 
 
@@ -197,6 +197,11 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
         raise OutputPathError(f"output {str(out)!r} is the input model: choose another path")
     if out.exists() and out.is_dir():
         raise OutputPathError(f"output {str(out)!r} is a directory")
+    folder = out.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputPathError(f"cannot write {str(out)!r}: {str(folder)!r} is not a folder")
     checked: set[str] = set()
     for graph in iter_graphs(loaded.model.graph):
         for t in graph.initializer:
@@ -217,7 +222,35 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
     """Write ``files`` for the output ``out_path`` of ``loaded`` (see module docstring)."""
     out = check_output_path(loaded, out_path)
     out_dir = out.resolve().parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with new_folders(out_dir):
+        return _save(files, loaded, out, out_dir, progress)
+
+
+@contextlib.contextmanager
+def new_folders(folder: Path) -> Iterator[Path]:
+    """Make ``folder`` and its missing parents; those it made are removed again (when
+    empty) if the block fails or is interrupted."""
+    made: list[Path] = []
+    p = folder.absolute()
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(f"cannot create the folder {str(folder)!r}: "
+                              f"{e.strerror or e}") from None
+    try:
+        yield folder
+    except BaseException:
+        for d in made:  # deepest first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
+          progress: Progress | None) -> SaveReport:
     report = SaveReport(model_path=out)
     temps: list[Path] = []
     try:
@@ -244,18 +277,34 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
             sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
             os.chmod(sidecar_tmp, mode)
             os.replace(sidecar_tmp, sidecar)
-            temps.remove(sidecar_tmp)
-            temps.append(sidecar)  # removed again if the model's rename fails
+            temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
             report.sidecar = sidecar
         os.replace(model_tmp, out)
-        if report.sidecar is not None:
-            temps.remove(report.sidecar)
-        temps.remove(model_tmp)
+        temps.clear()  # everything is in place
         return report
     finally:
         for t in temps:
             with contextlib.suppress(OSError):
                 t.unlink()
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in its folder (made if missing)
+    renamed into place: a failure or an interruption leaves no partial file or new folder."""
+    out = Path(path)
+    with new_folders(out.absolute().parent):
+        temps: list[Path] = []
+        try:
+            tmp = _write_temp(out.absolute().parent, f".{out.name}.", temps,
+                              lambda f: f.write(data))
+            os.chmod(tmp, _umask_mode())
+            os.replace(tmp, out)
+            temps.clear()
+        finally:
+            for t in temps:
+                with contextlib.suppress(OSError):
+                    t.unlink()
+    return out
 
 
 def _serialise(model: onnx.ModelProto) -> bytes:
