@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,7 +94,8 @@ class _Main(click.Group):
 
     def main(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
         kw.pop("standalone_mode", None)
-        signal.signal(signal.SIGTERM, _terminate)
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
         try:
             code = super().main(*args, standalone_mode=False, **kw)
         except click.exceptions.Exit as e:
@@ -115,6 +117,9 @@ class _Main(click.Group):
                 raise
             _fail(_known_error(e) or f"unexpected {type(e).__name__}: {e} (set "
                   "HO_ONNX_TRACEBACK=1 for the traceback)")
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
         sys.exit(code or 0)
 
 

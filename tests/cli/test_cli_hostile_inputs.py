@@ -19,7 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.graphs import chain_model
+from tests.graphs import chain_model, doubling_model
 
 HO = str(Path(sys.executable).with_name("ho-onnx"))
 
@@ -154,23 +154,10 @@ def test_verify_exit_codes_tell_mismatch_from_error(tmp_path: Path, model: Path)
     one_line_error(ho("verify", str(model), str(tmp_path / "missing.onnx"), "--dim", "N=2"))
 
 
-def _doubling_model(n: int) -> onnx.ModelProto:
-    """7 KB: Shape(x) concatenated with itself ``n`` times; ONNX's data propagation would
-    materialize 2**n integers."""
-    nodes = [helper.make_node("Shape", ["x"], ["s0"])]
-    for i in range(n):
-        nodes.append(helper.make_node("Concat", [f"s{i}", f"s{i}"], [f"s{i + 1}"], axis=0))
-    nodes.append(helper.make_node("Reshape", ["x", f"s{n}"], ["y"]))
-    g = helper.make_graph(nodes, "hostile",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["D"])])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-
-
 @pytest.mark.parametrize("cmd", ["optimize", "plan"])
 def test_shape_inference_of_a_hostile_model_is_bounded(tmp_path: Path, cmd: str):
     p = tmp_path / "hostile.onnx"
-    onnx.save(_doubling_model(40), p)
+    onnx.save(doubling_model(40), p)
     assert p.stat().st_size < 8 << 10
     args = (["optimize", str(p), str(tmp_path / "o.onnx")] if cmd == "optimize"
             else ["plan", str(p), "--budget", "1MiB"])
