@@ -183,22 +183,23 @@ def _same(a: Path, b: Path) -> bool:
 def _data_files(model: Path) -> list[Path]:
     """The external-data files ``model`` references (none when it cannot be read: the
     command reports that itself)."""
-    from ho_onnx.graph.load import external_ref, iter_graphs
+    from ho_onnx.graph.load import check_text, external_ref, iter_graphs
 
     if not model.is_file():
         return []
-    try:
-        import onnx
+    import onnx
 
-        m = onnx.load(str(model), load_external_data=False)
-    except Exception:  # the command reports an unreadable model itself
-        return []
     out = []
-    for g in iter_graphs(m.graph):
-        for t in g.initializer:
-            ref = external_ref(t)
-            if ref is not None and not os.path.isabs(ref.location):
-                out.append(model.parent / ref.location)
+    try:
+        m = onnx.load(str(model), load_external_data=False)
+        check_text(m, str(model))
+        for g in iter_graphs(m.graph):
+            for t in g.initializer:
+                ref = external_ref(t)
+                if ref is not None and not os.path.isabs(ref.location):
+                    out.append(model.parent / ref.location)
+    except Exception:  # the command reports an unreadable model itself
+        return out
     return out
 
 

@@ -85,6 +85,8 @@ def resolve_data_path(base_dir: Path, location: str, what: str) -> Path:
 
     (Resolution is cached per (folder, location): a model has one or a few data files and
     thousands of initializers.)"""
+    if "\0" in location:
+        raise ExternalDataError(f"{what}: external data location {location!r} has a NUL byte")
     if not location or os.path.isabs(location) or location.startswith(("\\", "/")):
         raise ExternalDataError(
             f"{what}: external data location {location!r} must be a relative path inside the "
