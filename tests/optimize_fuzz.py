@@ -152,8 +152,9 @@ def mutate_external(m: onnx.ModelProto, rng: random.Random) -> None:
         return
     key = rng.choice(["location", "offset", "length", "checksum", None])
     entries = {e.key: e for e in t.external_data}
-    if key is None and t.external_data:
-        del t.external_data[rng.randrange(len(t.external_data))]
+    if key is None:
+        if t.external_data:
+            del t.external_data[rng.randrange(len(t.external_data))]
         return
     value = (rng.choice([*_LOCATIONS, "model.onnx", "model.onnx.data"]) if key == "location"
              else str(rng.choice(_INTS)) if key != "checksum" else "0" * 40)
