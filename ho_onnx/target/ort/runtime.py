@@ -220,8 +220,9 @@ def _refuse_offloaded_weights(model_bytes: bytes) -> None:
             a.name == contract.ATTR_LOCATION for a in node.attribute
         ):
             raise ModelLoadError(
-                "the model given as bytes has offloaded weights: pass model_dir= (the folder "
-                f"of its data files; session config entry {CONFIG_MODEL_DIR!r})"
+                "the model given as bytes has offloaded weights but no model directory: pass "
+                "model_dir= (the folder of its data files; session config entry "
+                f"{CONFIG_MODEL_DIR!r})"
             )
 
 
