@@ -8,9 +8,15 @@ Lives in the top-level ``cli/`` folder and is installed as ``ho_onnx.cli`` (pypr
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -25,6 +31,7 @@ from ho_onnx.schedule.options import (
 from ho_onnx.units import format_bytes, parse_size
 
 _DEFAULTS = OffloadOptions()
+_INT64_MAX = (1 << 63) - 1
 
 
 def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
@@ -32,8 +39,11 @@ def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
     dims: dict[str, int] = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or not name or not value.strip().isdigit():
+        if not sep or not name.strip() or not re.fullmatch(r"\s*[0-9]+\s*", value):
             raise click.BadParameter(f"{item!r}: expected NAME=INTEGER, e.g. seq=2048",
+                                     param_hint="--dim")
+        if int(value) > _INT64_MAX:
+            raise click.BadParameter(f"{item!r}: {value.strip()} is past int64",
                                      param_hint="--dim")
         dims[name.strip()] = int(value)
     return dims
@@ -61,15 +71,85 @@ def _model_in(path: str) -> str:
 
 
 class SizeType(click.ParamType):
+    """A byte size (``8GiB``, ``4096``) of at least ``minimum`` bytes."""
+
     name = "size"
 
+    def __init__(self, minimum: int = 0) -> None:
+        self.minimum = minimum
+
     def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
-        if isinstance(value, int):
-            return value
         try:
-            return parse_size(value)
+            size = value if isinstance(value, int) else parse_size(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+        if size < self.minimum:
+            self.fail(f"{value!r} is less than {format_bytes(self.minimum)}", param, ctx)
+        if size > _INT64_MAX:
+            self.fail(f"{value!r} is past int64", param, ctx)
+        return size
+
+
+class _Interrupted(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that cleanups run."""
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise _Interrupted(signum)
+
+
+def _one_line(text: str, limit: int = 2000) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {_one_line(message)}", err=True)
+    sys.exit(code)
+
+
+class _Main(click.Group):
+    """Every failure is one ``error: ...`` line on stderr and exit 2 (no traceback, no usage
+    dump); SIGINT and SIGTERM end the command through its cleanups (exit 130/143).
+    ``HO_ONNX_TRACEBACK=1`` shows the traceback of an unexpected error."""
+
+    def main(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
+        kw.pop("standalone_mode", None)
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+        try:
+            code = super().main(*args, standalone_mode=False, **kw)
+        except click.exceptions.Exit as e:
+            code = e.exit_code
+        except click.ClickException as e:
+            _fail(e.format_message())
+        except (KeyboardInterrupt, click.Abort):
+            _fail("interrupted", 130)
+        except _Interrupted:
+            _fail("terminated", 143)
+        except HoOnnxError as e:
+            _fail(str(e))
+        except OSError as e:
+            _fail(f"{e.strerror or e}" + (f": {e.filename!r}" if e.filename else ""))
+        except MemoryError:
+            _fail("out of memory")
+        except Exception as e:
+            if os.environ.get("HO_ONNX_TRACEBACK"):
+                raise
+            _fail(_known_error(e) or f"unexpected {type(e).__name__}: {e} (set "
+                  "HO_ONNX_TRACEBACK=1 for the traceback)")
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+        sys.exit(code or 0)
+
+
+def _known_error(e: Exception) -> str | None:
+    """The message of an error of ONNX Runtime, onnx or protobuf about the input."""
+    module = type(e).__module__ or ""
+    if module.startswith(("onnxruntime", "onnx", "google.protobuf")):
+        return str(e)
+    return None
 
 
 @contextmanager
@@ -77,8 +157,71 @@ def _errors() -> Iterator[None]:
     try:
         yield
     except HoOnnxError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        _fail(str(e))
+
+
+def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str | None]
+                               ) -> None:
+    """Refuse before any work an output (option -> path) that is one of the inputs, one of
+    an input model's data files, or an existing file that is not JSON where JSON is
+    written."""
+    files: list[Path] = []
+    for path in filter(None, inputs):
+        files.append(Path(path))
+        files.extend(_data_files(Path(path)))
+    for option, out in outputs.items():
+        if out is None:
+            continue
+        o = Path(out)
+        for f in files:
+            if _same(o, f):
+                raise click.UsageError(f"{option} {out!r} is an input ({str(f)!r}): refusing "
+                                       "to write over it")
+        if o.is_dir():
+            raise click.UsageError(f"{option} {out!r} is a directory")
+
+
+def _refuse_overwriting_non_json(option: str, out: str) -> None:
+    """A JSON output may replace an earlier JSON file, never another kind of file."""
+    o = Path(out)
+    if not o.is_file() or o.stat().st_size == 0:
+        return
+    try:
+        with open(o, "rb") as f:
+            json.loads(f.read(64 << 20))
+    except (ValueError, OSError):
+        raise click.UsageError(f"{option} {out!r} exists and is not a JSON file: refusing to "
+                               "write over it") from None
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def _data_files(model: Path) -> list[Path]:
+    """The external-data files ``model`` references (none when it cannot be read: the
+    command reports that itself)."""
+    from ho_onnx.graph.load import check_text, external_ref, iter_graphs
+
+    if not model.is_file():
+        return []
+    import onnx
+
+    out = []
+    try:
+        m = onnx.load(str(model), load_external_data=False)
+        check_text(m, str(model))
+        for g in iter_graphs(m.graph):
+            for t in g.initializer:
+                ref = external_ref(t)
+                if ref is not None and not os.path.isabs(ref.location):
+                    out.append(model.parent / ref.location)
+    except Exception:  # the command reports an unreadable model itself
+        return out
+    return out
 
 
 def _log(msg: str) -> None:
@@ -90,7 +233,7 @@ _SHAPE_HELP = ("Whole shape of an input, NAME=D0,D1,... (repeatable), for dims w
                "or with an odd one, e.g. --shape x=1,3,48,320; also binds the dims it names.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ho-onnx")
 def main() -> None:
     """ho-onnx: offload tensors of an ONNX model off the device with explicit cache operators.
@@ -171,7 +314,7 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 @main.command()
 @click.argument("input_model", type=click.Path())
 @click.argument("output_model", type=click.Path())
-@click.option("--budget", type=SizeType(), default=None,
+@click.option("--budget", type=SizeType(1), default=None,
               help="Fast-tier memory budget (e.g. 6GiB): the planner chooses what to offload "
                    "and when, so the simulated peak fits with the least predicted stall. "
                    "Without it, the explicit --offload policy applies to every tensor.")
@@ -208,6 +351,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
     from ho_onnx.cost.source import CostSource
     from ho_onnx.rewrite.pipeline import optimize as run
 
+    _refuse_overwriting_inputs({"OUTPUT_MODEL": output_model},
+                               [profile_path, machine if os.path.isfile(machine) else None])
     with _errors():
         if budget is not None and prefetch_distance is not None:
             raise click.UsageError("--prefetch-distance is for the explicit policy: with "
@@ -248,7 +393,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
 
 @main.command()
 @click.argument("input_model", type=click.Path())
-@click.option("--budget", type=SizeType(), required=True,
+@click.option("--budget", type=SizeType(1), required=True,
               help="Fast-tier memory budget, e.g. 6GiB.")
 @click.option("--offload", type=click.Choice(["all", "weights", "activations"]),
               default="all", show_default=True, help="Which tensors may leave the fast tier.")
@@ -274,6 +419,9 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     from ho_onnx.report.text import format_plan, plan_to_dict
     from ho_onnx.rewrite.pipeline import plan_model
 
+    _refuse_overwriting_inputs({"--plot": plot_path}, [input_model, profile_path,
+                                                       machine if os.path.isfile(machine)
+                                                       else None])
     with _errors():
         _, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
@@ -318,6 +466,8 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
     `optimize --budget ... --profile FILE` and `plan --profile FILE`."""
     from ho_onnx.target.ort.profile import profile_model
 
+    _refuse_overwriting_inputs({"--out": out_json}, [model])
+    _refuse_overwriting_non_json("--out", out_json)
     with _errors():
         _log(f"profiling {model}: {warmup} warm-up + {runs} measured runs on {provider}")
         r = profile_model(_model_in(model), out_json, providers=[provider], dims=parse_dims(dims),
@@ -410,7 +560,7 @@ def inspect(model: str, as_json: bool) -> None:
 @click.option("--file", "data_file", type=click.Path(exists=True, dir_okay=False),
               default=None, help="Measure disk reads of this file (e.g. a model's data file) "
                                  "instead of a temporary one.")
-@click.option("--size", type=SizeType(), default="1GiB", show_default=True,
+@click.option("--size", type=SizeType(1 << 20), default="1GiB", show_default=True,
               help="Size of the temporary file for the disk measurement.")
 @click.option("--dir", "directory", type=click.Path(file_okay=False, exists=True), default=None,
               help="Folder for the temporary file (the disk you will stream from).")
@@ -420,6 +570,8 @@ def calibrate(out_json: str, base: str, data_file: str | None, size: int,
     CPU) and the disk read rate (O_DIRECT), and write them as a machine file."""
     from ho_onnx.target.ort.calibrate import calibrate as run
 
+    _refuse_overwriting_inputs({"--out": out_json}, [data_file])
+    _refuse_overwriting_non_json("--out", out_json)
     with _errors():
         r = run(out_json, base=base, file=data_file, size=size, directory=directory, log=_log)
     click.echo(f"{out_json}: h2d {float(r['h2d_bw']) / 1e9:.2f} GB/s, d2h "  # type: ignore[arg-type]

@@ -18,7 +18,11 @@ ATTR_OFFSET = "offset"
 ATTR_LENGTH = "length"
 ATTR_SHAPE = "shape"
 ATTR_NAME = "name"
-ATTR_BASE_DIR = "base_dir"
+# The data file's size and fingerprint (ho_onnx.graph.fingerprint) when the model was written:
+# the library refuses a file that differs. (A ``base_dir`` attribute of older rewriters is
+# ignored by the library and no longer written.)
+ATTR_DATA_SIZE = "data_size"
+ATTR_DATA_FINGERPRINT = "data_fingerprint"
 # "disk": read from the data file at every Prefetch (no host-store copy); absent: "host".
 ATTR_TIER = "tier"
 # On every Store: the most bytes of stored activations the plan holds at once (sizes the
@@ -26,8 +30,12 @@ ATTR_TIER = "tier"
 ATTR_HOST_BYTES = "host_bytes"
 CONFIG_HOST_BYTES = "ho_onnx.host_bytes"
 
-# Session config entry the runtime helper sets so weights resolve next to the model.
+# Session config entry the runtime helper sets so weights resolve next to the model; a
+# model with offloaded weights fails session creation without it.
 CONFIG_MODEL_DIR = "ho_onnx.model_dir"
+# The most bytes of stored activations the library's host pool holds (default: half the
+# physical memory).
+CONFIG_HOST_POOL_LIMIT = "ho_onnx.host_pool_limit_bytes"
 
 # Keys of the plan recorded in the optimized model's metadata_props.
 META_PREFIX = "ho_onnx."

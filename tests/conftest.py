@@ -11,6 +11,10 @@ from native_util import load_ops_override
 # HO_ONNX_TEST_OPS=<_ops .so>: run the tests against another build (sanitizers, old commit)
 load_ops_override()
 
+# The hostile-model tests allocate up to the shape-inference bound (default 4GiB): keep the
+# shared test machine's memory for the other tests (the commands they run inherit it).
+os.environ.setdefault("HO_ONNX_SHAPE_INFERENCE_MEMORY", "2GiB")
+
 
 @pytest.fixture
 def hostile_model_dir(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.parser
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
 
@@ -87,3 +87,16 @@ g (float[8, 512] x) => (float[8, 512] y) {
 
 def two_weights_model() -> onnx.ModelProto:
     return text_model(TWO_WEIGHTS, W1=(512, 512), W2=(512, 512))
+
+
+def doubling_model(n: int) -> onnx.ModelProto:
+    """7 KB for n=40: Shape(x) concatenated with itself ``n`` times; ONNX's data propagation
+    would materialize 2**n integers (a hostile model for shape inference)."""
+    nodes = [helper.make_node("Shape", ["x"], ["s0"])]
+    nodes += [helper.make_node("Concat", [f"s{i}", f"s{i}"], [f"s{i + 1}"], axis=0)
+              for i in range(n)]
+    nodes.append(helper.make_node("Reshape", ["x", f"s{n}"], ["y"]))
+    g = helper.make_graph(nodes, "hostile",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["D"])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import struct
 import sys
 from pathlib import Path
 
@@ -98,34 +97,6 @@ def save(model: onnx.ModelProto, directory, name: str = "model.onnx") -> Path:
     p = Path(directory) / name
     onnx.save(model, str(p))
     return p
-
-
-# ---------------------------------------------------------------------------------------
-# The data-file fingerprint (the reference the rewriter writes as `data_fingerprint`)
-
-
-def data_fingerprint(path) -> str:
-    """FNV-1a 64 over the size (8 bytes LE), then for each sampled offset o (ascending, no
-    duplicates: (size * k) // 16 for k in 0..15, and max(0, size - 4096)) o (8 bytes LE) and
-    the min(4096, size - o) bytes at o. Returns "fnv1a64s16:" + 16 hex digits."""
-    size = os.path.getsize(path)
-    h = 0xCBF29CE484222325
-
-    def feed(b: bytes) -> None:
-        nonlocal h
-        for c in b:
-            h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-
-    feed(struct.pack("<Q", size))
-    offsets = sorted({(size * k) // 16 for k in range(16)} | {max(0, size - 4096)})
-    with open(path, "rb") as f:
-        for o in offsets:
-            if o >= size and size != 0:
-                continue
-            f.seek(o)
-            feed(struct.pack("<Q", o))
-            feed(f.read(min(4096, size - o)))
-    return f"fnv1a64s16:{h:016x}"
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,8 +12,7 @@ from pathlib import Path
 import native_fuzz
 import pytest
 
-CASES = sorted(p for p in native_fuzz.CORPUS.iterdir() if p.is_dir()) \
-    if native_fuzz.CORPUS.exists() else []
+CASES = sorted(p for p in native_fuzz.CORPUS.glob("crash-*") if p.is_dir())  # optimize/: its own
 
 
 def test_fuzz_session_creation_and_run():

@@ -22,7 +22,6 @@ import onnx
 import pytest
 from native_util import (
     N,
-    data_fingerprint,
     hnode,
     make_model,
     ops,
@@ -33,6 +32,8 @@ from native_util import (
     write_failure_model,
 )
 from onnx import TensorProto, helper
+
+from ho_onnx.graph.fingerprint import data_fingerprint
 
 CHILD = Path(__file__).resolve().parent / "native_child.py"
 

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto
 
-from ..errors import ModelLoadError, UnboundDimError
+from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
+from .bounded import infer_shapes
 from .dtypes import ELEMENT_BITS, dtype_name, tensor_nbytes
 
 Dim = int | str | None  # a value, a symbolic name, or unknown
+# No tensor is larger: sums of the sizes of many tensors stay within int64 (numpy arrays).
+MAX_TENSOR_BYTES = 1 << 50  # 1 PiB
 
 
 @dataclass
@@ -54,14 +57,17 @@ class TensorInfo:
             return None
         numel = 1
         for d in self.shape:
-            if isinstance(d, int):
-                numel *= d
-            elif isinstance(d, str):
-                numel *= eval_dim(d, dims or {}, self.name)
-            else:
+            if isinstance(d, str):
+                d = eval_dim(d, dims or {}, self.name)
+            if d is None or d < 0:  # unknown, or not a size
                 return None
+            numel *= d
         assert self.elem_type is not None
-        return tensor_nbytes(self.elem_type, numel)
+        nbytes = tensor_nbytes(self.elem_type, numel)
+        if nbytes > MAX_TENSOR_BYTES:
+            raise UnsupportedModelError(f"tensor {self.name!r} would have {nbytes} bytes "
+                                        "(over 1 PiB): check its shape and the --dim values")
+        return nbytes
 
 
 _DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -297,11 +303,7 @@ def analyse(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
     graph = model.graph
     order = topological_order(graph)
     sk = _skeleton(model, dims, shapes)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(sk, check_type=False, strict_mode=False,
-                                                     data_prop=True)
-    except Exception:  # inference is best effort: unknown shapes are handled downstream
-        inferred = sk
+    inferred = infer_shapes(sk)  # best effort, bounded in memory and time (.bounded)
     types: dict[str, onnx.TypeProto] = {}
     for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(
         inferred.graph.input

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+from google.protobuf.message import Message
 from onnx import TensorProto
 
 from ..contract import DOMAIN
@@ -73,6 +74,8 @@ def resolve_data_path(base_dir: Path, location: str, what: str) -> Path:
 
     (Resolution is cached per (folder, location): a model has one or a few data files and
     thousands of initializers.)"""
+    if "\0" in location:
+        raise ExternalDataError(f"{what}: external data location {location!r} has a NUL byte")
     if not location or os.path.isabs(location) or location.startswith(("\\", "/")):
         raise ExternalDataError(
             f"{what}: external data location {location!r} must be a relative path inside the "
@@ -147,6 +150,24 @@ def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False) -> None:
         )
 
 
+def check_text(message: Message, what: str) -> None:
+    """Refuse a string field that is not valid UTF-8 (protobuf parses it and hands it out
+    as bytes, or fails, wherever it is read later)."""
+    for fd, value in message.ListFields():
+        repeated = fd.is_repeated
+        if fd.type == fd.TYPE_MESSAGE:
+            for m in value if repeated else (value,):
+                check_text(m, what)
+        elif fd.type == fd.TYPE_STRING:
+            try:
+                bad = [v for v in (value if repeated else (value,)) if not isinstance(v, str)]
+            except UnicodeDecodeError:
+                bad = [fd.name]
+            if bad:
+                raise ModelLoadError(f"{what!r}: a {fd.full_name} string is not valid "
+                                     f"UTF-8 ({bad[0]!r})")
+
+
 def load_model(path: str | os.PathLike[str], *, check: bool = True,
                allow_cache_ops: bool = False) -> LoadedModel:
     """Read ``path`` (weight bytes stay on disk), check it and its external data references."""
@@ -162,6 +183,7 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
         raise ModelLoadError(f"{str(p)!r} is not a readable ONNX model: {e}") from None
     if not model.HasField("graph") or model.ir_version == 0:
         raise ModelLoadError(f"{str(p)!r} is not an ONNX model (no graph or IR version)")
+    check_text(model, str(p))
     check_opsets(model, allow_cache_ops)
     base_dir = p.resolve().parent
     validate_external_data(model, base_dir)

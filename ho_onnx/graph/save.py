@@ -20,16 +20,18 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
+from .. import contract
 from ..errors import OutputPathError
+from .fingerprint import data_fingerprint
 from .load import LoadedModel, external_ref, iter_graphs, resolve_data_path
 
 Progress = Callable[[str, int, int], None]  # (what, done bytes, total bytes)
@@ -48,11 +50,35 @@ class Sidecar:
 @dataclass
 class OutputFiles:
     """What :func:`save_model` writes: the finished model, the data files it references
-    (location relative to the output folder -> source file), and the sidecar."""
+    (location relative to the output folder -> source file), the sidecar, and the nodes of
+    the main graph to stamp with each data file's final size and fingerprint (location ->
+    node indices: the weight Prefetches)."""
 
     model: onnx.ModelProto
     data_files: dict[str, Path] = field(default_factory=dict)
     sidecar: Sidecar | None = None
+    stamps: dict[str, list[int]] = field(default_factory=dict)
+
+
+def set_attr(node: onnx.NodeProto, name: str, value: object) -> None:
+    """Set (replace) attribute ``name`` of ``node``."""
+    for a in node.attribute:
+        if a.name == name:
+            node.attribute.remove(a)
+            break
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def stamp_data_files(model: onnx.ModelProto, stamps: dict[str, list[int]],
+                     path_of: Callable[[str], Path]) -> None:
+    """Record on each stamped node its data file's size and fingerprint, read from
+    ``path_of(location)`` (the finished file; at most 17 blocks of 4 KiB each)."""
+    for loc, positions in stamps.items():
+        path = path_of(loc)
+        size, fp = path.stat().st_size, data_fingerprint(path)
+        for i in positions:
+            set_attr(model.graph.node[i], contract.ATTR_DATA_SIZE, size)
+            set_attr(model.graph.node[i], contract.ATTR_DATA_FINGERPRINT, fp)
 
 
 @dataclass
@@ -153,7 +179,7 @@ def _place_data_file(src: Path, dst: Path, report: SaveReport, progress: Progres
     temps.append(tmp)
     copy_sparse(src, tmp, progress)
     os.replace(tmp, dst)
-    temps.remove(tmp)
+    temps[temps.index(tmp)] = dst  # removed again if the model is not written
     report.copied.append(dst)
 
 
@@ -171,6 +197,11 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
         raise OutputPathError(f"output {str(out)!r} is the input model: choose another path")
     if out.exists() and out.is_dir():
         raise OutputPathError(f"output {str(out)!r} is a directory")
+    folder = out.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputPathError(f"cannot write {str(out)!r}: {str(folder)!r} is not a folder")
     checked: set[str] = set()
     for graph in iter_graphs(loaded.model.graph):
         for t in graph.initializer:
@@ -196,7 +227,35 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
     onnx cannot check; the sidecar is then already in place, the model not yet)."""
     out = check_output_path(loaded, out_path)
     out_dir = out.resolve().parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with new_folders(out_dir):
+        return _save(files, loaded, out, out_dir, progress, validate)
+
+
+@contextlib.contextmanager
+def new_folders(folder: Path) -> Iterator[Path]:
+    """Make ``folder`` and its missing parents; those it made are removed again (when
+    empty) if the block fails or is interrupted."""
+    made: list[Path] = []
+    p = folder.absolute()
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(f"cannot create the folder {str(folder)!r}: "
+                              f"{e.strerror or e}") from None
+    try:
+        yield folder
+    except BaseException:
+        for d in made:  # deepest first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
+          progress: Progress | None, validate: Callable[[Path], None] | None) -> SaveReport:
     report = SaveReport(model_path=out)
     temps: list[Path] = []
     try:
@@ -207,6 +266,10 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
         if files.sidecar is not None and files.sidecar.tensors:
             sidecar_tmp = _write_temp(out_dir, f".{files.sidecar.name}.", temps,
                                       lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
+        sidecar_name = files.sidecar.name if files.sidecar is not None else None
+        stamp_data_files(files.model, files.stamps,
+                         lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
+                         else out_dir / loc)
         blob = _serialise(files.model)
         model_tmp = _write_temp(out_dir, f".{out.name}.", temps, lambda f: f.write(blob))
         if validate is None:
@@ -221,20 +284,36 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
             sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
             os.chmod(sidecar_tmp, mode)
             os.replace(sidecar_tmp, sidecar)
-            temps.remove(sidecar_tmp)
-            temps.append(sidecar)  # removed again if the model's rename fails
+            temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
             report.sidecar = sidecar
         if validate is not None:
             validate(model_tmp)
         os.replace(model_tmp, out)
-        if report.sidecar is not None:
-            temps.remove(report.sidecar)
-        temps.remove(model_tmp)
+        temps.clear()  # everything is in place
         return report
     finally:
         for t in temps:
             with contextlib.suppress(OSError):
                 t.unlink()
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in its folder (made if missing)
+    renamed into place: a failure or an interruption leaves no partial file or new folder."""
+    out = Path(path)
+    with new_folders(out.absolute().parent):
+        temps: list[Path] = []
+        try:
+            tmp = _write_temp(out.absolute().parent, f".{out.name}.", temps,
+                              lambda f: f.write(data))
+            os.chmod(tmp, _umask_mode())
+            os.replace(tmp, out)
+            temps.clear()
+        finally:
+            for t in temps:
+                with contextlib.suppress(OSError):
+                    t.unlink()
+    return out
 
 
 def _serialise(model: onnx.ModelProto) -> bytes:

@@ -18,6 +18,7 @@ matplotlib is optional (imported on first use, ``Agg`` backend, nothing is shown
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import HoOnnxError
+from ..graph.save import write_atomic
 from ..units import binary_unit
 
 if TYPE_CHECKING:
@@ -111,10 +113,10 @@ def plot_timeline(plan: Plan, names: list[str], path: str | os.PathLike[str]) ->
                   f"{len(plan.choice.activations)} activations; {len(transfers)} transfers",
                   fontsize=9, color="#444444")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format=Path(path).suffix.lstrip(".").lower() or "png")
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def _draw_memory(top: Any, plan: Plan, names: list[str], unit: str, k: float) -> list[Any]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from ..graph.analyse import analyse
+from ..graph.save import stamp_data_files
 from ..schedule.types import Decider
 from .annotate import annotate, plan_metadata
 from .insert import insert_cache_ops
@@ -48,6 +49,7 @@ class OffloadPass(ir.passes.FunctionalPass):
         base_dir = next(iter(base_dirs), Path("."))
         files = place_weight_data(rewritten, base_dir, base_dir / "model.onnx")
         assert files.sidecar is None  # every offloaded weight is external (checked above)
+        stamp_data_files(rewritten.model, files.stamps, lambda loc: base_dir / loc)
         result = ir.serde.deserialize_model(rewritten.model)
         for value in result.graph.initializers.values():  # data files resolve as before
             if isinstance(value.const_value, ir.ExternalTensor):

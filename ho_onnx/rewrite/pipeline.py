@@ -18,7 +18,7 @@ from ..graph.analyse import GraphAnalysis, analyse
 from ..graph.check import contrib_ops
 from ..graph.dims import dims_from_shapes, require_dims
 from ..graph.load import LoadedModel, load_model
-from ..graph.save import Progress, SaveReport, check_output_path, save_model
+from ..graph.save import Progress, SaveReport, check_output_path, new_folders, save_model
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import BudgetPlanner, Plan
 from ..schedule.policy import ExplicitPolicy
@@ -76,16 +76,19 @@ class _Steps:
 def _ort_optimized_beside(in_path: str | os.PathLike[str], out: Path, ort_level: str
                           ) -> Iterator[Path]:
     """ORT's ``ort_level`` optimization of ``in_path``, written beside the output ``out``: its
-    data file is what the output's initializers and offloaded weights reference, so it stays;
-    the intermediate model is removed on exit."""
+    data file is what the output's initializers and offloaded weights reference, so it stays
+    (unless the block fails); the intermediate model is removed on exit."""
     from ..target.ort.optimize import ort_optimize
 
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    pre = ort_optimize(in_path, out.with_name(f"{out.name}.ort.onnx"), ort_level)
-    try:
-        yield pre
-    finally:
-        pre.unlink(missing_ok=True)
+    with new_folders(out.resolve().parent):
+        pre = out.with_name(f"{out.name}.ort.onnx")
+        try:
+            yield ort_optimize(in_path, pre, ort_level)
+        except BaseException:  # the output was not written: its data file goes too
+            pre.with_name(f"{pre.name}.data").unlink(missing_ok=True)
+            raise
+        finally:
+            pre.unlink(missing_ok=True)
 
 
 def _load_ort_optimized(model: str | os.PathLike[str], ort_level: str) -> LoadedModel:

@@ -11,13 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import onnx
-from onnx import helper
-
 from .. import contract
 from ..errors import OutputPathError
 from ..graph.load import expected_nbytes, external_ref, iter_graphs, resolve_data_path
-from ..graph.save import OutputFiles, Sidecar
+from ..graph.save import OutputFiles, Sidecar, set_attr
 from .insert import RewrittenModel
 
 _ALIGN_BIG = 4096  # offsets of big sidecar tensors are page aligned (O_DIRECT reads later)
@@ -27,9 +24,10 @@ _BIG = 64 << 10
 
 def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                       out_path: str | os.PathLike[str]) -> OutputFiles:
-    """Set ``location``/``offset``/``length``/``base_dir`` on every weight Prefetch of
-    ``rewritten`` (in place) for an output written to ``out_path``; ``base_dir`` is the
-    input's folder, which external-data locations are relative to."""
+    """Set ``location``/``offset``/``length`` on every weight Prefetch of ``rewritten`` (in
+    place) for an output written to ``out_path``; ``base_dir`` is the input's folder, which
+    external-data locations are relative to. The save stamps each of those nodes with its
+    data file's final size and fingerprint (:attr:`OutputFiles.stamps`)."""
     out = Path(out_path)
     out_dir = out.resolve().parent
     referenced = _referenced_files(rewritten, base_dir)
@@ -48,14 +46,17 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
             length = ref.length if ref.length is not None else expected_nbytes(t)
             where[name] = (ref.location, ref.offset, int(length or 0))
     nodes = rewritten.model.graph.node
+    stamps: dict[str, list[int]] = {}
     for name, positions in rewritten.weight_prefetches.items():
         loc, off, length = where[name]
         attrs = {contract.ATTR_LOCATION: loc, contract.ATTR_OFFSET: off,
-                 contract.ATTR_LENGTH: length, contract.ATTR_BASE_DIR: str(out_dir)}
+                 contract.ATTR_LENGTH: length}
         for i in positions:
             for attr, value in attrs.items():
-                _set_attr(nodes[i], attr, value)
-    return OutputFiles(rewritten.model, referenced, sidecar if sidecar.tensors else None)
+                set_attr(nodes[i], attr, value)
+        stamps.setdefault(loc, []).extend(positions)
+    return OutputFiles(rewritten.model, referenced, sidecar if sidecar.tensors else None,
+                       stamps)
 
 
 def _referenced_files(rewritten: RewrittenModel, base_dir: Path) -> dict[str, Path]:
@@ -86,11 +87,3 @@ def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar
         where[t.name] = (sidecar.name, pos, length)
         pos += length
     return where
-
-
-def _set_attr(node: onnx.NodeProto, name: str, value: object) -> None:
-    for a in node.attribute:
-        if a.name == name:
-            node.attribute.remove(a)
-            break
-    node.attribute.append(helper.make_attribute(name, value))

@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from ...graph.save import write_atomic
+
 __all__ = ["calibrate", "measure_file_read", "measure_host_copy"]
 
 _ALIGN = 4096
@@ -167,8 +169,5 @@ def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cp
     if out_json is not None:
         import json
 
-        tmp = f"{os.fspath(out_json)}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, out_json)
+        write_atomic(out_json, json.dumps(result, indent=2).encode())
     return result

@@ -36,6 +36,7 @@ from typing import Any
 import onnx
 
 from ...errors import HoOnnxError
+from ...graph.save import write_atomic
 from .session import OPT_LEVELS, ort_opt_level, random_inputs
 
 _KERNEL_SUFFIX = "_kernel_time"
@@ -123,10 +124,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
             f"{used[0]}: node times are host-side launch times (this ORT build records no "
             "device kernels); prefer analytic costs for the planner")
     if out_json is not None:
-        out = Path(out_json)
-        tmp_out = out.with_name(out.name + ".tmp")
-        tmp_out.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp_out, out)
+        write_atomic(out_json, (json.dumps(result, indent=1) + "\n").encode())
     return result
 
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import onnxruntime as ort
 
-from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR
+from ... import contract
+from ...contract import CONFIG_HOST_BYTES, CONFIG_HOST_POOL_LIMIT, CONFIG_MODEL_DIR
+from ...errors import ModelLoadError
 
 _ORDERS = {
     "priority": ort.ExecutionOrder.PRIORITY_BASED,
@@ -49,29 +51,32 @@ def session_options(
     model_path: str | os.PathLike[str] | None = None,
     base: ort.SessionOptions | None = None,
     execution_order: str = "priority",
+    *,
+    model_dir: str | os.PathLike[str] | None = None,
 ) -> ort.SessionOptions:
     """Session options that load the ho-onnx ops.
 
     ``base`` is copied (never modified). ``execution_order`` is ``"priority"`` (ORT's
     PRIORITY_BASED order, which follows the rewritten file's node order and so overlaps
-    transfers with compute) or ``"default"`` (leave ORT's order alone). ``model_path`` sets
-    the directory external weight files are resolved against.
+    transfers with compute) or ``"default"`` (leave ORT's order alone). ``model_dir`` (else
+    ``model_path``'s folder) is the directory offloaded weights' files are resolved in
+    (``ho_onnx.model_dir``: required for a model with offloaded weights).
     """
     if execution_order not in _ORDERS:
         raise ValueError(
             f"execution_order must be one of {sorted(_ORDERS)}, got {execution_order!r}"
         )
+    if model_dir is None and model_path is not None:
+        model_dir = os.path.dirname(os.path.abspath(os.fspath(model_path)))
     so = ort.SessionOptions()
     if base is not None:
-        _copy_options(base, so, skip=(CONFIG_MODEL_DIR,) if model_path is not None else ())
+        _copy_options(base, so, skip=(CONFIG_MODEL_DIR,) if model_dir is not None else ())
     if execution_order == "priority":
         so.execution_order = _ORDERS["priority"]
     elif base is None:
         so.execution_order = _ORDERS["default"]
-    if model_path is not None:
-        so.add_session_config_entry(
-            CONFIG_MODEL_DIR, os.path.dirname(os.path.abspath(os.fspath(model_path)))
-        )
+    if model_dir is not None:
+        so.add_session_config_entry(CONFIG_MODEL_DIR, os.path.abspath(os.fspath(model_dir)))
     # The config entry must be set before registering: the library reads it then.
     so.register_custom_ops_library(library_path())
     return so
@@ -145,6 +150,7 @@ _CONFIG_KEYS = (
     "ep.dynamic.workload_type",
     CONFIG_MODEL_DIR,
     CONFIG_HOST_BYTES,
+    CONFIG_HOST_POOL_LIMIT,
 )
 
 
@@ -202,24 +208,56 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     providers: list[Any] | None = None,
     sess_options: ort.SessionOptions | None = None,
     execution_order: str = "priority",
+    *,
+    model_dir: str | os.PathLike[str] | None = None,
     device_limit: int | None = None,
     **kw: Any,
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` that runs ho-onnx's cache operators.
 
-    Under the CUDA EP the arena grows by what is requested, not by powers of two, and
-    ``device_limit`` (bytes) caps it (:func:`cuda_arena_options`).
-
-    ``path`` is a model file (weights resolve next to it) or serialized model bytes (weights
-    then resolve through each Prefetch's ``base_dir`` attribute).
+    ``path`` is a model file (offloaded weights resolve in its folder) or serialized model
+    bytes; bytes with offloaded weights need ``model_dir``, the folder their data files are
+    in (or ``ho_onnx.model_dir`` in ``sess_options``). Under the CUDA EP the arena grows by
+    what is requested, not by powers of two, and ``device_limit`` (bytes) caps it
+    (:func:`cuda_arena_options`).
     """
     model_path = None if isinstance(path, bytes) else path
-    so = session_options(model_path, base=sess_options, execution_order=execution_order)
+    if isinstance(path, bytes) and model_dir is None and not _has_model_dir(sess_options):
+        _refuse_offloaded_weights(path)
+    so = session_options(model_path, base=sess_options, execution_order=execution_order,
+                         model_dir=model_dir)
     model = path if isinstance(path, bytes) else os.fspath(path)
     return ort.InferenceSession(
         model, sess_options=so,
         providers=with_cuda_arena(providers or ["CPUExecutionProvider"], device_limit), **kw
     )
+
+
+def _has_model_dir(so: ort.SessionOptions | None) -> bool:
+    try:
+        return so is not None and bool(so.get_session_config_entry(CONFIG_MODEL_DIR))
+    except RuntimeError:
+        return False
+
+
+def _refuse_offloaded_weights(model_bytes: bytes) -> None:
+    """A model given as bytes has no folder: one with offloaded weights needs ``model_dir``."""
+    import onnx
+
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(model_bytes)
+    except Exception:  # ORT reports a model it cannot parse
+        return
+    for node in model.graph.node:
+        if node.domain == contract.DOMAIN and node.op_type == contract.PREFETCH and any(
+            a.name == contract.ATTR_LOCATION for a in node.attribute
+        ):
+            raise ModelLoadError(
+                "the model given as bytes has offloaded weights but no model directory: pass "
+                "model_dir= (the folder of its data files; session config entry "
+                f"{CONFIG_MODEL_DIR!r})"
+            )
 
 
 def counters() -> dict[str, int]:

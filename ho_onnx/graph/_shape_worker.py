@@ -1,0 +1,112 @@
+"""The shape-inference worker (run as a script by :mod:`ho_onnx.graph.bounded`; imports
+only the standard library and onnx).
+
+It reads requests on stdin: 8-byte LE address-space limit, 8-byte LE length, a serialized
+model. For each it forks a child that lowers its address-space limit (RLIMIT_AS), runs
+ONNX's shape inference with data propagation and pipes back the result; it answers on
+stdout with a 1-byte status, an 8-byte LE length and the payload (the inferred model, or a
+message). A child that runs out of memory or dies never takes the worker down; the worker
+exits when stdin closes or its parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import resource
+import signal
+import struct
+import sys
+
+import onnx
+
+OK, FAILED, NO_MEMORY, DIED = 0, 1, 2, 3
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: stdin's EOF ends it
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _read(fd: int, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        b = os.read(fd, min(left, 1 << 24))
+        if not b:
+            return b""
+        chunks.append(b)
+        left -= len(b)
+    return b"".join(chunks)
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _infer(limit: int, data: bytes) -> tuple[int, bytes]:
+    if limit:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        model = onnx.ModelProto.FromString(data)
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False,
+                                                     strict_mode=False, data_prop=True)
+        return OK, inferred.SerializeToString()
+    except MemoryError as e:
+        return NO_MEMORY, str(e).encode(errors="replace")
+    except Exception as e:  # inference is best effort: the caller decides
+        return FAILED, f"{type(e).__name__}: {e}".encode(errors="replace")
+
+
+def _serve_one(limit: int, data: bytes) -> tuple[int, bytes]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: bounded, answers through the pipe, never returns
+        os.close(r)
+        _die_with_parent()
+        try:
+            status, payload = _infer(limit, data)
+            _write(w, struct.pack("<BQ", status, len(payload)) + payload)
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while b := os.read(r, 1 << 24):
+        chunks.append(b)
+    os.close(r)
+    _, st = os.waitpid(pid, 0)
+    out = b"".join(chunks)
+    if len(out) >= 9:
+        status, n = struct.unpack("<BQ", out[:9])
+        if len(out) == 9 + n:
+            return status, out[9:]
+    if os.WIFSIGNALED(st):
+        sig = os.WTERMSIG(st)
+        return (NO_MEMORY if sig == signal.SIGKILL else DIED), f"signal {sig}".encode()
+    return DIED, f"exit status {os.waitstatus_to_exitcode(st)}".encode()
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (it kills the group)
+    fin, fout = sys.stdin.fileno(), sys.stdout.fileno()
+    while True:
+        head = _read(fin, 16)
+        if len(head) != 16:
+            return
+        limit, n = struct.unpack("<QQ", head)
+        data = _read(fin, n)
+        if len(data) != n:
+            return
+        status, payload = _serve_one(limit, data)
+        _write(fout, struct.pack("<BQ", status, len(payload)) + payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Shape inference of an untrusted model, bounded in memory and time.
+
+ONNX's data propagation can be made to allocate without bound by a few kilobytes of graph
+(``Shape`` concatenated with itself 40 times materializes 2**40 integers). The inference
+therefore runs in a child process whose address space is limited (``RLIMIT_AS``) and that is
+killed after a timeout; going past either is a clear :class:`ModelLoadError`, not an
+out-of-memory kill of the caller. The child is forked per call from one long-lived worker
+(:mod:`._shape_worker`, started on first use), so a call costs milliseconds plus the
+(weight-free) skeleton's serialization, and a child that fails leaves no state behind.
+
+Environment: ``HO_ONNX_SHAPE_INFERENCE_MEMORY`` (a size, default 4GiB; ``0`` runs the
+inference in-process, unbounded) and ``HO_ONNX_SHAPE_INFERENCE_TIMEOUT`` (seconds, default
+300).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import onnx
+
+from ..errors import ModelLoadError
+from ..units import format_bytes, parse_size
+
+ENV_MEMORY = "HO_ONNX_SHAPE_INFERENCE_MEMORY"
+ENV_TIMEOUT = "HO_ONNX_SHAPE_INFERENCE_TIMEOUT"
+DEFAULT_MEMORY = 4 << 30
+DEFAULT_TIMEOUT_S = 300.0
+
+_OK, _FAILED, _NO_MEMORY, _DIED = 0, 1, 2, 3  # the worker's statuses
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shape_worker.py")
+
+
+def limits() -> tuple[int, float]:
+    """(address-space bytes, seconds) from the environment; 0 bytes: unbounded."""
+    raw = os.environ.get(ENV_MEMORY, "").strip()
+    try:
+        memory = parse_size(raw) if raw else DEFAULT_MEMORY
+    except ValueError as e:
+        raise ModelLoadError(f"{ENV_MEMORY}: {e}") from None
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    try:
+        timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ModelLoadError(f"{ENV_TIMEOUT}: {raw!r} is not a number of seconds") from None
+    if not timeout > 0:
+        raise ModelLoadError(f"{ENV_TIMEOUT} must be positive, not {raw!r}")
+    return memory, timeout
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX shape inference with data propagation of ``model`` (best effort: ``model``
+    itself when inference fails), bounded by :func:`limits`; raises
+    :class:`ModelLoadError` when the model needs more memory or time than that."""
+    memory, timeout = limits()
+    sent = _hide_long_vectors(model)
+    if memory == 0:
+        try:
+            return _restore_long_vectors(onnx.shape_inference.infer_shapes(
+                sent, check_type=False, strict_mode=False, data_prop=True))
+        except Exception:  # best effort: unknown shapes are handled downstream
+            return model
+    status, payload = _worker.run(memory, sent.SerializeToString(), timeout)
+    if status == _OK:
+        return _restore_long_vectors(onnx.ModelProto.FromString(payload))
+    if status == _FAILED:
+        return model
+    if status == _NO_MEMORY:
+        raise ModelLoadError(
+            f"shape inference of the model needs more than {format_bytes(memory)} of memory "
+            f"(a malformed or hostile model, or a 1-D tensor of millions of elements?); "
+            f"set {ENV_MEMORY} to allow more")
+    raise ModelLoadError(f"shape inference of the model crashed ({payload.decode()})")
+
+
+# ONNX's data propagation spends ~100-250 bytes per element of every 1-D tensor of known
+# length that reaches an op it propagates through (Add, Mul, Concat, ...): a 768 MiB 1-D
+# weight costs ~14 GB. Shape vectors are short; longer graph inputs and initializers get a
+# symbolic length for the inference (their values are not in the skeleton anyway), mapped
+# back to the length afterwards.
+_LONG_1D = 1 << 16
+_LEN_PARAM = "__ho_onnx_len_"
+
+
+def _hide_long_vectors(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy whose long 1-D inputs and initializers have symbolic lengths."""
+    g = model.graph
+    long_inputs = [vi for vi in g.input if _long_1d(vi.type)]
+    long_inits = [t for t in g.initializer if len(t.dims) == 1 and t.dims[0] > _LONG_1D]
+    if not long_inputs and not long_inits:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    g = copy.graph
+    hidden = {t.name for t in long_inits}
+    inputs = {vi.name for vi in g.input}
+    for t in [t for t in g.initializer if t.name in hidden]:
+        if t.name not in inputs:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type,
+                                                              [t.dims[0]]))
+        g.initializer.remove(t)
+    for vi in g.input:
+        if _long_1d(vi.type):
+            d = vi.type.tensor_type.shape.dim[0]
+            d.dim_param = f"{_LEN_PARAM}{d.dim_value}"
+    return copy
+
+
+def _long_1d(tp: onnx.TypeProto) -> bool:
+    if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return False
+    dims = tp.tensor_type.shape.dim
+    return len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value > _LONG_1D
+
+
+def _restore_long_vectors(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The lengths :func:`_hide_long_vectors` made symbolic, back to values (in place)."""
+    g = model.graph
+    for vi in [*g.input, *g.value_info, *g.output]:
+        if vi.type.HasField("tensor_type"):
+            for d in vi.type.tensor_type.shape.dim:
+                if d.HasField("dim_param") and d.dim_param.startswith(_LEN_PARAM):
+                    d.dim_value = int(d.dim_param[len(_LEN_PARAM):])
+    return model
+
+
+class _Worker:
+    """The long-lived worker process; one request at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self.proc is None or self.proc.poll() is not None:
+            safe = ["-P"] if sys.version_info >= (3, 11) else []
+            self.proc = subprocess.Popen([sys.executable, *safe, _WORKER],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         start_new_session=True)
+        return self.proc
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker and a running child
+            proc.wait()
+        if proc is not None:
+            for f in (proc.stdin, proc.stdout):
+                if f is not None:
+                    f.close()
+
+    def run(self, memory: int, data: bytes, timeout: float) -> tuple[int, bytes]:
+        with self.lock:
+            for _attempt in (0, 1):
+                try:
+                    reply = self._request(self._start(), memory, data, timeout)
+                except BaseException:
+                    self.stop()  # a request left half done (timeout, signal) ends the worker
+                    raise
+                if reply is not None:
+                    return reply
+                self.stop()  # the worker had died (its parent thread ended): once more
+            return _DIED, b"the shape-inference worker died"
+
+    @staticmethod
+    def _request(proc: subprocess.Popen[bytes], memory: int, data: bytes, timeout: float
+                 ) -> tuple[int, bytes] | None:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(struct.pack("<QQ", memory, len(data)) + data)
+            proc.stdin.flush()
+        except BrokenPipeError:
+            return None
+        deadline = time.monotonic() + timeout
+        fd = proc.stdout.fileno()
+        buf = bytearray()
+        need = 9
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while len(buf) < need:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise ModelLoadError(
+                        f"shape inference of the model took more than {timeout:g} s (a "
+                        f"malformed or hostile model?); set {ENV_TIMEOUT} to allow more")
+                chunk = os.read(fd, max(need - len(buf), 1 << 16))
+                if not chunk:
+                    return None
+                buf += chunk
+                if len(buf) >= 9 and need == 9:
+                    need = 9 + struct.unpack("<Q", bytes(buf[1:9]))[0]
+        return buf[0], bytes(buf[9:need])
+
+
+_worker = _Worker()
+atexit.register(_worker.stop)

@@ -1,0 +1,213 @@
+"""The command line under bad and hostile inputs: one line on stderr, exit 2, nothing written,
+no input ever overwritten, nothing left behind on failure or on SIGINT/SIGTERM.
+
+Each case runs the installed ``ho-onnx`` script in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.graphs import chain_model, doubling_model
+
+HO = str(Path(sys.executable).with_name("ho-onnx"))
+
+
+def ho(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([HO, *args], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], code: int = 2) -> str:
+    """The failure is exit ``code`` with exactly one ``error:`` line on stderr (progress lines
+    before it are fine), no traceback and no usage dump."""
+    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "Usage:" not in r.stderr, r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.lower().startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert r.stderr.rstrip().splitlines()[-1] == errors[0], r.stderr
+    return errors[0]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    p = tmp_path / "m.onnx"
+    onnx.save(chain_model(), p)
+    return p
+
+
+def test_profile_refuses_to_write_over_its_input(model: Path):
+    before = digest(model)
+    msg = one_line_error(ho("profile", str(model), "--out", str(model), "--dim", "N=2"))
+    assert "input" in msg.lower()
+    assert digest(model) == before
+
+
+@pytest.mark.parametrize("cmd", ["optimize", "plan"])
+def test_no_command_writes_over_an_input(model: Path, cmd: str):
+    before = digest(model)
+    if cmd == "optimize":
+        r = ho("optimize", str(model), str(model), "--dim", "N=2")
+    else:
+        r = ho("plan", str(model), "--budget", "1MiB", "--dim", "N=2", "--json-out", str(model))
+        if "no such option" in r.stderr.lower():
+            r = ho("plan", str(model), "--budget", "1MiB", "--dim", "N=2", "--plot", str(model))
+    one_line_error(r)
+    assert digest(model) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["--budget", "0"],
+    ["--budget", "-1MiB"],
+    ["--budget", "lots"],
+    ["--dim", "N=²"],
+    ["--dim", "N=99999999999999999999999"],
+    ["--dim", "N=-3"],
+    ["--dim", "=3"],
+])
+def test_bad_option_values_are_one_line(model: Path, tmp_path: Path, args: list[str]):
+    out = tmp_path / "o" / "out.onnx"
+    dim = ["--dim", "N=2"] if "--dim" not in args else []
+    r = ho("optimize", str(model), str(out), *args, *dim)
+    one_line_error(r)
+    assert not (tmp_path / "o").exists()
+
+
+def test_output_under_a_file_is_one_line(model: Path, tmp_path: Path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    one_line_error(ho("optimize", str(model), str(f / "out.onnx"), "--dim", "N=2"))
+    assert f.read_text() == "x"
+
+
+def test_output_under_proc_is_one_line(model: Path):
+    one_line_error(ho("optimize", str(model), "/proc/self/ho_out.onnx", "--dim", "N=2"))
+
+
+def test_failing_optimize_leaves_no_folder_behind(model: Path, tmp_path: Path):
+    out = tmp_path / "new" / "deeper" / "out.onnx"
+    # 1 byte cannot hold the activations: infeasible after the output folder was chosen.
+    msg = one_line_error(ho("optimize", str(model), str(out), "--budget", "1", "--dim", "N=2"))
+    assert "budget" in msg.lower()
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("cmd", ["verify", "profile", "optimize", "plan", "inspect"])
+def test_corrupt_model_is_one_line(tmp_path: Path, model: Path, cmd: str):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07\x12\xff\xff\xff\xff\x0fgarbage" * 50)
+    args = {
+        "verify": ["verify", str(model), str(bad), "--dim", "N=2"],
+        "profile": ["profile", str(bad), "--out", str(tmp_path / "p.json")],
+        "optimize": ["optimize", str(bad), str(tmp_path / "o.onnx")],
+        "plan": ["plan", str(bad), "--budget", "1MiB"],
+        "inspect": ["inspect", str(bad)],
+    }[cmd]
+    one_line_error(ho(*args))
+    assert not (tmp_path / "o.onnx").exists() and not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_size_zero_is_one_line(tmp_path: Path):
+    one_line_error(ho("calibrate", "--out", str(tmp_path / "m.json"), "--size", "0"))
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_non_utf8_strings_in_a_model_do_not_crash(tmp_path: Path):
+    m = chain_model()
+    raw = m.SerializeToString()
+    # Replace the graph name "chain" by invalid UTF-8 of the same length.
+    assert raw.count(b"chain") == 1
+    p = tmp_path / "m.onnx"
+    p.write_bytes(raw.replace(b"chain", b"\xff\xfe\xfd\xfc\xfb"))
+    for args in (["optimize", str(p), str(tmp_path / "o.onnx"), "--dim", "N=2"],
+                 ["plan", str(p), "--budget", "1MiB", "--dim", "N=2"],
+                 ["inspect", str(p)]):
+        r = ho(*args)
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        if r.returncode != 0:
+            one_line_error(r)
+
+
+def test_verify_exit_codes_tell_mismatch_from_error(tmp_path: Path, model: Path):
+    other = chain_model()
+    for t in other.graph.initializer:
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) + 1, t.name))
+    p = tmp_path / "other.onnx"
+    onnx.save(other, p)
+    r = ho("verify", str(model), str(p), "--dim", "N=2")
+    assert r.returncode == 1, r.stderr
+    one_line_error(ho("verify", str(model), str(tmp_path / "missing.onnx"), "--dim", "N=2"))
+
+
+@pytest.mark.parametrize("cmd", ["optimize", "plan"])
+def test_shape_inference_of_a_hostile_model_is_bounded(tmp_path: Path, cmd: str):
+    p = tmp_path / "hostile.onnx"
+    onnx.save(doubling_model(40), p)
+    assert p.stat().st_size < 8 << 10
+    args = (["optimize", str(p), str(tmp_path / "o.onnx")] if cmd == "optimize"
+            else ["plan", str(p), "--budget", "1MiB"])
+    t0 = time.monotonic()
+    msg = one_line_error(ho(*args, timeout=300))
+    assert time.monotonic() - t0 < 120
+    assert "shape inference" in msg.lower()
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def _big_data_model(tmp_path: Path, mib: int) -> Path:
+    """A model whose one weight lives in a non-sparse external data file of ``mib`` MiB."""
+    src = tmp_path / "src"
+    src.mkdir()
+    n = (mib << 20) // 4
+    w = numpy_helper.from_array(np.zeros(1, np.float32), "W")
+    w.ClearField("raw_data")
+    w.dims[:] = [n]
+    w.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "w.bin"), ("offset", "0"), ("length", str(n * 4))):
+        e = w.external_data.add()
+        e.key, e.value = k, v
+    with open(src / "w.bin", "wb") as f:
+        block = os.urandom(1 << 20)
+        for _ in range(mib):
+            f.write(block)
+    g = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "big",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])], [w])
+    p = src / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), p)
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_the_data_copy_leaves_nothing_behind(tmp_path: Path, sig: int):
+    p = _big_data_model(tmp_path, 768)
+    out_dir = tmp_path / "out"
+    proc = subprocess.Popen([HO, "optimize", str(p), str(out_dir / "m.ho.onnx"), "--offload",
+                             "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out_dir.exists() and any(out_dir.iterdir()):
+            break
+        time.sleep(0.001)
+    assert proc.poll() is None, "the copy finished before it could be interrupted"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "Traceback" not in err, err[-3000:]
+    assert not out_dir.exists() or not any(out_dir.iterdir()), list(out_dir.iterdir())
+    assert (p.parent / "w.bin").stat().st_size == 768 << 20

@@ -1,0 +1,71 @@
+"""No command writes over one of its inputs, or over a file of another kind where it writes
+JSON; every refusal is one error line and exit 2, before any work (issue 9)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from graphs import chain_model, save
+
+from ho_onnx.cli import main
+
+
+def _refused(args: list[str], *untouched: Path) -> str:
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in untouched}
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in r.output and "Usage:" not in r.output, r.output
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in untouched} == before
+    return lines[0]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    m = save(chain_model(), tmp_path / "m.onnx", external=True)
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"format": "x"}))
+    return {"model": m, "data": tmp_path / "m.onnx.data", "profile": prof}
+
+
+def test_profile_out_onto_the_models_data_file(files):
+    msg = _refused(["profile", str(files["model"]), "--out", str(files["data"]), "--dim", "N=2"],
+                   files["data"])
+    assert "input" in msg
+
+
+@pytest.mark.parametrize("target", ["model", "data"])
+def test_json_outputs_never_replace_another_kind_of_file(files, tmp_path, target):
+    out = str(files[target])
+    assert "not a JSON file" in _refused(["calibrate", "--out", out, "--size", "1MiB"],
+                                         files[target])
+    other = save(chain_model(), tmp_path / "other.onnx")
+    assert "not a JSON file" in _refused(["profile", str(other), "--out", out, "--dim", "N=2"],
+                                         files[target])
+
+
+def test_calibrate_out_onto_its_measured_file(files):
+    data = str(files["data"])
+    assert "is an input" in _refused(["calibrate", "--out", data, "--file", data], files["data"])
+
+
+def test_optimize_and_plan_outputs_onto_the_profile(files):
+    p = str(files["profile"])
+    assert "is an input" in _refused(["optimize", str(files["model"]), p, "--budget", "1MiB",
+                                      "--profile", p, "--dim", "N=2"], files["profile"])
+    assert "is an input" in _refused(["plan", str(files["model"]), "--budget", "1MiB",
+                                      "--profile", p, "--plot", p, "--dim", "N=2"],
+                                     files["profile"])
+
+
+def test_a_json_output_may_replace_an_earlier_one(files, tmp_path):
+    out = tmp_path / "t.json"
+    out.write_text('{"earlier": 1}')
+    r = CliRunner().invoke(main, ["profile", str(files["model"]), "--out", str(out), "--dim",
+                                  "N=2", "--runs", "1", "--warmup", "0"])
+    assert r.exit_code == 0, r.output
+    assert "nodes" in json.loads(out.read_text())

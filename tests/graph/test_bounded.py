@@ -1,0 +1,73 @@
+"""Shape inference of untrusted models is bounded in memory and time (issue 9), and stays
+cheap for ordinary and big models."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from onnx import TensorProto, helper
+
+from ho_onnx.errors import ModelLoadError
+from ho_onnx.graph import bounded
+from ho_onnx.graph.analyse import analyse
+from tests.graphs import chain_model, doubling_model
+
+
+def test_memory_bound_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(bounded.ENV_MEMORY, "1GiB")
+    with pytest.raises(ModelLoadError, match=f"shape inference.*1.00 GiB.*{bounded.ENV_MEMORY}"):
+        analyse(doubling_model(40))
+    assert analyse(chain_model(), {"N": 2}).tensors["h1"].shape == (2, 16)  # still usable
+
+
+def test_time_bound_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(bounded.ENV_TIMEOUT, "0.2")
+    t = time.monotonic()
+    with pytest.raises(ModelLoadError, match=f"took more than 0.2 s.*{bounded.ENV_TIMEOUT}"):
+        analyse(doubling_model(40))
+    assert time.monotonic() - t < 10
+    monkeypatch.delenv(bounded.ENV_TIMEOUT)
+    assert analyse(chain_model(), {"N": 2}).tensors["h1"].shape == (2, 16)  # a new worker
+
+
+@pytest.mark.parametrize("env, value", [(bounded.ENV_MEMORY, "lots"),
+                                        (bounded.ENV_TIMEOUT, "soon"),
+                                        (bounded.ENV_TIMEOUT, "0")])
+def test_bad_settings_are_clear_errors(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ModelLoadError, match=env):
+        analyse(chain_model(), {"N": 2})
+
+
+def test_unbounded_in_process_when_disabled(monkeypatch):
+    monkeypatch.setenv(bounded.ENV_MEMORY, "0")
+    monkeypatch.setattr(bounded, "_worker", None)  # would fail if used
+    assert analyse(chain_model(), {"N": 2}).tensors["h1"].shape == (2, 16)
+
+
+def test_long_1d_tensors_keep_their_lengths_and_stay_cheap():
+    """A 768 MiB 1-D weight added to a 1-D input: ONNX's data propagation alone would need
+    ~14 GB; the lengths are hidden from it and restored, so the bound is not reached."""
+    n = (768 << 20) // 4
+    w = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[n])
+    w.data_location = TensorProto.EXTERNAL
+    e = w.external_data.add()
+    e.key, e.value = "location", "w.bin"
+    shape = helper.make_tensor("s", TensorProto.INT64, [2], [2, n // 2])
+    g = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"]),
+                           helper.make_node("Reshape", ["y", "s"], ["z"])], "long",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], [w, shape])
+    a = analyse(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert {k: a.tensors[k].shape for k in ("x", "W", "y", "z")} == {
+        "x": (n,), "W": (n,), "y": (n,), "z": (2, n // 2)}
+
+
+def test_a_call_costs_milliseconds_once_the_worker_runs():
+    m = chain_model()
+    analyse(m, {"N": 2})
+    t = time.perf_counter()
+    for _ in range(20):
+        analyse(m, {"N": 2})
+    assert (time.perf_counter() - t) / 20 < 0.25

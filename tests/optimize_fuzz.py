@@ -1,0 +1,403 @@
+"""Fuzzing ``ho-onnx optimize`` and ``plan`` on mutated input models (issue 9).
+
+Seeds: small models (inline and external weights, a Shape/Reshape chain, a Tile peak).
+Mutations (seeded, one to four per case; shared with the session fuzzer, tests/native_fuzz.py,
+where they apply): bytes of the serialized model, node attributes, dims of inputs, outputs
+and initializers, element types, external-data references (location, offset, length), the
+data file (truncated, a symbolic link, removed), node wiring (a node dropped or moved, an
+input rewired, an output duplicated) and opset/IR versions; then ``optimize`` or ``plan``
+with random options. Each case must end in exit 0, or exit 2 with exactly one ``error:``
+line (no traceback, no "unexpected" error), within the per-case time limit, with the input
+folder unchanged and nothing written outside the output folder.
+
+Run it longer by hand (the regular test run uses HO_FUZZ_SECONDS, default 30):
+
+    .venv/bin/python tests/optimize_fuzz.py --seconds 600 --seed 7
+
+The cases run in one child process (the command line in-process, through click's runner);
+before each it writes the case to ``<work>/inflight`` (``args.json``, the input folder
+``in/``). A case that breaks a rule, or kills or hangs the child, is copied to
+``tests/fuzz_corpus/optimize/<kind>-<digest>/`` (commit it: ``test_optimize_fuzz_corpus``
+replays every case there with the installed ``ho-onnx`` script) and the run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import hashlib
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+from native_fuzz import _INTS, _LOCATIONS, mutate_bytes, mutate_data, mutate_graph  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+
+CORPUS = HERE / "fuzz_corpus" / "optimize"
+CASE_SECONDS = 60.0
+# The child's bounds: shape inference and the whole process stay small on a shared machine.
+ENV = {"HO_ONNX_SHAPE_INFERENCE_MEMORY": "1GiB", "HO_ONNX_SHAPE_INFERENCE_TIMEOUT": "20"}
+ADDRESS_SPACE = 6 << 30
+
+
+def make_seeds(work: Path) -> list[Path]:
+    """Input folders, each with ``model.onnx`` (and its data file when external)."""
+    from graphs import chain_model, save, text_model, tile_model, two_weights_model
+
+    shaped = text_model("""
+    g (float[N, 16] x) => (float[N, 4, 4] y) {
+      s = Shape(x)
+      n = Gather <axis = 0> (s, zero)
+      t = Concat <axis = 0> (n, four, four)
+      h = MatMul(x, W)
+      y = Reshape(h, t)
+    }
+    """, W=(16, 16), zero=np.array([0], np.int64), four=np.array([4], np.int64))
+    seeds = []
+    for name, model, external in (("chain", chain_model(), False),
+                                  ("chain-ext", chain_model(), True),
+                                  ("two-ext", two_weights_model(), True),
+                                  ("tile", tile_model((64, 64), (64, 64)), False),
+                                  ("shaped", shaped, True)):
+        d = work / f"seed-{name}"
+        d.mkdir(parents=True, exist_ok=True)
+        save(model, d / "model.onnx", external=external, size_threshold=64)
+        seeds.append(d)
+    return seeds
+
+
+# ---------------------------------------------------------------------------------------
+# Mutations of input models (graph wiring, bytes and data files: tests/native_fuzz.py)
+
+_DIMS = [*_INTS, "N", "", "M", "N+1", "2*N", "\u00b2"]
+
+
+def mutate_dims(m: onnx.ModelProto, rng: random.Random) -> None:
+    g = m.graph
+    vis = [*g.input, *g.output, *g.value_info]
+    if rng.randrange(3) == 0 and g.initializer:
+        t = rng.choice(g.initializer)
+        if rng.randrange(2):
+            t.dims[:] = [rng.choice([v for v in _INTS if isinstance(v, int)])
+                         for _ in range(rng.randrange(4))]
+        else:
+            t.data_type = rng.randrange(0, 26)
+        return
+    if not vis:
+        return
+    vi = rng.choice(vis)
+    tt = vi.type.tensor_type
+    if rng.randrange(6) == 0:
+        tt.elem_type = rng.randrange(0, 26)
+        return
+    dims = tt.shape.dim
+    if not dims or rng.randrange(4) == 0:
+        dims.add()
+    d = rng.choice(dims)
+    v = rng.choice(_DIMS)
+    with contextlib.suppress(ValueError, TypeError):
+        if isinstance(v, int):
+            d.dim_value = v
+        else:
+            d.dim_param = v
+
+
+def mutate_attrs(m: onnx.ModelProto, rng: random.Random) -> None:
+    nodes = list(m.graph.node)
+    if not nodes:
+        return
+    n = rng.choice(nodes)
+    if n.attribute and rng.randrange(3) == 0:
+        del n.attribute[rng.randrange(len(n.attribute))]
+        return
+    name = rng.choice([a.name for a in n.attribute] + ["axis", "axes", "keepdims", "perm",
+                                                       "to", "value", "junk"])
+    for i, a in enumerate(n.attribute):
+        if a.name == name:
+            del n.attribute[i]
+            break
+    value: object = rng.choice([
+        rng.choice(_INTS), [rng.choice(_INTS) for _ in range(rng.randrange(5))], 1.5,
+        "x" * rng.randrange(3), b"\xff\xfe",
+        helper.make_tensor("v", TensorProto.INT64, [2], [rng.choice(_INTS), 3]),
+    ])
+    with contextlib.suppress(Exception):
+        n.attribute.append(helper.make_attribute(name, value))
+
+
+def mutate_external(m: onnx.ModelProto, rng: random.Random) -> None:
+    inits = list(m.graph.initializer)
+    if not inits:
+        return
+    t = rng.choice(inits)
+    if t.data_location != TensorProto.EXTERNAL:
+        t.ClearField("raw_data")
+        t.data_location = TensorProto.EXTERNAL
+        e = t.external_data.add()
+        e.key, e.value = "location", rng.choice([*_LOCATIONS[:4], "model.onnx"])
+        return
+    key = rng.choice(["location", "offset", "length", "checksum", None])
+    entries = {e.key: e for e in t.external_data}
+    if key is None:
+        if t.external_data:
+            del t.external_data[rng.randrange(len(t.external_data))]
+        return
+    value = (rng.choice([*_LOCATIONS, "model.onnx", "model.onnx.data"]) if key == "location"
+             else str(rng.choice(_INTS)) if key != "checksum" else "0" * 40)
+    with contextlib.suppress(ValueError):
+        if key in entries:
+            entries[key].value = value
+        else:
+            e = t.external_data.add()
+            e.key, e.value = key, value
+
+
+def mutate_wiring(m: onnx.ModelProto, rng: random.Random) -> None:
+    g = m.graph
+    if not g.node:
+        return
+    names = sorted({t for n in g.node for t in [*n.input, *n.output]}
+                   | {i.name for i in g.input} | {"", "nowhere"})
+    n = rng.choice(g.node)
+    choice = rng.randrange(4)
+    if choice == 0 and n.input:
+        n.input[rng.randrange(len(n.input))] = rng.choice(names)
+    elif choice == 1 and n.output:
+        n.output[rng.randrange(len(n.output))] = rng.choice(names)  # duplicate or cycle
+    elif choice == 2:
+        n.op_type = rng.choice(["Relu", "MatMul", "Prefetch", "Loop", "NoSuchOp", "Shape"])
+    else:
+        n.domain = rng.choice(["", "ai.hyperoffload", "com.microsoft", "x"])
+
+
+def mutate_versions(m: onnx.ModelProto, rng: random.Random) -> None:
+    if rng.randrange(2) and m.opset_import:
+        m.opset_import[0].version = rng.choice([0, 1, 7, 13, 17, 21, 99, -1])
+    else:
+        m.ir_version = rng.choice([0, 1, 3, 7, 8, 10, 99])
+
+
+_MUTATORS = [mutate_dims, mutate_attrs, mutate_external, mutate_wiring, mutate_graph,
+             mutate_versions]
+
+
+def make_case(seed_dir: Path, case_dir: Path, rng: random.Random) -> list[str]:
+    """Write a mutant of ``seed_dir`` to ``case_dir/in`` and return the command's arguments
+    (paths relative to ``case_dir``)."""
+    if case_dir.exists():
+        shutil.rmtree(case_dir)
+    shutil.copytree(seed_dir, case_dir / "in")
+    src = case_dir / "in" / "model.onnx"
+    m = onnx.load(str(src), load_external_data=False)
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.randrange(len(_MUTATORS) + 1)
+        if kind == len(_MUTATORS):
+            mutate_data(case_dir / "in", rng)
+        else:
+            _MUTATORS[kind](m, rng)
+    try:
+        data = m.SerializeToString()
+    except Exception:  # a mutation protobuf refuses to write: keep the original bytes
+        data = src.read_bytes()
+    if rng.randrange(4) == 0:
+        data = mutate_bytes(data, rng)
+    src.write_bytes(data)
+    args = _options(rng)
+    (case_dir / "args.json").write_text(json.dumps(args))
+    return args
+
+
+def _options(rng: random.Random) -> list[str]:
+    dims = ["--dim", f"N={rng.choice([1, 2, 3, 64, 2**40])}"] if rng.randrange(5) else []
+    budget = rng.choice(["1", "4KiB", "64KiB", "1MiB", "1GiB"])
+    if rng.randrange(3) == 0:
+        return ["plan", "in/model.onnx", "--budget", budget, *dims]
+    opts = rng.choice([[], ["--budget", budget], ["--min-bytes", "0"],
+                       ["--offload", rng.choice(["weights", "activations", "none"])],
+                       ["--budget", budget, "--weight-tier", "disk"]])
+    out = rng.choice(["out/m.ho.onnx", "out/deeper/m.ho.onnx", "in/m.ho.onnx"])
+    return ["optimize", "in/model.onnx", out, *opts, *dims]
+
+
+# ---------------------------------------------------------------------------------------
+# The rules every case keeps
+
+
+def snapshot(case_dir: Path) -> dict[str, str]:
+    """Digest of every file, link and folder under ``case_dir`` (but the case's arguments)."""
+    out: dict[str, str] = {}
+    for p in sorted(case_dir.rglob("*")):
+        rel = p.relative_to(case_dir).as_posix()
+        if rel == "args.json":
+            continue
+        if p.is_symlink():
+            out[rel] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+def _may_write(args: list[str], rel: str) -> bool:
+    """Whether a successful ``args`` may add ``rel`` (relative to the case folder): the
+    output, its sidecar, and in a new folder whatever the output needs (data files)."""
+    if args[0] != "optimize":
+        return False
+    out = Path(args[2])
+    if rel in (out.as_posix(), f"{out.as_posix()}.data"):
+        return True
+    if out.parent == Path("in"):
+        return False
+    return rel.startswith(f"{out.parent.as_posix()}/") or out.parent.as_posix() == rel or \
+        out.parent.as_posix().startswith(f"{rel}/")
+
+
+def check(args: list[str], before: dict[str, str], after: dict[str, str], code: int,
+          stderr: str) -> str | None:
+    """The broken rule, or None."""
+    if code not in (0, 2):
+        return f"exit {code}"
+    if "Traceback" in stderr or "unexpected" in stderr.lower():
+        return "traceback"
+    errors = [x for x in stderr.splitlines() if x.startswith("error:")]
+    if code == 2 and (len(errors) != 1 or stderr.rstrip().splitlines()[-1] != errors[0]):
+        return "error lines"
+    if code == 0 and errors:
+        return "error line with exit 0"
+    changed = sorted(k for k in before if after.get(k) != before[k])
+    if changed:
+        return f"input changed: {changed}"
+    added = sorted(k for k in set(after) - set(before) if not (code == 0 and _may_write(args, k)))
+    if added:
+        return f"written outside the output: {added}"
+    return None
+
+
+def run_cli(case_dir: Path, args: list[str]) -> tuple[int, str]:
+    """The installed ``ho-onnx`` on a case (for the corpus replay): (exit status, stderr)."""
+    exe = Path(sys.executable).with_name("ho-onnx")
+    proc = subprocess.run([str(exe), *args], cwd=case_dir, capture_output=True, text=True,
+                          timeout=CASE_SECONDS, env={**os.environ, **ENV})
+    return proc.returncode, proc.stderr
+
+
+def replay(case_dir: Path) -> str | None:
+    """Run a kept case again; the broken rule, or None."""
+    args = json.loads((case_dir / "args.json").read_text())
+    before = snapshot(case_dir)
+    code, err = run_cli(case_dir, args)
+    return check(args, before, snapshot(case_dir), code, err)
+
+
+# ---------------------------------------------------------------------------------------
+# The loop (child) and its parent
+
+
+def _run_in_process(case_dir: Path, args: list[str]) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(case_dir)
+    try:
+        r = CliRunner().invoke(main, args)
+    finally:
+        os.chdir(cwd)
+    err = r.stderr if hasattr(r, "stderr") else r.output
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        return 1, err + f"\nTraceback: {r.exception!r}"
+    return r.exit_code, err
+
+
+def child(args: argparse.Namespace) -> int:
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, resource.RLIM_INFINITY))
+    os.environ.update(ENV)
+    work = Path(args.work)
+    seeds = make_seeds(work / "seeds")
+    rng = random.Random(args.seed)
+    inflight = work / "inflight"
+    end = time.time() + args.seconds
+    stats = {"cases": 0, "ok": 0, "refused": 0}
+    while time.time() < end:
+        cli_args = make_case(rng.choice(seeds), inflight, rng)
+        before = snapshot(inflight)
+        faulthandler.dump_traceback_later(CASE_SECONDS, exit=True)  # a hang ends the child
+        code, err = _run_in_process(inflight, cli_args)
+        faulthandler.cancel_dump_traceback_later()
+        broken = check(cli_args, before, snapshot(inflight), code, err)
+        if broken is not None:
+            print(json.dumps({"broken": broken, "args": cli_args, "stderr": err[-2000:]}),
+                  flush=True)
+            return 3
+        stats["cases"] += 1
+        stats["ok" if code == 0 else "refused"] += 1
+    print(stats, flush=True)
+    return 0
+
+
+def keep(case_dir: Path, kind: str, corpus: Path = CORPUS) -> Path:
+    """Copy a case (its input folder and arguments, not its outputs) into ``corpus``."""
+    digest = hashlib.sha256(json.dumps(snapshot(case_dir)).encode()
+                            + (case_dir / "args.json").read_bytes()).hexdigest()[:12]
+    dest = corpus / f"{kind}-{digest}"
+    if not dest.exists():
+        dest.mkdir(parents=True)
+        shutil.copytree(case_dir / "in", dest / "in", symlinks=True)
+        shutil.copy(case_dir / "args.json", dest / "args.json")
+    return dest
+
+
+def fuzz(seconds: float, seed: int, corpus: Path = CORPUS) -> tuple[int, str]:
+    """Run the child for ``seconds``; a broken rule, a crash or a hang keeps the case in
+    ``corpus``. Returns (exit status, message)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", "--seconds", str(seconds), "--seed",
+                 str(seed), "--work", tmp], capture_output=True, text=True,
+                timeout=seconds + CASE_SECONDS + 120, env={**os.environ, **ENV})
+            rc, out, err = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = -9, str(e.stdout or ""), str(e.stderr or "")
+        if rc == 0:
+            return 0, out.strip()
+        inflight = Path(tmp) / "inflight"
+        kind = "broken" if rc == 3 else "crash" if rc < 0 else "hang-or-exit"
+        kept = ""
+        if (inflight / "args.json").exists():
+            kept = f"; case kept in {keep(inflight, kind, corpus)}"
+        return rc, f"fuzz child: {kind} (status {rc}){kept}\n{out[-3000:]}\n{err[-3000:]}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--work", default=None)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    rc, msg = fuzz(args.seconds, args.seed)
+    print(msg)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
