@@ -13,6 +13,7 @@ import heapq
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 from onnx import TensorProto
@@ -121,6 +122,8 @@ class GraphAnalysis:
     model: onnx.ModelProto
     order: list[int]  # node indices of model.graph.node in schedule order
     tensors: dict[str, TensorInfo]
+    # Facts later passes derive from this analysis once and share (e.g. the CUDA placement).
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nodes(self) -> list[onnx.NodeProto]:

@@ -18,10 +18,9 @@ from .. import contract
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.protos import graph_shell, iter_graphs
-from ..schedule.eligibility import element_types
+from ..schedule.eligibility import cuda_host_tensors
 from ..schedule.lifetimes import stored_peak_bytes
 from ..schedule.types import ActivationOffload, OffloadChoice, WeightOffload
-from ..target.ort.placement import predict_cuda_placement
 
 
 @dataclass
@@ -78,7 +77,7 @@ class _Emitter:
         self.names = names
         # Never an ordering input: a tensor in host memory on the CUDA EP would pull the
         # cache op to the CPU EP (ORT's CPU fallback; docs/cuda.md "Placement").
-        self.host = predict_cuda_placement(analysis.model, element_types(analysis)).host_tensors
+        self.host = cuda_host_tensors(analysis)
         self.value_info: list[onnx.ValueInfoProto] = []
         self.sources: dict[int, str] = {}  # elem type -> name of its empty source initializer
         self.new_initializers: list[TensorProto] = []

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
-from ..target.ort.placement import host_side_tensors
+from ..target.ort.placement import HOST_TENSOR_REASON, predict_cuda_placement
 from .types import OffloadChoice, WeightOffload
 
 
@@ -43,11 +43,20 @@ def element_types(analysis: GraphAnalysis) -> dict[str, int]:
     return {n: t.elem_type for n, t in analysis.tensors.items() if t.elem_type is not None}
 
 
+def cuda_host_tensors(analysis: GraphAnalysis) -> frozenset[str]:
+    """Values that live in host memory when the model runs on the CUDA EP (ORT's CPU
+    fallback replayed, ``target/ort/placement.py``); computed once per analysis."""
+    if "cuda_host_tensors" not in analysis.derived:
+        analysis.derived["cuda_host_tensors"] = predict_cuda_placement(
+            analysis.model, element_types(analysis)).host_tensors
+    return analysis.derived["cuda_host_tensors"]
+
+
 def placement_reasons(analysis: GraphAnalysis) -> dict[str, str]:
     """Tensors that stay resident so every cache-op chain runs on one provider under the
-    CUDA EP (ORT's CPU fallback replayed, ``target/ort/placement.py``), with the reason.
-    One optimized model runs on either provider, so this holds for every target."""
-    return host_side_tensors(analysis.model, element_types(analysis))
+    CUDA EP, with the reason. One optimized model runs on either provider, so this holds
+    for every target."""
+    return dict.fromkeys(cuda_host_tensors(analysis), HOST_TENSOR_REASON)
 
 
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo

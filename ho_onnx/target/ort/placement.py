@@ -278,14 +278,6 @@ HOST_TENSOR_REASON = ("lives in host memory on the CUDA EP (shape arithmetic): i
                       "would run on the CPU EP and split from the rest of their chain")
 
 
-def host_side_tensors(model: onnx.ModelProto, types: Mapping[str, int] | None = None
-                      ) -> dict[str, str]:
-    """Tensors a rewrite must leave resident so that no cache op runs on the CPU EP beside
-    CUDA, with the reason: those in host memory on the CUDA EP. (A weight read by a node ORT
-    runs on the CPU can move: its Prefetch and Wait stay on CUDA, ORT copies ``z`` over.)"""
-    return dict.fromkeys(predict_cuda_placement(model, types).host_tensors, HOST_TENSOR_REASON)
-
-
 def format_report(report: PlacementReport, limit: int = 20) -> str:
     """A few lines for ``ho-onnx inspect``."""
     per = ", ".join(f"{k.removesuffix('ExecutionProvider')} {v}"
