@@ -133,6 +133,20 @@ def _restore_long_vectors(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def _worker_env() -> dict[str, str]:
+    """The worker's environment: ours, without preloaded sanitizer runtimes (the worker runs
+    only onnx, and AddressSanitizer's shadow memory cannot live under an address-space
+    limit)."""
+    env = dict(os.environ)
+    keep = [p for p in env.get("LD_PRELOAD", "").split()
+            if "libasan" not in p and "libubsan" not in p]
+    if keep:
+        env["LD_PRELOAD"] = " ".join(keep)
+    else:
+        env.pop("LD_PRELOAD", None)
+    return env
+
+
 class _Worker:
     """The long-lived worker process; one request at a time."""
 
@@ -145,7 +159,7 @@ class _Worker:
             safe = ["-P"] if sys.version_info >= (3, 11) else []
             self.proc = subprocess.Popen([sys.executable, *safe, _WORKER],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         start_new_session=True)
+                                         start_new_session=True, env=_worker_env())
         return self.proc
 
     def stop(self) -> None:
