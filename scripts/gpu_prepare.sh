@@ -4,7 +4,8 @@
 # back at most 8 files), then check it with `scripts/gpu_run.sh --check`.
 #
 #   1. the ORT headers the build fetched -> .ortheaders/   (ignored; ~0.6 MB)
-#   2. the onnxruntime-gpu wheel for Python 3.12, cut into parts of PART_MB MiB (default 62)
+#   2. the onnxruntime-gpu wheel for Python 3.12, cut into parts of PART_MB MiB (default: the
+#      64 MiB a call carries, less the working tree that travels with it, less 1 MiB)
 #      -> .ortgpu/part-N, .ortgpu/wheel.sha256 (../shared/device/ort-gpu-parts.sh)
 #   3. .ortgpu/calls.txt: the exact device calls, in order (command + carry), also printed.
 #
@@ -14,7 +15,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 version=${1:-${ORT_GPU_VERSION:-1.31.1}}
-export PART_MB=${PART_MB:-62}
+# What travels in every call besides the carried paths: tracked + untracked-not-ignored files.
+tree_mib=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null \
+  | awk '{s += $1} END {print int(s / 1048576) + 1}')
+export PART_MB=${PART_MB:-$((64 - tree_mib - 1))}
 
 for ign in /.ortgpu/ /.ortheaders/; do
   grep -qx "$ign" .gitignore .git/info/exclude 2>/dev/null || echo "$ign" >> .git/info/exclude
@@ -36,7 +40,8 @@ echo "gpu_prepare: headers from $hdr -> .ortheaders/onnxruntime ($(du -sh .orthe
 # ---- 2. the wheel in parts --------------------------------------------------------------------------
 shared=$ROOT/../shared/device/ort-gpu-parts.sh
 if [[ ! -f .ortgpu/wheel.sha256 ]] || ! grep -q "onnxruntime_gpu-$version-" .ortgpu/wheel.sha256 \
-   || [[ $(find .ortgpu -name 'part-*' -size +"${PART_MB}M" | wc -l) -ne 0 ]]; then
+   || [[ $(find .ortgpu -name 'part-*' -size +"${PART_MB}M" | wc -l) -ne 0 ]] \
+   || [[ ! -f .ortgpu/part-0 ]]; then
   [[ -f $shared ]] || { echo "gpu_prepare: $shared is missing" >&2; exit 2; }
   bash "$shared" "$version"
 fi
