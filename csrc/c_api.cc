@@ -125,6 +125,29 @@ int no_cuda(const char* what) {
 }
 #endif
 
+// Debug settings by name: flags take value != 0, durations are clamped at 0.
+struct DebugFlag {
+  const char* name;
+  std::atomic<bool> ho::Debug::*flag;
+};
+struct DebugDuration {
+  const char* name;
+  std::atomic<int64_t> ho::Debug::*us;
+};
+const DebugFlag kDebugFlags[] = {
+    {"poison", &ho::Debug::poison},
+    {"skip_wait", &ho::Debug::skip_wait},
+    {"skip_staging_fence", &ho::Debug::skip_staging_fence},
+    {"skip_detach_wait", &ho::Debug::skip_detach_wait},
+    {"skip_wait_event", &ho::Debug::skip_wait_event},
+    {"skip_store_start", &ho::Debug::skip_store_start},
+    {"cuda_timing", &ho::Debug::cuda_timing},
+};
+const DebugDuration kDebugDurations[] = {
+    {"delay_us", &ho::Debug::delay_us},
+    {"compute_delay_us", &ho::Debug::compute_delay_us},
+};
+
 }  // namespace
 
 extern "C" {
@@ -170,28 +193,19 @@ int HoOnnx_SetDebug(const char* name, int64_t value) {
   if (name == nullptr) return failed("HoOnnx_SetDebug: name is NULL");
   ho::Debug& d = ho::debug();
   g_last_error.clear();
-  if (std::strcmp(name, "delay_us") == 0) {
-    d.delay_us = value < 0 ? 0 : value;
-  } else if (std::strcmp(name, "poison") == 0) {
-    d.poison = value != 0;
-  } else if (std::strcmp(name, "skip_wait") == 0) {
-    d.skip_wait = value != 0;
-  } else if (std::strcmp(name, "skip_staging_fence") == 0) {
-    d.skip_staging_fence = value != 0;
-  } else if (std::strcmp(name, "skip_detach_wait") == 0) {
-    d.skip_detach_wait = value != 0;
-  } else if (std::strcmp(name, "skip_wait_event") == 0) {
-    d.skip_wait_event = value != 0;
-  } else if (std::strcmp(name, "skip_store_start") == 0) {
-    d.skip_store_start = value != 0;
-  } else if (std::strcmp(name, "compute_delay_us") == 0) {
-    d.compute_delay_us = value < 0 ? 0 : value;
-  } else if (std::strcmp(name, "cuda_timing") == 0) {
-    d.cuda_timing = value != 0;
-  } else {
-    return failed(std::string("HoOnnx_SetDebug: unknown setting '") + name + "'");
+  for (const DebugFlag& f : kDebugFlags) {
+    if (std::strcmp(name, f.name) == 0) {
+      (d.*f.flag) = value != 0;
+      return 0;
+    }
   }
-  return 0;
+  for (const DebugDuration& t : kDebugDurations) {
+    if (std::strcmp(name, t.name) == 0) {
+      (d.*t.us) = value < 0 ? 0 : value;
+      return 0;
+    }
+  }
+  return failed(std::string("HoOnnx_SetDebug: unknown setting '") + name + "'");
 }
 
 int HoOnnx_CudaDeviceCount(void) {

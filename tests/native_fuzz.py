@@ -288,21 +288,43 @@ def fuzz(seconds: float, seed: int, corpus: Path = CORPUS) -> tuple[int, str]:
         return proc.returncode, f"fuzz child died ({name}){kept}\n{proc.stderr[-4000:]}"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def fuzzer_main(doc: str, fuzz_fn, child_fn, before_child=None) -> int:  # type: ignore[no-untyped-def]
+    """The command line both fuzzers share: ``--seconds/--seed`` run ``fuzz_fn`` (the
+    parent, which starts children); ``--child --work DIR`` runs ``child_fn`` (after
+    ``before_child``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
     if args.child:
-        from native_util import load_ops_override
-
-        load_ops_override()
-        return child(args)
-    rc, msg = fuzz(args.seconds, args.seed)
+        if before_child is not None:
+            before_child()
+        return child_fn(args)
+    rc, msg = fuzz_fn(args.seconds, args.seed)
     print(msg)
     return 0 if rc == 0 else 1
+
+
+def run_bounded(fuzz_fn, default_seconds: str) -> None:  # type: ignore[no-untyped-def]
+    """Run ``fuzz_fn`` for HO_FUZZ_SECONDS (else ``default_seconds``) with HO_FUZZ_SEED, and
+    require a clean run that actually tried cases (the pytest side of both fuzzers)."""
+    seconds = float(os.environ.get("HO_FUZZ_SECONDS", default_seconds))
+    seed = int(os.environ.get("HO_FUZZ_SEED", "0"))
+    rc, msg = fuzz_fn(seconds, seed)
+    assert rc == 0, msg
+    assert "'cases'" in msg
+
+
+def _load_ops() -> None:
+    from native_util import load_ops_override
+
+    load_ops_override()
+
+
+def main() -> int:
+    return fuzzer_main(__doc__, fuzz, child, _load_ops)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,14 @@ sys.path.insert(0, str(HERE.parent))
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-from native_fuzz import _INTS, _LOCATIONS, mutate_bytes, mutate_data, mutate_graph  # noqa: E402
+from native_fuzz import (  # noqa: E402
+    _INTS,
+    _LOCATIONS,
+    fuzzer_main,
+    mutate_bytes,
+    mutate_data,
+    mutate_graph,
+)
 from onnx import TensorProto, helper  # noqa: E402
 
 CORPUS = HERE / "fuzz_corpus" / "optimize"
@@ -386,17 +393,7 @@ def fuzz(seconds: float, seed: int, corpus: Path = CORPUS) -> tuple[int, str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=60)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--child", action="store_true")
-    ap.add_argument("--work", default=None)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    rc, msg = fuzz(args.seconds, args.seed)
-    print(msg)
-    return 0 if rc == 0 else 1
+    return fuzzer_main(__doc__, fuzz, child)
 
 
 if __name__ == "__main__":
