@@ -12,9 +12,11 @@ Phases, each timed on its own (best of ``--repeat``):
 * ``costs``: :func:`ho_onnx.cost.analytic.analytic_costs` on the ``cpu`` preset
 * ``plan``: :func:`ho_onnx.schedule.planner.plan` at ``--frac`` of the baseline peak (so the
   planner has real work: many offloads, a full placement pass and two simulations)
-* ``insert``: :func:`ho_onnx.rewrite.insert.insert_cache_ops`
-* ``save``: :func:`ho_onnx.rewrite.place.place_weight_data` + :func:`ho_onnx.graph.save.save_model`
-  (model file; the data file is linked/copied)
+* ``insert``: :func:`ho_onnx.rewrite.insert.insert_cache_ops` (in place, on a fresh analysis
+  each repetition)
+* ``save``: :func:`ho_onnx.rewrite.place.place_weight_data` (which hands the save the
+  ``onnx_ir`` model serialised) + :func:`ho_onnx.graph.save.save_model` (model file; the
+  data file is linked/copied)
 
 Prints a table (layers, nodes, seconds per phase, total, µs per node), a least-squares fit
 of total seconds against nodes (slope, intercept, and the exponent ``b`` of
@@ -87,7 +89,7 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
 
     def load_analyse():
         loaded = load_model(src)
-        return loaded, analyse(loaded.model, dims)
+        return loaded, analyse(loaded.model, dims, proto=loaded.proto)
 
     sec["load+analyse"], (loaded, a) = _best(load_analyse, args.repeat)
     sec["costs"], nc = _best(lambda: analytic_costs(a, machine, dims), args.repeat)
@@ -96,7 +98,11 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
     opts = OffloadOptions(budget=max(1, int(base.peak_bytes * args.frac)), min_bytes=args.min_bytes)
     sec["plan"], p = _best(lambda: plan(a, opts, CostModel(compute_s, tt), dims), args.repeat)
     assert isinstance(p, Plan)
-    sec["insert"], rw = _best(lambda: insert_cache_ops(a, p.choice), args.repeat)
+    # insertion works in place: each repetition rewrites a freshly loaded and analysed model
+    fresh = [load_analyse() for _ in range(args.repeat)]
+    it = iter(fresh)
+    sec["insert"], rw = _best(lambda: insert_cache_ops(next(it)[1], p.choice), args.repeat)
+    loaded = fresh[-1][0]
     out = work / f"dec{layers}.ho.onnx"
     sec["save"], _ = _best(lambda: save_model(place_weight_data(rw, loaded.base_dir, out),
                                               loaded, out), args.repeat)

@@ -11,9 +11,16 @@ import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 
-from ..graph.analyse import GraphAnalysis, TensorInfo, eval_dim
+from ..graph.analyse import (
+    GraphAnalysis,
+    TensorInfo,
+    attribute_values,
+    eval_dim,
+    input_names,
+    output_names,
+)
 from ..target.ort.facts import never_runs
 from .contrib import CONTRIB_COST_OPS, contrib_flops_bytes
 from .machine import Machine
@@ -104,7 +111,7 @@ def _at(shapes: list[Shape], i: int) -> Shape:
 _Flops = Callable[..., float | None]
 
 
-def _matmul_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _matmul_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                   attrs: dict) -> float | None:
     """``2*M*N*K`` times the broadcast batch (QLinearMatMul's B is input 3)."""
     a, b = _at(shapes, 0), _at(shapes, 3 if node.op_type == "QLinearMatMul" else 1)
@@ -120,7 +127,7 @@ def _matmul_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | No
     return 2.0 * math.prod(_broadcast(a2[:-2], b2[:-2])) * m * n * k
 
 
-def _gemm_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _gemm_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                 attrs: dict) -> float | None:
     """``2*M*N*K`` plus ``M*N`` for the bias."""
     a, b = _at(shapes, 0), _at(shapes, 1)
@@ -128,23 +135,24 @@ def _gemm_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None
         return None
     m, k = (a[1], a[0]) if attrs.get("transA", 0) else (a[0], a[1])
     n = b[0] if attrs.get("transB", 0) else b[1]
-    return 2.0 * m * n * k + (m * n if len(node.input) > 2 and node.input[2] else 0)
+    return 2.0 * m * n * k + (m * n if len(node.inputs) > 2 and node.inputs[2] is not None
+                               else 0)
 
 
-def _conv_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _conv_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                 attrs: dict) -> float | None:
     """``2 * out_elems * Cin/group * prod(kernel)`` (QLinearConv's W is input 3)."""
     w = _at(shapes, 3) if node.op_type == "QLinearConv" and len(shapes) > 3 else _at(shapes, 1)
     return 2.0 * out_elems * math.prod(w[1:]) if w and out_elems is not None else None
 
 
-def _conv_transpose_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _conv_transpose_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                           attrs: dict) -> float | None:
     x, w = _at(shapes, 0), _at(shapes, 1)
     return 2.0 * math.prod(x) * math.prod(w[1:]) if x and w else None
 
 
-def _attention_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _attention_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                      attrs: dict) -> float | None:
     """``4 * elems(Q) * kv_len``; com.microsoft Attention adds its packed QKV projection."""
     q, k = _at(shapes, 0), _at(shapes, 1)
@@ -157,24 +165,24 @@ def _attention_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int |
     return 4.0 * math.prod(q) * kv
 
 
-def _pool_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _pool_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                 attrs: dict) -> float | None:
     k = attrs.get("kernel_shape")
     return float(out_elems * math.prod(k)) if k and out_elems is not None else None
 
 
-def _elementwise_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _elementwise_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                        attrs: dict) -> float | None:
     return _ELEMENTWISE_FLOPS[node.op_type] * out_elems if out_elems is not None else None
 
 
-def _reduce_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _reduce_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                   attrs: dict) -> float | None:
     x = _numel(_at(shapes, 0))
     return _REDUCE_FLOPS[node.op_type] * x if x is not None else None
 
 
-def _default_flops(node: onnx.NodeProto, shapes: list[Shape], out_elems: int | None,
+def _default_flops(node: ir.Node, shapes: list[Shape], out_elems: int | None,
                    attrs: dict) -> float | None:
     """Unknown op: one FLOP per output element."""
     return float(out_elems) if out_elems is not None else None
@@ -215,8 +223,9 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
         t = tensors.get(name)
         return 0 if t is None else t.nbytes(dims) or 0
 
-    in_names = list(dict.fromkeys(n for n in node.input if n))
-    out_b = sum(nbytes(n) for n in node.output if n)
+    ins, outs = input_names(node), output_names(node)
+    in_names = list(dict.fromkeys(n for n in ins if n))
+    out_b = sum(nbytes(n) for n in outs if n)
     if op in _META_OPS:
         return 0.0, float(out_b)
     if op in _GATHER_OPS:
@@ -224,16 +233,15 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
     bytes_moved = float(sum(nbytes(n) for n in in_names) + out_b)
     if op in _MOVEMENT_OPS:
         return 0.0, bytes_moved
-    shapes = [_dims_of(tensors.get(n) if n else None, dims) for n in node.input]
+    shapes = [_dims_of(tensors.get(n) if n else None, dims) for n in ins]
     if op in CONTRIB_COST_OPS and node.domain in ("", "ai.onnx", "com.microsoft"):
-        outs = [_dims_of(tensors.get(n) if n else None, dims) for n in node.output]
-        contrib = contrib_flops_bytes(node, shapes, outs, [nbytes(n) for n in node.input],
-                                      [nbytes(n) for n in node.output])
+        out_shapes = [_dims_of(tensors.get(n) if n else None, dims) for n in outs]
+        contrib = contrib_flops_bytes(node, shapes, out_shapes, [nbytes(n) for n in ins],
+                                      [nbytes(n) for n in outs])
         if contrib is not None:
             return contrib
-    out_shape = _dims_of(tensors.get(node.output[0]) if node.output and node.output[0]
-                         else None, dims) if node.output else None
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    out_shape = _dims_of(tensors.get(outs[0]) if outs[0] else None, dims) if outs else None
+    attrs = attribute_values(node)
     flops = _FLOPS.get(op, _default_flops)(node, shapes, _numel(out_shape), attrs)
     return float(flops or 0.0), bytes_moved
 

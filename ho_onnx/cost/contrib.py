@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import onnx
+import onnx_ir as ir
+
+from ..graph.analyse import attribute_values, input_names, output_names
 
 Shape = list[int] | None
 
@@ -42,11 +44,7 @@ def _at(seq: Sequence[Shape], i: int) -> Shape:
     return seq[i] if len(seq) > i else None
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _kv_length(node: onnx.NodeProto, ins: Sequence[Shape], outs: Sequence[Shape]) -> int | None:
+def _kv_length(node: ir.Node, ins: Sequence[Shape], outs: Sequence[Shape]) -> int | None:
     """Keys each query attends to: the present cache's length, else past + new keys."""
     present = _at(outs, 1)
     if present is not None and len(present) == 4:
@@ -64,7 +62,7 @@ def _kv_length(node: onnx.NodeProto, ins: Sequence[Shape], outs: Sequence[Shape]
     return None if new is None else past_len + new
 
 
-def contrib_flops_bytes(node: onnx.NodeProto, ins: Sequence[Shape], outs: Sequence[Shape],
+def contrib_flops_bytes(node: ir.Node, ins: Sequence[Shape], outs: Sequence[Shape],
                         in_bytes: Sequence[int], out_bytes: Sequence[int]
                         ) -> tuple[float, float] | None:
     """``(FLOPs, bytes moved)`` of a contrib op, or None when it has no entry.
@@ -89,7 +87,7 @@ def contrib_flops_bytes(node: onnx.NodeProto, ins: Sequence[Shape], outs: Sequen
     out0 = _numel(_at(outs, 0))
     if op in _PER_ELEMENT:
         return (_PER_ELEMENT[op] * out0 if out0 is not None else 0.0), total_in + total_out
-    attrs = _attrs(node)
+    attrs = attribute_values(node)
     if op in ATTENTION_OPS:
         kv = _kv_length(node, ins, outs)
         heads = int(attrs.get("num_heads", 1) or 1)  # type: ignore[call-overload]
@@ -136,7 +134,7 @@ _GROUPED: dict[str, tuple[int, tuple[int, ...]]] = {
 _VIEW_OPS = frozenset(("Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"))
 
 
-def weight_groups(graph: onnx.GraphProto) -> list[tuple[str, ...]]:
+def weight_groups(graph: ir.Graph) -> list[tuple[str, ...]]:
     """Initializers that must be offloaded and reloaded together, primary weight first.
 
     Groups sharing a member are merged (a tied embedding feeds a GatherBlockQuantized and
@@ -144,11 +142,12 @@ def weight_groups(graph: onnx.GraphProto) -> list[tuple[str, ...]]:
     Reshape/Identity/(Un)Squeeze/Flatten of it counts as itself). Only groups of two or
     more initializers are returned, in graph order.
     """
-    inits = {t.name for t in graph.initializer}
+    inits = set(graph.initializers)
     # A view of an initializer (the builder's tied table is Reshape(lm_head weight)) stands
     # for the initializer itself.
-    view_of = {n.output[0]: n.input[0] for n in graph.node
-               if n.op_type in _VIEW_OPS and n.input and n.input[0] in inits and n.output}
+    view_of = {output_names(n)[0]: input_names(n)[0] for n in graph
+               if n.op_type in _VIEW_OPS and n.inputs and input_names(n)[0] in inits
+               and n.outputs}
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -159,22 +158,23 @@ def weight_groups(graph: onnx.GraphProto) -> list[tuple[str, ...]]:
 
     order: dict[str, int] = {}
     primaries: set[str] = set()
-    for node in graph.node:
+    for node in graph:
         rule = _GROUPED.get(node.op_type)
         if rule is None or node.domain != "com.microsoft":
             continue
         main, others = rule
-        if len(node.input) <= main:
+        names = input_names(node)
+        if len(names) <= main:
             continue
-        w = view_of.get(node.input[main], node.input[main])
+        w = view_of.get(names[main], names[main])
         if w not in inits:
             continue
         primaries.add(w)
         order.setdefault(w, len(order))
         for i in others:
-            if len(node.input) > i and node.input[i] in inits:
-                order.setdefault(node.input[i], len(order))
-                parent[find(node.input[i])] = find(w)
+            if len(names) > i and names[i] in inits:
+                order.setdefault(names[i], len(order))
+                parent[find(names[i])] = find(w)
     groups: dict[str, list[str]] = {}
     for name in sorted(order, key=order.__getitem__):
         groups.setdefault(find(name), []).append(name)

@@ -51,7 +51,7 @@ def profile_costs(analysis: GraphAnalysis, profile_json_path: str | os.PathLike[
     """
     prof = read_profile(profile_json_path)
     n = len(analysis.order)
-    locate = _Locator(analysis, prof.get("model_nodes") == len(analysis.model.graph.node))
+    locate = _Locator(analysis, prof.get("model_nodes") == len(analysis.nodes))
     secs = np.zeros(n, dtype=np.float64)
     matched = np.zeros(n, dtype=bool)
     pool, pool_entries = 0.0, 0
@@ -77,21 +77,20 @@ class _Locator:
     """The schedule position of a profiled entry (rules 1-3 of :func:`profile_costs`)."""
 
     def __init__(self, analysis: GraphAnalysis, same_model: bool) -> None:
-        self.graph = analysis.model.graph
+        self.nodes = analysis.nodes
         self.same_model = same_model
         self.pos_of_index = {idx: pos for pos, idx in enumerate(analysis.order)}
         self.pos_of_name: dict[str, int] = {}
-        for pos, idx in enumerate(analysis.order):
-            name = self.graph.node[idx].name
-            if name:
-                self.pos_of_name.setdefault(name, pos)
+        for pos, node in enumerate(analysis.nodes):
+            if node.name:
+                self.pos_of_name.setdefault(node.name, pos)
         self.names_by_len = sorted(self.pos_of_name, key=len, reverse=True)
 
     def __call__(self, ename: str, e: Mapping[str, Any]) -> int | None:
         idx = e.get("index")
         if self.same_model and isinstance(idx, int) and idx in self.pos_of_index:
-            node = self.graph.node[idx]
-            if node.op_type == e.get("op") and node.name in (ename, ""):
+            node = self.nodes[self.pos_of_index[idx]]
+            if node.op_type == e.get("op") and (node.name or "") in (ename, ""):
                 return self.pos_of_index[idx]
         pos = self.pos_of_name.get(ename)
         if pos is not None:

@@ -1,9 +1,13 @@
-"""Analyses of the main graph: topological order, tensor types and sizes, lifetimes.
+"""Analyses of the main graph of an ``onnx_ir`` model: topological order, tensor types and
+sizes, lifetimes.
 
-Positions are indices into ``GraphAnalysis.order`` (the schedule the rewriter refines).
-Subgraphs (If/Loop/Scan bodies) are not entered: a name they read from the outer scope is
-recorded as an *implicit* use of the node that owns them, and such tensors are never
-offloaded.
+Positions are indices into ``GraphAnalysis.nodes`` (the schedule the rewriter refines).
+Uses come from ``onnx_ir``'s use-def chains. Subgraphs (If/Loop/Scan bodies) are reached
+through them: a value a subgraph reads from the outer scope is recorded as an *implicit*
+use of the main-graph node that owns the subgraph, and such tensors are never offloaded.
+Types come from ONNX shape inference on a weightless copy, run bounded in memory and time
+(:mod:`.bounded`); the model's own value types are not changed (the dims bound for the
+analysis are not the model's).
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 import ast
 import heapq
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
@@ -119,18 +124,18 @@ def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
 class GraphAnalysis:
     """Order, tensors and lifetimes of a model's main graph."""
 
-    model: onnx.ModelProto
-    order: list[int]  # node indices of model.graph.node in schedule order
+    model: ir.Model
+    nodes: list[ir.Node]  # the main graph's nodes in schedule order (positions)
     tensors: dict[str, TensorInfo]
+    # Values of the main graph by name (inputs, initializers, node outputs).
+    values: dict[str, ir.Value] = field(default_factory=dict, repr=False)
+    # Position -> index of the node in the file as loaded (differs when it was not sorted).
+    order: list[int] = field(default_factory=list, repr=False)
     # Facts later passes derive from this analysis once and share (e.g. the CUDA placement).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def nodes(self) -> list[onnx.NodeProto]:
-        return [self.model.graph.node[i] for i in self.order]
-
-    def node_at(self, pos: int) -> onnx.NodeProto:
-        return self.model.graph.node[self.order[pos]]
+    def node_at(self, pos: int) -> ir.Node:
+        return self.nodes[pos]
 
     def last_use(self, name: str) -> int | None:
         t = self.tensors[name]
@@ -138,28 +143,64 @@ class GraphAnalysis:
         return max(uses) if uses else None
 
 
-def subgraph_outer_names(node: onnx.NodeProto) -> set[str]:
-    """Names a node's subgraphs read from enclosing scopes."""
-    names: set[str] = set()
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-        for g in graphs:
-            names |= _free_names(g)
-    return names
+def input_names(node: ir.Node) -> list[str]:
+    """Names of ``node``'s inputs, ``""`` for an omitted optional one (as in a NodeProto)."""
+    return [v.name or "" if v is not None else "" for v in node.inputs]
 
 
-def _free_names(graph: onnx.GraphProto) -> set[str]:
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    defined |= {t.values.name for t in graph.sparse_initializer}
-    free: set[str] = set()
-    for node in graph.node:
-        for name in node.input:
-            if name and name not in defined:
-                free.add(name)
-        free |= {n for n in subgraph_outer_names(node) if n not in defined}
-        defined.update(o for o in node.output if o)
-    free |= {o.name for o in graph.output if o.name not in defined}
-    return free
+def output_names(node: ir.Node) -> list[str]:
+    return [v.name or "" for v in node.outputs]
+
+
+def attribute_values(node: ir.Node) -> dict[str, Any]:
+    """Attribute name -> Python value (ints, floats, strings, lists; tensors as ir tensors)."""
+    return {k: a.value for k, a in node.attributes.items()}
+
+
+def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
+    """The graphs ``node``'s attributes hold (If branches, Loop/Scan bodies), not nested."""
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            yield attr.value
+        elif attr.type == ir.AttributeType.GRAPHS:
+            yield from attr.value
+
+
+def subgraph_owners(graph: ir.Graph) -> dict[ir.Graph, ir.Node]:
+    """Every graph nested in ``graph``'s nodes (at any depth) -> the node of ``graph`` that
+    holds it."""
+    owners: dict[ir.Graph, ir.Node] = {}
+    for node in graph:
+        if not node.attributes:
+            continue
+        stack = list(subgraphs(node))
+        while stack:
+            g = stack.pop()
+            owners[g] = node
+            stack.extend(s for n in ir.traversal.RecursiveGraphIterator(g)
+                         for s in subgraphs(n))
+    return owners
+
+
+def outer_reads(graph: ir.Graph, owners: Mapping[ir.Graph, ir.Node]) -> Iterator[
+        tuple[ir.Value, ir.Node]]:
+    """(value of the main graph, main-graph node whose subgraph reads it): a use inside a
+    subgraph, or a subgraph output that is an outer value."""
+    for g, owner in owners.items():
+        for node in g:
+            for v in node.inputs:
+                if v is not None and _defined_in(v, graph):
+                    yield v, owner
+        for v in g.outputs:
+            if _defined_in(v, graph):
+                yield v, owner
+
+
+def _defined_in(v: ir.Value, graph: ir.Graph) -> bool:
+    producer = v.producer()
+    if producer is not None:
+        return producer.graph is graph
+    return v.graph is graph
 
 
 def kahn_order(deps: list[set[int]]) -> list[int]:
@@ -183,30 +224,33 @@ def kahn_order(deps: list[set[int]]) -> list[int]:
     return order
 
 
-def topological_order(graph: onnx.GraphProto) -> list[int]:
-    """The file's node order if it is topological, else a stable Kahn order."""
-    available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    available |= {t.values.name for t in graph.sparse_initializer}
-    available.add("")
-    needs = [
-        [n for n in list(node.input) + sorted(subgraph_outer_names(node)) if n]
-        for node in graph.node
-    ]
-    produced_by = {o: i for i, node in enumerate(graph.node) for o in node.output if o}
-    ok = True
-    seen = set(available)
-    for i, node in enumerate(graph.node):
-        if any(n not in seen and n in produced_by for n in needs[i]):
-            ok = False
-            break
-        seen.update(node.output)
-    if ok:
-        return list(range(len(graph.node)))
-    order = kahn_order([{produced_by[n] for n in needs[i] if n in produced_by}
-                        for i in range(len(needs))])
-    if len(order) != len(graph.node):
-        raise ModelLoadError("the graph has a cycle: no topological order exists")
-    return order
+def is_sorted(graph: ir.Graph, owners: Mapping[ir.Graph, ir.Node] | None = None) -> bool:
+    """Whether every node of ``graph`` comes after the producers of what it (and its
+    subgraphs) reads (``owners``: :func:`subgraph_owners` of ``graph`` when known)."""
+    seen: set[ir.Node] = set()
+    reads: dict[ir.Node, list[ir.Value]] = {}
+    for v, owner in outer_reads(graph, subgraph_owners(graph) if owners is None else owners):
+        reads.setdefault(owner, []).append(v)
+    for node in graph:
+        for v in (*node.inputs, *reads.get(node, ())):
+            p = v.producer() if v is not None else None
+            if p is not None and p.graph is graph and p not in seen:
+                return False
+        seen.add(node)
+    return True
+
+
+def sort_graph(graph: ir.Graph, owners: Mapping[ir.Graph, ir.Node] | None = None) -> list[int]:
+    """Sort ``graph`` topologically in place (``onnx_ir``'s stable sort) unless it already
+    is; the file index of each node in the new order."""
+    index = {node: i for i, node in enumerate(graph)}
+    if is_sorted(graph, owners):
+        return list(range(len(index)))
+    try:
+        graph.sort()
+    except ValueError:
+        raise ModelLoadError("the graph has a cycle: no topological order exists") from None
+    return [index[node] for node in graph]
 
 
 # Initializers larger than this keep only their dims in the shape-inference skeleton.
@@ -263,6 +307,25 @@ def _copy_without_big_data(model: onnx.ModelProto, sk: onnx.ModelProto) -> None:
             t.CopyFrom(holder)
 
 
+def _weightless_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a proto without the bytes of its big inline initializers (external ones
+    serialise as references): what shape inference and ORT's tools read."""
+    graph = model.graph
+    held: list[tuple[ir.Value, ir.TensorProtocol]] = []
+    for v in graph.initializers.values():
+        t = v.const_value
+        if t is not None and not isinstance(t, ir.ExternalTensor) and t.nbytes > (
+                _SKELETON_KEEP_BYTES):
+            held.append((v, t))
+            v.const_value = ir.ExternalTensor("__ho_onnx_stripped__", 0, t.nbytes, t.dtype,
+                                              shape=t.shape, name=v.name)
+    try:
+        return ir.to_proto(model)
+    finally:
+        for v, t in held:
+            v.const_value = t
+
+
 def _shape_of(tp: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
     if not tp.HasField("tensor_type"):
         return None, None
@@ -281,6 +344,23 @@ def _shape_of(tp: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
     return elem, tuple(shape)
 
 
+def _ir_shape_of(v: ir.Value) -> tuple[int | None, tuple[Dim, ...] | None]:
+    """Declared element type and shape of a graph input."""
+    if not isinstance(v.type, ir.TensorType):
+        return None, None
+    elem = int(v.type.dtype) or None
+    if v.shape is None:
+        return elem, None
+    shape: list[Dim] = []
+    for d in v.shape:
+        if isinstance(d, int):
+            shape.append(d)
+        else:
+            name = d.value if isinstance(d, ir.SymbolicDim) else None
+            shape.append(name if name and not name.startswith("unk__") else None)
+    return elem, tuple(shape)
+
+
 # Another source of value types (ORT's symbolic shape inference for contrib ops):
 # (model, dims, whole input shapes) -> types by value name.
 TypeSource = Callable[[onnx.ModelProto, Mapping[str, int], Mapping[str, Sequence[int]]],
@@ -294,74 +374,106 @@ def _known(tp: onnx.TypeProto | None) -> int:
     return sum(1 for d in tp.tensor_type.shape.dim if d.HasField("dim_value") or d.dim_param)
 
 
-def analyse(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
-            shapes: Mapping[str, Sequence[int]] | None = None,
-            more_types: TypeSource | None = None) -> GraphAnalysis:
-    """Run the analyses on ``model`` (not modified); ``dims`` binds symbolic dims,
-    ``shapes`` gives whole input shapes. ``more_types`` is asked when onnx's inference
-    leaves a node output unknown or partly known (contrib ops): its types win where they
-    tell more."""
-    dims = dict(dims or {})
-    shapes = dict(shapes or {})
-    graph = model.graph
-    order = topological_order(graph)
-    sk = _skeleton(model, dims, shapes)
-    inferred = infer_shapes(sk)  # best effort, bounded in memory and time (.bounded)
+def _value_types(proto: onnx.ModelProto, dims: Mapping[str, int],
+                 shapes: Mapping[str, Sequence[int]], more_types: TypeSource | None
+                 ) -> dict[str, onnx.TypeProto]:
+    """Types of the main graph's values by name: bounded ONNX shape inference on a
+    weightless skeleton, refined by ``more_types`` where it tells more."""
+    inferred = infer_shapes(_skeleton(proto, dims, shapes))  # bounded (.bounded)
     types: dict[str, onnx.TypeProto] = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(
-        inferred.graph.input
-    ):
+    for vi in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):
         types[vi.name] = vi.type
     if more_types is not None:
-        outputs = [o for n in graph.node for o in n.output if o]
+        outputs = [o for n in proto.graph.node for o in n.output if o]
         if any(_known(types.get(o)) < 0 or any(
                 not (d.HasField("dim_value") or d.dim_param)
                 for d in types[o].tensor_type.shape.dim) for o in outputs):
-            for name, tp in more_types(model, dims, shapes).items():
+            for name, tp in more_types(proto, dims, shapes).items():
                 if _known(tp) > _known(types.get(name)):
                     types[name] = tp
+    return types
 
+
+def _tensor_infos(graph: ir.Graph, nodes: Sequence[ir.Node],
+                  owners: Mapping[ir.Graph, ir.Node]
+                  ) -> tuple[dict[str, TensorInfo], dict[str, ir.Value]]:
+    """Roles, producers and uses of the main graph's values, from the use-def chains."""
     tensors: dict[str, TensorInfo] = {}
+    values: dict[str, ir.Value] = {}
 
-    def info(name: str) -> TensorInfo:
-        if name not in tensors:
-            tensors[name] = TensorInfo(name)
-        return tensors[name]
+    def info(v: ir.Value) -> TensorInfo:
+        name = v.name or ""
+        t = tensors.get(name)
+        if t is None:
+            t = tensors[name] = TensorInfo(name)
+            values[name] = v
+        return t
 
-    for vi in graph.input:
-        t = info(vi.name)
-        t.is_graph_input = True
-    for init in graph.initializer:
-        t = info(init.name)
+    for v in graph.inputs:
+        info(v).is_graph_input = True
+    for v in graph.initializers.values():
+        t = info(v)
         t.is_initializer = True
-        t.elem_type = init.data_type
-        t.shape = tuple(int(d) for d in init.dims)
-    for vi in graph.output:
-        info(vi.name).is_graph_output = True
-    for pos, idx in enumerate(order):
-        node = graph.node[idx]
-        for name in dict.fromkeys(n for n in node.input if n):
-            info(name).consumers.append(pos)
-        for name in subgraph_outer_names(node):
-            info(name).implicit_consumers.append(pos)
-        for name in node.output:
-            if name:
-                info(name).producer = pos
+        if v.const_value is not None:
+            t.elem_type = int(v.const_value.dtype)
+            t.shape = tuple(int(d) for d in v.const_value.shape)
+    for v in graph.outputs:
+        info(v).is_graph_output = True
+    position = {node: pos for pos, node in enumerate(nodes)}
+    for pos, node in enumerate(nodes):
+        for v in node.inputs:  # (a name nothing defines still gets an entry)
+            if v is not None and v.name and v.name not in tensors:
+                info(v)
+        for v in node.outputs:
+            if v.name:
+                info(v).producer = pos
+    for v in list(values.values()):
+        t = tensors[v.name or ""]
+        t.consumers = sorted({position[u.node] for u in v.uses() if u.node in position})
+    for v, owner in outer_reads(graph, owners):
+        t = info(v)
+        if position[owner] not in t.implicit_consumers:
+            t.implicit_consumers.append(position[owner])
+    for t in tensors.values():
+        t.implicit_consumers.sort()
+    return tensors, values
+
+
+def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
+            shapes: Mapping[str, Sequence[int]] | None = None,
+            more_types: TypeSource | None = None,
+            proto: onnx.ModelProto | None = None) -> GraphAnalysis:
+    """Run the analyses on ``model`` (an ``onnx_ir`` model; a proto is converted). The main
+    graph is sorted topologically in place when it is not; nothing else changes.
+
+    ``dims`` binds symbolic dims, ``shapes`` gives whole input shapes. ``proto``: the same
+    model as loaded (weights external or inline), read by shape inference instead of a
+    serialisation of ``model``. ``more_types`` is asked when onnx's inference leaves a node
+    output unknown or partly known (contrib ops): its types win where they tell more."""
+    if isinstance(model, onnx.ModelProto):
+        proto, model = model, ir.from_proto(model)
+    dims = dict(dims or {})
+    shapes = dict(shapes or {})
+    graph = model.graph
+    owners = subgraph_owners(graph)  # (sorting keeps every node in its graph)
+    order = sort_graph(graph, owners)
+    if proto is None:
+        proto = _weightless_proto(model)
+    types = _value_types(proto, dims, shapes, more_types)
+    nodes = list(graph)
+    tensors, values = _tensor_infos(graph, nodes, owners)
     for name, t in tensors.items():
-        if t.is_initializer:
-            continue
-        if name in types:
-            elem, shape = _shape_of(types[name])
-            t.elem_type, t.shape = elem, shape
-    for vi in graph.input:  # declared input types (unbound dims stay symbolic)
-        t = tensors[vi.name]
+        if not t.is_initializer and name in types:
+            t.elem_type, t.shape = _shape_of(types[name])
+    for v in graph.inputs:  # declared input types (unbound dims stay symbolic)
+        t = tensors[v.name or ""]
         if not t.is_initializer:
-            elem, shape = _shape_of(vi.type)
+            elem, shape = _ir_shape_of(v)
             if elem is not None:
                 t.elem_type = elem
             if shape is not None and t.shape is None:
                 t.shape = shape
-    return GraphAnalysis(model=model, order=order, tensors=tensors)
+    return GraphAnalysis(model=model, nodes=nodes, tensors=tensors, values=values, order=order)
 
 
 def describe(t: TensorInfo) -> str:

@@ -1,7 +1,9 @@
 """Load an ONNX model for planning without reading weight bytes, and validate it.
 
 External data stays on disk: only its references (location, offset, length) are read and
-checked against the files' sizes. The returned proto is what every later pass works on.
+checked against the files' sizes, on the proto (the right tool for validating the file).
+Every later pass works on the ``onnx_ir`` model made from it, whose external tensors are
+never read while planning.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 from google.protobuf.message import Message
 from onnx import TensorProto
 
@@ -33,15 +36,32 @@ class ExternalRef:
 
 @dataclass
 class LoadedModel:
-    """A model proto without weight bytes, and the folder its external data is relative to.
+    """A checked model without weight bytes, and the folder its external data is relative to.
 
+    ``model`` is the ``onnx_ir`` model the passes work on (external tensors refer to files
+    in ``base_dir``, never read while planning); ``proto`` the file as loaded and checked,
+    read where a proto is the right tool (shape inference, ORT's tools, output checks).
     ``keepalive``: an object that owns the files (a temporary folder), kept as long as this.
     """
 
-    model: onnx.ModelProto
+    proto: onnx.ModelProto
+    model: ir.Model
     path: Path
     base_dir: Path
     keepalive: object = field(default=None, repr=False)
+
+
+def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str) -> ir.Model:
+    """The ``onnx_ir`` model of a checked ``proto`` whose external data lies in ``base_dir``."""
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as e:  # a structure onnx_ir refuses (the checker let it through)
+        raise ModelLoadError(f"{what!r} cannot be read as an ONNX graph: {e}") from None
+    for g in model.graphs():
+        for v in g.initializers.values():
+            if isinstance(v.const_value, ir.ExternalTensor):
+                v.const_value.base_dir = base_dir
+    return model
 
 
 def external_ref(tensor: TensorProto) -> ExternalRef | None:
@@ -193,4 +213,5 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
         except onnx.checker.ValidationError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
-    return LoadedModel(model=model, path=p, base_dir=base_dir)
+    return LoadedModel(proto=model, model=to_ir(model, base_dir, str(p)), path=p,
+                       base_dir=base_dir)

@@ -69,13 +69,19 @@ def set_attr(node: onnx.NodeProto, name: str, value: object) -> None:
     node.attribute.append(helper.make_attribute(name, value))
 
 
-def stamp_data_files(model: onnx.ModelProto, stamps: dict[str, list[int]],
-                     path_of: Callable[[str], Path]) -> None:
-    """Record on each stamped node its data file's size and fingerprint, read from
+def data_stamps(stamps: dict[str, list[int]], path_of: Callable[[str], Path]
+                ) -> Iterator[tuple[list[int], int, str]]:
+    """(node positions, size, fingerprint) of each stamped data file, read from
     ``path_of(location)`` (the finished file; at most 17 blocks of 4 KiB each)."""
     for loc, positions in stamps.items():
         path = path_of(loc)
-        size, fp = path.stat().st_size, data_fingerprint(path)
+        yield positions, path.stat().st_size, data_fingerprint(path)
+
+
+def stamp_data_files(model: onnx.ModelProto, stamps: dict[str, list[int]],
+                     path_of: Callable[[str], Path]) -> None:
+    """Record on each stamped node of ``model`` its data file's size and fingerprint."""
+    for positions, size, fp in data_stamps(stamps, path_of):
         for i in positions:
             set_attr(model.graph.node[i], contract.ATTR_DATA_SIZE, size)
             set_attr(model.graph.node[i], contract.ATTR_DATA_FINGERPRINT, fp)
@@ -203,7 +209,7 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
     if not folder.is_dir():
         raise OutputPathError(f"cannot write {str(out)!r}: {str(folder)!r} is not a folder")
     checked: set[str] = set()
-    for graph in iter_graphs(loaded.model.graph):
+    for graph in iter_graphs(loaded.proto.graph):
         for t in graph.initializer:
             ref = external_ref(t)
             if ref is None or ref.location in checked:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-import onnx
+import onnx_ir as ir
 
 from .. import contract
+from ..graph.analyse import attribute_values, input_names
 from ..graph.dtypes import ELEMENT_BITS, dense_nbytes, dtype_name
 from ..graph.load import load_model
 from ..target.ort.placement import split_chains
@@ -44,59 +45,30 @@ class ModelSummary:
         return asdict(self)
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
 def summarize(path: str | os.PathLike[str]) -> ModelSummary:
     """Read ``path`` (no weight bytes) and list its transfers."""
     model = load_model(path, check=False, allow_cache_ops=True).model
     g = model.graph
-    types = {vi.name: vi.type for vi in list(g.value_info) + list(g.input) + list(g.output)}
     counts = {op: 0 for op in contract.ALL_OPS}
-    producers: dict[str, onnx.NodeProto] = {}
     compute_before: list[int] = []  # compute nodes strictly before each step
     n_compute = 0
-    for node in g.node:
+    for node in g:
         compute_before.append(n_compute)
         if node.domain == contract.DOMAIN:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
         else:
             n_compute += 1
-        for o in node.output:
-            producers[o] = node
-    step = {id(n): i for i, n in enumerate(g.node)}
-    summary = ModelSummary(len(g.node), n_compute, counts,
-                           metadata={p.key: p.value for p in model.metadata_props
-                                     if p.key.startswith(contract.META_PREFIX)})
-    for node in g.node:
+    step = {n: i for i, n in enumerate(g)}
+    summary = ModelSummary(len(step), n_compute, counts, metadata={
+        k: v for k, v in model.metadata_props.items() if k.startswith(contract.META_PREFIX)})
+    for node in g:
         if node.domain != contract.DOMAIN or node.op_type != contract.WAIT:
             continue
-        pf = producers.get(node.input[0])
+        pf = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
         if pf is None or pf.op_type != contract.PREFETCH:
             continue
-        a = _attrs(pf)
-        nbytes = None
-        tt = types.get(node.input[0])
-        if contract.ATTR_LOCATION in a:
-            kind = "weight"
-            tensor = a.get(contract.ATTR_NAME, b"")
-            tensor = tensor.decode() if isinstance(tensor, bytes) else str(tensor)
-            loc = a[contract.ATTR_LOCATION]
-            loc = loc.decode() if isinstance(loc, bytes) else str(loc)
-            source = f"{loc}@{a.get(contract.ATTR_OFFSET, 0)}"
-            nbytes = int(a.get(contract.ATTR_LENGTH, 0))  # type: ignore[call-overload]
-        else:
-            kind = "activation"
-            det = producers.get(pf.input[0])
-            tensor = det.input[0] if det is not None else "?"
-            source = det.name if det is not None else "?"
-            if tt is not None and tt.tensor_type.elem_type in ELEMENT_BITS:
-                dims = [d.dim_value if d.HasField("dim_value") else None
-                        for d in tt.tensor_type.shape.dim]
-                if all(d is not None for d in dims):
-                    nbytes = dense_nbytes(tt.tensor_type.elem_type, dims)  # type: ignore[arg-type]
-        i, j = step[id(pf)], step[id(node)]
+        tensor, kind, nbytes, source = _source(pf)
+        i, j = step[pf], step[node]
         summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
                                           compute_before[j] - compute_before[i], source))
     placement = split_chains(model)
@@ -104,6 +76,24 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
                               for k, v in sorted(placement.per_provider.items())}
     summary.split_chains = [c.describe() for c in placement.split]
     return summary
+
+
+def _source(pf: ir.Node) -> tuple[str, str, int | None, str]:
+    """(tensor, kind, bytes, source) of the transfer a Prefetch starts."""
+    a = attribute_values(pf)
+    if contract.ATTR_LOCATION in a:
+        source = f"{a[contract.ATTR_LOCATION]}@{a.get(contract.ATTR_OFFSET, 0)}"
+        return (str(a.get(contract.ATTR_NAME, "")), "weight",
+                int(a.get(contract.ATTR_LENGTH, 0)), source)
+    det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
+    tensor = input_names(det)[0] if det is not None else "?"
+    source = (det.name or "") if det is not None else "?"
+    y = pf.outputs[0]
+    nbytes = None
+    if isinstance(y.type, ir.TensorType) and int(y.type.dtype) in ELEMENT_BITS and (
+            y.shape is not None and all(isinstance(d, int) for d in y.shape)):
+        nbytes = dense_nbytes(int(y.type.dtype), [int(d) for d in y.shape])
+    return tensor, "activation", nbytes, source
 
 
 def format_summary(s: ModelSummary) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import onnx
+import onnx_ir as ir
 
 from .. import __version__, contract
 from ..schedule.types import Decision
@@ -18,11 +18,7 @@ def plan_metadata(decision: Decision, dims: Mapping[str, int]) -> dict[str, str]
     }
 
 
-def annotate(model: onnx.ModelProto, metadata: Mapping[str, str]) -> None:
+def annotate(model: ir.Model, metadata: Mapping[str, str]) -> None:
     """Set ``ho_onnx.<key>`` entries of ``model.metadata_props`` (in place, replacing)."""
     for k, v in metadata.items():
-        key = contract.META_PREFIX + k
-        for p in list(model.metadata_props):
-            if p.key == key:
-                model.metadata_props.remove(p)
-        model.metadata_props.append(onnx.StringStringEntryProto(key=key, value=str(v)))
+        model.metadata_props[contract.META_PREFIX + k] = str(v)

@@ -1,36 +1,153 @@
-"""The rewrite as one ``onnx_ir`` pass, composable in an ``onnx_ir.passes.PassManager``.
+"""The rewrite as ``onnx_ir`` passes: one per step, each with the pass signature
+``(ir.Model) -> ir.passes.PassResult``, composable in an ``onnx_ir.passes.PassManager``.
 
-:class:`OffloadPass` is functional (``onnx_ir.passes.FunctionalPass``): it returns a new
-model in which the decider's tensors are offloaded and leaves its input untouched. It runs
-analyse → decide → insert → annotate → place on a proto that carries the external-data
-references but never the weight bytes (``onnx_ir`` loads external data lazily, and
-serialising an external tensor writes only its reference), so it is as cheap on a 10 GiB
-model as :func:`ho_onnx.rewrite.pipeline.optimize`.
+The steps are in-place passes that hand their results to the next through ``model.meta``
+(never serialised):
 
-Precondition: every offloaded weight is in external data (an ``onnx_ir.ExternalTensor``,
-as ``onnx_ir.load`` gives for a model saved with external data): an inline weight has no
-file for its Prefetch to read; :func:`~ho_onnx.rewrite.pipeline.optimize` writes such
-weights to a sidecar. Postcondition: the result loads in ORT next to the input's data files
-(write it into the same folder).
+* :class:`AnalysePass` -- sorts the main graph if needed; ``meta[ANALYSIS]``
+  (:class:`~ho_onnx.graph.analyse.GraphAnalysis`);
+* :class:`DecidePass` -- runs a :class:`~ho_onnx.schedule.types.Decider`; ``meta[DECISION]``;
+* :class:`InsertPass` -- inserts the cache ops; ``meta[REWRITTEN]``
+  (:class:`~ho_onnx.rewrite.insert.RewrittenModel`); the analysis is spent afterwards;
+* :class:`AnnotatePass` -- records the decision in ``metadata_props``;
+* :class:`PlaceDataPass` -- finishes each weight Prefetch with where its bytes are;
+  ``meta[OUTPUT_FILES]`` (:class:`~ho_onnx.graph.save.OutputFiles`, what the save writes).
+
+Each checks its precondition (the results it reads) and raises
+``onnx_ir.passes.PreconditionError`` naming the pass that must run first.
+:class:`OffloadPass` is all of them as one functional pass (the input stays untouched).
+None reads weight bytes: ``onnx_ir`` keeps external data on disk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import onnx
 import onnx_ir as ir
 
-from ..graph.analyse import analyse
-from ..graph.save import stamp_data_files
-from ..schedule.types import Decider
+from .. import contract
+from ..graph.analyse import GraphAnalysis, TypeSource, analyse
+from ..graph.save import OutputFiles, data_stamps
+from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
-from .insert import insert_cache_ops
+from .insert import RewrittenModel, insert_cache_ops
 from .place import place_weight_data
+
+ANALYSIS = "ho_onnx.analysis"
+DECISION = "ho_onnx.decision"
+REWRITTEN = "ho_onnx.rewritten"
+OUTPUT_FILES = "ho_onnx.output_files"
+
+
+def _need(model: ir.Model, key: str, producer: str) -> Any:
+    if key not in model.meta:
+        raise ir.passes.PreconditionError(f"{key} missing: run {producer} first")
+    return model.meta[key]
+
+
+class AnalysePass(ir.passes.InPlacePass):
+    """Analyse the main graph (sorted topologically in place when it is not)."""
+
+    def __init__(self, dims: Mapping[str, int] | None = None, *,
+                 shapes: Mapping[str, Sequence[int]] | None = None,
+                 more_types: TypeSource | None = None,
+                 proto: onnx.ModelProto | None = None) -> None:
+        super().__init__()
+        self.dims, self.shapes = dict(dims or {}), dict(shapes or {})
+        self.more_types, self.proto = more_types, proto
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        a = analyse(model, self.dims, shapes=self.shapes, more_types=self.more_types,
+                    proto=self.proto)
+        model.meta[ANALYSIS] = a
+        return ir.passes.PassResult(model, modified=a.order != sorted(a.order))
+
+
+class DecidePass(ir.passes.InPlacePass):
+    """Decide what to offload (changes nothing in the graph)."""
+
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None) -> None:
+        super().__init__()
+        self.decider, self.dims = decider, dict(dims or {})
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, ANALYSIS, "AnalysePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        model.meta[DECISION] = self.decider.decide(model.meta[ANALYSIS], self.dims)
+        return ir.passes.PassResult(model, modified=False)
+
+
+class InsertPass(ir.passes.InPlacePass):
+    """Insert the cache ops of the decision."""
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, ANALYSIS, "AnalysePass")
+        _need(model, DECISION, "DecidePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        analysis: GraphAnalysis = model.meta[ANALYSIS]
+        rewritten = insert_cache_ops(analysis, model.meta[DECISION].choice)
+        model.meta[REWRITTEN] = rewritten
+        return ir.passes.PassResult(model, modified=rewritten.cache_nodes > 0)
+
+    def ensures(self, model: ir.Model) -> None:
+        if contract.DOMAIN not in model.opset_imports:
+            raise ir.passes.PostconditionError(f"no {contract.DOMAIN} opset import")
+
+
+class AnnotatePass(ir.passes.InPlacePass):
+    """Record the decision (and ``dims``) in ``metadata_props``."""
+
+    def __init__(self, dims: Mapping[str, int] | None = None) -> None:
+        super().__init__()
+        self.dims = dict(dims or {})
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, DECISION, "DecidePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        decision: Decision = model.meta[DECISION]
+        annotate(model, plan_metadata(decision, self.dims))
+        return ir.passes.PassResult(model, modified=True)
+
+
+class PlaceDataPass(ir.passes.InPlacePass):
+    """Finish each weight Prefetch with its bytes' file, offset and length for an output
+    written to ``out_path`` (``base_dir``: the folder external locations are relative to)."""
+
+    def __init__(self, base_dir: Path, out_path: Path) -> None:
+        super().__init__()
+        self.base_dir, self.out_path = Path(base_dir), Path(out_path)
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, REWRITTEN, "InsertPass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        rewritten: RewrittenModel = model.meta[REWRITTEN]
+        model.meta[OUTPUT_FILES] = place_weight_data(rewritten, self.base_dir, self.out_path)
+        return ir.passes.PassResult(model, modified=bool(rewritten.weight_prefetches))
+
+
+def rewrite_passes(decider: Decider, dims: Mapping[str, int], base_dir: Path, out_path: Path,
+                   **analyse_args: Any) -> list[ir.passes.PassBase]:
+    """The steps of one rewrite, in order (``analyse_args``: see :class:`AnalysePass`)."""
+    return [AnalysePass(dims, **analyse_args), DecidePass(decider, dims), InsertPass(),
+            AnnotatePass(dims), PlaceDataPass(base_dir, out_path)]
 
 
 class OffloadPass(ir.passes.FunctionalPass):
-    """Offload the tensors ``decider`` chooses (symbolic dims bound by ``dims``)."""
+    """Offload the tensors ``decider`` chooses (symbolic dims bound by ``dims``): all the
+    steps on a copy of the model.
+
+    Precondition: every offloaded weight is in external data (an ``onnx_ir.ExternalTensor``,
+    as ``onnx_ir.load`` gives for a model saved with external data): an inline weight has
+    no file for its Prefetch to read; :func:`~ho_onnx.rewrite.pipeline.optimize` writes
+    such weights to a sidecar. Postcondition: the result loads in ORT next to the input's
+    data files (write it into the same folder)."""
 
     def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None) -> None:
         super().__init__()
@@ -38,31 +155,35 @@ class OffloadPass(ir.passes.FunctionalPass):
         self.dims = dict(dims or {})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        proto = ir.serde.serialize_model(model)  # external tensors: references only
-        analysis = analyse(proto, self.dims)
-        decision = self.decider.decide(analysis, self.dims)
-        if not decision.choice.weights and not decision.choice.activations:
-            return ir.passes.PassResult(model.clone(), modified=False)
-        base_dirs = _external_base_dirs(model, {w.name for w in decision.choice.weights})
-        rewritten = insert_cache_ops(analysis, decision.choice)
-        annotate(rewritten.model, plan_metadata(decision, self.dims))
-        base_dir = next(iter(base_dirs), Path("."))
-        files = place_weight_data(rewritten, base_dir, base_dir / "model.onnx")
+        work = model.clone()
+        steps = rewrite_passes(self.decider, self.dims, Path("."), Path("model.onnx"))
+        ir.passes.Sequential(*steps[:2])(work)
+        choice = work.meta[DECISION].choice
+        if not choice.weights and not choice.activations:
+            return ir.passes.PassResult(work, modified=False)
+        base_dir = _external_base_dir(work, {w.name for w in choice.weights})
+        steps[-1] = PlaceDataPass(base_dir, base_dir / "model.onnx")
+        ir.passes.Sequential(*steps[2:])(work)
+        files: OutputFiles = work.meta[OUTPUT_FILES]
         assert files.sidecar is None  # every offloaded weight is external (checked above)
-        stamp_data_files(rewritten.model, files.stamps, lambda loc: base_dir / loc)
-        result = ir.serde.deserialize_model(rewritten.model)
-        for value in result.graph.initializers.values():  # data files resolve as before
-            if isinstance(value.const_value, ir.ExternalTensor):
-                value.const_value.base_dir = base_dir
-        return ir.passes.PassResult(result, modified=True)
+        nodes = list(work.graph)
+        for positions, size, fp in data_stamps(files.stamps, lambda loc: base_dir / loc):
+            for i in positions:
+                nodes[i].attributes[contract.ATTR_DATA_SIZE] = ir.AttrInt64(
+                    contract.ATTR_DATA_SIZE, size)
+                nodes[i].attributes[contract.ATTR_DATA_FINGERPRINT] = ir.AttrString(
+                    contract.ATTR_DATA_FINGERPRINT, fp)
+        for key in (ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
+            work.meta.pop(key, None)
+        return ir.passes.PassResult(work, modified=True)
 
 
-def _external_base_dirs(model: ir.Model, names: set[str]) -> set[Path]:
-    """The folders the offloaded weights' data files are relative to (one, in practice);
-    raises :class:`onnx_ir.passes.PreconditionError` naming an inline one."""
+def _external_base_dir(model: ir.Model, names: set[str]) -> Path:
+    """The folder the offloaded weights' data files are relative to; raises
+    :class:`onnx_ir.passes.PreconditionError` naming an inline one."""
+    rewritten_weights = {n: model.graph.initializers[n].const_value for n in sorted(names)}
     dirs: set[Path] = set()
-    for name in sorted(names):
-        tensor = model.graph.initializers[name].const_value
+    for name, tensor in rewritten_weights.items():
         if not isinstance(tensor, ir.ExternalTensor):
             raise ir.passes.PreconditionError(
                 f"offloaded weight {name!r} is not in external data: save the model with "
@@ -71,4 +192,4 @@ def _external_base_dirs(model: ir.Model, names: set[str]) -> set[Path]:
     if len(dirs) > 1:
         raise ir.passes.PreconditionError(
             f"offloaded weights' data files lie in several folders: {sorted(map(str, dirs))}")
-    return dirs
+    return next(iter(dirs), Path(".").resolve())

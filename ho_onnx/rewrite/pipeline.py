@@ -1,5 +1,6 @@
 """``optimize`` and ``plan_model``: load → analyse → decide → insert → annotate → place data
-→ save, with progress and the time of each step."""
+→ save, with progress and the time of each step. The steps between load and save are the
+``onnx_ir`` passes of :mod:`ho_onnx.rewrite.passes`, run in place on the loaded model."""
 
 from __future__ import annotations
 
@@ -11,22 +12,40 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx_ir as ir
+
 from ..contract import DOMAIN
 from ..cost.source import CostSource
 from ..errors import HoOnnxError, OutputPathError
-from ..graph.analyse import GraphAnalysis, analyse
+from ..graph.analyse import GraphAnalysis
 from ..graph.check import contrib_ops
 from ..graph.dims import dims_from_shapes, require_dims
 from ..graph.load import LoadedModel, load_model
-from ..graph.save import Progress, SaveReport, check_output_path, new_folders, save_model
+from ..graph.save import (
+    OutputFiles,
+    Progress,
+    SaveReport,
+    check_output_path,
+    new_folders,
+    save_model,
+)
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import BudgetPlanner, Plan
 from ..schedule.policy import ExplicitPolicy
 from ..schedule.types import Decider, Decision, OffloadChoice
 from ..units import format_bytes
-from .annotate import annotate, plan_metadata
-from .insert import RewrittenModel, insert_cache_ops
-from .place import place_weight_data
+from .insert import RewrittenModel
+from .passes import (
+    ANALYSIS,
+    DECISION,
+    OUTPUT_FILES,
+    REWRITTEN,
+    AnalysePass,
+    AnnotatePass,
+    DecidePass,
+    InsertPass,
+    PlaceDataPass,
+)
 
 Log = Callable[[str], None]
 
@@ -141,10 +160,11 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
 
     shapes = {k: list(v) for k, v in (shapes or {}).items()}
     with steps.step("analyse"):
-        contrib = refuse_unknown_ops(loaded.model)  # ops onnx cannot check: ORT must know them
-        dims = dims_from_shapes(loaded.model, shapes, dims)
-        analysis = analyse(loaded.model, dims, shapes=shapes,
-                           more_types=contrib_value_types if contrib else None)
+        contrib = refuse_unknown_ops(loaded.proto)  # ops onnx cannot check: ORT must know them
+        dims = dims_from_shapes(loaded.proto, shapes, dims)
+        AnalysePass(dims, shapes=shapes, more_types=contrib_value_types if contrib else None,
+                    proto=loaded.proto)(loaded.model)
+        analysis: GraphAnalysis = loaded.model.meta[ANALYSIS]
         if isinstance(decider, BudgetPlanner):  # every size matters: name all missing dims
             require_dims((d for t in analysis.tensors.values() for d in t.symbolic_dims()),
                          dims)
@@ -157,7 +177,8 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
               + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
                  if contrib else ""))
     with steps.step("decide"):
-        decision = decider.decide(analysis, dims)
+        DecidePass(decider, dims)(loaded.model)
+        decision: Decision = loaded.model.meta[DECISION]
     if isinstance(decision, Plan):
         steps.say(f"planned in {steps.seconds['decide']:.2f} s: peak "
                   f"{format_bytes(decision.baseline.peak_bytes, 'MiB', 1)} -> "
@@ -189,21 +210,22 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             loaded = load_model(in_path)
             check_output_path(loaded, out_path)  # fail before any work
             if ort_level is not None:
-                n_before = len(loaded.model.graph.node)
+                n_before = len(loaded.proto.graph.node)
                 pre = stack.enter_context(
                     _ort_optimized_beside(in_path, Path(out_path), ort_level))
                 loaded = load_model(pre)
                 check_output_path(loaded, out_path)
                 steps.say(f"ORT {ort_level} optimizations applied: {n_before} -> "
-                          f"{len(loaded.model.graph.node)} nodes")
-        steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph.node)} nodes, "
-                  f"{len(loaded.model.graph.initializer)} initializers "
+                          f"{len(loaded.model.graph)} nodes")
+        steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph)} nodes, "
+                  f"{len(loaded.model.graph.initializers)} initializers "
                   f"({steps.seconds['load']:.2f} s)")
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
-            rewritten = insert_cache_ops(analysis, decision.choice)
-            annotate(rewritten.model, plan_metadata(decision, dims))
-            files = place_weight_data(rewritten, loaded.base_dir, out_path)
+            ir.passes.Sequential(InsertPass(), AnnotatePass(dims),
+                                 PlaceDataPass(loaded.base_dir, Path(out_path)))(loaded.model)
+            rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
+            files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         c = decision.choice
         steps.say(f"offloading {len(c.weights)} weights and {len(c.activations)} activations "
                   f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}), {rewritten.cache_nodes} "
@@ -211,7 +233,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         with steps.step("save"):
             report = save_model(files, loaded, out_path, progress=progress,
                                 validate=_ort_validate if contrib_ops(
-                                    rewritten.model, ignore=(DOMAIN,)) else None)
+                                    files.model, ignore=(DOMAIN,)) else None)
     steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"
               + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
     return OptimizeResult(analysis, decision, rewritten, report, steps.seconds)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import onnx_ir as ir
+
 from .. import contract
 from ..errors import OutputPathError
-from ..graph.load import expected_nbytes, external_ref, iter_graphs, resolve_data_path
-from ..graph.save import OutputFiles, Sidecar, set_attr
+from ..graph.dtypes import dense_nbytes
+from ..graph.load import ExternalRef, resolve_data_path
+from ..graph.save import OutputFiles, Sidecar
 from .insert import RewrittenModel
 
 _ALIGN_BIG = 4096  # offsets of big sidecar tensors are page aligned (O_DIRECT reads later)
@@ -26,8 +29,9 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                       out_path: str | os.PathLike[str]) -> OutputFiles:
     """Set ``location``/``offset``/``length`` on every weight Prefetch of ``rewritten`` (in
     place) for an output written to ``out_path``; ``base_dir`` is the input's folder, which
-    external-data locations are relative to. The save stamps each of those nodes with its
-    data file's final size and fingerprint (:attr:`OutputFiles.stamps`)."""
+    external-data locations are relative to. The result holds the finished model as the
+    proto the save writes; the save stamps each weight Prefetch with its data file's final
+    size and fingerprint (:attr:`OutputFiles.stamps`)."""
     out = Path(out_path)
     out_dir = out.resolve().parent
     referenced = _referenced_files(rewritten, base_dir)
@@ -40,34 +44,48 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
             f"the sidecar {str(out_dir / sidecar.name)!r} would overwrite external data of the "
             "model; choose another output name"
         )
-    for name, t in rewritten.weights.items():
-        ref = external_ref(t)
+    for name, v in rewritten.weights.items():
+        ref = ir_external_ref(v.const_value)
         if ref is not None:
-            length = ref.length if ref.length is not None else expected_nbytes(t)
-            where[name] = (ref.location, ref.offset, int(length or 0))
-    nodes = rewritten.model.graph.node
-    stamps: dict[str, list[int]] = {}
-    for name, positions in rewritten.weight_prefetches.items():
+            where[name] = (ref.location, ref.offset, int(ref.length or 0))
+    stamped: dict[str, list[ir.Node]] = {}
+    for name, nodes in rewritten.weight_prefetches.items():
         loc, off, length = where[name]
-        attrs = {contract.ATTR_LOCATION: loc, contract.ATTR_OFFSET: off,
-                 contract.ATTR_LENGTH: length}
-        for i in positions:
-            for attr, value in attrs.items():
-                set_attr(nodes[i], attr, value)
-        stamps.setdefault(loc, []).extend(positions)
-    return OutputFiles(rewritten.model, referenced, sidecar if sidecar.tensors else None,
-                       stamps)
+        for node in nodes:
+            for attr in (ir.AttrString(contract.ATTR_LOCATION, loc),
+                         ir.AttrInt64(contract.ATTR_OFFSET, off),
+                         ir.AttrInt64(contract.ATTR_LENGTH, length)):
+                node.attributes[attr.name] = attr
+        stamped.setdefault(loc, []).extend(nodes)
+    index = {node: i for i, node in enumerate(rewritten.model.graph)}
+    stamps = {loc: [index[n] for n in nodes] for loc, nodes in stamped.items()}
+    return OutputFiles(ir.to_proto(rewritten.model), referenced,
+                       sidecar if sidecar.tensors else None, stamps)
+
+
+def ir_external_ref(tensor: ir.TensorProtocol | None) -> ExternalRef | None:
+    """Where an external tensor's bytes are (length filled in from its type and shape), or
+    None for an inline one."""
+    if not isinstance(tensor, ir.ExternalTensor):
+        return None
+    length = tensor.length if tensor.length is not None else _nbytes(tensor)
+    return ExternalRef(tensor.location, tensor.offset or 0, length)
+
+
+def _nbytes(tensor: ir.TensorProtocol) -> int:
+    return dense_nbytes(int(tensor.dtype), tuple(int(d) for d in tensor.shape))
 
 
 def _referenced_files(rewritten: RewrittenModel, base_dir: Path) -> dict[str, Path]:
     """Data files the output references (location -> file), its initializers' and the
     offloaded weights'."""
-    tensors = [t for g in iter_graphs(rewritten.model.graph) for t in g.initializer]
+    values = [v for g in rewritten.model.graphs() for v in g.initializers.values()]
     referenced: dict[str, Path] = {}
-    for t in [*tensors, *rewritten.weights.values()]:
-        ref = external_ref(t)
+    for v in [*values, *rewritten.weights.values()]:
+        ref = ir_external_ref(v.const_value)
         if ref is not None:
-            referenced[ref.location] = resolve_data_path(base_dir, ref.location, t.name)
+            referenced[ref.location] = resolve_data_path(base_dir, ref.location,
+                                                         f"initializer {v.name!r}")
     return referenced
 
 
@@ -76,14 +94,16 @@ def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar
     """Lay the inline offloaded weights out in ``sidecar``; (file, offset, length) of each."""
     where: dict[str, tuple[str, int, int]] = {}
     pos = 0
-    for t in rewritten.weights.values():
-        if external_ref(t) is not None or not rewritten.weight_prefetches.get(t.name):
+    for name, v in rewritten.weights.items():
+        if ir_external_ref(v.const_value) is not None or not rewritten.weight_prefetches.get(name):
             continue
-        length = expected_nbytes(t)
-        if length is None:
-            raise OutputPathError(f"cannot serialise inline initializer {t.name!r} to raw bytes")
+        if v.const_value is None:
+            raise OutputPathError(f"offloaded weight {name!r} has no value")
+        t = ir.serde.serialize_tensor(v.const_value)
+        t.name = name
+        length = _nbytes(v.const_value)
         pos += (-pos) % (_ALIGN_BIG if length >= _BIG else _ALIGN_SMALL)
         sidecar.tensors.append((t, pos, length))
-        where[t.name] = (sidecar.name, pos, length)
+        where[name] = (sidecar.name, pos, length)
         pos += length
     return where

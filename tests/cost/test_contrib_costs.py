@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.parser
+import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
@@ -13,8 +14,8 @@ from ho_onnx.cost.contrib import contrib_flops_bytes, weight_groups
 HEADER = '<ir_version: 8, opset_import: ["" : 21, "com.microsoft" : 1]>'
 
 
-def _node(text: str) -> onnx.NodeProto:
-    return onnx.parser.parse_node(text)
+def _node(text: str) -> ir.Node:
+    return ir.serde.deserialize_node(onnx.parser.parse_node(text))
 
 
 def test_gqa_cost_counts_attention_over_the_present_cache():
@@ -85,7 +86,7 @@ def test_weight_groups_keep_scales_and_zero_points_with_the_packed_weight():
                             ("b_q", (64, 4, 16), np.uint8), ("b_s", (256,), np.float32),
                             ("b_z", (128,), np.uint8)):
         model.graph.initializer.append(numpy_helper.from_array(np.zeros(shape, dt), name))
-    assert weight_groups(model.graph) == [("a_q", "a_s"), ("b_q", "b_s", "b_z")]
+    assert weight_groups(ir.from_proto(model).graph) == [("a_q", "a_s"), ("b_q", "b_s", "b_z")]
 
 
 def test_weight_groups_merge_tied_embeddings():
@@ -99,8 +100,8 @@ def test_weight_groups_merge_tied_embeddings():
         model.graph.initializer.append(
             numpy_helper.from_array(np.zeros(shape, np.uint8 if name != "scales" else
                                              np.float32), name))
-    assert weight_groups(model.graph) == [("table", "scales", "zp")]
+    assert weight_groups(ir.from_proto(model).graph) == [("table", "scales", "zp")]
     # The builder's form: the table is a Reshape of the lm_head's packed weight.
     model.graph.node[0].input[0] = "view"
     model.graph.node.insert(0, onnx.parser.parse_node("view = Reshape (table, shape)"))
-    assert weight_groups(model.graph) == [("table", "scales", "zp")]
+    assert weight_groups(ir.from_proto(model).graph) == [("table", "scales", "zp")]

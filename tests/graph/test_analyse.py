@@ -1,12 +1,14 @@
-"""The analyses (graph.analyse) on hand-written graphs: order, lifetimes, sizes, dims."""
+"""The analyses (graph.analyse) on hand-written graphs: order, lifetimes, sizes, dims, and
+their structure on the onnx_ir model (use-def chains, subgraphs, sorting in place)."""
 
 from __future__ import annotations
 
+import onnx_ir as ir
 import pytest
-from graphs import chain_model
+from graphs import chain_model, text_model
 
 from ho_onnx.errors import UnboundDimError
-from ho_onnx.graph.analyse import analyse, topological_order
+from ho_onnx.graph.analyse import analyse, is_sorted, sort_graph
 
 
 def test_lifetimes_and_sizes():
@@ -19,16 +21,88 @@ def test_lifetimes_and_sizes():
     assert a.last_use("h1") == 5
 
 
-def test_topological_order_repairs_unsorted_graph():
+def test_unsorted_graph_is_sorted_in_place():
     m = chain_model()
     nodes = list(m.graph.node)
     del m.graph.node[:]
     m.graph.node.extend(reversed(nodes))
-    order = topological_order(m.graph)
-    produced = {i.name for i in m.graph.input} | {t.name for t in m.graph.initializer}
-    for i in order:
-        assert all(n in produced for n in m.graph.node[i].input)
-        produced.update(m.graph.node[i].output)
+    model = ir.from_proto(m)
+    assert not is_sorted(model.graph)
+    order = sort_graph(model.graph)
+    assert is_sorted(model.graph) and sorted(order) == list(range(6)) and order != list(range(6))
+    produced = {v.name for v in model.graph.inputs} | set(model.graph.initializers)
+    for node in model.graph:
+        assert all(v.name in produced for v in node.inputs if v is not None)
+        produced.update(v.name for v in node.outputs)
+    a = analyse(m, {"N": 4})  # the analysis' positions follow the sorted graph
+    assert [n.op_type for n in a.nodes] == ["MatMul", "Relu", "MatMul", "Relu", "Sigmoid", "Add"]
+    assert a.order == [5, 4, 3, 2, 1, 0]  # file index of each position
+
+
+def test_sorted_graph_keeps_its_order_and_the_analysis_changes_nothing_else():
+    model = ir.from_proto(chain_model())
+    before = list(model.graph)
+    a = analyse(model, {"N": 4})
+    assert a.model is model and list(model.graph) == before and a.nodes == before
+    assert a.order == list(range(6))
+    # the analysis' types are its own: the model's values stay untyped (dims are bound)
+    assert model.graph.node(0).outputs[0].shape is None
+    assert a.tensors["h1"].shape == (4, 16)
+
+
+def test_uses_come_from_the_use_def_chains():
+    a = analyse(chain_model(), {"N": 4})
+    h1 = a.values["h1"]
+    assert h1.producer() is a.nodes[0]
+    assert sorted(a.nodes.index(u.node) for u in h1.uses()) == a.tensors["h1"].consumers
+
+
+IF_MODEL = """
+branchy (float[4] x, bool c) => (float[4] y) {
+  a = Relu(x)
+  b = Neg(x)
+  y = If(c) <then_branch = g1 () => (float[4] t) { t = Add(a, b) },
+             else_branch = g2 () => (float[4] e) { e = Identity(a) }>
+}
+"""
+
+LOOP_IN_IF = """
+nested (float[4] x, bool c) => (float[4] y) {
+  a = Relu(x)
+  y = If(c) <then_branch = g1 () => (float[4] t) {
+                 t = If(c) <then_branch = h1 () => (float[4] u) { u = Neg(a) },
+                            else_branch = h2 () => (float[4] v) { v = Abs(x) }>
+             },
+             else_branch = g2 () => (float[4] e) { e = Identity(x) }>
+}
+"""
+
+
+def test_outer_values_read_by_subgraphs_are_implicit_uses():
+    a = analyse(text_model(IF_MODEL))
+    if_pos = [n.op_type for n in a.nodes].index("If")
+    assert a.tensors["a"].implicit_consumers == [if_pos]
+    assert a.tensors["b"].implicit_consumers == [if_pos]
+    assert a.tensors["a"].consumers == [] and a.last_use("a") == if_pos
+
+
+def test_reads_from_nested_subgraphs_reach_the_main_graph_node():
+    a = analyse(text_model(LOOP_IN_IF))
+    if_pos = [n.op_type for n in a.nodes].index("If")
+    assert a.tensors["a"].implicit_consumers == [if_pos]
+    assert a.tensors["x"].implicit_consumers == [if_pos]
+    assert a.tensors["x"].consumers == [0]
+
+
+def test_a_subgraph_read_orders_the_graph():
+    m = text_model(IF_MODEL)
+    nodes = list(m.graph.node)  # the If first: it reads a and b from its branches
+    del m.graph.node[:]
+    m.graph.node.extend([nodes[2], nodes[0], nodes[1]])
+    model = ir.from_proto(m)
+    assert not is_sorted(model.graph)
+    sort_graph(model.graph)
+    assert [n.op_type for n in model.graph][-1] == "If"
 
 
 def test_symbolic_dim_expressions():

@@ -74,3 +74,60 @@ def test_inline_weights_are_refused_by_the_precondition():
     with pytest.raises(ir.passes.PreconditionError, match="'W1' is not in external data"):
         OffloadPass(ExplicitPolicy(OffloadOptions(activations=False, min_bytes=0)),
                     {"N": 4})(model)
+
+
+def test_the_steps_are_passes_with_one_signature_and_compose(tmp_path):
+    """Analyse -> decide -> insert -> annotate -> place: each an in-place onnx_ir pass whose
+    result the next reads from ``model.meta``; run by a PassManager, then written like the
+    pipeline writes it, and checked in ORT."""
+    from ho_onnx.graph.load import load_model
+    from ho_onnx.graph.save import save_model
+    from ho_onnx.rewrite.passes import OUTPUT_FILES, REWRITTEN, rewrite_passes
+
+    m = chain_model()
+    w1, w2 = (onnx.numpy_helper.to_array(t) for t in m.graph.initializer)
+    loaded = load_model(save(m, tmp_path / "m.onnx"))
+    out = tmp_path / "out" / "m.ho.onnx"
+    steps = rewrite_passes(ALL, {"N": 4}, loaded.base_dir, out, proto=loaded.proto)
+    assert all(isinstance(s, ir.passes.InPlacePass) for s in steps)
+    result = ir.passes.PassManager(steps)(loaded.model)
+    assert result.model is loaded.model and result.modified
+    assert loaded.model.meta[REWRITTEN].cache_nodes == sum(_cache_ops(loaded.model).values())
+    save_model(loaded.model.meta[OUTPUT_FILES], loaded, out)
+    x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
+    got = InferenceSession(out).run(None, {"x": x})[0]
+    h1 = x @ w1
+    want = 1 / (1 + np.exp(-np.maximum(np.maximum(h1, 0) @ w2, 0))) + h1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("step,missing", [(1, "AnalysePass"), (2, "DecidePass"),
+                                          (3, "DecidePass"), (4, "InsertPass")])
+def test_a_step_without_its_input_names_the_pass_to_run_first(tmp_path, step, missing):
+    from ho_onnx.rewrite.passes import AnalysePass, rewrite_passes
+
+    steps = rewrite_passes(ALL, {"N": 4}, tmp_path, tmp_path / "o.onnx")
+    model = ir.from_proto(chain_model())
+    if step >= 2:
+        AnalysePass({"N": 4})(model)
+    if step == 4:
+        ir.passes.Sequential(*steps[1:2])(model)
+    with pytest.raises(ir.passes.PreconditionError, match=missing):
+        steps[step](model)
+
+
+def test_analyse_pass_changes_nothing_in_a_sorted_graph_and_sorts_an_unsorted_one():
+    from ho_onnx.rewrite.passes import ANALYSIS, AnalysePass
+
+    model = ir.from_proto(chain_model())
+    before = [n.op_type for n in model.graph]
+    result = AnalysePass({"N": 4})(model)
+    assert not result.modified and [n.op_type for n in model.graph] == before
+    assert model.meta[ANALYSIS].tensors["h1"].consumers == [1, 5]
+    m = chain_model()
+    nodes = list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(reversed(nodes))
+    unsorted = ir.from_proto(m)
+    assert AnalysePass({"N": 4})(unsorted).modified
+    assert [n.op_type for n in unsorted.graph] == before

@@ -4,12 +4,13 @@ offloaded weight's bytes are, decided before anything is written."""
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 import pytest
 from graphs import chain_model, save, text_model
 
 from ho_onnx import contract
 from ho_onnx.errors import OutputPathError
-from ho_onnx.graph.analyse import analyse
+from ho_onnx.graph.analyse import analyse, attribute_values
 from ho_onnx.rewrite.annotate import annotate
 from ho_onnx.rewrite.insert import insert_cache_ops
 from ho_onnx.rewrite.place import place_weight_data
@@ -22,10 +23,6 @@ WEIGHTS = OffloadOptions(activations=False, min_bytes=0)
 def _rewrite(model: onnx.ModelProto):
     a = analyse(model, {"N": 4})
     return insert_cache_ops(a, choose(a, WEIGHTS, {"N": 4}))
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
 def test_inline_weights_get_aligned_sidecar_slots(tmp_path):
@@ -42,13 +39,16 @@ def test_inline_weights_get_aligned_sidecar_slots(tmp_path):
     # 64 KiB and more: page aligned (O_DIRECT reads); smaller: 64-byte aligned
     assert slots == {"Small": (0, 1024), "Big": (4096, 16 * 1024 * 4)}
     assert not files.data_files and not list(tmp_path.iterdir())  # nothing written
-    for name, positions in rw.weight_prefetches.items():
-        for i in positions:
-            a = _attrs(rw.model.graph.node[i])
-            assert a[contract.ATTR_LOCATION] == b"out.onnx.data"
+    index = {node: i for i, node in enumerate(rw.model.graph)}
+    for name, nodes in rw.weight_prefetches.items():
+        for node in nodes:
+            a = attribute_values(node)
+            assert a[contract.ATTR_LOCATION] == "out.onnx.data"
             assert (a[contract.ATTR_OFFSET], a[contract.ATTR_LENGTH]) == slots[name]
             assert "base_dir" not in a  # never an absolute path in the model (issue 9)
-            assert files.stamps["out.onnx.data"].count(i) == 1
+            assert files.stamps["out.onnx.data"].count(index[node]) == 1
+            # the proto the save writes has the same node at that position
+            assert files.model.graph.node[index[node]].name == node.name
 
 
 def test_external_weights_keep_their_file(tmp_path):
@@ -57,9 +57,9 @@ def test_external_weights_keep_their_file(tmp_path):
     files = place_weight_data(rw, tmp_path, tmp_path / "sub" / "m.ho.onnx")
     assert files.sidecar is None
     assert files.data_files == {"m.onnx.data": tmp_path / "m.onnx.data"}
-    refs = sorted((_attrs(rw.model.graph.node[i])[contract.ATTR_OFFSET],
-                   _attrs(rw.model.graph.node[i])[contract.ATTR_LENGTH])
-                  for positions in rw.weight_prefetches.values() for i in positions)
+    refs = sorted((attribute_values(n)[contract.ATTR_OFFSET],
+                   attribute_values(n)[contract.ATTR_LENGTH])
+                  for nodes in rw.weight_prefetches.values() for n in nodes)
     assert refs == [(0, 1024), (1024, 1024)]
 
 
@@ -83,8 +83,11 @@ def test_no_sidecar_needed_no_refusal(tmp_path):
 
 
 def test_annotate_replaces_entries():
-    m = chain_model()
+    m = ir.from_proto(chain_model())
     annotate(m, {"policy": "a", "dims": "N=4"})
     annotate(m, {"policy": "b"})
-    props = [(p.key, p.value) for p in m.metadata_props]
-    assert props == [(contract.META_PREFIX + "dims", "N=4"), (contract.META_PREFIX + "policy", "b")]
+    assert dict(m.metadata_props) == {contract.META_PREFIX + "dims": "N=4",
+                                      contract.META_PREFIX + "policy": "b"}
+    props = [(p.key, p.value) for p in ir.to_proto(m).metadata_props]
+    assert sorted(props) == [(contract.META_PREFIX + "dims", "N=4"),
+                             (contract.META_PREFIX + "policy", "b")]

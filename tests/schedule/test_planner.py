@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from graphs import text_model, tile_model, two_weights_model
 from hypothesis import HealthCheck, given, settings
@@ -199,7 +200,7 @@ def test_plan_invariants_on_random_dags(case):
     assert p.planned.peak_bytes <= budget
     # the rewritten graph is a valid topological order in which every offloaded tensor is
     # back (its Wait ran) before each reader, and no reader sees a Prefetch output
-    m = insert_cache_ops(a, p.choice).model
+    m = ir.to_proto(insert_cache_ops(a, p.choice).model)
     seen = {i.name for i in m.graph.input} | {t.name for t in m.graph.initializer}
     waited: set[str] = set()
     pf_out = set()

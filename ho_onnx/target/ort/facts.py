@@ -7,6 +7,7 @@ pass consult these instead of knowing ORT themselves.
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 
 # ORT 1.31 cannot register custom-op kernels for complex tensors (session creation fails),
 # so complex tensors are never offloaded.
@@ -17,17 +18,17 @@ UNSUPPORTED_REASON = "complex tensors cannot be offloaded (ORT has no custom-op 
 SHAPE_OPS = ("Shape", "Size")
 
 
-def is_default_domain(node: onnx.NodeProto) -> bool:
+def is_default_domain(node: onnx.NodeProto | ir.Node) -> bool:
     """A node of the ONNX standard domain."""
     return node.domain in ("", "ai.onnx")
 
 
-def reads_only_shape(node: onnx.NodeProto) -> bool:
+def reads_only_shape(node: onnx.NodeProto | ir.Node) -> bool:
     """A default-domain Shape or Size node: it needs its input's shape, not its data."""
     return node.op_type in SHAPE_OPS and is_default_domain(node)
 
 
-def never_runs(node: onnx.NodeProto) -> bool:
+def never_runs(node: onnx.NodeProto | ir.Node) -> bool:
     """ORT turns Constant nodes into initializers at load time: they cost no compute."""
     return node.op_type == "Constant" and is_default_domain(node)
 

@@ -31,10 +31,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto
 
 from ... import contract
-from ...graph.analyse import kahn_order
+from ...graph.analyse import attribute_values, input_names, kahn_order, output_names
+
+Model = ir.Model | onnx.ModelProto
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -77,9 +80,9 @@ class Placement:
     host_tensors: frozenset[str]
     names: tuple[str, ...]
 
-    def cache_ops(self, model: onnx.ModelProto) -> dict[str, str]:
+    def cache_ops(self, model: Model) -> dict[str, str]:
         """Cache-op node name -> predicted provider."""
-        return {n.name: p for n, p in zip(model.graph.node, self.providers, strict=True)
+        return {n.name or "": p for n, p in zip(_ir(model).graph, self.providers, strict=True)
                 if n.domain == contract.DOMAIN}
 
 
@@ -136,40 +139,38 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-def _numel(t: TensorProto) -> int:
-    n = 1
-    for d in t.dims:
-        n *= d
-    return n
+def _ir(model: Model) -> ir.Model:
+    return ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model
 
 
-def _has_cuda_kernel(node: onnx.NodeProto) -> bool:
+def _has_cuda_kernel(node: ir.Node) -> bool:
     return node.domain in _CUDA_DOMAINS and not (
         node.domain in ("", "ai.onnx") and node.op_type in NO_CUDA_KERNEL)
 
 
-def _topological(nodes: list[onnx.NodeProto], produced_by: Mapping[str, int]) -> list[int]:
-    """Kahn's algorithm, ties by file position (ORT's priority queue uses its own order)."""
-    return kahn_order([{produced_by[x] for x in n.input if x in produced_by} for n in nodes])
-
-
-def predict_cuda_placement(model: onnx.ModelProto, types: Mapping[str, int] | None = None
+def predict_cuda_placement(model: Model, types: Mapping[str, int] | None = None
                            ) -> Placement:
     """Replay ORT's CUDA capability + CPU fallback on ``model``'s main graph (``types``:
     element types of its values when known, e.g. from the analysis; else inferred)."""
-    g = model.graph
-    nodes = list(g.node)
-    produced_by = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    if types is None:
+        types = _elem_types(model if isinstance(model, onnx.ModelProto) else ir.to_proto(model))
+    g = _ir(model).graph
+    nodes = list(g)
+    index = {n: i for i, n in enumerate(nodes)}
+    ins = [input_names(n) for n in nodes]
+    outs = [output_names(n) for n in nodes]
     consumers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for x in n.input:
+    for i, names in enumerate(ins):
+        for x in names:
             if x:
                 consumers.setdefault(x, []).append(i)
-    order = _topological(nodes, produced_by)
+    # Kahn's algorithm, ties by file position (ORT's priority queue uses its own order).
+    order = kahn_order([{index[p] for v in n.inputs if v is not None
+                         and (p := v.producer()) is not None and p in index} for n in nodes])
     rank = {i: r for r, i in enumerate(order)}
-    types = _elem_types(model) if types is None else types
-    small = {t.name for t in g.initializer if _numel(t) <= SMALL_INITIALIZER}
-    inputs = {i.name for i in g.input} - {t.name for t in g.initializer}
+    small = {name for name, v in g.initializers.items()
+             if v.const_value is not None and v.const_value.size <= SMALL_INITIALIZER}
+    inputs = {v.name for v in g.inputs} - set(g.initializers)
     on_cuda = [_has_cuda_kernel(n) for n in nodes]
 
     host: set[str] = set()
@@ -182,9 +183,9 @@ def predict_cuda_placement(model: onnx.ModelProto, types: Mapping[str, int] | No
     for i, n in enumerate(nodes):
         if on_cuda[i]:
             for k in HOST_OUTPUTS.get(n.op_type, ()) if n.domain in ("", "ai.onnx") else ():
-                if k < len(n.output):
-                    host.add(n.output[k])
-                    push_consumers(n.output[k])
+                if k < len(outs[i]):
+                    host.add(outs[i][k])
+                    push_consumers(outs[i][k])
     visited: set[int] = set()
     cpu_nodes: set[int] = set()
     while queue:
@@ -194,13 +195,13 @@ def predict_cuda_placement(model: onnx.ModelProto, types: Mapping[str, int] | No
         visited.add(cur)
         node = nodes[cur]
         if not on_cuda[cur]:  # the CPU EP runs it: its outputs are host tensors
-            for o in node.output:
+            for o in outs[cur]:
                 host.add(o)
                 push_consumers(o)
             continue
         host_inputs = HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
         to_cpu = True
-        for k, x in enumerate(node.input):
+        for k, x in enumerate(ins[cur]):
             if not x:
                 continue
             if types.get(x) in _NO_CPU_FALLBACK_TYPES:
@@ -213,64 +214,63 @@ def predict_cuda_placement(model: onnx.ModelProto, types: Mapping[str, int] | No
                 break
         if to_cpu:
             cpu_nodes.add(cur)
-            for o in node.output:
+            for o in outs[cur]:
                 host.add(o)
                 push_consumers(o)
     providers = tuple(CUDA if on_cuda[i] and i not in cpu_nodes else CPU
                       for i in range(len(nodes)))
-    return Placement(providers, frozenset(host), tuple(n.name for n in nodes))
+    return Placement(providers, frozenset(host), tuple(n.name or "" for n in nodes))
 
 
-def _chains(model: onnx.ModelProto) -> list[tuple[str, list[int]]]:
+def _chains(nodes: list[ir.Node]) -> list[tuple[str, list[int]]]:
     """Every transfer's cache ops: Store -> Detach -> Prefetch -> Wait, or Prefetch -> Wait."""
-    nodes = list(model.graph.node)
     by_input: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
-        if n.domain == contract.DOMAIN and n.input:
-            by_input.setdefault(n.input[0], []).append(i)
-            if n.op_type == contract.DETACH and len(n.input) > 1:
-                by_input.setdefault(n.input[1], []).append(i)
+        names = input_names(n)
+        if n.domain == contract.DOMAIN and names:
+            by_input.setdefault(names[0], []).append(i)
+            if n.op_type == contract.DETACH and len(names) > 1:
+                by_input.setdefault(names[1], []).append(i)
     seen: set[int] = set()
     chains: list[tuple[str, list[int]]] = []
     for i, n in enumerate(nodes):
         if n.domain != contract.DOMAIN or i in seen:
             continue
+        attrs = attribute_values(n)
         if n.op_type == contract.STORE:
-            tensor = n.input[0]
-        elif n.op_type == contract.PREFETCH and any(a.name == contract.ATTR_LOCATION
-                                                    for a in n.attribute):
-            tensor = next((onnx.helper.get_attribute_value(a).decode() for a in n.attribute
-                           if a.name == contract.ATTR_NAME), n.name)
+            tensor = input_names(n)[0]
+        elif n.op_type == contract.PREFETCH and contract.ATTR_LOCATION in attrs:
+            tensor = str(attrs.get(contract.ATTR_NAME, n.name or ""))
         else:
             continue
-        chain, frontier = [i], [n.output[0]]
+        chain, frontier = [i], [output_names(n)[0]]
         while frontier:
             name = frontier.pop()
             for j in by_input.get(name, ()):
                 if j not in chain and nodes[j].domain == contract.DOMAIN:
                     chain.append(j)
-                    frontier.extend(nodes[j].output)
+                    frontier.extend(output_names(nodes[j]))
         seen.update(chain)
         chains.append((tensor, chain))
     return chains
 
 
-def split_chains(model: onnx.ModelProto, placement: Placement | None = None
-                 ) -> PlacementReport:
+def split_chains(model: Model, placement: Placement | None = None) -> PlacementReport:
     """Check that every transfer's cache ops all run on the CUDA EP."""
     placement = placement or predict_cuda_placement(model)
-    nodes = list(model.graph.node)
+    nodes = list(_ir(model).graph)
     report = PlacementReport()
     for n, p in zip(nodes, placement.providers, strict=True):
         if n.domain == contract.DOMAIN:
             report.per_provider[p] = report.per_provider.get(p, 0) + 1
             if p != CUDA:
-                report.off_cuda.append(n.name)
-    for tensor, chain in _chains(model):
+                report.off_cuda.append(n.name or "")
+    for tensor, chain in _chains(nodes):
         provs = {placement.providers[i] for i in chain}
         if len(provs) > 1:
             report.split.append(SplitChain(tensor, tuple(
-                (nodes[i].op_type, nodes[i].name, placement.providers[i]) for i in chain)))
+                (nodes[i].op_type, nodes[i].name or "", placement.providers[i])
+                for i in chain)))
     return report
 
 

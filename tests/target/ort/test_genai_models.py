@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import onnx
+import onnx_ir as ir
 import pytest
 
 pytest.importorskip("onnxruntime_genai")
@@ -72,7 +73,7 @@ def test_exports_carry_the_contrib_ops_onnx_refuses(exports):
 
 def test_int4_weights_move_with_their_scales_and_zero_points(exports):
     tied = onnx.load(str(exports["int4"] / "model.onnx"), load_external_data=False)
-    groups = weight_groups(tied.graph)
+    groups = weight_groups(ir.from_proto(tied).graph)
     gbq = next(n for n in tied.graph.node if n.op_type == "GatherBlockQuantized")
     lm_head = next(n for n in tied.graph.node if n.op_type == "MatMulNBits"
                    and n.name.startswith("/lm_head"))
@@ -81,7 +82,8 @@ def test_int4_weights_move_with_their_scales_and_zero_points(exports):
     zp = onnx.load(str(exports["int4_zp"] / "model.onnx"), load_external_data=False)
     mm = [n for n in zp.graph.node if n.op_type == "MatMulNBits"]
     assert all(len(n.input) >= 4 for n in mm)
-    assert {(n.input[1], n.input[2], n.input[3]) for n in mm} <= set(weight_groups(zp.graph))
+    groups = set(weight_groups(ir.from_proto(zp).graph))
+    assert {(n.input[1], n.input[2], n.input[3]) for n in mm} <= groups
 
 
 def test_ort_symbolic_shapes_size_what_onnx_inference_cannot(exports):
