@@ -13,7 +13,8 @@ Per row: measured peak device memory (``cudaMemGetInfo`` polled every millisecon
 through ``ho_onnx._ops.cuda_mem_info``: used bytes above those used before the session was
 made) next to ORT's CUDA arena as ORT reports it (``MaxInUse`` / ``InUse`` /
 ``TotalAllocated`` of ``AllocatorGetStats``, sampled by the library at every Wait into the
-``ort_arena_*`` counters: onnxruntime >= 1.23, optimized rows only), median latency, ratio
+``ort_arena_*`` counters, ``ho_onnx.sample_arena=1``: onnxruntime >= 1.23, optimized rows
+only), median latency, ratio
 to the baseline, the host-to-device bytes per run and the rate
 the copies achieved (GPU time of the engine's copies, ``_ops.cuda_transfer_times``) next to
 the calibrated pinned rate (``_ops.cuda_calibrate``), and the planner's predicted peak and
@@ -105,6 +106,7 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dic
     import onnxruntime as ort
 
     from ho_onnx import _ops
+    from ho_onnx.contract import CONFIG_SAMPLE_ARENA
     from ho_onnx.target.ort import runtime
 
     feeds = dict(np.load(feeds_path))
@@ -112,7 +114,10 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dic
     _ops.cuda_mem_info(0)  # the CUDA context exists before the first sample
     with MemPoller() as mem:
         if optimized:
-            s = runtime.InferenceSession(model, providers=providers)
+            # ho_onnx.sample_arena=1: every Wait samples ORT's arena (the arena columns).
+            so = ort.SessionOptions()
+            so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
+            s = runtime.InferenceSession(model, sess_options=so, providers=providers)
         else:
             so = ort.SessionOptions()
             so.execution_order = ort.ExecutionOrder.PRIORITY_BASED

@@ -32,7 +32,7 @@ struct ExecContext {
   int device = 0;          // the kernel's device (GPU EP)
   // GPU EP: the op's output where the engine writes it itself: the token of a Store, the
   // token2 of a Detach, the z of a Wait (the engine copies on the compute stream when ORT
-  // did not alias it). Null on the CPU EP (ops.cc copies there).
+  // did not alias it). Null on the CPU EP (kernel.cc copies there).
   void* out = nullptr;
   // The calling kernel's identity, unique in the process and never reused (not its address:
   // a later session's kernel may get a freed kernel's address): tells runs apart (an

@@ -182,6 +182,108 @@ struct FlagFence {
 };
 using TestRing = cl::SlotRing<FlagFence>;
 
+// TestSlotRing::concurrent: threads acquiring and releasing slots of one ring while a
+// completer thread sets each release's fence `fence_us` later; counts the overlaps of bytes
+// handed out with bytes still in use (acquired and not yet fenced).
+class RingStress {
+ public:
+  RingStress(TestRing& ring, int64_t fence_us) : ring_(ring), fence_us_(fence_us) {}
+
+  std::atomic<int64_t> overlaps{0};
+  size_t peak_busy = 0;
+
+  // Whether every thread finished within `timeout_s`.
+  bool run(int threads, int runs, const std::vector<size_t>& sizes, double timeout_s) {
+    std::thread completer([this] { complete_fences(); });
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t) {
+      ts.emplace_back([&, this] {
+        for (int r = 0; r < runs; ++r) one_run(sizes);
+        ++finished_;
+      });
+    }
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(timeout_s);
+    while (finished_.load() < threads && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const bool all = finished_.load() == threads;
+    for (auto& t : ts) t.join();  // they finish: acquire never waits
+    {
+      std::lock_guard<std::mutex> lock(q_mu_);
+      stop_ = true;
+    }
+    completer.join();
+    return all;
+  }
+
+ private:
+  // One run: a slot per size, then each released with a fence due `fence_us_` later.
+  void one_run(const std::vector<size_t>& sizes) {
+    std::vector<TestRing::Slot> mine;
+    for (size_t sz : sizes) {
+      const TestRing::Slot s = ring_.acquire(sz);
+      busy(s);
+      mine.push_back(s);
+    }
+    for (const TestRing::Slot& s : mine) {
+      auto flag = std::make_shared<std::atomic<bool>>(false);
+      ring_.release(s, FlagFence{flag});
+      std::lock_guard<std::mutex> lock(q_mu_);
+      queue_.push_back({std::chrono::steady_clock::now() + std::chrono::microseconds(fence_us_),
+                        {flag, s}});
+    }
+  }
+
+  void busy(const TestRing::Slot& s) {
+    std::lock_guard<std::mutex> lock(busy_mu_);
+    auto it = busy_.lower_bound({s.segment, 0});
+    for (; it != busy_.end() && it->first.first == s.segment; ++it) {
+      const size_t a = it->first.second, b = it->second;
+      if (s.offset < b && a < s.offset + s.size) ++overlaps;
+    }
+    busy_[{s.segment, s.offset}] = s.offset + s.size;
+    busy_bytes_ += s.size;
+    peak_busy = std::max(peak_busy, busy_bytes_);
+  }
+
+  void unbusy(const TestRing::Slot& s) {
+    std::lock_guard<std::mutex> lock(busy_mu_);
+    busy_.erase({s.segment, s.offset});
+    busy_bytes_ -= s.size;
+  }
+
+  // The completer thread: sets each fence when it is due, until stopped with none left.
+  void complete_fences() {
+    std::unique_lock<std::mutex> lock(q_mu_);
+    while (true) {
+      const auto now = std::chrono::steady_clock::now();
+      while (!queue_.empty() && queue_.front().first <= now) {
+        unbusy(queue_.front().second.second);  // before the flag: the ring may reuse it now
+        queue_.front().second.first->store(true);
+        queue_.pop_front();
+      }
+      if (stop_ && queue_.empty()) break;
+      q_cv_.wait_for(lock, std::chrono::microseconds(100));
+    }
+  }
+
+  TestRing& ring_;
+  const int64_t fence_us_;
+  std::atomic<int> finished_{0};
+  std::mutex busy_mu_;
+  // Bytes in use from the user's side: from acquire until the fence completed.
+  std::map<std::pair<size_t, size_t>, size_t> busy_;  // (segment, offset) -> end
+  size_t busy_bytes_ = 0;
+  std::mutex q_mu_;
+  std::condition_variable q_cv_;
+  // FIFO: every fence is due `fence_us` after its release.
+  std::deque<std::pair<std::chrono::steady_clock::time_point,
+                       std::pair<std::shared_ptr<std::atomic<bool>>, TestRing::Slot>>>
+      queue_;
+  bool stop_ = false;
+};
+
 class TestSlotRing {
  public:
   TestSlotRing(size_t align, size_t growth)
@@ -248,89 +350,16 @@ class TestSlotRing {
   // of overlaps seen (must be 0) and whether every thread finished within `timeout_s`.
   py::dict concurrent(int threads, int runs, std::vector<size_t> sizes, int64_t fence_us,
                       double timeout_s) {
-    std::atomic<int64_t> overlaps{0};
-    std::atomic<int> finished{0};
-    std::mutex busy_mu;
-    // Bytes in use from the user's side: from acquire until the fence completed.
-    std::map<std::pair<size_t, size_t>, size_t> busy;  // (segment, offset) -> end
-    std::mutex q_mu;
-    std::condition_variable q_cv;
-    // FIFO: every fence is due `fence_us` after its release.
-    std::deque<std::pair<std::chrono::steady_clock::time_point,
-                         std::pair<std::shared_ptr<std::atomic<bool>>, TestRing::Slot>>>
-        queue;
-    size_t busy_bytes = 0, peak_busy = 0;
-    bool stop = false;
-    auto unbusy = [&](const TestRing::Slot& s) {
-      std::lock_guard<std::mutex> lock(busy_mu);
-      busy.erase({s.segment, s.offset});
-      busy_bytes -= s.size;
-    };
+    RingStress stress(*ring_, fence_us);
     {
       py::gil_scoped_release nogil;
-      std::thread completer([&] {
-        std::unique_lock<std::mutex> lock(q_mu);
-        while (true) {
-          const auto now = std::chrono::steady_clock::now();
-          while (!queue.empty() && queue.front().first <= now) {
-            unbusy(queue.front().second.second);  // before the flag: the ring may reuse it now
-            queue.front().second.first->store(true);
-            queue.pop_front();
-          }
-          if (stop && queue.empty()) break;
-          q_cv.wait_for(lock, std::chrono::microseconds(100));
-        }
-      });
-      std::vector<std::thread> ts;
-      for (int t = 0; t < threads; ++t) {
-        ts.emplace_back([&] {
-          for (int r = 0; r < runs; ++r) {
-            std::vector<TestRing::Slot> mine;
-            for (size_t sz : sizes) {
-              const TestRing::Slot s = ring_->acquire(sz);
-              {
-                std::lock_guard<std::mutex> lock(busy_mu);
-                auto it = busy.lower_bound({s.segment, 0});
-                for (; it != busy.end() && it->first.first == s.segment; ++it) {
-                  const size_t a = it->first.second, b = it->second;
-                  if (s.offset < b && a < s.offset + s.size) ++overlaps;
-                }
-                busy[{s.segment, s.offset}] = s.offset + s.size;
-                busy_bytes += s.size;
-                peak_busy = std::max(peak_busy, busy_bytes);
-              }
-              mine.push_back(s);
-            }
-            for (const TestRing::Slot& s : mine) {
-              auto flag = std::make_shared<std::atomic<bool>>(false);
-              ring_->release(s, FlagFence{flag});
-              std::lock_guard<std::mutex> lock(q_mu);
-              queue.push_back({std::chrono::steady_clock::now() +
-                                   std::chrono::microseconds(fence_us),
-                               {flag, s}});
-            }
-          }
-          ++finished;
-        });
-      }
-      const auto deadline = std::chrono::steady_clock::now() +
-                            std::chrono::duration<double>(timeout_s);
-      while (finished.load() < threads && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      const bool all = finished.load() == threads;
-      for (auto& t : ts) t.join();  // they finish: acquire never waits
-      {
-        std::lock_guard<std::mutex> lock(q_mu);
-        stop = true;
-      }
-      completer.join();
+      const bool all = stress.run(threads, runs, sizes, timeout_s);
       ring_->reap();
       finished_in_time_ = all;
     }
     py::dict d = stats();
-    d["overlaps"] = overlaps.load();
-    d["peak_busy"] = peak_busy;  // most bytes acquired and not yet fenced, at one time
+    d["overlaps"] = stress.overlaps.load();
+    d["peak_busy"] = stress.peak_busy;  // most bytes acquired and not yet fenced, at one time
     d["finished_in_time"] = finished_in_time_;
     return d;
   }
@@ -365,6 +394,8 @@ py::dict pack_weights(const std::vector<size_t>& sizes) {
 
 }  // namespace
 
+// Over 60 lines: the module's table of bindings, one m.def per Python name with its
+// docstring (no logic to split out).
 PYBIND11_MODULE(_ops, m) {
   m.doc() = "ho-onnx native module: counters and build facts of the custom-op library";
   if (HoOnnx_ApiVersion() != HO_ONNX_C_API_VERSION) {

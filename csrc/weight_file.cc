@@ -76,16 +76,17 @@ void pread_exact(int fd, char* out, size_t n, uint64_t offset, const std::string
   }
 }
 
-std::shared_ptr<WeightFile> resolve_weight_file(const std::string& model_dir,
-                                                const std::string& location) {
-  if (model_dir.empty()) fail(ORT_INVALID_ARGUMENT, "no model folder");
+namespace {
+
+// The components of a relative location after lexical normalization ("a/../b" is "b"),
+// before any lookup: nothing is resolved through the file system, and a location that
+// climbs above the folder is refused.
+std::vector<std::string> location_parts(const std::string& location) {
   if (location.empty()) fail(ORT_INVALID_ARGUMENT, "empty location");
   if (location.front() == '/') {
     fail(ORT_INVALID_ARGUMENT, "location must be relative to the model folder");
   }
   if (location.find('\0') != std::string::npos) fail(ORT_INVALID_ARGUMENT, "NUL in location");
-  // Lexical normalization ("a/../b" is "b"), before any lookup: nothing is resolved through
-  // the file system, and a location that climbs above the folder is refused.
   std::vector<std::string> parts;
   size_t pos = 0;
   while (pos <= location.size()) {
@@ -101,7 +102,15 @@ std::shared_ptr<WeightFile> resolve_weight_file(const std::string& model_dir,
     pos = end + 1;
   }
   if (parts.empty()) fail(ORT_INVALID_ARGUMENT, "location names no file");
+  return parts;
+}
 
+}  // namespace
+
+std::shared_ptr<WeightFile> resolve_weight_file(const std::string& model_dir,
+                                                const std::string& location) {
+  if (model_dir.empty()) fail(ORT_INVALID_ARGUMENT, "no model folder");
+  const std::vector<std::string> parts = location_parts(location);
   // The folder itself is the user's choice (it may be reached through a symlink); nothing
   // below it is followed.
   Fd dir(::open(model_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));

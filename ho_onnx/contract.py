@@ -36,6 +36,9 @@ CONFIG_MODEL_DIR = "ho_onnx.model_dir"
 # The most bytes of stored activations the library's host pool holds (default: half the
 # physical memory).
 CONFIG_HOST_POOL_LIMIT = "ho_onnx.host_pool_limit_bytes"
+# "1": every Wait samples ORT's arena statistics into the ``ort_arena_*`` counters (a cost
+# per Wait, so off by default: the counters then stay -1).
+CONFIG_SAMPLE_ARENA = "ho_onnx.sample_arena"
 
 # Keys of the plan recorded in the optimized model's metadata_props.
 META_PREFIX = "ho_onnx."

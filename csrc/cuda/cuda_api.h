@@ -1,4 +1,4 @@
-// What the rest of the library (ops.cc, module.cc) uses of the CUDA part, without CUDA
+// What the rest of the library (kernel.cc, registration.cc, module.cc) uses of the CUDA part, without CUDA
 // types. Declared only when HO_ONNX_WITH_CUDA=1.
 #pragma once
 

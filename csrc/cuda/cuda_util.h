@@ -1,6 +1,6 @@
 // RAII and error checking over the CUDA runtime for the engine: every call goes through
 // cuda_check(), which turns a failure into an ho::Error (an ORT status at the ABI boundary,
-// with the op and node name added by ops.cc) carrying the CUDA error's name and text.
+// with the op and node name added by registration.cc) carrying the CUDA error's name and text.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -14,7 +14,12 @@ from typing import Any
 import onnxruntime as ort
 
 from ... import contract
-from ...contract import CONFIG_HOST_BYTES, CONFIG_HOST_POOL_LIMIT, CONFIG_MODEL_DIR
+from ...contract import (
+    CONFIG_HOST_BYTES,
+    CONFIG_HOST_POOL_LIMIT,
+    CONFIG_MODEL_DIR,
+    CONFIG_SAMPLE_ARENA,
+)
 from ...errors import ModelLoadError
 
 _ORDERS = {
@@ -151,6 +156,7 @@ _CONFIG_KEYS = (
     CONFIG_MODEL_DIR,
     CONFIG_HOST_BYTES,
     CONFIG_HOST_POOL_LIMIT,
+    CONFIG_SAMPLE_ARENA,
 )
 
 

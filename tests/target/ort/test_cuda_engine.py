@@ -62,7 +62,8 @@ def _no_debug_hooks():
     gc.collect()
 
 
-def _session(path, *, optimized: bool, order: str = "priority", host_bytes: int | None = None):
+def _session(path, *, optimized: bool, order: str = "priority", host_bytes: int | None = None,
+             sample_arena: bool = False):
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
     so.execution_order = (ort.ExecutionOrder.PRIORITY_BASED if order == "priority"
@@ -71,6 +72,8 @@ def _session(path, *, optimized: bool, order: str = "priority", host_bytes: int 
         so.add_session_config_entry("ho_onnx.model_dir", os.path.dirname(os.path.abspath(path)))
         if host_bytes is not None:
             so.add_session_config_entry("ho_onnx.host_bytes", str(host_bytes))
+        if sample_arena:  # every Wait samples ORT's arena into the ort_arena_* gauges
+            so.add_session_config_entry("ho_onnx.sample_arena", "1")
         so.register_custom_ops_library(runtime.library_path())  # reads the entries above
     return ort.InferenceSession(str(path), sess_options=so, providers=PROVIDERS)
 
@@ -157,7 +160,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 def test_decoder_matches_original(decoder, order):
     src, opt, stored = decoder
     ref = _session(src, optimized=False, order=order)
-    s = _session(opt, optimized=True, order=order)
+    s = _session(opt, optimized=True, order=order, sample_arena=True)
     with _OnCuda(opt, runs=3) as oc:
         for seed in range(3):
             (a,) = ref.run(None, _feeds(seed))

@@ -345,12 +345,27 @@ def _one_weight_model(tmp_path, n: int) -> str:
     return path
 
 
+def _sampling_options(on: bool) -> ort.SessionOptions | None:
+    """Session options with arena sampling on (``ho_onnx.sample_arena=1``); None: default."""
+    if not on:
+        return None
+    so = ort.SessionOptions()
+    so.add_session_config_entry(contract.CONFIG_SAMPLE_ARENA, "1")
+    return so
+
+
+def _arena_gauges() -> tuple[int, int, int]:
+    c = runtime.counters()
+    return c["ort_arena_in_use"], c["ort_arena_max_in_use"], c["ort_arena_total_allocated"]
+
+
 def test_wait_samples_the_cpu_arena(tmp_path):
     if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 23):
         pytest.skip("AllocatorGetStats needs onnxruntime >= 1.23")
     big, small = 2 << 20, 1 << 10  # elements: an 8 MiB and a 4 KiB weight
     for n in (big, small):
-        sess = runtime.InferenceSession(_one_weight_model(tmp_path, n))
+        sess = runtime.InferenceSession(_one_weight_model(tmp_path, n),
+                                        sess_options=_sampling_options(True))
         x = np.ones(n, np.float32)
         out = sess.run(None, {"x": x})[0]
         np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) + 1)
@@ -364,6 +379,32 @@ def test_wait_samples_the_cpu_arena(tmp_path):
             # sampled at this session's Wait, not left over from the big one
             assert in_use < 4 * big, in_use
         del sess
+
+
+def test_arena_is_not_sampled_by_default(tmp_path):
+    """Without ho_onnx.sample_arena=1 no Wait samples the arena (a per-Wait cost): the gauges
+    keep what an earlier sampled session left (-1 when none ran in this process)."""
+    big, small = 2 << 20, 1 << 10  # elements: an 8 MiB and a 4 KiB weight
+
+    def run(n: int, sample: bool) -> None:
+        sess = runtime.InferenceSession(_one_weight_model(tmp_path, n),
+                                        sess_options=_sampling_options(sample))
+        out = sess.run(None, {"x": np.ones(n, np.float32)})[0]
+        np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) + 1)
+
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) >= (1, 23):
+        run(big, sample=True)  # the gauges now hold the big weight (in use >= 4 * big)
+        assert _arena_gauges()[0] >= 4 * big
+    before = _arena_gauges()
+    run(small, sample=False)  # a sample here would show in use < 4 * big
+    assert _arena_gauges() == before
+
+
+def test_bad_sample_arena_entry_is_refused(tmp_path):
+    so = ort.SessionOptions()
+    so.add_session_config_entry(contract.CONFIG_SAMPLE_ARENA, "yes")
+    with pytest.raises(Exception, match=r"ho_onnx\.sample_arena.*0 or 1"):
+        runtime.InferenceSession(_one_weight_model(tmp_path, 16), sess_options=so)
 
 
 def test_set_debug_names_one_flag_per_edge():

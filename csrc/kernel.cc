@@ -1,0 +1,317 @@
+// Kernels of the ops: set-up at session creation and Compute. One path per op serves both
+// execution providers; where the CUDA EP differs (device memory the host must not read, the
+// compute stream) the difference is named next to the code.
+#include "kernel.h"
+
+#include <climits>
+#include <cstring>
+#include <utility>
+
+#include "common.h"
+#include "ort_tensor.h"
+#include "weight_file.h"
+#if HO_ONNX_WITH_CUDA
+#include "cuda/cuda_api.h"
+#endif
+
+namespace ho {
+#if !HO_ONNX_WITH_CUDA
+// No CUDA-EP kernel exists in such a build.
+inline void cuda_set_device(int) {}
+#endif
+
+namespace {
+
+// Bytes of a stored tensor's shape, checked: the reload's output must be exactly the bytes
+// the Store copied (never an overflow, never a partly written output).
+void check_stored(const StoredTensor& rec, ONNXTensorElementDataType want, int bits) {
+  if (rec.elem_type() != want) {
+    fail(ORT_INVALID_ARGUMENT,
+         "the stored tensor has element type " + std::to_string(static_cast<int>(rec.elem_type())) +
+             " but this Prefetch reloads element type " + std::to_string(static_cast<int>(want)) +
+             " (the token comes from a Store of another type)");
+  }
+  uint64_t numel = 1;
+  for (int64_t d : rec.shape()) {
+    if (d < 0) fail(ORT_INVALID_ARGUMENT, "stored tensor has a negative dimension");
+    if (d != 0 && numel > UINT64_MAX / 8 / static_cast<uint64_t>(d)) {
+      fail(ORT_INVALID_ARGUMENT, "stored tensor shape overflows");
+    }
+    numel *= static_cast<uint64_t>(d);
+  }
+  if (byte_size(numel, bits) != rec.bytes()) {
+    fail(ORT_INVALID_ARGUMENT, "stored tensor holds " + std::to_string(rec.bytes()) +
+                                   " bytes but its shape needs " +
+                                   std::to_string(byte_size(numel, bits)));
+  }
+}
+
+// ---- weights: Prefetch with attribute `location` ---------------------------------------
+
+// Failures of one weight's set-up, named by the weight and its location.
+struct WeightError {
+  std::string who;
+  [[noreturn]] void operator()(OrtErrorCode code, const std::string& what) const {
+    fail(code, who + ": " + what);
+  }
+};
+
+// The weight's name for messages: its `name` attribute, else the node's.
+std::string weight_name(const OrtApi* api, const OrtKernelInfo* info, const std::string& node) {
+  std::string name;
+  if (attr_string(api, info, "name", &name) && !name.empty()) return name;
+  return node.empty() ? "?" : "? (node '" + node + "')";
+}
+
+// The attributes that place a weight in its file: tier, offset, length and shape (into
+// `shape`), checked against each other.
+struct WeightRange {
+  std::string tier = "host";  // absent: the host store
+  int64_t offset = 0;
+  int64_t length = 0;
+};
+
+WeightRange weight_range(const OrtApi* api, const OrtKernelInfo* info, int bits,
+                         std::vector<int64_t>* shape, const WeightError& bad) {
+  WeightRange r;
+  if (attr_string(api, info, "tier", &r.tier) && r.tier != "host" && r.tier != "disk") {
+    bad(ORT_INVALID_ARGUMENT, "unknown tier '" + r.tier + "' (host or disk)");
+  }
+  if (!attr_int(api, info, "offset", &r.offset)) bad(ORT_INVALID_ARGUMENT, "attribute 'offset' missing");
+  if (!attr_int(api, info, "length", &r.length)) bad(ORT_INVALID_ARGUMENT, "attribute 'length' missing");
+  if (!attr_ints(api, info, "shape", shape)) bad(ORT_INVALID_ARGUMENT, "attribute 'shape' missing");
+
+  uint64_t numel = 1;
+  for (int64_t d : *shape) {
+    if (d < 0) bad(ORT_INVALID_ARGUMENT, "negative dimension in 'shape'");
+    numel *= static_cast<uint64_t>(d);
+  }
+  if (r.offset < 0) bad(ORT_INVALID_ARGUMENT, "negative offset " + std::to_string(r.offset));
+  if (r.length < 0) bad(ORT_INVALID_ARGUMENT, "negative length " + std::to_string(r.length));
+  const size_t expect = byte_size(numel, bits);
+  if (static_cast<uint64_t>(r.length) != expect) {
+    bad(ORT_INVALID_ARGUMENT, "length " + std::to_string(r.length) + " does not match shape (" +
+                                  std::to_string(expect) + " bytes expected)");
+  }
+  return r;
+}
+
+// The weight's data file, resolved only inside the session's model folder (the node's
+// `base_dir`, an absolute path written by the rewriter, is never used) and checked against
+// the model's data_size and data_fingerprint and the weight's byte range.
+std::shared_ptr<WeightFile> weight_file(const OrtApi* api, const OrtKernelInfo* info,
+                                        Registration& reg, const std::string& location,
+                                        const WeightRange& r, const WeightError& bad) {
+  if (reg.model_dir.empty()) {
+    bad(ORT_INVALID_ARGUMENT,
+        std::string("the model has offloaded weights but no model directory is known: set the "
+                    "session config entry '") +
+            kModelDirKey +
+            "' to the folder of the model file (ho_onnx.runtime.session_options(model_path) "
+            "does; a model given as bytes needs it set explicitly)");
+  }
+  std::shared_ptr<WeightFile> file;
+  try {
+    file = resolve_weight_file(reg.model_dir, location);
+  } catch (const Error& e) {
+    bad(e.code(), e.what());
+  }
+  const uint64_t file_size = file->size();
+  int64_t want_size = -1;
+  if (attr_int(api, info, "data_size", &want_size) && want_size >= 0 &&
+      static_cast<uint64_t>(want_size) != file_size) {
+    bad(ORT_INVALID_ARGUMENT, "'" + file->path() + "' has " + std::to_string(file_size) +
+                                  " bytes but the model was optimized for a data file of " +
+                                  std::to_string(want_size) +
+                                  " bytes (not the data file this model was written with)");
+  }
+  std::string want_fp;
+  if (attr_string(api, info, "data_fingerprint", &want_fp) && !want_fp.empty()) {
+    const std::string fp = reg.fingerprint(*file);
+    if (fp != want_fp) {
+      bad(ORT_INVALID_ARGUMENT, "'" + file->path() + "' has fingerprint " + fp +
+                                    " but the model was optimized for " + want_fp +
+                                    " (not the data file this model was written with)");
+    }
+  }
+  if (static_cast<uint64_t>(r.offset) > file_size ||
+      static_cast<uint64_t>(r.length) > file_size - static_cast<uint64_t>(r.offset)) {
+    bad(ORT_INVALID_ARGUMENT, "offset " + std::to_string(r.offset) + " + length " +
+                                  std::to_string(r.length) + " is past the end of '" +
+                                  file->path() + "' (" + std::to_string(file_size) + " bytes)");
+  }
+  return file;
+}
+
+}  // namespace
+
+// ---- session creation ---------------------------------------------------------------------
+
+std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
+                                       const OrtKernelInfo* info, const std::string& node) {
+  auto k = std::make_unique<Kernel>();
+  k->api = api;
+  k->kind = op.kind;
+  k->bits = op.bits;
+  k->type = op.type;
+  k->gpu = op.cuda;
+  k->token_key = op.cuda ? token_address : read_token;
+  k->node = node;
+  k->engine = op.reg->acquire_engine(op.cuda);
+  if (k->gpu) {
+    k->device = kernel_device(api, info);
+    cuda_set_device(k->device);
+  }
+  if (op.kind == OpKind::kWait) k->init_arena_sampling(op, info);
+  std::string location;
+  if (op.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
+    k->weight = true;
+    k->init_weight(op, info, location);
+  }
+  if (k->gpu) {
+    if (op.kind == OpKind::kStore) {
+      int64_t host_bytes = op.reg->host_bytes;
+      if (host_bytes < 0) attr_int(api, info, kHostBytesAttr, &host_bytes);
+      if (host_bytes > 0) k->engine->plan_host_bytes(static_cast<size_t>(host_bytes));
+    }
+    k->engine->prepare_device(k->device);  // streams, events, staging: not on a run
+  }
+  return k;
+}
+
+// Only with ho_onnx.sample_arena=1 and a runtime that reports statistics.
+void Kernel::init_arena_sampling(const OpDef& op, const OrtKernelInfo* info) {
+  if (!op.reg->sample_arena || !op.reg->stats.ok()) return;
+  OrtStatus* st = api->KernelInfoGetAllocator(info, OrtMemTypeDefault, &alloc);
+  if (st != nullptr) {  // no statistics then; never a reason to fail the session
+    api->ReleaseStatus(st);
+    alloc = nullptr;
+  } else {
+    stats = &op.reg->stats;
+  }
+}
+
+void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
+                         const std::string& location) {
+  const std::string name = weight_name(api, info, node);
+  const WeightError bad{"ho_onnx Prefetch of weight '" + name + "' (location '" + location + "')"};
+  const WeightRange r = weight_range(api, info, op.bits, &shape, bad);
+  std::shared_ptr<WeightFile> file = weight_file(api, info, *op.reg, location, r, bad);
+  try {
+    if (r.tier == "disk") {
+      disk = engine->open_disk_weight(file, r.offset, r.length, name);
+    } else {
+      blob = engine->load_weight(*file, r.offset, r.length);
+    }
+  } catch (const Error& e) {
+    bad(e.code(), e.what());
+  }
+}
+
+// ---- Compute ------------------------------------------------------------------------------
+
+ExecContext Kernel::cpu_context(OrtKernelContext* ctx) const {
+  ExecContext ec{};
+  ec.kernel = identity;
+  ec.api = api;
+  ec.kctx = ctx;
+  return ec;
+}
+
+// GPU EP: no kernel reads device memory on the host (token_key is token_address); the
+// engine writes tokens and does the un-aliased output copies on the stream (ec.out).
+ExecContext Kernel::gpu_context(OrtKernelContext* ctx) const {
+  ExecContext ec{};
+  ec.device = device;
+  ec.kernel = identity;
+  check(api, api->KernelContext_GetGPUComputeStream(ctx, &ec.stream));
+  // The header allows a null stream ("not relevant" for the kernel's EP). Every ordering of
+  // the engine is an event edge with ORT's compute stream; substituting the legacy default
+  // stream would silently change what those edges order against, so refuse instead.
+  if (ec.stream == nullptr) {
+    fail(ORT_EP_FAIL, "ORT gave this CUDA-EP kernel no GPU compute stream "
+                      "(KernelContext_GetGPUComputeStream returned null); the CUDA engine "
+                      "orders its copies only against that stream");
+  }
+  cuda_set_device(device);  // ORT's thread may have another device current
+  return ec;
+}
+
+void Kernel::compute(OrtKernelContext* ctx) {
+  ExecContext ec = gpu ? gpu_context(ctx) : cpu_context(ctx);
+  switch (kind) {
+    case OpKind::kPrefetch:
+      return weight ? prefetch_weight(ctx, ec) : prefetch_stored(ctx, ec);
+    case OpKind::kWait:
+      return wait(ctx, ec);
+    case OpKind::kStore:
+      return store(ctx, ec);
+    case OpKind::kDetach:
+      return detach(ctx, ec);
+  }
+}
+
+void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
+  OrtValue* y = output(api, ctx, shape);
+  if (disk) {
+    engine->prefetch_disk(disk, disk->size() ? tensor_data(api, y) : nullptr, ec);
+  } else {
+    engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
+  }
+  produce_issued(api, ctx);
+}
+
+void Kernel::prefetch_stored(OrtKernelContext* ctx, const ExecContext& ec) {
+  const StoreKey key = token_key(api, input(api, ctx, 0), bits);
+  std::shared_ptr<StoredTensor> rec = engine->take_stored(key, ec);
+  check_stored(*rec, type, bits);
+  OrtValue* y = output(api, ctx, rec->shape());
+  void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
+  engine->prefetch_stored(std::move(rec), dst, ec);
+  produce_issued(api, ctx);
+}
+
+void Kernel::wait(OrtKernelContext* ctx, ExecContext& ec) {
+  const OrtValue* y = input(api, ctx, 0);
+  const TensorInfo ti = tensor_info(api, y);
+  const size_t bytes = byte_size(ti.numel, bits);
+  OrtValue* z = output(api, ctx, ti.dims);
+  if (bytes == 0) return;
+  const void* src = tensor_data(api, y);
+  void* dst = tensor_data(api, z);
+  // The engine copies from its own memory into z (= y when ORT aliased them). GPU EP: on the
+  // compute stream, into ec.out, and it counts the un-aliased copies itself.
+  if (gpu) ec.out = dst;
+  engine->wait(src, dst, bytes, ec);
+  if (!gpu && dst != src) counters().alias_copies += 1;
+  if (stats != nullptr) sample_arena(*stats, api, alloc);
+}
+
+void Kernel::store(OrtKernelContext* ctx, ExecContext& ec) {
+  const OrtValue* x = input(api, ctx, 0);
+  const TensorInfo ti = tensor_info(api, x);
+  const size_t bytes = byte_size(ti.numel, bits);
+  const std::vector<int64_t> token_dims{static_cast<int64_t>((128 + bits - 1) / bits)};
+  void* token = tensor_data(api, output(api, ctx, token_dims));
+  if (gpu) ec.out = token;  // GPU EP: the engine writes the device token on the stream
+  const StoreKey key =
+      engine->store(bytes ? tensor_data(api, x) : nullptr, bytes, ti.dims, type, ec);
+  if (!gpu) write_token(token, key);
+}
+
+void Kernel::detach(OrtKernelContext* ctx, ExecContext& ec) {
+  const OrtValue* tok = input(api, ctx, 1);
+  const StoreKey key = token_key(api, tok, bits);
+  const TensorInfo ti = tensor_info(api, tok);
+  void* dst = tensor_data(api, output(api, ctx, ti.dims));
+  // GPU EP: the engine copies token -> token2 on the stream when ORT did not alias them.
+  if (gpu) ec.out = dst;
+  engine->detach(key, ec);
+  const void* src = tensor_data(api, tok);
+  if (!gpu && dst != src) {
+    std::memcpy(dst, src, kTokenBytes);
+    counters().alias_copies += 1;
+  }
+}
+
+}  // namespace ho

@@ -1,0 +1,72 @@
+// The kernel of one node of an op (Prefetch, Wait, Store, Detach) on the CPU or the CUDA
+// execution provider: set up at session creation (kernel.cc: create, init_weight), run at
+// every Compute. Kernels call into their registration's Engine (engine.h).
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "ort_abi.h"
+#include "registration.h"
+
+namespace ho {
+
+struct Kernel {
+  // The kernel of node `node` for the op `op` (session creation).
+  static std::unique_ptr<Kernel> create(const OpDef& op, const OrtApi* api,
+                                        const OrtKernelInfo* info, const std::string& node);
+  ~Kernel() {
+    if (alloc != nullptr) api->ReleaseAllocator(alloc);
+  }
+  const OrtApi* api;
+  OpKind kind;
+  int bits;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  bool gpu = false;  // CUDA EP: buffers are device memory, the engine orders by streams
+  int device = 0;
+  std::string node;  // the node's name, for messages
+  std::shared_ptr<Engine> engine;
+  // The kernel's identity for the engine's run tracking (ExecContext::kernel): a serial
+  // number, never an address. A freed kernel's address can come back as a later session's
+  // kernel while the thread's run epoch still lists it, which made the CPU engine take a
+  // new run for the same run and drop its pending stores ("no pending store of this run").
+  const void* identity = next_identity();
+  static const void* next_identity() {
+    static std::atomic<uintptr_t> next{1};
+    return reinterpret_cast<const void*>(next.fetch_add(1));
+  }
+  // How a token input names its store (ort_tensor.h): read_token on the CPU EP,
+  // token_address on the CUDA EP (the token is in device memory).
+  StoreKey (*token_key)(const OrtApi*, const OrtValue*, int bits) = nullptr;
+  // Wait with ho_onnx.sample_arena=1: the kernel's default allocator (ORT's arena of its
+  // EP), sampled at every Wait. Null otherwise.
+  OrtAllocator* alloc = nullptr;
+  const StatsApi* stats = nullptr;
+
+  // Prefetch of a weight (attribute `location` present).
+  bool weight = false;
+  std::vector<int64_t> shape;
+  std::shared_ptr<const HostBlob> blob;        // host tier: bytes read at session creation
+  std::shared_ptr<const DiskSource> disk;      // disk tier: read from the file at every run
+
+  void compute(OrtKernelContext* ctx);
+
+ private:
+  void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
+  void init_arena_sampling(const OpDef& op, const OrtKernelInfo* info);
+  ExecContext cpu_context(OrtKernelContext* ctx) const;
+  ExecContext gpu_context(OrtKernelContext* ctx) const;
+  void prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec);
+  void prefetch_stored(OrtKernelContext* ctx, const ExecContext& ec);
+  void wait(OrtKernelContext* ctx, ExecContext& ec);
+  void store(OrtKernelContext* ctx, ExecContext& ec);
+  void detach(OrtKernelContext* ctx, ExecContext& ec);
+};
+
+}  // namespace ho

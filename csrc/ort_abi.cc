@@ -1,0 +1,117 @@
+// The ORT ABI facts of ort_abi.h: runtime release and element types, and the allocator
+// statistics of API 23 found by their position in the OrtApi table.
+#include "ort_abi.h"
+
+#include <atomic>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "common.h"
+
+namespace ho {
+namespace {
+
+// ORT's allocator statistics (issue 11 item 5): OrtApi::AllocatorGetStats came with API 23
+// (onnxruntime 1.23), the OrtKeyValuePairs accessors with API 22: above the API 18 the
+// library requires. They are called only when the runtime serves API 23
+// (OrtApiBase::GetApi(23), asked only of runtimes >= 1.23), through that table. With headers
+// older than 23 the table positions are those of onnxruntime_c_api.h 1.23 (the table is
+// append-only: a position never changes once released): API 21 ends with
+// SetEpDynamicOptions at index 284; API 22 appends ReleaseValueInfo, ReleaseNode,
+// ReleaseGraph, ReleaseModel, GetValueInfoName, GetValueInfoTypeInfo, GetModelEditorApi,
+// CreateTensorWithDataAndDeleterAsOrtValue, SessionOptionsSetLoadCancellationFlag,
+// GetCompileApi, CreateKeyValuePairs, AddKeyValuePair, GetKeyValue, GetKeyValuePairs (298),
+// RemoveKeyValuePair, ReleaseKeyValuePairs (300), ... and API 23 GetTensorSizeInBytes (318),
+// AllocatorGetStats (319). test_engine_cpu.py checks the result against the CPU arena.
+constexpr uint32_t kStatsApiVersion = 23;
+#if ORT_API_VERSION >= 23
+constexpr bool kStatsKnown = true;
+constexpr size_t kIdxGetKeyValuePairs = offsetof(OrtApi, GetKeyValuePairs) / sizeof(void*);
+constexpr size_t kIdxReleaseKeyValuePairs = offsetof(OrtApi, ReleaseKeyValuePairs) / sizeof(void*);
+constexpr size_t kIdxAllocatorGetStats = offsetof(OrtApi, AllocatorGetStats) / sizeof(void*);
+#elif ORT_API_VERSION == 21
+static_assert(offsetof(OrtApi, SetEpDynamicOptions) / sizeof(void*) == 284 &&
+                  sizeof(OrtApi) == 285 * sizeof(void*),
+              "OrtApi of API 21 does not have the layout the stats positions assume");
+constexpr bool kStatsKnown = true;
+constexpr size_t kIdxGetKeyValuePairs = 298;
+constexpr size_t kIdxReleaseKeyValuePairs = 300;
+constexpr size_t kIdxAllocatorGetStats = 319;
+#else
+constexpr bool kStatsKnown = false;  // headers of API 18-20 or 22: positions not checked here
+constexpr size_t kIdxGetKeyValuePairs = 0;
+constexpr size_t kIdxReleaseKeyValuePairs = 0;
+constexpr size_t kIdxAllocatorGetStats = 0;
+#endif
+
+}  // namespace
+
+std::pair<int, int> runtime_version(const char* v) {
+  int major = 0, minor = 0;
+  if (v == nullptr || std::sscanf(v, "%d.%d", &major, &minor) != 2) return {0, 0};
+  return {major, minor};
+}
+
+// ORT refuses every session when an op of the library declares a type the runtime lacks
+// ("tensor type N is not supported"), so types newer than the runtime are not registered (a
+// model using them would not load without ho-onnx either). Measured with the onnxruntime
+// wheels: INT4/UINT4 from 1.19, FLOAT4E2M1 (type 23) from 1.24; every other type of
+// elem_types() is in 1.18.
+bool runtime_has_type(ONNXTensorElementDataType t, std::pair<int, int> rt) {
+  int since_minor = 0;
+  switch (static_cast<int>(t)) {
+    case 23:  // FLOAT4E2M1
+      since_minor = 24;
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT4:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT4:
+      since_minor = 19;
+      break;
+    default:
+      return true;
+  }
+  return rt.first > 1 || (rt.first == 1 && rt.second >= since_minor);
+}
+
+StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime) {
+  StatsApi s;
+  if (!kStatsKnown || runtime < std::make_pair(1, 23)) return s;
+  const OrtApi* api = base->GetApi(kStatsApiVersion);
+  if (api == nullptr) return s;
+  void* const* table = reinterpret_cast<void* const*>(api);
+  s.get_stats = reinterpret_cast<StatsApi::GetStats>(table[kIdxAllocatorGetStats]);
+  s.get_pairs = reinterpret_cast<StatsApi::GetPairs>(table[kIdxGetKeyValuePairs]);
+  s.release_pairs = reinterpret_cast<StatsApi::ReleasePairs>(table[kIdxReleaseKeyValuePairs]);
+  return s;
+}
+
+// Names as ORT reports them. An allocator without statistics (not an arena) leaves the
+// counters as they are.
+void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc) {
+  if (!s.ok() || alloc == nullptr) return;
+  OrtKeyValuePairs* kv = nullptr;
+  OrtStatus* st = s.get_stats(alloc, &kv);
+  if (st != nullptr) {
+    api->ReleaseStatus(st);
+    return;
+  }
+  if (kv == nullptr) return;
+  std::unique_ptr<OrtKeyValuePairs, StatsApi::ReleasePairs> owned(kv, s.release_pairs);
+  const char* const* keys = nullptr;
+  const char* const* values = nullptr;
+  size_t n = 0;
+  s.get_pairs(kv, &keys, &values, &n);
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] == nullptr || values[i] == nullptr) continue;
+    std::atomic<int64_t>* dst = nullptr;
+    if (std::strcmp(keys[i], "InUse") == 0) dst = &counters().ort_arena_in_use;
+    if (std::strcmp(keys[i], "MaxInUse") == 0) dst = &counters().ort_arena_max_in_use;
+    if (std::strcmp(keys[i], "TotalAllocated") == 0) dst = &counters().ort_arena_total_allocated;
+    if (dst != nullptr) dst->store(std::strtoll(values[i], nullptr, 10));
+  }
+}
+
+}  // namespace ho

@@ -1,0 +1,387 @@
+// The ORT custom ops of domain "ai.hyperoffload" (Prefetch, Wait, Store, Detach) on the
+// CPU execution provider and, in a CUDA build, on the CUDA execution provider; and the
+// library entry point RegisterCustomOps.
+//
+// Each op is registered once per fixed-size element type T (ORT picks the overload by the
+// type of input 0); the trailing `deps` input is a heterogeneous any-type variadic of
+// arity >= 0 that is never read. A CUDA build registers a second OrtCustomOp per op and type
+// whose GetExecutionProviderType is "CUDAExecutionProvider" when the runtime has that
+// provider (OrtApi::GetAvailableProviders; HO_ONNX_CUDA_OPS=0/1 forces it off/on). Kernels
+// (kernel.h) call into the registration's Engine (engine.h): one CPU engine and one CUDA
+// engine per registration, each created by the first kernel that needs it.
+#include "registration.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "common.h"
+#include "kernel.h"
+#include "ort_tensor.h"
+#include "weight_file.h"
+#if HO_ONNX_WITH_CUDA
+#include "cuda/cuda_api.h"
+#endif
+
+namespace ho {
+
+const char* op_name(OpKind k) {
+  switch (k) {
+    case OpKind::kPrefetch:
+      return "Prefetch";
+    case OpKind::kWait:
+      return "Wait";
+    case OpKind::kStore:
+      return "Store";
+    case OpKind::kDetach:
+      return "Detach";
+  }
+  return "?";
+}
+
+std::string Registration::fingerprint(const WeightFile& f) {
+  struct stat st {};
+  if (::fstat(f.fd(), &st) != 0) fail(ORT_FAIL, "cannot stat '" + f.path() + "'");
+  const std::string key = f.key() + ":" + std::to_string(st.st_size) + ":" +
+                          std::to_string(st.st_mtim.tv_sec) + "." +
+                          std::to_string(st.st_mtim.tv_nsec) + ":" +
+                          std::to_string(st.st_ctim.tv_sec) + "." +
+                          std::to_string(st.st_ctim.tv_nsec);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = fingerprints.find(key);
+    if (it != fingerprints.end()) return it->second;
+  }
+  std::string fp = data_fingerprint(f.fd(), static_cast<uint64_t>(st.st_size));
+  std::lock_guard<std::mutex> lock(mu);
+  if (fingerprints.size() >= 256) fingerprints.clear();  // bounded
+  fingerprints.emplace(key, fp);
+  return fp;
+}
+
+std::shared_ptr<Engine> Registration::acquire_engine(bool on_cuda) {
+  std::lock_guard<std::mutex> lock(mu);
+  std::weak_ptr<Engine>& slot = on_cuda ? cuda_engine : engine;
+  std::shared_ptr<Engine> e = slot.lock();
+  if (!e) {
+#if HO_ONNX_WITH_CUDA
+    e = on_cuda ? make_cuda_engine() : make_cpu_engine(limits);
+#else
+    if (on_cuda) fail(ORT_FAIL, "built without CUDA");
+    e = make_cpu_engine(limits);
+#endif
+    slot = e;
+  }
+  return e;
+}
+
+namespace {
+
+std::mutex g_regs_mu;
+// configuration key -> registration; never freed (one entry per distinct configuration)
+std::map<std::string, Registration*>* g_regs = new std::map<std::string, Registration*>();
+
+constexpr const char* kCudaEp = "CUDAExecutionProvider";
+constexpr const char* kCpuEp = "CPUExecutionProvider";
+
+// Number of T-typed inputs before the variadic `deps`.
+size_t fixed_inputs(OpKind k) { return k == OpKind::kDetach ? 2 : 1; }
+
+const OpDef* def(const OrtCustomOp* op) { return static_cast<const OpDef*>(op); }
+
+// ---- OrtCustomOp callbacks ------------------------------------------------------------------
+
+OrtStatus* to_status(const OrtApi* api, OpKind kind, const std::string& node, const char* what,
+                     OrtErrorCode code) {
+  std::string msg = what;
+  const std::string prefix = "ho_onnx";
+  if (msg.compare(0, prefix.size(), prefix) != 0) {
+    msg = "ho_onnx " + std::string(op_name(kind)) +
+          (node.empty() ? std::string() : " (node '" + node + "')") + ": " + msg;
+  }
+  return api->CreateStatus(code, msg.c_str());
+}
+
+// Runs `body` and turns every C++ exception into an OrtStatus: nothing crosses the ABI.
+template <typename Body>
+OrtStatus* guarded(const OrtApi* api, OpKind kind, const std::string& node, Body&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const Error& e) {
+    return to_status(api, kind, node, e.what(), e.code());
+  } catch (const std::exception& e) {
+    return to_status(api, kind, node, e.what(), ORT_FAIL);
+  } catch (...) {
+    return to_status(api, kind, node, "unknown C++ exception", ORT_FAIL);
+  }
+}
+
+OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi* api,
+                                        const OrtKernelInfo* info, void** kernel) {
+  const OpDef& d = *def(op);
+  *kernel = nullptr;
+  const std::string node = node_name(api, info);
+  return guarded(api, d.kind, node, [&] { *kernel = Kernel::create(d, api, info, node).release(); });
+}
+
+OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
+  auto* k = static_cast<Kernel*>(kernel);
+  return guarded(k->api, k->kind, k->node, [&] {
+    k->compute(ctx);
+    (k->gpu ? counters().ops_cuda : counters().ops_cpu) += 1;
+  });
+}
+
+void ORT_API_CALL destroy_kernel(void* kernel) noexcept {
+  delete static_cast<Kernel*>(kernel);
+}
+
+const char* ORT_API_CALL get_name(const OrtCustomOp* op) { return op_name(def(op)->kind); }
+
+const char* ORT_API_CALL get_ep(const OrtCustomOp* op) { return def(op)->cuda ? kCudaEp : kCpuEp; }
+
+size_t ORT_API_CALL input_count(const OrtCustomOp* op) { return fixed_inputs(def(op)->kind) + 1; }
+
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp* op, size_t i) {
+  return i < fixed_inputs(def(op)->kind) ? def(op)->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_char(const OrtCustomOp* op, size_t i) {
+  return i < fixed_inputs(def(op)->kind) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_VARIADIC;
+}
+
+// Prefetch: (y, issued optional); the others: one output.
+size_t ORT_API_CALL output_count(const OrtCustomOp* op) {
+  return def(op)->kind == OpKind::kPrefetch ? 2 : 1;
+}
+
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp* op, size_t) {
+  return def(op)->type;
+}
+
+// Optional outputs came with OrtCustomOp version 8 (ORT's custom_ops.cc:
+// min_ort_version_with_optional_io_support), below the API version 18 the ops declare.
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_char(const OrtCustomOp*, size_t i) {
+  return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+
+OrtMemType ORT_API_CALL input_mem_type(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+
+int ORT_API_CALL variadic_in_min_arity(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL variadic_in_homogeneity(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL variadic_out_min_arity(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL variadic_out_homogeneity(const OrtCustomOp*) { return 0; }
+
+int ORT_API_CALL start_version(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL end_version(const OrtCustomOp*) { return INT_MAX; }
+
+// GetAliasMap has no op argument: one pair of functions per aliasing op.
+template <int kIn>
+size_t ORT_API_CALL alias_map(int** input_index, int** output_index) {
+  *input_index = new int[1]{kIn};
+  *output_index = new int[1]{0};
+  return 1;
+}
+
+void ORT_API_CALL release_alias_map(int* input_index, int* output_index) {
+  delete[] input_index;
+  delete[] output_index;
+}
+
+std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t, bool cuda) {
+  auto op = std::make_unique<OpDef>();
+  std::memset(static_cast<OrtCustomOp*>(op.get()), 0, sizeof(OrtCustomOp));
+  op->version = kOrtApiVersion;  // ORT hands CreateKernelV2 GetApi(op->version)
+  op->CreateKernel = nullptr;  // V2 only
+  op->GetName = get_name;
+  op->GetExecutionProviderType = get_ep;
+  op->GetInputType = input_type;
+  op->GetInputTypeCount = input_count;
+  op->GetOutputType = output_type;
+  op->GetOutputTypeCount = output_count;
+  op->KernelCompute = nullptr;  // V2 only
+  op->KernelDestroy = destroy_kernel;
+  op->GetInputCharacteristic = input_char;
+  op->GetOutputCharacteristic = output_char;
+  op->GetInputMemoryType = input_mem_type;
+  op->GetVariadicInputMinArity = variadic_in_min_arity;
+  op->GetVariadicInputHomogeneity = variadic_in_homogeneity;
+  op->GetVariadicOutputMinArity = variadic_out_min_arity;
+  op->GetVariadicOutputHomogeneity = variadic_out_homogeneity;
+  op->CreateKernelV2 = create_kernel;
+  op->KernelComputeV2 = compute_kernel;
+  op->InferOutputShapeFn = nullptr;
+  op->GetStartVersion = start_version;
+  op->GetEndVersion = end_version;
+  op->GetMayInplace = nullptr;
+  op->ReleaseMayInplace = nullptr;
+  if (kind == OpKind::kWait) {
+    op->GetAliasMap = alias_map<0>;
+    op->ReleaseAliasMap = release_alias_map;
+  } else if (kind == OpKind::kDetach) {
+    op->GetAliasMap = alias_map<1>;
+    op->ReleaseAliasMap = release_alias_map;
+  }
+  op->kind = kind;
+  op->type = t.type;
+  op->bits = t.bits;
+  op->cuda = cuda;
+  op->reg = reg;
+  return op;
+}
+
+// ---- configuration ------------------------------------------------------------------------
+
+std::string config_entry(const OrtApi* api, const OrtSessionOptions* options, const char* key,
+                         bool* found) {
+  int has = 0;
+  check(api, api->HasSessionConfigEntry(options, key, &has));
+  *found = has != 0;
+  if (!has) return {};
+  size_t size = 0;
+  check(api, api->GetSessionConfigEntry(options, key, nullptr, &size));
+  std::string v(size, '\0');
+  check(api, api->GetSessionConfigEntry(options, key, v.data(), &size));
+  v.resize(std::strlen(v.c_str()));
+  return v;
+}
+
+[[noreturn]] void bad_entry(const char* key, const char* want, const std::string& v) {
+  fail(ORT_INVALID_ARGUMENT,
+       std::string("session config entry '") + key + "' must be " + want + ", got '" + v + "'");
+}
+
+// The session config entries of a registration (README.md lists them).
+void read_config(const OrtApi* api, const OrtSessionOptions* options, Registration* reg) {
+  bool has = false;
+  std::string v = config_entry(api, options, kModelDirKey, &has);
+  if (has) reg->model_dir = v;
+  {
+    const long pages = ::sysconf(_SC_PHYS_PAGES);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    reg->limits.host_pool_limit =
+        pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2 : 0;
+  }
+  char* end = nullptr;
+  v = config_entry(api, options, kPoolLimitKey, &has);
+  if (has) {
+    const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || v[0] == '-' || x == 0) {
+      bad_entry(kPoolLimitKey, "a positive byte count", v);
+    }
+    reg->limits.host_pool_limit = x;
+  }
+  v = config_entry(api, options, kHostBytesKey, &has);
+  if (has) {
+    const long long x = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < 0) bad_entry(kHostBytesKey, "a byte count", v);
+    reg->host_bytes = x;
+  }
+  v = config_entry(api, options, kSampleArenaKey, &has);
+  if (has) {
+    if (v != "0" && v != "1") bad_entry(kSampleArenaKey, "0 or 1", v);
+    reg->sample_arena = v == "1";
+  }
+}
+
+// Whether to register the CUDA-EP variants: a CUDA build, and the runtime has the CUDA
+// execution provider (or HO_ONNX_CUDA_OPS=1 forces them, =0 leaves them out).
+bool want_cuda_ops(const OrtApi* api) {
+#if HO_ONNX_WITH_CUDA
+  const char* env = std::getenv("HO_ONNX_CUDA_OPS");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  if (env != nullptr && std::strcmp(env, "1") == 0) return true;
+  char** providers = nullptr;
+  int n = 0;
+  check(api, api->GetAvailableProviders(&providers, &n));
+  bool found = false;
+  for (int i = 0; i < n; ++i) {
+    if (std::strcmp(providers[i], kCudaEp) == 0) found = true;
+  }
+  check(api, api->ReleaseAvailableProviders(providers, n));
+  return found;
+#else
+  (void)api;
+  return false;
+#endif
+}
+
+// A new registration's domain with every op, per provider and element type the runtime has.
+void add_ops(const OrtApi* api, Registration* reg, std::pair<int, int> rt) {
+  check(api, api->CreateCustomOpDomain(kDomain, &reg->domain));
+  for (bool on_cuda : {false, true}) {
+    if (on_cuda && !reg->cuda) continue;
+    for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
+      for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
+        if (!runtime_has_type(t->type, rt)) continue;
+        reg->ops.push_back(make_op(reg, kind, *t, on_cuda));
+        check(api, api->CustomOpDomain_Add(reg->domain, reg->ops.back().get()));
+      }
+    }
+  }
+}
+
+OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const OrtApiBase* base) {
+  const std::pair<int, int> rt = runtime_version(base->GetVersionString());
+  auto reg = std::make_unique<Registration>();
+  reg->api = api;
+  reg->stats = resolve_stats_api(base, rt);
+  read_config(api, options, reg.get());
+
+  const bool cuda = want_cuda_ops(api);
+  const std::string key = std::to_string(reinterpret_cast<uintptr_t>(api)) + '\n' +
+                          reg->model_dir + '\n' + std::to_string(reg->host_bytes) + '\n' +
+                          std::to_string(reg->limits.host_pool_limit) + '\n' +
+                          (reg->sample_arena ? "arena" : "") + '\n' + (cuda ? "cuda" : "cpu");
+  std::lock_guard<std::mutex> lock(g_regs_mu);
+  auto found = g_regs->find(key);
+  if (found != g_regs->end()) {
+    check(api, api->AddCustomOpDomain(options, found->second->domain));
+  } else {
+    reg->cuda = cuda;
+    add_ops(api, reg.get(), rt);
+    // Kept before AddCustomOpDomain: once ORT holds the domain it must never be freed.
+    OrtCustomOpDomain* domain = reg->domain;
+    g_regs->emplace(key, reg.release());
+    check(api, api->AddCustomOpDomain(options, domain));
+  }
+  counters().registrations += 1;
+  if (cuda) counters().cuda_registrations += 1;
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace ho
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  if (api_base == nullptr) return nullptr;
+  const OrtApi* api = api_base->GetApi(ho::kOrtApiVersion);
+  if (api == nullptr) {
+    // The runtime is older than that; API 1 still has CreateStatus.
+    const OrtApi* v1 = api_base->GetApi(1);
+    const char* have = api_base->GetVersionString();
+    return v1 == nullptr
+               ? nullptr
+               : v1->CreateStatus(ORT_FAIL, (std::string("ho_onnx needs ONNX Runtime API version ") +
+                                             std::to_string(ho::kOrtApiVersion) +
+                                             " (onnxruntime >= " HO_ONNX_ORT_MIN_VERSION
+                                             "), this runtime is " +
+                                             (have ? have : "?"))
+                                                .c_str());
+  }
+  try {
+    return ho::register_ops(options, api, api_base);
+  } catch (const ho::Error& e) {
+    return api->CreateStatus(e.code(), (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
+  } catch (const std::exception& e) {
+    return api->CreateStatus(ORT_FAIL, (std::string("ho_onnx RegisterCustomOps: ") + e.what()).c_str());
+  } catch (...) {
+    return api->CreateStatus(ORT_FAIL, "ho_onnx RegisterCustomOps: unknown C++ exception");
+  }
+}

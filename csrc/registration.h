@@ -1,0 +1,79 @@
+// The op domain "ai.hyperoffload" as registered with ORT: the ops (Prefetch, Wait, Store,
+// Detach), the session config entries a registration reads, and the Registration that a
+// RegisterCustomOps call creates or shares (registration.cc).
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "ort_abi.h"
+
+namespace ho {
+
+class WeightFile;
+
+constexpr const char* kDomain = "ai.hyperoffload";
+// Session config entries (README.md, "session config entry").
+constexpr const char* kModelDirKey = "ho_onnx.model_dir";
+// Bytes of activations the plan stores per run (sizes the CUDA engine's pinned ring at
+// session creation). Also a Store attribute of the same meaning: `host_bytes`.
+constexpr const char* kHostBytesKey = "ho_onnx.host_bytes";
+constexpr const char* kHostBytesAttr = "host_bytes";
+// Bound of the host pool of stored activations (bytes; default: half the physical memory).
+constexpr const char* kPoolLimitKey = "ho_onnx.host_pool_limit_bytes";
+// "1": every Wait samples ORT's arena statistics into the ort_arena_* gauges (a string
+// key-value map per Wait, so off by default); "0" (default): no sampling.
+constexpr const char* kSampleArenaKey = "ho_onnx.sample_arena";
+
+enum class OpKind { kPrefetch, kWait, kStore, kDetach };
+const char* op_name(OpKind k);
+
+struct OpDef;
+
+// Registration: the op domain for one library configuration (model directory, host bytes,
+// pool limit, arena sampling, CUDA variants). The OrtCustomOpDomain and the op structs must
+// outlive every session that uses them, and ORT gives no callback when that is over, so
+// registrations are never released; RegisterCustomOps calls with the same configuration
+// share one (and so one engine), so a server that creates and destroys sessions retains
+// nothing per session. The engine, the only large thing, lives and dies with the
+// registration's kernels.
+struct Registration {
+  const OrtApi* api = nullptr;
+  std::string model_dir;    // from the session config entry, "" when not set
+  int64_t host_bytes = -1;  // from the session config entry, -1 when not set
+  bool sample_arena = false;  // from the session config entry, off when not set
+  EngineLimits limits;
+  std::mutex mu;
+  std::map<std::string, std::string> fingerprints;  // file identity + version -> fingerprint
+  OrtCustomOpDomain* domain = nullptr;
+  bool cuda = false;
+  std::weak_ptr<Engine> engine;       // CPU EP kernels
+  std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
+  StatsApi stats;                     // ORT allocator statistics (runtime >= 1.23)
+  std::vector<std::unique_ptr<OpDef>> ops;
+
+  // The data_fingerprint of an open data file, computed once per file and registration.
+  // Keyed by the file's identity and version (size, mtime, ctime: any write changes ctime).
+  std::string fingerprint(const WeightFile& f);
+  // The registration's engine of the CPU EP or the CUDA EP, created when none is alive.
+  std::shared_ptr<Engine> acquire_engine(bool on_cuda);
+};
+
+// One OrtCustomOp: an op for one element type and execution provider.
+struct OpDef : OrtCustomOp {
+  OpKind kind;
+  ONNXTensorElementDataType type;
+  int bits;
+  bool cuda;  // registered for the CUDA execution provider
+  Registration* reg;
+};
+
+}  // namespace ho
