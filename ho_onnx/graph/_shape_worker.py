@@ -3,7 +3,8 @@ only the standard library and onnx).
 
 It reads requests on stdin: 8-byte LE address-space limit, 8-byte LE length, a serialized
 model. For each it forks a child that lowers its address-space limit (RLIMIT_AS), runs
-ONNX's shape inference with data propagation and pipes back the result; it answers on
+ONNX's shape inference with data propagation on the request bytes (onnx's C++ entry: the
+model is never parsed into Python objects here) and pipes back the result; it answers on
 stdout with a 1-byte status, an 8-byte LE length and the payload (the inferred model, or a
 message). A child that runs out of memory or dies never takes the worker down; the worker
 exits when stdin closes or its parent dies.
@@ -19,7 +20,7 @@ import signal
 import struct
 import sys
 
-import onnx
+import onnx.onnx_cpp2py_export.shape_inference as onnx_c
 
 OK, FAILED, NO_MEMORY, DIED = 0, 1, 2, 3
 _PR_SET_PDEATHSIG = 1
@@ -54,10 +55,10 @@ def _infer(limit: int, data: bytes) -> tuple[int, bytes]:
             limit = min(limit, hard)
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     try:
-        model = onnx.ModelProto.FromString(data)
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False,
-                                                     strict_mode=False, data_prop=True)
-        return OK, inferred.SerializeToString()
+        # check_type, strict_mode, data_prop: as onnx.shape_inference.infer_shapes(...,
+        # check_type=False, strict_mode=False, data_prop=True), minus a parse and a
+        # serialization of the model
+        return OK, onnx_c.infer_shapes(data, False, False, True)
     except MemoryError as e:
         return NO_MEMORY, str(e).encode(errors="replace")
     except Exception as e:  # inference is best effort: the caller decides
