@@ -49,9 +49,11 @@ def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None =
 def memory_profile(n: int, intervals: list[Interval]) -> np.ndarray:
     """Bytes resident at each of ``n`` positions given (start, end, bytes) intervals."""
     delta = np.zeros(n + 1, dtype=np.int64)
-    for s, e, b in intervals:
-        delta[s] += b
-        delta[e + 1] -= b
+    if intervals:
+        s, e, b = (np.fromiter(col, dtype=np.int64, count=len(intervals))
+                   for col in zip(*intervals, strict=True))
+        np.add.at(delta, s, b)
+        np.subtract.at(delta, e + 1, b)
     return np.cumsum(delta[:n])
 
 

@@ -280,18 +280,20 @@ def _first_freeing(ctx: _Context, chosen: Container[str], step: int,
     return None
 
 
-def _smallest_budget(ctx: _Context, spans: dict[str, tuple[int, int]], sizes: dict[str, int]
-                     ) -> tuple[int, str]:
+def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int, int]],
+                     sizes: dict[str, int]) -> tuple[int, str]:
     """Smallest budget this planner can meet (every candidate offloaded across its largest
-    gap, reloads just in time), and what dominates it."""
-    n = len(ctx.analysis.order)
-    mem = memory_profile(n, [(s, e, sizes[k]) for k, (s, e) in spans.items()])
+    gap, reloads just in time), and what dominates it; ``base``: the baseline's bytes per
+    step."""
     moved: dict[str, list[Interval]] = {}
+    change: list[Interval] = []  # what _offload of each would do to ``base``, at once
     for c in ctx.candidates:
         early = _early_uses_at_largest_gap(c, ctx.options.min_gap)
         if early is not None:
-            _offload(mem, c, early)
             moved[c.name] = _just_in_time_intervals(c, early)
+            change.append((*c.span, -c.nbytes))
+            change.extend(moved[c.name])
+    mem = base + memory_profile(len(base), change)
     pos = int(mem.argmax())
     alive = sorted(((sizes[k], k) for k, (s, e) in spans.items() if sizes[k] and any(
         a <= pos <= b for a, b, _ in moved.get(k, [(s, e, sizes[k])]))), reverse=True)
@@ -485,7 +487,7 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency)
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
-        min_budget, what = _smallest_budget(ctx, spans, sizes)
+        min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes)
         if ctx.budget < min_budget:
             raise InfeasibleBudgetError(
                 f"budget {format_bytes(ctx.budget)} is below the smallest feasible budget "
