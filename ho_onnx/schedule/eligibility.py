@@ -10,6 +10,7 @@ from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
 from ..target.ort.placement import HOST_TENSOR_REASON, predict_cuda_placement
+from .lifetimes import Sizes
 from .types import OffloadChoice, WeightOffload
 
 
@@ -62,16 +63,14 @@ def placement_reasons(analysis: GraphAnalysis) -> dict[str, str]:
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(data readers, shape-only readers) of ``t``: Shape/Size need no transfer."""
-    shape = tuple(c for c in t.consumers if reads_only_shape(analysis.node_at(c)))
+    nodes, order = analysis.model.graph.node, analysis.order
+    shape = tuple(c for c in t.consumers if reads_only_shape(nodes[order[c]]))
     return tuple(c for c in t.consumers if c not in shape), shape
 
 
 def gaps(producer: int, uses: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """``(start, end, k)`` of each gap producer→u1→u2...: ``k`` uses lie before it."""
-    prev = producer
-    for k, u in enumerate(uses):
-        yield prev, u, k
-        prev = u
+    return zip((producer, *uses), uses, range(len(uses)), strict=False)
 
 
 def largest_gap(producer: int, uses: Sequence[int]) -> tuple[int, int]:
@@ -110,9 +109,11 @@ class WeightGroups:
         return tuple(sorted(uses))
 
     def nbytes(self, analysis: GraphAnalysis, primary: str,
-               dims: Mapping[str, int] | None = None) -> int:
-        return sum(analysis.tensors[m].nbytes(dims) or 0
-                   for m in self.members.get(primary, (primary,)))
+               dims: Mapping[str, int] | None = None, sizes: Sizes | None = None) -> int:
+        """Bytes of ``primary``'s group (``sizes``: the tensors' bytes under ``dims``, when
+        the caller has them)."""
+        size = sizes or (lambda m: analysis.tensors[m].nbytes(dims))
+        return sum(size(m) or 0 for m in self.members.get(primary, (primary,)))
 
     def split(self, analysis: GraphAnalysis, choice: OffloadChoice,
               dims: Mapping[str, int] | None = None) -> None:

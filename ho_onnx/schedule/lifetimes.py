@@ -7,43 +7,80 @@ allocates it through its last reader, inclusive.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..graph.analyse import GraphAnalysis
+from ..graph.analyse import GraphAnalysis, TensorInfo
 from .types import ActivationOffload, OffloadChoice
 
 Interval = tuple[int, int, int]  # (first position, last position inclusive, bytes)
 
 
-def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None = None
+Sizes = Callable[[str], "int | None"]  # tensor name -> TensorInfo.nbytes under one dims
+
+
+class TensorSizes:
+    """``TensorInfo.nbytes`` of one analysis' tensors under one ``dims``, each computed once
+    (an error it raised is raised again at each ask): one :func:`plan` call asks for most
+    sizes several times, and a size evaluates every symbolic dim."""
+
+    def __init__(self, tensors: Mapping[str, TensorInfo],
+                 dims: Mapping[str, int] | None = None) -> None:
+        self._tensors = tensors
+        self._dims = dims
+        self._memo: dict[str, int | Exception | None] = {}
+
+    def __call__(self, name: str) -> int | None:
+        try:
+            size = self._memo[name]
+        except KeyError:
+            try:
+                size = self._tensors[name].nbytes(self._dims)
+            except Exception as e:  # remembered, raised again below
+                size = e
+            self._memo[name] = size
+        if isinstance(size, Exception):
+            raise size
+        return size
+
+
+def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None = None,
+                       nbytes: Sizes | None = None
                        ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
     """Fast-tier interval (first, last position, inclusive) and bytes of every tensor of the
     unmodified schedule. Initializers live for the whole run, graph inputs from the start,
-    graph outputs to the end. Tensors of unknown size count 0 bytes (see ``unknown``)."""
+    graph outputs to the end. Tensors of unknown size count 0 bytes (see ``unknown``).
+    ``nbytes``: the sizes under ``dims`` (a :class:`TensorSizes` the caller shares)."""
+    nbytes = nbytes or TensorSizes(analysis.tensors, dims)
     n = len(analysis.order)
     spans: dict[str, tuple[int, int]] = {}
     sizes: dict[str, int] = {}
     for name, t in analysis.tensors.items():
-        uses = t.consumers + t.implicit_consumers
         if t.is_initializer:
-            if not uses:
+            if not t.consumers and not t.implicit_consumers:
                 continue  # ORT drops unused initializers
             span = (0, n - 1)
         elif t.producer is not None:
-            span = (t.producer, n - 1 if t.is_graph_output else max(uses, default=t.producer))
+            span = (t.producer, n - 1 if t.is_graph_output else _last_use(t, t.producer))
         elif t.is_graph_input:
-            span = (0, n - 1 if t.is_graph_output else max(uses, default=0))
+            span = (0, n - 1 if t.is_graph_output else _last_use(t, 0))
         else:
             continue
         try:
-            size = t.nbytes(dims)
+            size = nbytes(name)
         except Exception:  # unbound dims are reported by the planner where they matter
             size = None
         sizes[name] = size or 0
         spans[name] = span
     return spans, sizes
+
+
+def _last_use(t: TensorInfo, default: int) -> int:
+    """Last (implicit or not) reader of ``t``, ``default`` without any."""
+    if t.implicit_consumers:
+        return max(t.consumers + t.implicit_consumers)
+    return max(t.consumers, default=default)
 
 
 def memory_profile(n: int, intervals: list[Interval]) -> np.ndarray:

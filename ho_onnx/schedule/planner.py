@@ -54,6 +54,8 @@ from .eligibility import (
 from .lifetimes import (
     Interval,
     Residency,
+    Sizes,
+    TensorSizes,
     host_bytes,
     memory_profile,
     peak,
@@ -170,11 +172,12 @@ class _Selection:
 # and scores the two kinds; the score formulas are the module docstring's, side by side.
 def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, int],
                 costs: CostModel, spans: dict[str, tuple[int, int]],
-                skipped: dict[str, str]) -> list[Candidate]:
-    """Scored candidates, best first; the others of the chosen kinds go to ``skipped``."""
-    compute_s = costs.compute_s
-    total = float(compute_s.sum()) or 1.0
-    prefix = costs.prefix()
+                skipped: dict[str, str], sizes: Sizes) -> list[Candidate]:
+    """Scored candidates, best first; the others of the chosen kinds go to ``skipped``
+    (``sizes``: the tensors' bytes under ``dims``)."""
+    total = float(costs.compute_s.sum()) or 1.0
+    # Python floats: the same sums and differences as numpy's, without a scalar object each
+    compute_s, prefix = costs.compute_s.tolist(), costs.prefix().tolist()
     min_bytes = opts.min_bytes_or_default
     wanted = {"weight": opts.weights, "activation": opts.activations}
     groups = WeightGroups.of(analysis)
@@ -186,7 +189,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             continue
         reason = ineligible(t) or placement.get(name) or groups.companion_reason(name) or (
             None if name in spans else "not resident")
-        nbytes = None if reason else t.nbytes(dims)  # raises UnboundDimError naming the dim
+        nbytes = None if reason else sizes(name)  # raises UnboundDimError naming the dim
         if reason is None and nbytes is None:
             reason = "size unknown (shape inference gave no shape)"
         elif reason is None and nbytes is not None and nbytes < min_bytes:
@@ -198,9 +201,9 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
         if kind == "weight":
             shape_readers = split_shape_readers(analysis, t)[1]
             uses = groups.data_uses(analysis, name)  # with its scales and zero points
-            nbytes = groups.nbytes(analysis, name, dims)
+            nbytes = groups.nbytes(analysis, name, dims, sizes)
             tt = costs.transfer_time(nbytes, "disk" if opts.weight_tier == "disk" else "h2d")
-            busy = sum(float(compute_s[c]) for c in uses)
+            busy = sum(compute_s[c] for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
             out.append(Candidate(name, kind, nbytes, uses, shape_readers, -1, score, spans[name]))
             continue
@@ -210,7 +213,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
         if not long_gaps:
             skipped[name] = f"largest gap {largest_gap(t.producer, uses)[0]} < min_gap"
             continue
-        best = max([0.0, *(float(prefix[e] - prefix[s + 1]) for s, e in long_gaps)])
+        best = max([0.0, *(prefix[e] - prefix[s + 1] for s, e in long_gaps)])
         tt = costs.transfer_time(nbytes, "d2h") + costs.transfer_time(nbytes, "h2d")
         out.append(Candidate(name, kind, nbytes, uses, (), t.producer, nbytes * best / tt,
                              spans[name]))
@@ -295,8 +298,9 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
             change.extend(moved[c.name])
     mem = base + memory_profile(len(base), change)
     pos = int(mem.argmax())
-    alive = sorted(((sizes[k], k) for k, (s, e) in spans.items() if sizes[k] and any(
-        a <= pos <= b for a, b, _ in moved.get(k, [(s, e, sizes[k])]))), reverse=True)
+    alive = sorted(((sizes[k], k) for k, (s, e) in spans.items() if sizes[k] and (
+        any(a <= pos <= b for a, b, _ in moved[k]) if k in moved else s <= pos <= e)),
+        reverse=True)
     node = ctx.analysis.node_at(pos)
     top = ", ".join(f"{k} ({format_bytes(b)})" for b, k in alive[:4])
     what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
@@ -480,10 +484,11 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     n = len(analysis.order)
     if costs.compute_s.shape != (n,):
         raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
-    residency = spans, sizes = resident_intervals(analysis, dims)
+    nbytes = TensorSizes(analysis.tensors, dims)  # each size once in this call
+    residency = spans, sizes = resident_intervals(analysis, dims, nbytes)
     baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims, residency)
     skipped: dict[str, str] = {}
-    cands = _candidates(analysis, opts, dims, costs, spans, skipped)
+    cands = _candidates(analysis, opts, dims, costs, spans, skipped, nbytes)
     ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency)
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
