@@ -7,6 +7,7 @@ allocates it through its last reader, inclusive.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
@@ -83,14 +84,16 @@ def _last_use(t: TensorInfo, default: int) -> int:
     return max(t.consumers, default=default)
 
 
-def memory_profile(n: int, intervals: list[Interval]) -> np.ndarray:
-    """Bytes resident at each of ``n`` positions given (start, end, bytes) intervals."""
+_INTERVALS = np.dtype((np.int64, 3))  # rows of (start, end, bytes)
+
+
+def memory_profile(n: int, intervals: Iterable[Interval]) -> np.ndarray:
+    """Bytes resident at each of ``n`` positions given (start, end, bytes) intervals (any
+    iterable: a generator's tuples are never all alive at once)."""
+    start, end, nbytes = np.fromiter(intervals, dtype=_INTERVALS).T
     delta = np.zeros(n + 1, dtype=np.int64)
-    if intervals:
-        s, e, b = (np.fromiter(col, dtype=np.int64, count=len(intervals))
-                   for col in zip(*intervals, strict=True))
-        np.add.at(delta, s, b)
-        np.subtract.at(delta, e + 1, b)
+    np.add.at(delta, start, nbytes)
+    np.subtract.at(delta, end + 1, nbytes)
     return np.cumsum(delta[:n])
 
 
@@ -119,8 +122,8 @@ def schedule_memory(analysis: GraphAnalysis, choice: OffloadChoice | None,
     (``residency``: :func:`resident_intervals` of ``analysis`` and ``dims``, when known)."""
     spans, sizes = residency or resident_intervals(analysis, dims)
     moved, extra = offloaded_intervals(choice) if choice else (set(), [])
-    base = [(s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved]
-    return memory_profile(len(analysis.order), base + extra)
+    base = ((s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved)
+    return memory_profile(len(analysis.order), itertools.chain(base, extra))
 
 
 def stored_peak_bytes(choice: OffloadChoice) -> int:

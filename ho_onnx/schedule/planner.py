@@ -31,6 +31,7 @@ each look-ahead try builds a new :class:`_Selection` instead of undoing the last
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, replace
@@ -74,7 +75,7 @@ class InfeasibleBudgetError(HoOnnxError):
         self.min_budget = min_budget
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # thousands per plan: no __dict__ each
 class Candidate:
     """A tensor the planner may offload, with its uses and score (module docstring, 1)."""
 
@@ -288,19 +289,20 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
     """Smallest budget this planner can meet (every candidate offloaded across its largest
     gap, reloads just in time), and what dominates it; ``base``: the baseline's bytes per
     step."""
-    moved: dict[str, list[Interval]] = {}
-    change: list[Interval] = []  # what _offload of each would do to ``base``, at once
-    for c in ctx.candidates:
-        early = _early_uses_at_largest_gap(c, ctx.options.min_gap)
-        if early is not None:
-            moved[c.name] = _just_in_time_intervals(c, early)
-            change.append((*c.span, -c.nbytes))
-            change.extend(moved[c.name])
+    early = {c.name: e for c in ctx.candidates
+             if (e := _early_uses_at_largest_gap(c, ctx.options.min_gap)) is not None}
+    change = itertools.chain.from_iterable(  # what _offload of each does to ``base``
+        [(*c.span, -c.nbytes), *_just_in_time_intervals(c, early[c.name])]
+        for c in ctx.candidates if c.name in early)
     mem = base + memory_profile(len(base), change)
     pos = int(mem.argmax())
-    alive = sorted(((sizes[k], k) for k, (s, e) in spans.items() if sizes[k] and (
-        any(a <= pos <= b for a, b, _ in moved[k]) if k in moved else s <= pos <= e)),
-        reverse=True)
+
+    def resident(k: str, s: int, e: int) -> bool:  # at ``pos``; an offload stays in its span
+        return s <= pos <= e and (k not in early or any(
+            a <= pos <= b for a, b, _ in _just_in_time_intervals(ctx.by_name[k], early[k])))
+
+    alive = sorted(((sizes[k], k) for k, (s, e) in spans.items()
+                    if sizes[k] and resident(k, s, e)), reverse=True)
     node = ctx.analysis.node_at(pos)
     top = ", ".join(f"{k} ({format_bytes(b)})" for b, k in alive[:4])
     what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
