@@ -93,19 +93,26 @@ class WeightGroups:
 
     @classmethod
     def of(cls, analysis: GraphAnalysis) -> WeightGroups:
-        members = {g[0]: g for g in weight_groups(analysis.model.graph)}
-        return cls(members, {m: p for p, g in members.items() for m in g[1:]})
+        """The groups of ``analysis``' model; computed once per analysis."""
+        if "weight_groups" not in analysis.derived:
+            members = {g[0]: g for g in weight_groups(analysis.model.graph)}
+            analysis.derived["weight_groups"] = cls(
+                members, {m: p for p, g in members.items() for m in g[1:]})
+        return analysis.derived["weight_groups"]
 
     def companion_reason(self, name: str) -> str | None:
         """Why a companion is never a candidate of its own."""
         p = self.primary_of.get(name)
         return None if p is None else f"moves together with {p!r}"
 
-    def data_uses(self, analysis: GraphAnalysis, primary: str) -> tuple[int, ...]:
-        """Data readers of every member of ``primary``'s group, ascending."""
+    def data_uses(self, analysis: GraphAnalysis, primary: str,
+                  own: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Data readers of every member of ``primary``'s group, ascending (``own``: those
+        of ``primary`` itself, when the caller has split its readers already)."""
         uses: set[int] = set()
         for m in self.members.get(primary, (primary,)):
-            uses.update(split_shape_readers(analysis, analysis.tensors[m])[0])
+            uses.update(own if m == primary and own is not None else
+                        split_shape_readers(analysis, analysis.tensors[m])[0])
         return tuple(sorted(uses))
 
     def nbytes(self, analysis: GraphAnalysis, primary: str,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..graph.analyse import GraphAnalysis, TensorInfo
+from ..graph.analyse import Dim, GraphAnalysis, TensorInfo
 from .types import ActivationOffload, OffloadChoice
 
 Interval = tuple[int, int, int]  # (first position, last position inclusive, bytes)
@@ -24,25 +24,33 @@ Sizes = Callable[[str], "int | None"]  # tensor name -> TensorInfo.nbytes under 
 class TensorSizes:
     """``TensorInfo.nbytes`` of one analysis' tensors under one ``dims``, each computed once
     (an error it raised is raised again at each ask): one :func:`plan` call asks for most
-    sizes several times, and a size evaluates every symbolic dim."""
+    sizes several times, and a size evaluates every symbolic dim. Tensors of one element
+    type and shape share the size (only an error names the tensor)."""
 
     def __init__(self, tensors: Mapping[str, TensorInfo],
                  dims: Mapping[str, int] | None = None) -> None:
         self._tensors = tensors
         self._dims = dims
         self._memo: dict[str, int | Exception | None] = {}
+        self._by_type: dict[tuple[int | None, tuple[Dim, ...] | None], int | None] = {}
 
     def __call__(self, name: str) -> int | None:
         try:
             size = self._memo[name]
         except KeyError:
-            try:
-                size = self._tensors[name].nbytes(self._dims)
-            except Exception as e:  # remembered, raised again below
-                size = e
-            self._memo[name] = size
+            size = self._memo[name] = self._size(self._tensors[name])
         if isinstance(size, Exception):
             raise size
+        return size
+
+    def _size(self, t: TensorInfo) -> int | Exception | None:
+        key = (t.elem_type, t.shape)
+        if key in self._by_type:
+            return self._by_type[key]
+        try:
+            size = self._by_type[key] = t.nbytes(self._dims)
+        except Exception as e:  # remembered for this tensor, raised again by __call__
+            return e
         return size
 
 

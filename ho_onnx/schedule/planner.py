@@ -200,8 +200,8 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             continue
         assert nbytes is not None
         if kind == "weight":
-            shape_readers = split_shape_readers(analysis, t)[1]
-            uses = groups.data_uses(analysis, name)  # with its scales and zero points
+            own, shape_readers = split_shape_readers(analysis, t)
+            uses = groups.data_uses(analysis, name, own)  # with its scales and zero points
             nbytes = groups.nbytes(analysis, name, dims, sizes)
             tt = costs.transfer_time(nbytes, "disk" if opts.weight_tier == "disk" else "h2d")
             busy = sum(compute_s[c] for c in uses)
