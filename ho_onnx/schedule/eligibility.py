@@ -3,7 +3,7 @@ the shape-only readers of a weight and the gaps between an activation's uses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..cost.contrib import weight_groups
@@ -68,19 +68,26 @@ def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
     return tuple(c for c in t.consumers if c not in shape), shape
 
 
-def gaps(producer: int, uses: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """``(start, end, k)`` of each gap producer→u1→u2...: ``k`` uses lie before it."""
-    return zip((producer, *uses), uses, range(len(uses)), strict=False)
-
-
 def largest_gap(producer: int, uses: Sequence[int]) -> tuple[int, int]:
     """(gap length, number of uses before it) over producer→u1→u2...; first of equal gaps
     (``(-1, 0)`` without uses)."""
-    best, best_k = -1, 0
-    for start, end, k in gaps(producer, uses):
-        if end - start > best:
-            best, best_k = end - start, k
+    best, best_k, prev = -1, 0, producer
+    for k, u in enumerate(uses):
+        if u - prev > best:
+            best, best_k = u - prev, k
+        prev = u
     return best, best_k
+
+
+def long_gaps(producer: int, uses: Sequence[int], min_gap: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each gap producer→u1→u2... at least ``min_gap`` long."""
+    out: list[tuple[int, int]] = []
+    prev = producer
+    for u in uses:
+        if u - prev >= min_gap:
+            out.append((prev, u))
+        prev = u
+    return out
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,10 @@ from ..graph.analyse import GraphAnalysis
 from ..units import format_bytes
 from .eligibility import (
     WeightGroups,
-    gaps,
     ineligible,
     kind_of,
     largest_gap,
+    long_gaps,
     placement_reasons,
     split_shape_readers,
 )
@@ -210,11 +210,11 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             continue
         assert t.producer is not None
         uses = tuple(sorted(t.consumers))
-        long_gaps = [(s, e) for s, e, _ in gaps(t.producer, uses) if e - s >= opts.min_gap]
-        if not long_gaps:
+        idle = long_gaps(t.producer, uses, opts.min_gap)
+        if not idle:
             skipped[name] = f"largest gap {largest_gap(t.producer, uses)[0]} < min_gap"
             continue
-        best = max([0.0, *(prefix[e] - prefix[s + 1] for s, e in long_gaps)])
+        best = max([0.0, *(prefix[e] - prefix[s + 1] for s, e in idle)])
         tt = costs.transfer_time(nbytes, "d2h") + costs.transfer_time(nbytes, "h2d")
         out.append(Candidate(name, kind, nbytes, uses, (), t.producer, nbytes * best / tt,
                              spans[name]))
