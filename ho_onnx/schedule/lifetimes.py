@@ -125,13 +125,20 @@ Residency = tuple[dict[str, tuple[int, int]], dict[str, int]]  # resident_interv
 
 def schedule_memory(analysis: GraphAnalysis, choice: OffloadChoice | None,
                     dims: Mapping[str, int] | None = None,
-                    residency: Residency | None = None) -> np.ndarray:
+                    residency: Residency | None = None,
+                    base: np.ndarray | None = None) -> np.ndarray:
     """Fast-tier bytes per position of the schedule with ``choice``'s offloads
-    (``residency``: :func:`resident_intervals` of ``analysis`` and ``dims``, when known)."""
+    (``residency``: :func:`resident_intervals` of ``analysis`` and ``dims``, when known;
+    ``base``: the unmodified schedule's bytes per position under that residency, when
+    known: then only the offloaded tensors' intervals are counted)."""
     spans, sizes = residency or resident_intervals(analysis, dims)
     moved, extra = offloaded_intervals(choice) if choice else (set(), [])
-    base = ((s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved)
-    return memory_profile(len(analysis.order), itertools.chain(base, extra))
+    n = len(analysis.order)
+    if base is not None:
+        removed = ((*spans[k], -sizes[k]) for k in moved if k in spans)
+        return base + memory_profile(n, itertools.chain(removed, extra))
+    kept = ((s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved)
+    return memory_profile(n, itertools.chain(kept, extra))
 
 
 def stored_peak_bytes(choice: OffloadChoice) -> int:

@@ -146,6 +146,7 @@ class _Context:
     candidates: list[Candidate]  # best score first
     by_name: dict[str, Candidate]
     residency: Residency  # of the unmodified schedule (resident_intervals)
+    base_memory: np.ndarray  # the unmodified schedule's bytes per step
 
     @property
     def budget(self) -> int:
@@ -468,7 +469,7 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
             continue
         new_choice = _place(ctx, trial)
         new_sim = simulate(ctx.analysis, new_choice, ctx.costs.compute_s,
-                           ctx.costs.transfer_time, ctx.dims, ctx.residency)
+                           ctx.costs.transfer_time, ctx.dims, ctx.residency, ctx.base_memory)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
             sel, choice, planned = trial, new_choice, new_sim
             skipped.pop(c.name, None)
@@ -491,7 +492,8 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims, residency)
     skipped: dict[str, str] = {}
     cands = _candidates(analysis, opts, dims, costs, spans, skipped, nbytes)
-    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency)
+    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency,
+                   baseline.memory)
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
         min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes)
@@ -505,7 +507,8 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     sel = _Selection(early, mem, {})
     sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
     choice = _place(ctx, sel)
-    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency)
+    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency,
+                       baseline.memory)
     choice, planned = _make_room(ctx, sel, choice, planned, skipped)
     offloaded = {x.name for x in [*choice.weights, *choice.activations]}
     for c in cands:

@@ -64,9 +64,11 @@ class Simulation:
 
 def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
              transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
-             residency: Residency | None = None) -> Simulation:
+             residency: Residency | None = None, base_memory: np.ndarray | None = None
+             ) -> Simulation:
     """Predict time (with FIFO channels) and memory of the schedule of ``choice``
-    (``residency``: the unmodified schedule's, when the caller already has it)."""
+    (``residency``: the unmodified schedule's, when the caller already has it;
+    ``base_memory``: that schedule's bytes per step, when known too)."""
     n = len(analysis.order)
     events = _events(choice)
     # position -> its transfers (few positions have any: no list per position)
@@ -110,7 +112,8 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
                 ev.stall_s = ev.end_s - now
                 now = ev.end_s
     return Simulation(compute_s, starts,
-                      schedule_memory(analysis, choice, dims, residency), now, events)
+                      schedule_memory(analysis, choice, dims, residency, base_memory), now,
+                      events)
 
 
 def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
