@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import importlib.machinery
 import importlib.util
 import os
@@ -26,6 +27,7 @@ from types import ModuleType
 
 OK, FAILED, NO_MEMORY, DIED = 0, 1, 2, 3
 _PR_SET_PDEATHSIG = 1
+_PIPE_SIZE = 1 << 20
 
 
 def _load_onnx_c() -> ModuleType:
@@ -97,6 +99,7 @@ def _infer(onnx_c: ModuleType, limit: int, data: bytes) -> tuple[int, bytes]:
 
 def _serve_one(onnx_c: ModuleType, limit: int, data: bytes) -> tuple[int, bytes]:
     r, w = os.pipe()
+    _widen(w)
     pid = os.fork()
     if pid == 0:  # the child: bounded, answers through the pipe, never returns
         os.close(r)
@@ -123,12 +126,21 @@ def _serve_one(onnx_c: ModuleType, limit: int, data: bytes) -> tuple[int, bytes]
     return DIED, f"exit status {os.waitstatus_to_exitcode(st)}".encode()
 
 
+def _widen(fd: int) -> None:
+    """A pipe's buffer as large as an unprivileged process may make it (1 MiB by default,
+    not 64 KiB): an inferred model crosses it in a few wake-ups of the reader, not dozens."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the default size
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+
+
 def main() -> None:
     _die_with_parent()
     onnx_c = _load_onnx_c()
     _warm_up(onnx_c)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (it kills the group)
     fin, fout = sys.stdin.fileno(), sys.stdout.fileno()
+    _widen(fin)
+    _widen(fout)
     while True:
         head = _read(fin, 16)
         if len(head) != 16:
