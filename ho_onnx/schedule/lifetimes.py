@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,9 @@ Interval = tuple[int, int, int]  # (first position, last position inclusive, byt
 
 
 Sizes = Callable[[str], "int | None"]  # tensor name -> TensorInfo.nbytes under one dims
+
+
+_UNSET: Any = object()
 
 
 class TensorSizes:
@@ -35,9 +39,8 @@ class TensorSizes:
         self._by_type: dict[tuple[int | None, tuple[Dim, ...] | None], int | None] = {}
 
     def __call__(self, name: str) -> int | None:
-        try:
-            size = self._memo[name]
-        except KeyError:
+        size = self._memo.get(name, _UNSET)  # (a miss is every first ask: no KeyError)
+        if size is _UNSET:
             size = self._memo[name] = self._size(self._tensors[name])
         if isinstance(size, Exception):
             raise size
@@ -45,12 +48,12 @@ class TensorSizes:
 
     def _size(self, t: TensorInfo) -> int | Exception | None:
         key = (t.elem_type, t.shape)
-        if key in self._by_type:
-            return self._by_type[key]
-        try:
-            size = self._by_type[key] = t.nbytes(self._dims)
-        except Exception as e:  # remembered for this tensor, raised again by __call__
-            return e
+        size = self._by_type.get(key, _UNSET)
+        if size is _UNSET:
+            try:
+                size = self._by_type[key] = t.nbytes(self._dims)
+            except Exception as e:  # remembered for this tensor, raised again by __call__
+                return e
         return size
 
 

@@ -35,6 +35,7 @@ import itertools
 import time
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,8 +76,7 @@ class InfeasibleBudgetError(HoOnnxError):
         self.min_budget = min_budget
 
 
-@dataclass(frozen=True, slots=True)  # thousands per plan: no __dict__ each
-class Candidate:
+class Candidate(NamedTuple):  # thousands per plan: a tuple is built 3x faster
     """A tensor the planner may offload, with its uses and score (module docstring, 1)."""
 
     name: str
