@@ -298,12 +298,12 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
     mem = base + memory_profile(len(base), change)
     pos = int(mem.argmax())
 
-    def resident(k: str, s: int, e: int) -> bool:  # at ``pos``; an offload stays in its span
-        return s <= pos <= e and (k not in early or any(
-            a <= pos <= b for a, b, _ in _just_in_time_intervals(ctx.by_name[k], early[k])))
+    def still_resident(k: str) -> bool:  # at ``pos``, in its span: offloaded, still there?
+        return k not in early or any(
+            a <= pos <= b for a, b, _ in _just_in_time_intervals(ctx.by_name[k], early[k]))
 
     alive = sorted(((sizes[k], k) for k, (s, e) in spans.items()
-                    if sizes[k] and resident(k, s, e)), reverse=True)
+                    if sizes[k] and s <= pos <= e and still_resident(k)), reverse=True)
     node = ctx.analysis.node_at(pos)
     top = ", ".join(f"{k} ({format_bytes(b)})" for b, k in alive[:4])
     what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
