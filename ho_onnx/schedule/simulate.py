@@ -78,6 +78,9 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     detach_after: dict[int, list[TransferEvent]] = {}
     stored = {ev.tensor: ev for ev in events if ev.kind == "store"}
     for ev in events:
+        if not (0 <= ev.issue_pos < n and 0 <= ev.wait_pos < n):
+            raise IndexError(f"{ev.tensor}: {ev.kind} at ({ev.issue_pos}, {ev.wait_pos}), "
+                             f"outside the {n} steps of the schedule")
         if ev.kind == "reload":
             loads_at.setdefault(ev.issue_pos, []).append(ev)
             waits_at.setdefault(ev.wait_pos, []).append(ev)
