@@ -316,8 +316,7 @@ def _select(ctx: _Context, mem: np.ndarray, min_budget: int, skipped: dict[str, 
     """Greedy selection at the peak step, then the trim pass (module docstring, 3); ``mem``
     (this call's own copy) ends as the fast-tier bytes of the selection."""
     chosen: dict[str, tuple[int, ...]] = {}
-    while mem.max() > ctx.budget:
-        s = int(mem.argmax())
+    while mem[s := int(mem.argmax())] > ctx.budget:
         pick = _first_freeing(ctx, chosen, s)
         if pick is None:
             raise InfeasibleBudgetError(
@@ -328,15 +327,29 @@ def _select(ctx: _Context, mem: np.ndarray, min_budget: int, skipped: dict[str, 
         c, early = pick
         _offload(mem, c, early)
         chosen[c.name] = early
+    top = int(mem.argmax())
     for name in reversed(list(chosen)):
         c = ctx.by_name[name]
+        if _breaks_budget_at(ctx, mem, c, chosen[name], top):
+            continue  # what the trial below would find, without changing ``mem`` twice
         _keep_resident(mem, c, chosen[name])
         if mem.max() <= ctx.budget:
             del chosen[name]
             skipped[name] = "not needed: the budget holds with it resident (trim pass)"
+            top = int(mem.argmax())
         else:
             _offload(mem, c, chosen[name])
     return chosen
+
+
+def _breaks_budget_at(ctx: _Context, mem: np.ndarray, c: Candidate, early: tuple[int, ...],
+                      step: int) -> bool:
+    """Whether keeping ``c`` resident (instead of offloaded with ``early``) surely breaks
+    the budget: ``step`` is in its residency but in none of its just-in-time intervals, and
+    ``mem`` there plus ``c`` exceeds the budget."""
+    s, e = c.span
+    return s <= step <= e and mem[step] + c.nbytes > ctx.budget and not any(
+        a <= step <= b for a, b, _ in _just_in_time_intervals(c, early))
 
 
 def _assign_tiers(ctx: _Context, early: Mapping[str, tuple[int, ...]],
