@@ -38,12 +38,15 @@ def _load_onnx_c() -> ModuleType:
     spec = importlib.util.find_spec("onnx")  # finds the package, does not import it
     where = [os.path.dirname(spec.origin)] if spec is not None and spec.origin else []
     found = importlib.machinery.PathFinder.find_spec("onnx_cpp2py_export", where)
-    if "onnx" in sys.modules or found is None or found.loader is None:
-        import onnx.onnx_cpp2py_export.shape_inference as loaded
-        return loaded
-    ext = importlib.util.module_from_spec(found)
-    found.loader.exec_module(ext)
-    return ext.shape_inference
+    if "onnx" not in sys.modules and found is not None and found.loader is not None:
+        try:
+            ext = importlib.util.module_from_spec(found)
+            found.loader.exec_module(ext)
+            return ext.shape_inference
+        except ImportError:  # an onnx build that needs its package: import that
+            pass
+    import onnx.onnx_cpp2py_export.shape_inference as loaded
+    return loaded
 
 
 # ModelProto{ir_version: 8, graph{node{input: "x", output: "y", op_type: "Relu"}},
