@@ -187,6 +187,7 @@ def load_machine(name_or_path: str | os.PathLike[str] | Machine,
 
 
 _DIRECTIONS = ("h2d", "d2h", "disk")
+_BANDWIDTH = {"h2d": "h2d_bw", "d2h": "d2h_bw", "disk": "disk_bw"}  # direction -> field
 
 
 def transfer_time(machine: Machine, nbytes: float, direction: Direction | str) -> float:
@@ -198,5 +199,5 @@ def transfer_time(machine: Machine, nbytes: float, direction: Direction | str) -
         raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
     if nbytes <= 0:
         return 0.0
-    bw = {"h2d": machine.h2d_bw, "d2h": machine.d2h_bw, "disk": machine.disk_bw}[direction]
+    bw: float = getattr(machine, _BANDWIDTH[direction])
     return machine.transfer_latency_s + float(nbytes) / bw

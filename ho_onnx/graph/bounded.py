@@ -27,6 +27,7 @@ import threading
 import time
 
 import onnx
+import onnx.onnx_cpp2py_export.shape_inference as onnx_c
 
 from ..errors import ModelLoadError
 from ..units import format_bytes, parse_size
@@ -62,16 +63,15 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     itself when inference fails), bounded by :func:`limits`; raises
     :class:`ModelLoadError` when the model needs more memory or time than that."""
     memory, timeout = limits()
-    sent = _hide_long_vectors(model)
+    data = _hide_long_vectors(model).SerializeToString()
     if memory == 0:
         try:
-            return _restore_long_vectors(onnx.shape_inference.infer_shapes(
-                sent, check_type=False, strict_mode=False, data_prop=True))
+            return _parse_result(onnx_c.infer_shapes(data, False, False, True))
         except Exception:  # best effort: unknown shapes are handled downstream
             return model
-    status, payload = _worker.run(memory, sent.SerializeToString(), timeout)
+    status, payload = _worker.run(memory, data, timeout)
     if status == _OK:
-        return _restore_long_vectors(onnx.ModelProto.FromString(payload))
+        return _parse_result(payload)
     if status == _FAILED:
         return model
     if status == _NO_MEMORY:
@@ -120,6 +120,14 @@ def _long_1d(tp: onnx.TypeProto) -> bool:
         return False
     dims = tp.tensor_type.shape.dim
     return len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value > _LONG_1D
+
+
+def _parse_result(data: bytes) -> onnx.ModelProto:
+    """The inferred model from onnx's serialized answer, with the lengths
+    :func:`_hide_long_vectors` made symbolic restored (looked for only when the bytes name
+    one)."""
+    model = onnx.ModelProto.FromString(data)
+    return _restore_long_vectors(model) if _LEN_PARAM.encode() in data else model
 
 
 def _restore_long_vectors(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -207,7 +215,7 @@ class _Worker:
                     raise ModelLoadError(
                         f"shape inference of the model took more than {timeout:g} s (a "
                         f"malformed or hostile model?); set {ENV_TIMEOUT} to allow more")
-                chunk = os.read(fd, max(need - len(buf), 1 << 16))
+                chunk = os.read(fd, min(max(need - len(buf), 1 << 16), 1 << 24))
                 if not chunk:
                     return None
                 buf += chunk

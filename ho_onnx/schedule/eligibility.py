@@ -3,13 +3,14 @@ the shape-only readers of a weight and the gaps between an activation's uses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
 from ..target.ort.placement import HOST_TENSOR_REASON, predict_cuda_placement
+from .lifetimes import Sizes
 from .types import OffloadChoice, WeightOffload
 
 
@@ -62,26 +63,31 @@ def placement_reasons(analysis: GraphAnalysis) -> dict[str, str]:
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(data readers, shape-only readers) of ``t``: Shape/Size need no transfer."""
-    shape = tuple(c for c in t.consumers if reads_only_shape(analysis.node_at(c)))
+    nodes, order = analysis.model.graph.node, analysis.order
+    shape = tuple(c for c in t.consumers if reads_only_shape(nodes[order[c]]))
     return tuple(c for c in t.consumers if c not in shape), shape
-
-
-def gaps(producer: int, uses: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """``(start, end, k)`` of each gap producer→u1→u2...: ``k`` uses lie before it."""
-    prev = producer
-    for k, u in enumerate(uses):
-        yield prev, u, k
-        prev = u
 
 
 def largest_gap(producer: int, uses: Sequence[int]) -> tuple[int, int]:
     """(gap length, number of uses before it) over producer→u1→u2...; first of equal gaps
     (``(-1, 0)`` without uses)."""
-    best, best_k = -1, 0
-    for start, end, k in gaps(producer, uses):
-        if end - start > best:
-            best, best_k = end - start, k
+    best, best_k, prev = -1, 0, producer
+    for k, u in enumerate(uses):
+        if u - prev > best:
+            best, best_k = u - prev, k
+        prev = u
     return best, best_k
+
+
+def long_gaps(producer: int, uses: Sequence[int], min_gap: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each gap producer→u1→u2... at least ``min_gap`` long."""
+    out: list[tuple[int, int]] = []
+    prev = producer
+    for u in uses:
+        if u - prev >= min_gap:
+            out.append((prev, u))
+        prev = u
+    return out
 
 
 @dataclass(frozen=True)
@@ -94,25 +100,34 @@ class WeightGroups:
 
     @classmethod
     def of(cls, analysis: GraphAnalysis) -> WeightGroups:
-        members = {g[0]: g for g in weight_groups(analysis.model.graph)}
-        return cls(members, {m: p for p, g in members.items() for m in g[1:]})
+        """The groups of ``analysis``' model; computed once per analysis."""
+        if "weight_groups" not in analysis.derived:
+            members = {g[0]: g for g in weight_groups(analysis.model.graph)}
+            analysis.derived["weight_groups"] = cls(
+                members, {m: p for p, g in members.items() for m in g[1:]})
+        return analysis.derived["weight_groups"]
 
     def companion_reason(self, name: str) -> str | None:
         """Why a companion is never a candidate of its own."""
         p = self.primary_of.get(name)
         return None if p is None else f"moves together with {p!r}"
 
-    def data_uses(self, analysis: GraphAnalysis, primary: str) -> tuple[int, ...]:
-        """Data readers of every member of ``primary``'s group, ascending."""
+    def data_uses(self, analysis: GraphAnalysis, primary: str,
+                  own: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Data readers of every member of ``primary``'s group, ascending (``own``: those
+        of ``primary`` itself, when the caller has split its readers already)."""
         uses: set[int] = set()
         for m in self.members.get(primary, (primary,)):
-            uses.update(split_shape_readers(analysis, analysis.tensors[m])[0])
+            uses.update(own if m == primary and own is not None else
+                        split_shape_readers(analysis, analysis.tensors[m])[0])
         return tuple(sorted(uses))
 
     def nbytes(self, analysis: GraphAnalysis, primary: str,
-               dims: Mapping[str, int] | None = None) -> int:
-        return sum(analysis.tensors[m].nbytes(dims) or 0
-                   for m in self.members.get(primary, (primary,)))
+               dims: Mapping[str, int] | None = None, sizes: Sizes | None = None) -> int:
+        """Bytes of ``primary``'s group (``sizes``: the tensors' bytes under ``dims``, when
+        the caller has them)."""
+        size = sizes or (lambda m: analysis.tensors[m].nbytes(dims))
+        return sum(size(m) or 0 for m in self.members.get(primary, (primary,)))
 
     def split(self, analysis: GraphAnalysis, choice: OffloadChoice,
               dims: Mapping[str, int] | None = None) -> None:

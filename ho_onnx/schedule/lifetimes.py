@@ -7,38 +7,80 @@ allocates it through its last reader, inclusive.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from ..graph.analyse import GraphAnalysis
+from ..graph.analyse import Dim, GraphAnalysis, TensorInfo
 from .types import ActivationOffload, OffloadChoice
 
 Interval = tuple[int, int, int]  # (first position, last position inclusive, bytes)
 
 
-def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None = None
+Sizes = Callable[[str], "int | None"]  # tensor name -> TensorInfo.nbytes under one dims
+
+
+_UNSET: Any = object()
+
+
+class TensorSizes:
+    """``TensorInfo.nbytes`` of one analysis' tensors under one ``dims``, each computed once
+    (an error it raised is raised again at each ask): one :func:`plan` call asks for most
+    sizes several times, and a size evaluates every symbolic dim. Tensors of one element
+    type and shape share the size (only an error names the tensor)."""
+
+    def __init__(self, tensors: Mapping[str, TensorInfo],
+                 dims: Mapping[str, int] | None = None) -> None:
+        self._tensors = tensors
+        self._dims = dims
+        self._memo: dict[str, int | Exception | None] = {}
+        self._by_type: dict[tuple[int | None, tuple[Dim, ...] | None], int | None] = {}
+
+    def __call__(self, name: str) -> int | None:
+        size = self._memo.get(name, _UNSET)  # (a miss is every first ask: no KeyError)
+        if size is _UNSET:
+            size = self._memo[name] = self._size(self._tensors[name])
+        if isinstance(size, Exception):
+            raise size
+        return size
+
+    def _size(self, t: TensorInfo) -> int | Exception | None:
+        key = (t.elem_type, t.shape)
+        size = self._by_type.get(key, _UNSET)
+        if size is _UNSET:
+            try:
+                size = self._by_type[key] = t.nbytes(self._dims)
+            except Exception as e:  # remembered for this tensor, raised again by __call__
+                return e
+        return size
+
+
+def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None = None,
+                       nbytes: Sizes | None = None
                        ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
     """Fast-tier interval (first, last position, inclusive) and bytes of every tensor of the
     unmodified schedule. Initializers live for the whole run, graph inputs from the start,
-    graph outputs to the end. Tensors of unknown size count 0 bytes (see ``unknown``)."""
+    graph outputs to the end. Tensors of unknown size count 0 bytes (see ``unknown``).
+    ``nbytes``: the sizes under ``dims`` (a :class:`TensorSizes` the caller shares)."""
+    nbytes = nbytes or TensorSizes(analysis.tensors, dims)
     n = len(analysis.order)
     spans: dict[str, tuple[int, int]] = {}
     sizes: dict[str, int] = {}
     for name, t in analysis.tensors.items():
-        uses = t.consumers + t.implicit_consumers
         if t.is_initializer:
-            if not uses:
+            if not t.consumers and not t.implicit_consumers:
                 continue  # ORT drops unused initializers
             span = (0, n - 1)
         elif t.producer is not None:
-            span = (t.producer, n - 1 if t.is_graph_output else max(uses, default=t.producer))
+            span = (t.producer, n - 1 if t.is_graph_output else _last_use(t, t.producer))
         elif t.is_graph_input:
-            span = (0, n - 1 if t.is_graph_output else max(uses, default=0))
+            span = (0, n - 1 if t.is_graph_output else _last_use(t, 0))
         else:
             continue
         try:
-            size = t.nbytes(dims)
+            size = nbytes(name)
         except Exception:  # unbound dims are reported by the planner where they matter
             size = None
         sizes[name] = size or 0
@@ -46,12 +88,23 @@ def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None =
     return spans, sizes
 
 
-def memory_profile(n: int, intervals: list[Interval]) -> np.ndarray:
-    """Bytes resident at each of ``n`` positions given (start, end, bytes) intervals."""
+def _last_use(t: TensorInfo, default: int) -> int:
+    """Last (implicit or not) reader of ``t``, ``default`` without any."""
+    if t.implicit_consumers:
+        return max(t.consumers + t.implicit_consumers)
+    return max(t.consumers, default=default)
+
+
+_INTERVALS = np.dtype((np.int64, 3))  # rows of (start, end, bytes)
+
+
+def memory_profile(n: int, intervals: Iterable[Interval]) -> np.ndarray:
+    """Bytes resident at each of ``n`` positions given (start, end, bytes) intervals (any
+    iterable: a generator's tuples are never all alive at once)."""
+    start, end, nbytes = np.fromiter(intervals, dtype=_INTERVALS).T
     delta = np.zeros(n + 1, dtype=np.int64)
-    for s, e, b in intervals:
-        delta[s] += b
-        delta[e + 1] -= b
+    np.add.at(delta, start, nbytes)
+    np.subtract.at(delta, end + 1, nbytes)
     return np.cumsum(delta[:n])
 
 
@@ -75,13 +128,20 @@ Residency = tuple[dict[str, tuple[int, int]], dict[str, int]]  # resident_interv
 
 def schedule_memory(analysis: GraphAnalysis, choice: OffloadChoice | None,
                     dims: Mapping[str, int] | None = None,
-                    residency: Residency | None = None) -> np.ndarray:
+                    residency: Residency | None = None,
+                    base: np.ndarray | None = None) -> np.ndarray:
     """Fast-tier bytes per position of the schedule with ``choice``'s offloads
-    (``residency``: :func:`resident_intervals` of ``analysis`` and ``dims``, when known)."""
+    (``residency``: :func:`resident_intervals` of ``analysis`` and ``dims``, when known;
+    ``base``: the unmodified schedule's bytes per position under that residency, when
+    known: then only the offloaded tensors' intervals are counted)."""
     spans, sizes = residency or resident_intervals(analysis, dims)
     moved, extra = offloaded_intervals(choice) if choice else (set(), [])
-    base = [(s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved]
-    return memory_profile(len(analysis.order), base + extra)
+    n = len(analysis.order)
+    if base is not None:
+        removed = ((*spans[k], -sizes[k]) for k in moved if k in spans)
+        return base + memory_profile(n, itertools.chain(removed, extra))
+    kept = ((s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved)
+    return memory_profile(n, itertools.chain(kept, extra))
 
 
 def stored_peak_bytes(choice: OffloadChoice) -> int:

@@ -31,9 +31,11 @@ each look-ahead try builds a new :class:`_Selection` instead of undoing the last
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,16 +46,18 @@ from ..graph.analyse import GraphAnalysis
 from ..units import format_bytes
 from .eligibility import (
     WeightGroups,
-    gaps,
     ineligible,
     kind_of,
     largest_gap,
+    long_gaps,
     placement_reasons,
     split_shape_readers,
 )
 from .lifetimes import (
     Interval,
     Residency,
+    Sizes,
+    TensorSizes,
     host_bytes,
     memory_profile,
     peak,
@@ -72,8 +76,7 @@ class InfeasibleBudgetError(HoOnnxError):
         self.min_budget = min_budget
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):  # thousands per plan: a tuple is built 3x faster
     """A tensor the planner may offload, with its uses and score (module docstring, 1)."""
 
     name: str
@@ -143,6 +146,7 @@ class _Context:
     candidates: list[Candidate]  # best score first
     by_name: dict[str, Candidate]
     residency: Residency  # of the unmodified schedule (resident_intervals)
+    base_memory: np.ndarray  # the unmodified schedule's bytes per step
 
     @property
     def budget(self) -> int:
@@ -170,11 +174,12 @@ class _Selection:
 # and scores the two kinds; the score formulas are the module docstring's, side by side.
 def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, int],
                 costs: CostModel, spans: dict[str, tuple[int, int]],
-                skipped: dict[str, str]) -> list[Candidate]:
-    """Scored candidates, best first; the others of the chosen kinds go to ``skipped``."""
-    compute_s = costs.compute_s
-    total = float(compute_s.sum()) or 1.0
-    prefix = costs.prefix()
+                skipped: dict[str, str], sizes: Sizes) -> list[Candidate]:
+    """Scored candidates, best first; the others of the chosen kinds go to ``skipped``
+    (``sizes``: the tensors' bytes under ``dims``)."""
+    total = float(costs.compute_s.sum()) or 1.0
+    # Python floats: the same sums and differences as numpy's, without a scalar object each
+    compute_s, prefix = costs.compute_s.tolist(), costs.prefix().tolist()
     min_bytes = opts.min_bytes_or_default
     wanted = {"weight": opts.weights, "activation": opts.activations}
     groups = WeightGroups.of(analysis)
@@ -186,7 +191,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             continue
         reason = ineligible(t) or placement.get(name) or groups.companion_reason(name) or (
             None if name in spans else "not resident")
-        nbytes = None if reason else t.nbytes(dims)  # raises UnboundDimError naming the dim
+        nbytes = None if reason else sizes(name)  # raises UnboundDimError naming the dim
         if reason is None and nbytes is None:
             reason = "size unknown (shape inference gave no shape)"
         elif reason is None and nbytes is not None and nbytes < min_bytes:
@@ -196,21 +201,21 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             continue
         assert nbytes is not None
         if kind == "weight":
-            shape_readers = split_shape_readers(analysis, t)[1]
-            uses = groups.data_uses(analysis, name)  # with its scales and zero points
-            nbytes = groups.nbytes(analysis, name, dims)
+            own, shape_readers = split_shape_readers(analysis, t)
+            uses = groups.data_uses(analysis, name, own)  # with its scales and zero points
+            nbytes = groups.nbytes(analysis, name, dims, sizes)
             tt = costs.transfer_time(nbytes, "disk" if opts.weight_tier == "disk" else "h2d")
-            busy = sum(float(compute_s[c]) for c in uses)
+            busy = sum(compute_s[c] for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
             out.append(Candidate(name, kind, nbytes, uses, shape_readers, -1, score, spans[name]))
             continue
         assert t.producer is not None
         uses = tuple(sorted(t.consumers))
-        long_gaps = [(s, e) for s, e, _ in gaps(t.producer, uses) if e - s >= opts.min_gap]
-        if not long_gaps:
+        idle = long_gaps(t.producer, uses, opts.min_gap)
+        if not idle:
             skipped[name] = f"largest gap {largest_gap(t.producer, uses)[0]} < min_gap"
             continue
-        best = max([0.0, *(float(prefix[e] - prefix[s + 1]) for s, e in long_gaps)])
+        best = max([0.0, *(prefix[e] - prefix[s + 1] for s, e in idle)])
         tt = costs.transfer_time(nbytes, "d2h") + costs.transfer_time(nbytes, "h2d")
         out.append(Candidate(name, kind, nbytes, uses, (), t.producer, nbytes * best / tt,
                              spans[name]))
@@ -280,21 +285,25 @@ def _first_freeing(ctx: _Context, chosen: Container[str], step: int,
     return None
 
 
-def _smallest_budget(ctx: _Context, spans: dict[str, tuple[int, int]], sizes: dict[str, int]
-                     ) -> tuple[int, str]:
+def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int, int]],
+                     sizes: dict[str, int]) -> tuple[int, str]:
     """Smallest budget this planner can meet (every candidate offloaded across its largest
-    gap, reloads just in time), and what dominates it."""
-    n = len(ctx.analysis.order)
-    mem = memory_profile(n, [(s, e, sizes[k]) for k, (s, e) in spans.items()])
-    moved: dict[str, list[Interval]] = {}
-    for c in ctx.candidates:
-        early = _early_uses_at_largest_gap(c, ctx.options.min_gap)
-        if early is not None:
-            _offload(mem, c, early)
-            moved[c.name] = _just_in_time_intervals(c, early)
+    gap, reloads just in time), and what dominates it; ``base``: the baseline's bytes per
+    step."""
+    early = {c.name: e for c in ctx.candidates
+             if (e := _early_uses_at_largest_gap(c, ctx.options.min_gap)) is not None}
+    change = itertools.chain.from_iterable(  # what _offload of each does to ``base``
+        [(*c.span, -c.nbytes), *_just_in_time_intervals(c, early[c.name])]
+        for c in ctx.candidates if c.name in early)
+    mem = base + memory_profile(len(base), change)
     pos = int(mem.argmax())
-    alive = sorted(((sizes[k], k) for k, (s, e) in spans.items() if sizes[k] and any(
-        a <= pos <= b for a, b, _ in moved.get(k, [(s, e, sizes[k])]))), reverse=True)
+
+    def still_resident(k: str) -> bool:  # at ``pos``, in its span: offloaded, still there?
+        return k not in early or any(
+            a <= pos <= b for a, b, _ in _just_in_time_intervals(ctx.by_name[k], early[k]))
+
+    alive = sorted(((sizes[k], k) for k, (s, e) in spans.items()
+                    if sizes[k] and s <= pos <= e and still_resident(k)), reverse=True)
     node = ctx.analysis.node_at(pos)
     top = ", ".join(f"{k} ({format_bytes(b)})" for b, k in alive[:4])
     what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
@@ -307,8 +316,7 @@ def _select(ctx: _Context, mem: np.ndarray, min_budget: int, skipped: dict[str, 
     """Greedy selection at the peak step, then the trim pass (module docstring, 3); ``mem``
     (this call's own copy) ends as the fast-tier bytes of the selection."""
     chosen: dict[str, tuple[int, ...]] = {}
-    while mem.max() > ctx.budget:
-        s = int(mem.argmax())
+    while mem[s := int(mem.argmax())] > ctx.budget:
         pick = _first_freeing(ctx, chosen, s)
         if pick is None:
             raise InfeasibleBudgetError(
@@ -319,15 +327,29 @@ def _select(ctx: _Context, mem: np.ndarray, min_budget: int, skipped: dict[str, 
         c, early = pick
         _offload(mem, c, early)
         chosen[c.name] = early
+    top = int(mem.argmax())
     for name in reversed(list(chosen)):
         c = ctx.by_name[name]
+        if _breaks_budget_at(ctx, mem, c, chosen[name], top):
+            continue  # what the trial below would find, without changing ``mem`` twice
         _keep_resident(mem, c, chosen[name])
         if mem.max() <= ctx.budget:
             del chosen[name]
             skipped[name] = "not needed: the budget holds with it resident (trim pass)"
+            top = int(mem.argmax())
         else:
             _offload(mem, c, chosen[name])
     return chosen
+
+
+def _breaks_budget_at(ctx: _Context, mem: np.ndarray, c: Candidate, early: tuple[int, ...],
+                      step: int) -> bool:
+    """Whether keeping ``c`` resident (instead of offloaded with ``early``) surely breaks
+    the budget: ``step`` is in its residency but in none of its just-in-time intervals, and
+    ``mem`` there plus ``c`` exceeds the budget."""
+    s, e = c.span
+    return s <= step <= e and mem[step] + c.nbytes > ctx.budget and not any(
+        a <= step <= b for a, b, _ in _just_in_time_intervals(c, early))
 
 
 def _assign_tiers(ctx: _Context, early: Mapping[str, tuple[int, ...]],
@@ -460,7 +482,7 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
             continue
         new_choice = _place(ctx, trial)
         new_sim = simulate(ctx.analysis, new_choice, ctx.costs.compute_s,
-                           ctx.costs.transfer_time, ctx.dims, ctx.residency)
+                           ctx.costs.transfer_time, ctx.dims, ctx.residency, ctx.base_memory)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
             sel, choice, planned = trial, new_choice, new_sim
             skipped.pop(c.name, None)
@@ -478,14 +500,16 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     n = len(analysis.order)
     if costs.compute_s.shape != (n,):
         raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
-    residency = spans, sizes = resident_intervals(analysis, dims)
+    nbytes = TensorSizes(analysis.tensors, dims)  # each size once in this call
+    residency = spans, sizes = resident_intervals(analysis, dims, nbytes)
     baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims, residency)
     skipped: dict[str, str] = {}
-    cands = _candidates(analysis, opts, dims, costs, spans, skipped)
-    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency)
+    cands = _candidates(analysis, opts, dims, costs, spans, skipped, nbytes)
+    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency,
+                   baseline.memory)
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
-        min_budget, what = _smallest_budget(ctx, spans, sizes)
+        min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes)
         if ctx.budget < min_budget:
             raise InfeasibleBudgetError(
                 f"budget {format_bytes(ctx.budget)} is below the smallest feasible budget "
@@ -496,7 +520,8 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     sel = _Selection(early, mem, {})
     sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
     choice = _place(ctx, sel)
-    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency)
+    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency,
+                       baseline.memory)
     choice, planned = _make_room(ctx, sel, choice, planned, skipped)
     offloaded = {x.name for x in [*choice.weights, *choice.activations]}
     for c in cands:

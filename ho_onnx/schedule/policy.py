@@ -65,8 +65,8 @@ def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
     nbytes = groups.nbytes(analysis, t.name, dims)  # with its scales and zero points
     if nbytes < options.min_bytes_or_default:
         return f"{nbytes} bytes < min_bytes"
-    shape_readers = split_shape_readers(analysis, t)[1]
-    data = groups.data_uses(analysis, t.name)
+    own, shape_readers = split_shape_readers(analysis, t)
+    data = groups.data_uses(analysis, t.name, own)
     d = options.prefetch_distance
     choice.weights.append(WeightOffload(t.name, nbytes, data, tuple(max(0, c - d) for c in data),
                                         shape_readers, options.weight_tier))

@@ -64,59 +64,73 @@ class Simulation:
 
 def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
              transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
-             residency: Residency | None = None) -> Simulation:
+             residency: Residency | None = None, base_memory: np.ndarray | None = None
+             ) -> Simulation:
     """Predict time (with FIFO channels) and memory of the schedule of ``choice``
-    (``residency``: the unmodified schedule's, when the caller already has it)."""
+    (``residency``: the unmodified schedule's, when the caller already has it;
+    ``base_memory``: that schedule's bytes per step, when known too)."""
     n = len(analysis.order)
-    events: list[TransferEvent] = []
-    loads_at: list[list[TransferEvent]] = [[] for _ in range(n)]
-    waits_at: list[list[TransferEvent]] = [[] for _ in range(n)]
-    stores_after: list[list[TransferEvent]] = [[] for _ in range(n)]
-    detach_after: list[list[TransferEvent]] = [[] for _ in range(n)]
-    store_of: dict[str, TransferEvent] = {}
-    if choice is not None:
-        for w in choice.weights:
-            d: Direction = "disk" if w.tier == "disk" else "h2d"
-            for c, p in zip(w.consumers, w.prefetch_at, strict=True):
-                ev = TransferEvent(w.name, "reload", d, w.nbytes, p, c)
-                events.append(ev)
-        for a in choice.activations:
-            b = a.nbytes or 0
-            st = TransferEvent(a.name, "store", "d2h", b, a.producer, a.last_early)
-            ld = TransferEvent(a.name, "reload", "h2d", b, a.prefetch_at, a.late[0])
-            store_of[a.name] = st
-            events.extend((st, ld))
+    events = _events(choice)
+    # position -> its transfers (few positions have any: no list per position)
+    loads_at: dict[int, list[TransferEvent]] = {}
+    waits_at: dict[int, list[TransferEvent]] = {}
+    stores_after: dict[int, list[TransferEvent]] = {}
+    detach_after: dict[int, list[TransferEvent]] = {}
+    stored = {ev.tensor: ev for ev in events if ev.kind == "store"}
     for ev in events:
+        if not (0 <= ev.issue_pos < n and 0 <= ev.wait_pos < n):
+            raise IndexError(f"{ev.tensor}: {ev.kind} at ({ev.issue_pos}, {ev.wait_pos}), "
+                             f"outside the {n} steps of the schedule")
         if ev.kind == "reload":
-            loads_at[ev.issue_pos].append(ev)
-            waits_at[ev.wait_pos].append(ev)
+            loads_at.setdefault(ev.issue_pos, []).append(ev)
+            waits_at.setdefault(ev.wait_pos, []).append(ev)
         else:
-            stores_after[ev.issue_pos].append(ev)
-            detach_after[ev.wait_pos].append(ev)
+            stores_after.setdefault(ev.issue_pos, []).append(ev)
+            detach_after.setdefault(ev.wait_pos, []).append(ev)
     free = {"h2d": 0.0, "d2h": 0.0, "disk": 0.0}
     now = 0.0
     starts = np.zeros(n)
+    compute_s = np.asarray(compute_s, dtype=np.float64)
+    seconds = compute_s.tolist()  # the same floats, without a numpy scalar per step
     for i in range(n):
-        for ev in loads_at[i]:
+        for ev in loads_at.get(i, ()):
             ready = now
-            if ev.tensor in store_of and ev.kind == "reload" and ev.direction == "h2d":
-                ready = max(ready, store_of[ev.tensor].end_s)
+            if ev.tensor in stored and ev.direction == "h2d":
+                ready = max(ready, stored[ev.tensor].end_s)
             ev.start_s = max(ready, free[ev.direction])
             ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
             free[ev.direction] = ev.end_s
-        for ev in waits_at[i]:
+        for ev in waits_at.get(i, ()):
             if ev.end_s > now:
                 ev.stall_s = ev.end_s - now
                 now = ev.end_s
         starts[i] = now
-        now += float(compute_s[i])
-        for ev in stores_after[i]:
+        now += seconds[i]
+        for ev in stores_after.get(i, ()):
             ev.start_s = max(now, free["d2h"])
             ev.end_s = ev.start_s + transfer_time(ev.nbytes, "d2h")
             free["d2h"] = ev.end_s
-        for ev in detach_after[i]:
+        for ev in detach_after.get(i, ()):
             if ev.end_s > now:
                 ev.stall_s = ev.end_s - now
                 now = ev.end_s
-    return Simulation(np.asarray(compute_s, dtype=np.float64), starts,
-                      schedule_memory(analysis, choice, dims, residency), now, events)
+    return Simulation(compute_s, starts,
+                      schedule_memory(analysis, choice, dims, residency, base_memory), now,
+                      events)
+
+
+def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
+    """The transfers of ``choice``, not yet timed: each weight reload, and each activation's
+    store then reload."""
+    events: list[TransferEvent] = []
+    if choice is None:
+        return events
+    for w in choice.weights:
+        d: Direction = "disk" if w.tier == "disk" else "h2d"
+        events.extend(TransferEvent(w.name, "reload", d, w.nbytes, p, c)
+                      for c, p in zip(w.consumers, w.prefetch_at, strict=True))
+    for a in choice.activations:
+        b = a.nbytes or 0
+        events.append(TransferEvent(a.name, "store", "d2h", b, a.producer, a.last_early))
+        events.append(TransferEvent(a.name, "reload", "h2d", b, a.prefetch_at, a.late[0]))
+    return events
