@@ -21,6 +21,7 @@ from ..graph.analyse import (
     input_names,
     output_names,
 )
+from ..graph.gcpause import gc_paused
 from ..target.ort.facts import never_runs
 from .contrib import CONTRIB_COST_OPS, contrib_flops_bytes
 from .machine import Machine
@@ -252,6 +253,7 @@ def node_time(machine: Machine, flops: float, nbytes: float) -> float:
                nbytes / machine.mem_bw) + machine.launch_overhead_s
 
 
+@gc_paused()
 def analytic_costs(analysis: GraphAnalysis, machine: Machine,
                    dims: Mapping[str, int] | None = None) -> NodeCosts:
     """Roofline time of every node (see :func:`node_flops_bytes`, :func:`node_time`);

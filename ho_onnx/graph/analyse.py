@@ -26,6 +26,7 @@ from onnx import TensorProto
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
 from .bounded import infer_shapes
 from .dtypes import ELEMENT_BITS, dtype_name, tensor_nbytes
+from .gcpause import gc_paused
 
 Dim = int | str | None  # a value, a symbolic name, or unknown
 # No tensor is larger: sums of the sizes of many tensors stay within int64 (numpy arrays).
@@ -180,6 +181,11 @@ def subgraph_owners(graph: ir.Graph) -> dict[ir.Graph, ir.Node]:
             stack.extend(s for n in ir.traversal.RecursiveGraphIterator(g)
                          for s in subgraphs(n))
     return owners
+
+
+def all_graphs(graph: ir.Graph) -> list[ir.Graph]:
+    """``graph`` and every graph nested in it."""
+    return [graph, *subgraph_owners(graph)]
 
 
 def outer_reads(graph: ir.Graph, owners: Mapping[ir.Graph, ir.Node]) -> Iterator[
@@ -439,6 +445,7 @@ def _tensor_infos(graph: ir.Graph, nodes: Sequence[ir.Node],
     return tensors, values
 
 
+@gc_paused()
 def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
             shapes: Mapping[str, Sequence[int]] | None = None,
             more_types: TypeSource | None = None,

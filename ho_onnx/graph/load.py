@@ -20,8 +20,10 @@ from onnx import TensorProto
 
 from ..contract import DOMAIN
 from ..errors import ExternalDataError, ModelLoadError, UnsupportedModelError
+from .analyse import all_graphs
 from .check import check_standard
 from .dtypes import ELEMENT_BITS, dense_nbytes
+from .gcpause import gc_paused
 from .protos import iter_graphs
 
 
@@ -57,7 +59,7 @@ def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str) -> ir.Model:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # a structure onnx_ir refuses (the checker let it through)
         raise ModelLoadError(f"{what!r} cannot be read as an ONNX graph: {e}") from None
-    for g in model.graphs():
+    for g in all_graphs(model.graph):
         for v in g.initializers.values():
             if isinstance(v.const_value, ir.ExternalTensor):
                 v.const_value.base_dir = base_dir
@@ -188,6 +190,7 @@ def check_text(message: Message, what: str) -> None:
                                      f"UTF-8 ({bad[0]!r})")
 
 
+@gc_paused()
 def load_model(path: str | os.PathLike[str], *, check: bool = True,
                allow_cache_ops: bool = False) -> LoadedModel:
     """Read ``path`` (weight bytes stay on disk), check it and its external data references."""

@@ -18,8 +18,9 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from .. import contract
-from ..graph.analyse import GraphAnalysis, TensorInfo, attribute_values
+from ..graph.analyse import GraphAnalysis, TensorInfo, all_graphs, attribute_values
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
+from ..graph.gcpause import gc_paused
 from ..schedule.eligibility import cuda_host_tensors
 from ..schedule.lifetimes import stored_peak_bytes
 from ..schedule.types import ActivationOffload, OffloadChoice, WeightOffload
@@ -46,7 +47,7 @@ class _Names:
 
     def __init__(self, model: ir.Model) -> None:
         used: set[str] = set()
-        for g in model.graphs():
+        for g in all_graphs(model.graph):
             used.update(v.name for v in (*g.inputs, *g.outputs) if v.name)
             used.update(g.initializers)
             for n in g:
@@ -273,6 +274,7 @@ class _Builder:
         return const
 
 
+@gc_paused()
 def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> RewrittenModel:
     """Offload ``choice``'s tensors in ``analysis.model`` (in place; the analysis describes
     the model before the rewrite and is spent afterwards)."""

@@ -15,7 +15,9 @@ import onnx_ir as ir
 
 from .. import contract
 from ..errors import OutputPathError
+from ..graph.analyse import all_graphs
 from ..graph.dtypes import dense_nbytes
+from ..graph.gcpause import gc_paused
 from ..graph.load import ExternalRef, resolve_data_path
 from ..graph.save import OutputFiles, Sidecar
 from .insert import RewrittenModel
@@ -25,6 +27,7 @@ _ALIGN_SMALL = 64
 _BIG = 64 << 10
 
 
+@gc_paused()
 def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                       out_path: str | os.PathLike[str]) -> OutputFiles:
     """Set ``location``/``offset``/``length`` on every weight Prefetch of ``rewritten`` (in
@@ -79,7 +82,7 @@ def _nbytes(tensor: ir.TensorProtocol) -> int:
 def _referenced_files(rewritten: RewrittenModel, base_dir: Path) -> dict[str, Path]:
     """Data files the output references (location -> file), its initializers' and the
     offloaded weights'."""
-    values = [v for g in rewritten.model.graphs() for v in g.initializers.values()]
+    values = [v for g in all_graphs(rewritten.model.graph) for v in g.initializers.values()]
     referenced: dict[str, Path] = {}
     for v in [*values, *rewritten.weights.values()]:
         ref = ir_external_ref(v.const_value)

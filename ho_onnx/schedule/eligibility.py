@@ -63,8 +63,8 @@ def placement_reasons(analysis: GraphAnalysis) -> dict[str, str]:
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(data readers, shape-only readers) of ``t``: Shape/Size need no transfer."""
-    nodes, order = analysis.model.graph.node, analysis.order
-    shape = tuple(c for c in t.consumers if reads_only_shape(nodes[order[c]]))
+    nodes = analysis.nodes
+    shape = tuple(c for c in t.consumers if reads_only_shape(nodes[c]))
     return tuple(c for c in t.consumers if c not in shape), shape
 
 

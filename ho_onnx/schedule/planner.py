@@ -31,6 +31,7 @@ each look-ahead try builds a new :class:`_Selection` instead of undoing the last
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Container, Mapping
@@ -43,6 +44,7 @@ from ..cost.model import CostModel
 from ..cost.source import CostSource
 from ..errors import HoOnnxError
 from ..graph.analyse import GraphAnalysis
+from ..graph.gcpause import gc_paused
 from ..units import format_bytes
 from .eligibility import (
     WeightGroups,
@@ -493,7 +495,33 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
 
 def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
          dims: Mapping[str, int] | None = None) -> Plan:
-    """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring)."""
+    """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring).
+
+    Raises :class:`InfeasibleBudgetError` whose ``min_budget`` is a budget this planner
+    meets (the smallest from the largest-gap estimate up, :func:`_met_budget`)."""
+    return _plan(analysis, opts, costs, dims, search=True)
+
+
+def _met_budget(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+                dims: Mapping[str, int] | None, start: int, ceiling: int) -> int:
+    """The first budget from ``start`` up that the planner meets: the greedy selection can
+    fall short of the largest-gap estimate, so each failure's resident bytes are tried next
+    (a few plans at most; the unmodified peak ``ceiling`` always holds)."""
+    budget = start
+    for _ in range(32):
+        if budget >= ceiling:
+            break
+        try:
+            _plan(analysis, replace(opts, budget=budget), costs, dims, search=False)
+            return budget
+        except InfeasibleBudgetError as e:
+            budget = max(budget + 1, e.min_budget)
+    return ceiling
+
+
+@gc_paused()
+def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+          dims: Mapping[str, int] | None, search: bool) -> Plan:
     if opts.budget is None:
         raise ValueError("the planner needs options with a budget")
     dims = dict(dims or {})
@@ -510,11 +538,21 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
         min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes)
+        met = functools.partial(_met_budget, analysis, opts, costs, dims,
+                                ceiling=baseline.peak_bytes)
         if ctx.budget < min_budget:
+            least = met(min_budget) if search else min_budget
             raise InfeasibleBudgetError(
                 f"budget {format_bytes(ctx.budget)} is below the smallest feasible budget "
-                f"{format_bytes(min_budget)} ({min_budget} bytes): {what}", min_budget)
-        early = _select(ctx, mem, min_budget, skipped)
+                f"{format_bytes(least)} ({least} bytes): {what}", least)
+        try:
+            early = _select(ctx, mem, min_budget, skipped)
+        except InfeasibleBudgetError as e:
+            if not search:
+                raise
+            least = met(e.min_budget)
+            raise InfeasibleBudgetError(f"{e}; the smallest budget this planner meets is "
+                                        f"{format_bytes(least)} ({least} bytes)", least) from None
     else:
         min_budget, early = baseline.peak_bytes, {}
     sel = _Selection(early, mem, {})
