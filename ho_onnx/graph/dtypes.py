@@ -5,33 +5,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import onnx_ir as ir
 from onnx import TensorProto
 
-# Bits per element of every fixed-size ONNX tensor type (STRING and UNDEFINED excluded).
-ELEMENT_BITS: dict[int, int] = {
-    TensorProto.FLOAT: 32,
-    TensorProto.UINT8: 8,
-    TensorProto.INT8: 8,
-    TensorProto.UINT16: 16,
-    TensorProto.INT16: 16,
-    TensorProto.INT32: 32,
-    TensorProto.INT64: 64,
-    TensorProto.BOOL: 8,
-    TensorProto.FLOAT16: 16,
-    TensorProto.DOUBLE: 64,
-    TensorProto.UINT32: 32,
-    TensorProto.UINT64: 64,
-    TensorProto.COMPLEX64: 64,
-    TensorProto.COMPLEX128: 128,
-    TensorProto.BFLOAT16: 16,
-    TensorProto.FLOAT8E4M3FN: 8,
-    TensorProto.FLOAT8E4M3FNUZ: 8,
-    TensorProto.FLOAT8E5M2: 8,
-    TensorProto.FLOAT8E5M2FNUZ: 8,
-    TensorProto.UINT4: 4,
-    TensorProto.INT4: 4,
-    TensorProto.FLOAT4E2M1: 4,
-}
+# Bits per element (``onnx_ir``'s) of the fixed-size tensor types the op library registers
+# ops for (csrc/common.cc): STRING and UNDEFINED have no width; types newer than ONNX 1.18's
+# FLOAT4E2M1 (FLOAT8E8M0, 2- and 6-bit types) have no kernels in the runtimes supported.
+ELEMENT_BITS: dict[int, int] = {int(t): t.bitwidth for t in (
+    ir.DataType.FLOAT, ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT16,
+    ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64, ir.DataType.BOOL,
+    ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.UINT32, ir.DataType.UINT64,
+    ir.DataType.COMPLEX64, ir.DataType.COMPLEX128, ir.DataType.BFLOAT16,
+    ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E4M3FNUZ, ir.DataType.FLOAT8E5M2,
+    ir.DataType.FLOAT8E5M2FNUZ, ir.DataType.UINT4, ir.DataType.INT4, ir.DataType.FLOAT4E2M1,
+)}
 
 
 def dtype_name(elem_type: int) -> str:

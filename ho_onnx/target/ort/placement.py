@@ -148,6 +148,24 @@ def _has_cuda_kernel(node: ir.Node) -> bool:
         node.domain in ("", "ai.onnx") and node.op_type in NO_CUDA_KERNEL)
 
 
+def _falls_back(node: ir.Node, inputs: list[str], types: Mapping[str, int],
+                cheap: set[str], host: set[str]) -> bool:
+    """ORT's rule for a CUDA-capable candidate: to the CPU when no input is of a type with no
+    CPU fallback and each is cheap to read there (a small initializer or a graph input:
+    ``cheap``) or a host tensor its CUDA kernel does not itself take in host memory."""
+    host_inputs = HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+    for k, x in enumerate(inputs):
+        if not x:
+            continue
+        if types.get(x) in _NO_CPU_FALLBACK_TYPES:
+            return False
+        if x in cheap:
+            continue
+        if x not in host or k in host_inputs:
+            return False
+    return True
+
+
 def predict_cuda_placement(model: Model, types: Mapping[str, int] | None = None
                            ) -> Placement:
     """Replay ORT's CUDA capability + CPU fallback on ``model``'s main graph (``types``:
@@ -171,6 +189,7 @@ def predict_cuda_placement(model: Model, types: Mapping[str, int] | None = None
     small = {name for name, v in g.initializers.items()
              if v.const_value is not None and v.const_value.size <= SMALL_INITIALIZER}
     inputs = {v.name for v in g.inputs} - set(g.initializers)
+    cheap = small | inputs
     on_cuda = [_has_cuda_kernel(n) for n in nodes]
 
     host: set[str] = set()
@@ -193,27 +212,11 @@ def predict_cuda_placement(model: Model, types: Mapping[str, int] | None = None
         if cur in visited:
             continue
         visited.add(cur)
-        node = nodes[cur]
-        if not on_cuda[cur]:  # the CPU EP runs it: its outputs are host tensors
-            for o in outs[cur]:
-                host.add(o)
-                push_consumers(o)
-            continue
-        host_inputs = HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
-        to_cpu = True
-        for k, x in enumerate(ins[cur]):
-            if not x:
-                continue
-            if types.get(x) in _NO_CPU_FALLBACK_TYPES:
-                to_cpu = False
-                break
-            if x in small or x in inputs:
-                continue
-            if x not in host or k in host_inputs:
-                to_cpu = False
-                break
+        # the CPU EP runs it (no CUDA kernel, or the fallback rule): outputs in host memory
+        to_cpu = on_cuda[cur] and _falls_back(nodes[cur], ins[cur], types, cheap, host)
         if to_cpu:
             cpu_nodes.add(cur)
+        if to_cpu or not on_cuda[cur]:
             for o in outs[cur]:
                 host.add(o)
                 push_consumers(o)
