@@ -24,7 +24,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
-from .bounded import infer_shapes
+from .bounded import start_infer_shapes
 from .dtypes import ELEMENT_BITS, dtype_name, tensor_nbytes
 from .gcpause import gc_paused
 
@@ -380,12 +380,11 @@ def _known(tp: onnx.TypeProto | None) -> int:
     return sum(1 for d in tp.tensor_type.shape.dim if d.HasField("dim_value") or d.dim_param)
 
 
-def _value_types(proto: onnx.ModelProto, dims: Mapping[str, int],
+def _value_types(inferred: onnx.ModelProto, proto: onnx.ModelProto, dims: Mapping[str, int],
                  shapes: Mapping[str, Sequence[int]], more_types: TypeSource | None
                  ) -> dict[str, onnx.TypeProto]:
-    """Types of the main graph's values by name: bounded ONNX shape inference on a
-    weightless skeleton, refined by ``more_types`` where it tells more."""
-    inferred = infer_shapes(_skeleton(proto, dims, shapes))  # bounded (.bounded)
+    """Types of the main graph's values by name: ONNX shape inference's (``inferred``),
+    refined by ``more_types`` where it tells more."""
     types: dict[str, onnx.TypeProto] = {}
     for vi in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):
         types[vi.name] = vi.type
@@ -466,9 +465,15 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
     order = sort_graph(graph, owners)
     if proto is None:
         proto = _weightless_proto(model)
-    types = _value_types(proto, dims, shapes, more_types)
-    nodes = list(graph)
-    tensors, values = _tensor_infos(graph, nodes, owners)
+    # bounded (.bounded): the worker infers on a weightless skeleton while this walks the graph
+    pending = start_infer_shapes(_skeleton(proto, dims, shapes))
+    try:
+        nodes = list(graph)
+        tensors, values = _tensor_infos(graph, nodes, owners)
+    except BaseException:
+        pending.cancel()
+        raise
+    types = _value_types(pending.result(), proto, dims, shapes, more_types)
     for name, t in tensors.items():
         if not t.is_initializer and name in types:
             t.elem_type, t.shape = _shape_of(types[name])

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import onnx
 import onnx.onnx_cpp2py_export.shape_inference as onnx_c
@@ -62,24 +63,46 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference with data propagation of ``model`` (best effort: ``model``
     itself when inference fails), bounded by :func:`limits`; raises
     :class:`ModelLoadError` when the model needs more memory or time than that."""
+    return start_infer_shapes(model).result()
+
+
+class PendingShapes:
+    """Shape inference started in the worker: :meth:`result` waits for it (the caller works
+    meanwhile), :meth:`cancel` abandons it. One of them must be called: the worker serves
+    one request at a time."""
+
+    def __init__(self, model: onnx.ModelProto, memory: int,
+                 reply: Callable[[], tuple[int, bytes]]) -> None:
+        self.model, self.memory, self._reply = model, memory, reply
+
+    def result(self) -> onnx.ModelProto:
+        status, payload = self._reply()
+        if status == _OK:
+            return _parse_result(payload)
+        if status == _FAILED:
+            return self.model
+        if status == _NO_MEMORY:
+            raise ModelLoadError(
+                f"shape inference of the model needs more than {format_bytes(self.memory)} of "
+                "memory (a malformed or hostile model, or a 1-D tensor of millions of "
+                f"elements?); set {ENV_MEMORY} to allow more")
+        raise ModelLoadError(f"shape inference of the model crashed ({payload.decode()})")
+
+    def cancel(self) -> None:
+        _worker.cancel()
+
+
+def start_infer_shapes(model: onnx.ModelProto) -> PendingShapes:
+    """Send ``model`` to the worker and return at once (see :func:`infer_shapes`)."""
     memory, timeout = limits()
     data = _hide_long_vectors(model).SerializeToString()
     if memory == 0:
         try:
-            return _parse_result(onnx_c.infer_shapes(data, False, False, True))
+            reply = (_OK, onnx_c.infer_shapes(data, False, False, True))
         except Exception:  # best effort: unknown shapes are handled downstream
-            return model
-    status, payload = _worker.run(memory, data, timeout)
-    if status == _OK:
-        return _parse_result(payload)
-    if status == _FAILED:
-        return model
-    if status == _NO_MEMORY:
-        raise ModelLoadError(
-            f"shape inference of the model needs more than {format_bytes(memory)} of memory "
-            f"(a malformed or hostile model, or a 1-D tensor of millions of elements?); "
-            f"set {ENV_MEMORY} to allow more")
-    raise ModelLoadError(f"shape inference of the model crashed ({payload.decode()})")
+            reply = (_FAILED, b"")
+        return PendingShapes(model, memory, lambda: reply)
+    return PendingShapes(model, memory, _worker.submit(memory, data, timeout))
 
 
 # ONNX's data propagation spends ~100-250 bytes per element of every 1-D tensor of known
@@ -181,28 +204,63 @@ class _Worker:
                 if f is not None:
                     f.close()
 
-    def run(self, memory: int, data: bytes, timeout: float) -> tuple[int, bytes]:
-        with self.lock:
-            for _attempt in (0, 1):
-                try:
-                    reply = self._request(self._start(), memory, data, timeout)
-                except BaseException:
-                    self.stop()  # a request left half done (timeout, signal) ends the worker
-                    raise
-                if reply is not None:
-                    return reply
+    def submit(self, memory: int, data: bytes, timeout: float
+               ) -> Callable[[], tuple[int, bytes]]:
+        """Send a request (the worker is held until the returned function has read its
+        reply, or :meth:`cancel`)."""
+        self.lock.acquire()
+        try:
+            proc = self._start()
+            if not self._send(proc, memory, data):
                 self.stop()  # the worker had died (its parent thread ended): once more
-            return _DIED, b"the shape-inference worker died"
+                proc = self._start()
+                if not self._send(proc, memory, data):
+                    self.stop()
+                    self.lock.release()
+                    return lambda: (_DIED, b"the shape-inference worker died")
+        except BaseException:
+            self.stop()
+            self.lock.release()
+            raise
+        return lambda: self._reply(proc, memory, data, timeout)
+
+    def _reply(self, proc: subprocess.Popen[bytes], memory: int, data: bytes, timeout: float
+               ) -> tuple[int, bytes]:
+        try:
+            reply = self._receive(proc, timeout)
+            if reply is None:  # died while working: once more, from the start
+                self.stop()
+                proc = self._start()
+                if self._send(proc, memory, data):
+                    reply = self._receive(proc, timeout)
+            if reply is None:
+                self.stop()
+                return _DIED, b"the shape-inference worker died"
+            return reply
+        except BaseException:
+            self.stop()  # a request left half done (timeout, signal) ends the worker
+            raise
+        finally:
+            self.lock.release()
+
+    def cancel(self) -> None:
+        """Abandon the request in flight (the worker is stopped: it may still be busy)."""
+        self.stop()
+        self.lock.release()
 
     @staticmethod
-    def _request(proc: subprocess.Popen[bytes], memory: int, data: bytes, timeout: float
-                 ) -> tuple[int, bytes] | None:
-        assert proc.stdin is not None and proc.stdout is not None
+    def _send(proc: subprocess.Popen[bytes], memory: int, data: bytes) -> bool:
+        assert proc.stdin is not None
         try:
             proc.stdin.write(struct.pack("<QQ", memory, len(data)) + data)
             proc.stdin.flush()
         except BrokenPipeError:
-            return None
+            return False
+        return True
+
+    @staticmethod
+    def _receive(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, bytes] | None:
+        assert proc.stdout is not None
         deadline = time.monotonic() + timeout
         fd = proc.stdout.fileno()
         buf = bytearray()

@@ -23,6 +23,7 @@ from ..errors import ExternalDataError, ModelLoadError, UnsupportedModelError
 from .analyse import all_graphs
 from .check import check_standard
 from .dtypes import ELEMENT_BITS, dense_nbytes
+from .forked import start_check
 from .gcpause import gc_paused
 from .protos import iter_graphs
 
@@ -206,15 +207,24 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
         raise ModelLoadError(f"{str(p)!r} is not a readable ONNX model: {e}") from None
     if not model.HasField("graph") or model.ir_version == 0:
         raise ModelLoadError(f"{str(p)!r} is not an ONNX model (no graph or IR version)")
-    check_text(model, str(p))
-    check_opsets(model, allow_cache_ops)
     base_dir = p.resolve().parent
-    validate_external_data(model, base_dir)
-    if check:
-        try:  # (external data was checked above; contrib and custom-domain ops pass here)
-            check_standard(model)
-        except onnx.checker.ValidationError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-            raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
-    return LoadedModel(proto=model, model=to_ir(model, base_dir, str(p)), path=p,
-                       base_dir=base_dir)
+
+    def validate() -> None:
+        check_text(model, str(p))
+        check_opsets(model, allow_cache_ops)
+        validate_external_data(model, base_dir)
+        if check:
+            try:  # (external data was checked above; contrib and custom-domain ops pass here)
+                check_standard(model)
+            except onnx.checker.ValidationError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+                raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
+
+    verdict = start_check(validate)  # in a forked child while the onnx_ir model is built
+    try:
+        model_ir = to_ir(model, base_dir, str(p))
+    except ModelLoadError:
+        verdict()  # a failed check explains more than what onnx_ir could not read
+        raise
+    verdict()
+    return LoadedModel(proto=model, model=model_ir, path=p, base_dir=base_dir)

@@ -71,3 +71,28 @@ def test_a_call_costs_milliseconds_once_the_worker_runs():
     for _ in range(20):
         analyse(m, {"N": 2})
     assert (time.perf_counter() - t) / 20 < 0.25
+
+
+def test_a_started_inference_is_read_later_or_cancelled():
+    from ho_onnx.graph.bounded import start_infer_shapes
+
+    pending = start_infer_shapes(chain_model())
+    inferred = pending.result()
+    assert {vi.name for vi in inferred.graph.value_info} >= {"h1", "h2", "h3"}
+    abandoned = start_infer_shapes(doubling_model(40))  # would run out of memory
+    abandoned.cancel()  # the worker is stopped and free again at once
+    again = start_infer_shapes(chain_model()).result()
+    assert {vi.name for vi in again.graph.value_info} >= {"h1", "h2", "h3"}
+
+
+def test_a_failure_while_the_worker_infers_frees_the_worker(monkeypatch):
+    from ho_onnx.graph import analyse as analyse_module
+
+    def broken(*args):
+        raise RuntimeError("walk failed")
+
+    monkeypatch.setattr(analyse_module, "_tensor_infos", broken)
+    with pytest.raises(RuntimeError, match="walk failed"):
+        analyse(chain_model(), {"N": 2})
+    monkeypatch.undo()
+    assert analyse(chain_model(), {"N": 2}).tensors["h1"].shape == (2, 16)  # not stuck

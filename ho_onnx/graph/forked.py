@@ -1,0 +1,124 @@
+"""Run a check in a forked child while this process does other work.
+
+Loading checks a parsed model (UTF-8 of every string, external-data references, the ONNX
+checker) and builds its ``onnx_ir`` model: independent CPU work in Python, which threads
+cannot overlap. A child made by ``fork`` sees the parsed proto copy-on-write (nothing is
+serialised) and runs the check while the parent deserialises; it reports ``None`` or the
+:class:`~ho_onnx.errors.HoOnnxError` the check raised.
+
+Only where forking is safe enough: on Linux, from a process with a single *Python* thread
+(a Python lock another thread held at the fork would never be released in the child; idle
+native pools such as OpenBLAS' or ORT's are there in most processes and hold nothing the
+check uses; glibc's allocator is fork-safe), and not when disabled with
+``HO_ONNX_FORKED_CHECKS=0``. Otherwise, and whenever the child fails in any other way
+(killed, an unexpected exception, no answer within the timeout), the check runs here, so
+the outcome is the same either way; only the time differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import select
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+from ..errors import HoOnnxError
+
+ENV = "HO_ONNX_FORKED_CHECKS"
+TIMEOUT_S = 120.0
+_PASSED = b"="  # the check passed
+_FALLBACK = b"?"  # the child could not give a verdict (or died: no bytes): check here
+
+
+def forking_allowed() -> bool:
+    return (sys.platform.startswith("linux") and os.environ.get(ENV, "1") != "0"
+            and threading.active_count() == 1)
+
+
+def start_check(check: Callable[[], None], timeout: float = TIMEOUT_S
+                ) -> Callable[[], None]:
+    """Start ``check()`` (raises a :class:`HoOnnxError` or returns None) in a forked child
+    when allowed, else run it now; the returned function waits for the child's verdict and
+    raises that error (or runs ``check()`` here when the child gave none)."""
+    if not forking_allowed():
+        check()
+        return lambda: None
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # (3.12+ warns of native threads; see the docstring)
+        warnings.filterwarnings("ignore", message=".*multi-threaded.*fork",
+                                category=DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: never returns
+        _child(check, r, w)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+
+    def wait() -> None:
+        try:
+            verdict = _read(r, deadline)
+        finally:
+            os.close(r)
+            _reap(pid)
+        if verdict == _PASSED:
+            return
+        if verdict in (_FALLBACK, b""):
+            check()
+            return
+        raise pickle.loads(verdict)
+
+    return wait
+
+
+def _child(check: Callable[[], None], r: int, w: int) -> None:
+    code = 0
+    try:
+        os.close(r)
+        try:
+            check()
+            out = _PASSED
+        except HoOnnxError as e:
+            try:
+                out = pickle.dumps(e)
+            except Exception:  # an error that does not pickle: the parent checks itself
+                out = _FALLBACK
+        except BaseException:  # anything else: the parent checks itself
+            out = _FALLBACK
+        view = memoryview(out)
+        while view:
+            view = view[os.write(w, view):]
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+
+
+def _read(r: int, deadline: float) -> bytes:
+    """The child's whole answer, or the fallback marker if it dies or misses the deadline."""
+    chunks: list[bytes] = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return _FALLBACK
+        ready, _, _ = select.select([r], [], [], left)
+        if not ready:
+            return _FALLBACK
+        chunk = os.read(r, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reap(pid: int) -> None:
+    """Collect the child (killed first if it is still running)."""
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            os.waitpid(pid, 0)

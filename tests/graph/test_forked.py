@@ -1,0 +1,83 @@
+"""graph.forked: a check run in a forked child gives the same outcome as run here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from ho_onnx.errors import ExternalDataError
+from ho_onnx.graph import forked
+
+
+def _marker(tmp_path):
+    """A check that records the pid it ran in."""
+    seen = tmp_path / "pids"
+
+    def check() -> None:
+        with open(seen, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+    return check, lambda: [int(x) for x in seen.read_text().split()]
+
+
+def test_runs_in_a_child_and_passes(tmp_path):
+    check, pids = _marker(tmp_path)
+    assert forked.forking_allowed()
+    forked.start_check(check)()
+    assert pids() and pids()[0] != os.getpid()  # ran once, elsewhere
+
+
+def test_the_childs_error_is_raised_here():
+    def check() -> None:
+        raise ExternalDataError("initializer 'w': points outside the model folder")
+
+    wait = forked.start_check(check)
+    with pytest.raises(ExternalDataError, match="outside the model folder"):
+        wait()
+
+
+@pytest.mark.parametrize("how", ["unexpected error", "killed", "timeout"])
+def test_without_a_verdict_the_check_runs_here(tmp_path, how):
+    parent = os.getpid()
+    log = tmp_path / "log"
+
+    def check() -> None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if os.getpid() == parent:
+            return  # here: the real check passes
+        if how == "unexpected error":
+            raise RuntimeError("a bug in the child")
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    forked.start_check(check, timeout=1.0 if how == "timeout" else 30.0)()
+    pids = [int(x) for x in log.read_text().split()]
+    assert pids[-1] == parent and len(pids) == 2
+
+
+def test_no_fork_with_another_python_thread(tmp_path):
+    check, pids = _marker(tmp_path)
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert not forked.forking_allowed()
+        wait = forked.start_check(check)
+        assert pids() == [os.getpid()]  # ran at once, here
+        wait()
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_disabled_by_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(forked.ENV, "0")
+    check, pids = _marker(tmp_path)
+    forked.start_check(check)()
+    assert pids() == [os.getpid()]
