@@ -132,6 +132,8 @@ class GraphAnalysis:
     values: dict[str, ir.Value] = field(default_factory=dict, repr=False)
     # Position -> index of the node in the file as loaded (differs when it was not sorted).
     order: list[int] = field(default_factory=list, repr=False)
+    # Every graph nested in the main graph -> the main-graph node that holds it.
+    owners: dict[ir.Graph, ir.Node] = field(default_factory=dict, repr=False)
     # Facts later passes derive from this analysis once and share (e.g. the CUDA placement).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -474,9 +476,14 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
         pending.cancel()
         raise
     types = _value_types(pending.result(), proto, dims, shapes, more_types)
+    parsed: dict[bytes, tuple[int | None, tuple[Dim, ...] | None]] = {}  # few distinct types
     for name, t in tensors.items():
         if not t.is_initializer and name in types:
-            t.elem_type, t.shape = _shape_of(types[name])
+            tp = types[name]
+            key = tp.SerializeToString()
+            if key not in parsed:
+                parsed[key] = _shape_of(tp)
+            t.elem_type, t.shape = parsed[key]
     for v in graph.inputs:  # declared input types (unbound dims stay symbolic)
         t = tensors[v.name or ""]
         if not t.is_initializer:
@@ -485,7 +492,8 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
                 t.elem_type = elem
             if shape is not None and t.shape is None:
                 t.shape = shape
-    return GraphAnalysis(model=model, nodes=nodes, tensors=tensors, values=values, order=order)
+    return GraphAnalysis(model=model, nodes=nodes, tensors=tensors, values=values, order=order,
+                         owners=owners)
 
 
 def describe(t: TensorInfo) -> str:

@@ -52,19 +52,26 @@ class LoadedModel:
     path: Path
     base_dir: Path
     keepalive: object = field(default=None, repr=False)
+    # The external-data files as loaded (location -> an initializer stored there), before
+    # any pass moved initializers: what an output must never overwrite.
+    data_locations: dict[str, str] = field(default_factory=dict, repr=False)
 
 
-def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str) -> ir.Model:
-    """The ``onnx_ir`` model of a checked ``proto`` whose external data lies in ``base_dir``."""
+def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str
+          ) -> tuple[ir.Model, dict[str, str]]:
+    """The ``onnx_ir`` model of a checked ``proto`` whose external data lies in ``base_dir``,
+    and its external-data locations (location -> an initializer stored there)."""
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # a structure onnx_ir refuses (the checker let it through)
         raise ModelLoadError(f"{what!r} cannot be read as an ONNX graph: {e}") from None
+    locations: dict[str, str] = {}
     for g in all_graphs(model.graph):
         for v in g.initializers.values():
             if isinstance(v.const_value, ir.ExternalTensor):
                 v.const_value.base_dir = base_dir
-    return model
+                locations.setdefault(v.const_value.location, v.name or "")
+    return model, locations
 
 
 def external_ref(tensor: TensorProto) -> ExternalRef | None:
@@ -222,9 +229,10 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
 
     verdict = start_check(validate)  # in a forked child while the onnx_ir model is built
     try:
-        model_ir = to_ir(model, base_dir, str(p))
+        model_ir, locations = to_ir(model, base_dir, str(p))
     except ModelLoadError:
         verdict()  # a failed check explains more than what onnx_ir could not read
         raise
     verdict()
-    return LoadedModel(proto=model, model=model_ir, path=p, base_dir=base_dir)
+    return LoadedModel(proto=model, model=model_ir, path=p, base_dir=base_dir,
+                       data_locations=locations)

@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import contract
 from ..errors import OutputPathError
 from .fingerprint import data_fingerprint
-from .load import LoadedModel, external_ref, iter_graphs, resolve_data_path
+from .load import LoadedModel, resolve_data_path
 
 Progress = Callable[[str, int, int], None]  # (what, done bytes, total bytes)
 
@@ -208,18 +208,11 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
         folder = folder.parent
     if not folder.is_dir():
         raise OutputPathError(f"cannot write {str(out)!r}: {str(folder)!r} is not a folder")
-    checked: set[str] = set()
-    for graph in iter_graphs(loaded.proto.graph):
-        for t in graph.initializer:
-            ref = external_ref(t)
-            if ref is None or ref.location in checked:
-                continue
-            checked.add(ref.location)
-            data = resolve_data_path(loaded.base_dir, ref.location, f"initializer {t.name!r}")
-            if out_abs == data or _same_file(out, data):
-                raise OutputPathError(
-                    f"output {str(out)!r} is the external data file of the input model"
-                )
+    for location, name in loaded.data_locations.items():
+        data = resolve_data_path(loaded.base_dir, location, f"initializer {name!r}")
+        if out_abs == data or _same_file(out, data):
+            raise OutputPathError(
+                f"output {str(out)!r} is the external data file of the input model")
     return out
 
 

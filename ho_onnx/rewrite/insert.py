@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from .. import contract
-from ..graph.analyse import GraphAnalysis, TensorInfo, all_graphs, attribute_values
+from ..graph.analyse import GraphAnalysis, TensorInfo, attribute_values
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
 from ..schedule.eligibility import cuda_host_tensors
@@ -45,9 +45,10 @@ class RewrittenModel:
 class _Names:
     """Fresh value/node names that clash with nothing in any scope."""
 
-    def __init__(self, model: ir.Model) -> None:
-        used: set[str] = set()
-        for g in all_graphs(model.graph):
+    def __init__(self, analysis: GraphAnalysis) -> None:
+        used = set(analysis.values)  # the main graph's values, then its nodes, then subgraphs
+        used.update(n.name for n in analysis.nodes if n.name)
+        for g in analysis.owners:
             used.update(v.name for v in (*g.inputs, *g.outputs) if v.name)
             used.update(g.initializers)
             for n in g:
@@ -187,9 +188,12 @@ class _Emitter:
     def schedule(self) -> list[tuple[int, list[_Op], list[_Op]]]:
         """The refined order: before each compute node its Prefetches, then its Waits; after
         it its Stores (start copying early), then its Detaches (end residency)."""
+        touched = sorted({*self.rename, *self.replace, *(
+            pos for ops in (self.before_pf, self.before_wait, self.after)
+            for pos, at in enumerate(ops) if at)})  # positions with anything to do
         return [(pos, self.before_pf[pos] + self.before_wait[pos],
                  sorted(self.after[pos], key=lambda x: x.op != contract.STORE))
-                for pos in range(len(self.analysis.nodes))]
+                for pos in touched]
 
 
 class _Builder:
@@ -208,7 +212,8 @@ class _Builder:
             self.graph.register_initializer(src)
         self.nodes: dict[int, ir.Node] = {}  # id(_Op) -> node
         self.last_on: dict[str, ir.Node] = {}
-        ops = [o for _, before, after in em.schedule() for o in (*before, *after)]
+        self.steps = em.schedule()
+        ops = [o for _, before, after in self.steps for o in (*before, *after)]
         # a Prefetch with a later one on its channel gets an ``issued`` output
         later: set[str] = set()
         self.chained: set[int] = set()
@@ -243,7 +248,7 @@ class _Builder:
     def apply(self) -> int:
         """Insert every cache op and rewire the readers; the number of nodes inserted."""
         count = 0
-        for pos, before, after in self.em.schedule():
+        for pos, before, after in self.steps:
             node = self.em.analysis.nodes[pos]
             if before:
                 self.graph.insert_before(node, [self.build(o) for o in before])
@@ -279,7 +284,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     """Offload ``choice``'s tensors in ``analysis.model`` (in place; the analysis describes
     the model before the rewrite and is spent afterwards)."""
     model = analysis.model
-    em = _Emitter(analysis, _Names(model))
+    em = _Emitter(analysis, _Names(analysis))
     for w in choice.weights:
         em.offload_weight(w)
     ring = stored_peak_bytes(choice)

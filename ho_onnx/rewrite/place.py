@@ -83,13 +83,12 @@ def _referenced_files(rewritten: RewrittenModel, base_dir: Path) -> dict[str, Pa
     """Data files the output references (location -> file), its initializers' and the
     offloaded weights'."""
     values = [v for g in all_graphs(rewritten.model.graph) for v in g.initializers.values()]
-    referenced: dict[str, Path] = {}
+    named: dict[str, str] = {}  # location -> an initializer stored there
     for v in [*values, *rewritten.weights.values()]:
-        ref = ir_external_ref(v.const_value)
-        if ref is not None:
-            referenced[ref.location] = resolve_data_path(base_dir, ref.location,
-                                                         f"initializer {v.name!r}")
-    return referenced
+        if isinstance(v.const_value, ir.ExternalTensor):
+            named.setdefault(v.const_value.location, v.name or "")
+    return {loc: resolve_data_path(base_dir, loc, f"initializer {name!r}")
+            for loc, name in named.items()}
 
 
 def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar
