@@ -40,14 +40,42 @@ def forking_allowed() -> bool:
             and threading.active_count() == 1)
 
 
-def start_check(check: Callable[[], None], timeout: float = TIMEOUT_S
-                ) -> Callable[[], None]:
+class PendingCheck:
+    """A check started by :func:`start_check`: :meth:`wait` for its verdict, or
+    :meth:`cancel` it (the child is killed and reaped)."""
+
+    def __init__(self, check: Callable[[], None], pid: int | None = None, fd: int = -1,
+                 deadline: float = 0.0) -> None:
+        self.check, self.pid, self.fd, self.deadline = check, pid, fd, deadline
+
+    def wait(self) -> None:
+        """Raise the check's error, if any (run here when the child gave no verdict)."""
+        if self.pid is None:
+            return
+        try:
+            verdict = _read(self.fd, self.deadline)
+        finally:
+            self.cancel()
+        if verdict == _PASSED:
+            return
+        if verdict in (_FALLBACK, b""):
+            self.check()
+            return
+        raise pickle.loads(verdict)
+
+    def cancel(self) -> None:
+        if self.pid is not None:
+            os.close(self.fd)
+            _reap(self.pid)
+            self.pid = None
+
+
+def start_check(check: Callable[[], None], timeout: float = TIMEOUT_S) -> PendingCheck:
     """Start ``check()`` (raises a :class:`HoOnnxError` or returns None) in a forked child
-    when allowed, else run it now; the returned function waits for the child's verdict and
-    raises that error (or runs ``check()`` here when the child gave none)."""
+    when allowed, else run it now (then :meth:`PendingCheck.wait` has nothing to do)."""
     if not forking_allowed():
         check()
-        return lambda: None
+        return PendingCheck(check)
     r, w = os.pipe()
     with warnings.catch_warnings():  # (3.12+ warns of native threads; see the docstring)
         warnings.filterwarnings("ignore", message=".*multi-threaded.*fork",
@@ -56,22 +84,7 @@ def start_check(check: Callable[[], None], timeout: float = TIMEOUT_S
     if pid == 0:  # the child: never returns
         _child(check, r, w)
     os.close(w)
-    deadline = time.monotonic() + timeout
-
-    def wait() -> None:
-        try:
-            verdict = _read(r, deadline)
-        finally:
-            os.close(r)
-            _reap(pid)
-        if verdict == _PASSED:
-            return
-        if verdict in (_FALLBACK, b""):
-            check()
-            return
-        raise pickle.loads(verdict)
-
-    return wait
+    return PendingCheck(check, pid, r, time.monotonic() + timeout)
 
 
 def _child(check: Callable[[], None], r: int, w: int) -> None:

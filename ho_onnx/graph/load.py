@@ -227,12 +227,15 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
                 first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
                 raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
 
-    verdict = start_check(validate)  # in a forked child while the onnx_ir model is built
+    checking = start_check(validate)  # in a forked child while the onnx_ir model is built
     try:
         model_ir, locations = to_ir(model, base_dir, str(p))
     except ModelLoadError:
-        verdict()  # a failed check explains more than what onnx_ir could not read
+        checking.wait()  # a failed check explains more than what onnx_ir could not read
         raise
-    verdict()
+    except BaseException:  # interrupted: no child left behind
+        checking.cancel()
+        raise
+    checking.wait()
     return LoadedModel(proto=model, model=model_ir, path=p, base_dir=base_dir,
                        data_locations=locations)

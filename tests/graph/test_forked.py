@@ -40,7 +40,7 @@ def _marker(tmp_path):
 
 def test_runs_in_a_child_and_passes(tmp_path, may_fork):
     check, pids = _marker(tmp_path)
-    forked.start_check(check)()
+    forked.start_check(check).wait()
     assert pids() and pids()[0] != os.getpid()  # ran once, elsewhere
 
 
@@ -48,9 +48,9 @@ def test_the_childs_error_is_raised_here(may_fork):
     def check() -> None:
         raise ExternalDataError("initializer 'w': points outside the model folder")
 
-    wait = forked.start_check(check)
+    pending = forked.start_check(check)
     with pytest.raises(ExternalDataError, match="outside the model folder"):
-        wait()
+        pending.wait()
 
 
 @pytest.mark.parametrize("how", ["unexpected error", "killed", "timeout"])
@@ -69,7 +69,7 @@ def test_without_a_verdict_the_check_runs_here(tmp_path, how, may_fork):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(30)
 
-    forked.start_check(check, timeout=1.0 if how == "timeout" else 30.0)()
+    forked.start_check(check, timeout=1.0 if how == "timeout" else 30.0).wait()
     pids = [int(x) for x in log.read_text().split()]
     assert pids[-1] == parent and len(pids) == 2
 
@@ -81,9 +81,9 @@ def test_no_fork_with_another_python_thread(tmp_path):
     t.start()
     try:
         assert not forked.forking_allowed()
-        wait = forked.start_check(check)
+        pending = forked.start_check(check)
         assert pids() == [os.getpid()]  # ran at once, here
-        wait()
+        pending.wait()
     finally:
         stop.set()
         t.join()
@@ -92,5 +92,15 @@ def test_no_fork_with_another_python_thread(tmp_path):
 def test_disabled_by_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(forked.ENV, "0")
     check, pids = _marker(tmp_path)
-    forked.start_check(check)()
+    forked.start_check(check).wait()
     assert pids() == [os.getpid()]
+
+
+def test_a_cancelled_check_leaves_no_child(may_fork):
+    pending = forked.start_check(lambda: time.sleep(30))
+    pid = pending.pid
+    assert pid is not None
+    pending.cancel()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # killed and reaped
+    pending.wait()  # nothing left to wait for
