@@ -23,6 +23,7 @@ from ..errors import ExternalDataError, ModelLoadError, UnsupportedModelError
 from .analyse import all_graphs
 from .check import check_standard
 from .dtypes import ELEMENT_BITS, dense_nbytes
+from .forked import MIN_NODES as FORK_MIN_NODES
 from .forked import start_check
 from .gcpause import gc_paused
 from .protos import iter_graphs
@@ -227,7 +228,8 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
                 first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
                 raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
 
-    checking = start_check(validate)  # in a forked child while the onnx_ir model is built
+    # in a forked child while the onnx_ir model is built (big graphs: forked.MIN_NODES)
+    checking = start_check(validate, worth_forking=len(model.graph.node) >= FORK_MIN_NODES)
     try:
         model_ir, locations = to_ir(model, base_dir, str(p))
     except ModelLoadError:

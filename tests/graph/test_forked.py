@@ -104,3 +104,10 @@ def test_a_cancelled_check_leaves_no_child(may_fork):
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # killed and reaped
     pending.wait()  # nothing left to wait for
+
+
+def test_small_graphs_are_checked_here(tmp_path, may_fork):
+    check, pids = _marker(tmp_path)
+    pending = forked.start_check(check, worth_forking=False)
+    assert pids() == [os.getpid()]
+    pending.wait()

@@ -21,6 +21,30 @@ from ho_onnx.schedule.options import OffloadOptions
 ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1)
 
 
+@pytest.fixture(autouse=True, params=["in-process", "forked"])
+def checks(request, monkeypatch):
+    """Every case twice: the load's checks in this process, and in a forked child beside the
+    onnx_ir deserialisation (graph.forked; normally only for graphs of 2,000+ nodes)."""
+    if request.param == "forked":
+        from ho_onnx.graph import forked, load
+
+        monkeypatch.setattr(load, "FORK_MIN_NODES", 0)
+        monkeypatch.setattr(forked, "forking_allowed", lambda: True)
+    return request.param
+
+
+def test_the_checks_of_a_big_graph_run_in_a_child(tmp_path, checks, monkeypatch):
+    from ho_onnx.graph import forked
+    from ho_onnx.graph.load import load_model
+
+    forks: list[int] = []
+    real = forked.os.fork
+    monkeypatch.setattr(forked.os, "fork", lambda: forks.append(1) or real())
+    loaded = load_model(save(chain_model(), tmp_path / "m.onnx", external=True))
+    assert len(loaded.model.graph) == 6 and loaded.data_locations == {"m.onnx.data": "W1"}
+    assert forks == ([1] if checks == "forked" else [])
+
+
 def test_corrupt_file(tmp_path):
     p = tmp_path / "bad.onnx"
     p.write_bytes(os.urandom(4096))
