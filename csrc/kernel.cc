@@ -163,6 +163,9 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     cuda_set_device(k->device);
   }
   if (op.kind == OpKind::kWait) k->init_arena_sampling(op, info);
+  if (op.kind == OpKind::kStore) {
+    k->token_dims = {static_cast<int64_t>((128 + k->bits - 1) / k->bits)};
+  }
   std::string location;
   if (op.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
     k->weight = true;
@@ -291,7 +294,6 @@ void Kernel::store(OrtKernelContext* ctx, ExecContext& ec) {
   const OrtValue* x = input(api, ctx, 0);
   const TensorInfo ti = tensor_info(api, x);
   const size_t bytes = byte_size(ti.numel, bits);
-  const std::vector<int64_t> token_dims{static_cast<int64_t>((128 + bits - 1) / bits)};
   void* token = tensor_data(api, output(api, ctx, token_dims));
   if (gpu) ec.out = token;  // GPU EP: the engine writes the device token on the stream
   const StoreKey key =

@@ -49,6 +49,9 @@ struct Kernel {
   OrtAllocator* alloc = nullptr;
   const StatsApi* stats = nullptr;
 
+  // Store: the shape of its token output (16 bytes of T), fixed at session creation.
+  std::vector<int64_t> token_dims;
+
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
   std::vector<int64_t> shape;

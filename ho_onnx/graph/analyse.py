@@ -13,7 +13,6 @@ analysis are not the model's).
 from __future__ import annotations
 
 import ast
-import heapq
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -209,27 +208,6 @@ def _defined_in(v: ir.Value, graph: ir.Graph) -> bool:
     if producer is not None:
         return producer.graph is graph
     return v.graph is graph
-
-
-def kahn_order(deps: list[set[int]]) -> list[int]:
-    """Kahn's algorithm over nodes ``0..n-1`` (``deps[i]``: the nodes ``i`` needs first),
-    lowest index first among the ready ones; shorter than ``n`` when there is a cycle."""
-    users: dict[int, list[int]] = {}
-    for i, d in enumerate(deps):
-        for j in d:
-            users.setdefault(j, []).append(i)
-    indeg = [len(d) for d in deps]
-    heap = [i for i, k in enumerate(indeg) if k == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        i = heapq.heappop(heap)
-        order.append(i)
-        for u in users.get(i, ()):
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(heap, u)
-    return order
 
 
 def is_sorted(graph: ir.Graph, owners: Mapping[ir.Graph, ir.Node] | None = None) -> bool:

@@ -72,11 +72,20 @@ class PendingShapes:
     one request at a time."""
 
     def __init__(self, model: onnx.ModelProto, memory: int,
-                 reply: Callable[[], tuple[int, bytes]]) -> None:
-        self.model, self.memory, self._reply = model, memory, reply
+                 reply: Callable[[], tuple[int, bytes]],
+                 abandon: Callable[[], None] = lambda: None) -> None:
+        self.model, self.memory = model, memory
+        self._reply: Callable[[], tuple[int, bytes]] | None = reply
+        self._abandon = abandon
+        self._answer: tuple[int, bytes] | None = None
 
     def result(self) -> onnx.ModelProto:
-        status, payload = self._reply()
+        if self._answer is None:
+            if self._reply is None:
+                raise ModelLoadError("this shape inference was cancelled")
+            reply, self._reply = self._reply, None  # the worker is released exactly once
+            self._answer = reply()
+        status, payload = self._answer
         if status == _OK:
             return _parse_result(payload)
         if status == _FAILED:
@@ -89,7 +98,9 @@ class PendingShapes:
         raise ModelLoadError(f"shape inference of the model crashed ({payload.decode()})")
 
     def cancel(self) -> None:
-        _worker.cancel()
+        if self._reply is not None:
+            self._reply = None
+            self._abandon()
 
 
 def start_infer_shapes(model: onnx.ModelProto) -> PendingShapes:
@@ -102,7 +113,7 @@ def start_infer_shapes(model: onnx.ModelProto) -> PendingShapes:
         except Exception:  # best effort: unknown shapes are handled downstream
             reply = (_FAILED, b"")
         return PendingShapes(model, memory, lambda: reply)
-    return PendingShapes(model, memory, _worker.submit(memory, data, timeout))
+    return PendingShapes(model, memory, *_worker.submit(memory, data, timeout))
 
 
 # ONNX's data propagation spends ~100-250 bytes per element of every 1-D tensor of known
@@ -205,24 +216,30 @@ class _Worker:
                     f.close()
 
     def submit(self, memory: int, data: bytes, timeout: float
-               ) -> Callable[[], tuple[int, bytes]]:
-        """Send a request (the worker is held until the returned function has read its
-        reply, or :meth:`cancel`)."""
+               ) -> tuple[Callable[[], tuple[int, bytes]], Callable[[], None]]:
+        """Send a request: (read its reply, abandon it). The worker is held until one of
+        them is called."""
         self.lock.acquire()
         try:
-            proc = self._start()
-            if not self._send(proc, memory, data):
-                self.stop()  # the worker had died (its parent thread ended): once more
-                proc = self._start()
-                if not self._send(proc, memory, data):
-                    self.stop()
-                    self.lock.release()
-                    return lambda: (_DIED, b"the shape-inference worker died")
+            proc = self._deliver(memory, data)
         except BaseException:
             self.stop()
             self.lock.release()
             raise
-        return lambda: self._reply(proc, memory, data, timeout)
+        if proc is None:
+            self.lock.release()
+            return (lambda: (_DIED, b"the shape-inference worker died")), lambda: None
+        return (lambda: self._reply(proc, memory, data, timeout)), self._abandon
+
+    def _deliver(self, memory: int, data: bytes) -> subprocess.Popen[bytes] | None:
+        """The worker that took the request: a worker that had died (its parent thread
+        ended) is replaced once."""
+        for _attempt in (0, 1):
+            proc = self._start()
+            if self._send(proc, memory, data):
+                return proc
+            self.stop()
+        return None
 
     def _reply(self, proc: subprocess.Popen[bytes], memory: int, data: bytes, timeout: float
                ) -> tuple[int, bytes]:
@@ -230,9 +247,8 @@ class _Worker:
             reply = self._receive(proc, timeout)
             if reply is None:  # died while working: once more, from the start
                 self.stop()
-                proc = self._start()
-                if self._send(proc, memory, data):
-                    reply = self._receive(proc, timeout)
+                again = self._deliver(memory, data)
+                reply = self._receive(again, timeout) if again is not None else None
             if reply is None:
                 self.stop()
                 return _DIED, b"the shape-inference worker died"
@@ -243,7 +259,7 @@ class _Worker:
         finally:
             self.lock.release()
 
-    def cancel(self) -> None:
+    def _abandon(self) -> None:
         """Abandon the request in flight (the worker is stopped: it may still be busy)."""
         self.stop()
         self.lock.release()

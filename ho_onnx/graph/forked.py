@@ -21,6 +21,7 @@ import contextlib
 import os
 import pickle
 import select
+import signal
 import sys
 import threading
 import time
@@ -63,10 +64,11 @@ class PendingCheck:
             self.cancel()
         if verdict == _PASSED:
             return
-        if verdict in (_FALLBACK, b""):
+        error = _error(verdict)
+        if error is None:  # no verdict (died, timed out, gave up, or a garbled answer)
             self.check()
             return
-        raise pickle.loads(verdict)
+        raise error
 
     def cancel(self) -> None:
         if self.pid is not None:
@@ -94,9 +96,25 @@ def start_check(check: Callable[[], None], timeout: float = TIMEOUT_S, *,
     return PendingCheck(check, pid, r, time.monotonic() + timeout)
 
 
+def _error(verdict: bytes) -> HoOnnxError | None:
+    """The check's error from the child's answer (our own child: pickle is safe here), or
+    None when the answer is no error."""
+    if verdict in (_FALLBACK, b""):
+        return None
+    try:
+        error = pickle.loads(verdict)
+    except Exception:  # truncated (the child was killed while writing)
+        return None
+    return error if isinstance(error, HoOnnxError) else None
+
+
 def _child(check: Callable[[], None], r: int, w: int) -> None:
     code = 0
     try:
+        # Signals end the child at once: the parent's handlers (the command line's cleanup
+        # of partial outputs) are the parent's to run.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
         os.close(r)
         try:
             check()
@@ -120,12 +138,13 @@ def _child(check: Callable[[], None], r: int, w: int) -> None:
 def _read(r: int, deadline: float) -> bytes:
     """The child's whole answer, or the fallback marker if it dies or misses the deadline."""
     chunks: list[bytes] = []
+    poller = select.poll()  # (not select.select: descriptors past 1024 exist in servers)
+    poller.register(r, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return _FALLBACK
-        ready, _, _ = select.select([r], [], [], left)
-        if not ready:
+        if not poller.poll(left * 1000):
             return _FALLBACK
         chunk = os.read(r, 1 << 20)
         if not chunk:

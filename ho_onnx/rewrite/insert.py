@@ -153,7 +153,7 @@ class _Emitter:
             pf_deps = self.dep_before(s) or _first_graph_input(self.analysis)
             pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *pf_deps], [_like(y, t)],
                          f"ho.prefetch.{w.name}.{k}", *attrs,
-                         channel="disk" if w.tier == "disk" else "load")
+                         channel=channel_of_tier(w.tier))
             wait = self.op(contract.WAIT, [y, *self.dep_before(c, floor=s - 1)], [_like(z, t)],
                            f"ho.wait.{w.name}.{k}")
             self.before_pf[s].append(pf)
@@ -175,7 +175,7 @@ class _Emitter:
                          [_token(token2, t.elem_type)], f"ho.detach.{a.name}")
         u, s = a.late[0], a.prefetch_at
         pf = self.op(contract.PREFETCH, [token2, *self.dep_before(s, floor=a.last_early)],
-                     [_like(y, t)], f"ho.prefetch.{a.name}", channel="load")
+                     [_like(y, t)], f"ho.prefetch.{a.name}", channel=channel_of_tier("host"))
         wait = self.op(contract.WAIT, [y, *self.dep_before(u, floor=s - 1)], [_like(z, t)],
                        f"ho.wait.{a.name}")
         self.after[a.producer].append(store)
@@ -279,10 +279,17 @@ class _Builder:
         return const
 
 
+_SPENT = "insert_cache_ops"  # key in GraphAnalysis.derived: the model was rewritten
+
+
 @gc_paused()
 def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> RewrittenModel:
     """Offload ``choice``'s tensors in ``analysis.model`` (in place; the analysis describes
     the model before the rewrite and is spent afterwards)."""
+    if analysis.derived.get(_SPENT):
+        raise ValueError("this analysis was already used by insert_cache_ops: its model is "
+                         "rewritten; analyse the model again")
+    analysis.derived[_SPENT] = True
     model = analysis.model
     em = _Emitter(analysis, _Names(analysis))
     for w in choice.weights:
@@ -301,16 +308,19 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     return result
 
 
-def prefetch_channel(node: onnx.NodeProto | ir.Node) -> str:
+def channel_of_tier(tier: str) -> str:
     """The copy channel a Prefetch's transfer queues on: ``"disk"`` for a disk-tier weight,
     ``"load"`` (host to device) for a host-tier weight or a stored activation."""
+    return "disk" if tier == "disk" else "load"
+
+
+def prefetch_channel(node: onnx.NodeProto | ir.Node) -> str:
+    """:func:`channel_of_tier` of a Prefetch node (its ``tier`` attribute, host if none)."""
     if isinstance(node, ir.Node):
         tier = node.attributes.get(contract.ATTR_TIER)
-        return "disk" if tier is not None and tier.value == "disk" else "load"
-    for a in node.attribute:
-        if a.name == contract.ATTR_TIER and a.s.decode() == "disk":
-            return "disk"
-    return "load"
+        return channel_of_tier(tier.value if tier is not None else "host")
+    return channel_of_tier(next((a.s.decode() for a in node.attribute
+                                 if a.name == contract.ATTR_TIER), "host"))
 
 
 def shape_constant_value(node: ir.Node, dims: list[int]) -> TensorProto:

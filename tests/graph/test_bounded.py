@@ -96,3 +96,18 @@ def test_a_failure_while_the_worker_infers_frees_the_worker(monkeypatch):
         analyse(chain_model(), {"N": 2})
     monkeypatch.undo()
     assert analyse(chain_model(), {"N": 2}).tensors["h1"].shape == (2, 16)  # not stuck
+
+
+def test_a_pending_inference_answers_once_and_cancels_once():
+    from ho_onnx.graph.bounded import start_infer_shapes
+
+    pending = start_infer_shapes(chain_model())
+    first = pending.result()
+    assert pending.result() == first  # the worker was released once, the answer kept
+    pending.cancel()  # nothing left to abandon
+    cancelled = start_infer_shapes(chain_model())
+    cancelled.cancel()
+    cancelled.cancel()
+    with pytest.raises(ModelLoadError, match="cancelled"):
+        cancelled.result()
+    assert start_infer_shapes(chain_model()).result().graph.value_info  # worker free

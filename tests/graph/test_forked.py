@@ -111,3 +111,16 @@ def test_small_graphs_are_checked_here(tmp_path, may_fork):
     pending = forked.start_check(check, worth_forking=False)
     assert pids() == [os.getpid()]
     pending.wait()
+
+
+def test_a_garbled_answer_means_checking_here(tmp_path):
+    """A child killed while writing its error leaves half a pickle: no verdict, not a crash."""
+    check, pids = _marker(tmp_path)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, b"\x80\x04\x95garbled")
+        os._exit(0)
+    os.close(w)
+    forked.PendingCheck(check, pid, r, time.monotonic() + 10).wait()
+    assert pids() == [os.getpid()]

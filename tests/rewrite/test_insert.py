@@ -157,3 +157,13 @@ def test_stores_carry_the_stored_peak_for_ring_sizing():
 
     assert values == {stored_peak_bytes(c)}
     assert 256 * 2 <= stored_peak_bytes(c) <= 256 * len(c.activations)
+
+
+def test_an_analysis_rewrites_its_model_once():
+    import pytest
+
+    a = analyse(chain_model(), {"N": 4})
+    c = choose(a, OffloadOptions(activations=False, min_bytes=0))
+    insert_cache_ops(a, c)
+    with pytest.raises(ValueError, match="analyse the model again"):
+        insert_cache_ops(a, c)

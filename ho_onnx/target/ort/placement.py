@@ -35,7 +35,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from ... import contract
-from ...graph.analyse import attribute_values, input_names, kahn_order, output_names
+from ...graph.analyse import attribute_values, input_names, output_names
 
 Model = ir.Model | onnx.ModelProto
 
@@ -137,6 +137,27 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
             for o in node.output:
                 types.setdefault(o, types[node.input[0]])
     return types
+
+
+def kahn_order(deps: list[set[int]]) -> list[int]:
+    """Kahn's algorithm over nodes ``0..n-1`` (``deps[i]``: the nodes ``i`` needs first),
+    lowest index first among the ready ones; shorter than ``n`` when there is a cycle."""
+    users: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(i)
+    indeg = [len(d) for d in deps]
+    heap = [i for i, k in enumerate(indeg) if k == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        i = heapq.heappop(heap)
+        order.append(i)
+        for u in users.get(i, ()):
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, u)
+    return order
 
 
 def _ir(model: Model) -> ir.Model:
