@@ -156,14 +156,13 @@ class OffloadPass(ir.passes.FunctionalPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         work = model.clone()
-        steps = rewrite_passes(self.decider, self.dims, Path("."), Path("model.onnx"))
-        ir.passes.Sequential(*steps[:2])(work)
+        ir.passes.Sequential(AnalysePass(self.dims), DecidePass(self.decider, self.dims))(work)
         choice = work.meta[DECISION].choice
         if not choice.weights and not choice.activations:
             return ir.passes.PassResult(work, modified=False)
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
-        steps[-1] = PlaceDataPass(base_dir, base_dir / "model.onnx")
-        ir.passes.Sequential(*steps[2:])(work)
+        ir.passes.Sequential(InsertPass(), AnnotatePass(self.dims),
+                             PlaceDataPass(base_dir, base_dir / "model.onnx"))(work)
         files: OutputFiles = work.meta[OUTPUT_FILES]
         assert files.sidecar is None  # every offloaded weight is external (checked above)
         nodes = list(work.graph)
