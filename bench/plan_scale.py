@@ -14,9 +14,8 @@ Phases, each timed on its own (best of ``--repeat``):
   planner has real work: many offloads, a full placement pass and two simulations)
 * ``insert``: :func:`ho_onnx.rewrite.insert.insert_cache_ops` (in place, on a fresh analysis
   each repetition)
-* ``save``: :func:`ho_onnx.rewrite.place.place_weight_data` (which hands the save the
-  ``onnx_ir`` model serialised) + :func:`ho_onnx.graph.save.save_model` (model file; the
-  data file is linked/copied)
+* ``save``: :func:`ho_onnx.rewrite.place.place_weight_data` + :func:`ho_onnx.graph.save.save_model`
+  (the ``onnx_ir`` model serialised and written; the data file is linked/copied)
 
 Prints a table (layers, nodes, seconds per phase, total, µs per node), a least-squares fit
 of total seconds against nodes (slope, intercept, and the exponent ``b`` of

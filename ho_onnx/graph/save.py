@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import contract
@@ -54,10 +56,17 @@ class OutputFiles:
     the main graph to stamp with each data file's final size and fingerprint (location ->
     node indices: the weight Prefetches)."""
 
-    model: onnx.ModelProto
+    finished: ir.Model | onnx.ModelProto  # the model; serialised only when written
     data_files: dict[str, Path] = field(default_factory=dict)
     sidecar: Sidecar | None = None
     stamps: dict[str, list[int]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def model(self) -> onnx.ModelProto:
+        """The finished model as the proto that is written (made once, on first use)."""
+        if isinstance(self.finished, onnx.ModelProto):
+            return self.finished
+        return ir.to_proto(self.finished)
 
 
 def set_attr(node: onnx.NodeProto, name: str, value: object) -> None:

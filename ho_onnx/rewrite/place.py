@@ -32,9 +32,9 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                       out_path: str | os.PathLike[str]) -> OutputFiles:
     """Set ``location``/``offset``/``length`` on every weight Prefetch of ``rewritten`` (in
     place) for an output written to ``out_path``; ``base_dir`` is the input's folder, which
-    external-data locations are relative to. The result holds the finished model as the
-    proto the save writes; the save stamps each weight Prefetch with its data file's final
-    size and fingerprint (:attr:`OutputFiles.stamps`)."""
+    external-data locations are relative to. The result holds the finished model (serialised
+    to a proto only when the save writes it); the save stamps each weight Prefetch with its
+    data file's final size and fingerprint (:attr:`OutputFiles.stamps`)."""
     out = Path(out_path)
     out_dir = out.resolve().parent
     referenced = _referenced_files(rewritten, base_dir)
@@ -62,7 +62,7 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
         stamped.setdefault(loc, []).extend(nodes)
     index = {node: i for i, node in enumerate(rewritten.model.graph)}
     stamps = {loc: [index[n] for n in nodes] for loc, nodes in stamped.items()}
-    return OutputFiles(ir.to_proto(rewritten.model), referenced,
+    return OutputFiles(rewritten.model, referenced,
                        sidecar if sidecar.tensors else None, stamps)
 
 
