@@ -6,6 +6,10 @@ Rows (each measured in its own process, so ORT's arena and the CUDA context star
 * ``ho 75%/50%/25%``  ho-onnx planned for 75/50/25 % of the baseline's predicted peak;
 * ``ho 2 layers``  a budget of the activations plus two transformer blocks of weights (weight
   streaming);
+* ``ort partition N%``  ORT's own answer for a model that does not fit: the CUDA EP's
+  capacity-aware partitioning (session config ``session.resource_cuda_partitioning_settings``
+  = ``"<memory limit in KiB>,"``, ORT >= 1.22) at the budget of the ``ho N%`` row; the nodes
+  past the limit go to CPUExecutionProvider;
 * ``accelerate``  the same architecture in torch with ``accelerate.cpu_offload`` (when torch
   with CUDA and accelerate are installed).
 
@@ -101,7 +105,11 @@ class MemPoller:
         return self.peak - self.used0
 
 
-def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dict:
+PARTITION_KEY = "session.resource_cuda_partitioning_settings"
+
+
+def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str,
+                 partition_kib: int = 0) -> dict:
     import numpy as np
     import onnxruntime as ort
 
@@ -121,6 +129,11 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dic
         else:
             so = ort.SessionOptions()
             so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+            if partition_kib:
+                # ORT's capacity-aware partitioning: CUDA takes nodes in topological order
+                # until the limit, the rest go to the CPU EP (no stats file: ORT estimates).
+                so.add_session_config_entry(PARTITION_KEY, f"{partition_kib},")
+                providers = [*providers, "CPUExecutionProvider"]
             s = ort.InferenceSession(model, sess_options=so, providers=providers)
         t0 = time.perf_counter()
         s.run(None, feeds)  # warm-up (cuBLAS handles, the ring, the event pool)
@@ -151,6 +164,7 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str) -> dic
         "ort_arena_in_use": c["ort_arena_in_use"] if c["ort_arena_in_use"] >= 0 else None,
         "ort_arena_total_allocated": c["ort_arena_total_allocated"]
         if c["ort_arena_total_allocated"] >= 0 else None,
+        "providers": s.get_providers(),
     }
     if optimized:
         # One more run with timing events around every copy: the copies' own GPU time.
@@ -228,7 +242,8 @@ def measure_accelerate(cfg: dict, runs: int) -> dict:
 
 def child(args: argparse.Namespace) -> int:
     if args.child == "onnx":
-        res = measure_onnx(args.model, args.optimized, args.runs, args.feeds)
+        res = measure_onnx(args.model, args.optimized, args.runs, args.feeds,
+                           args.partition_kib)
     else:
         res = measure_accelerate(json.loads(args.cfg), args.runs)
     print("RESULT " + json.dumps(res), flush=True)
@@ -255,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     from models.decoder import add_shape_args
 
-    add_shape_args(ap, layers=24, hidden=2560, heads=20, seq=512)
+    add_shape_args(ap, layers=24, hidden=2560, heads=20, seq=2048)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     ap.add_argument("--runs", type=int, default=10)
@@ -266,12 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where the models go (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--no-accelerate", action="store_true")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per measured row")
+    ap.add_argument("--ort-partition", default="0.5",
+                    help="budget fractions (of those in --budgets) at which ORT's own CUDA "
+                         "memory-limited partitioning is measured ('' for none)")
+    ap.add_argument("--partition-runs", type=int, default=2,
+                    help="timed runs of the ORT partitioning rows (their CPU part is slow)")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per measured row")
     ap.add_argument("--child", choices=["onnx", "accelerate"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--optimized", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--feeds", help=argparse.SUPPRESS)
     ap.add_argument("--cfg", help=argparse.SUPPRESS)
+    ap.add_argument("--partition-kib", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     why = preflight()
@@ -322,17 +343,30 @@ def main(argv: list[str] | None = None) -> int:
     acts = max(0, base_peak - sizes["total_bytes"])
     rows: list[dict] = []
 
-    def measure(name: str, model: Path, optimized: bool, plan=None, budget=None) -> None:
+    def save(done: bool) -> None:
+        # After every row: a call that runs out of time still brings back what it measured.
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"config": cfg, "weight_bytes": sizes["total_bytes"], "calibration": cal,
+                 "machine": str(args.machine), "rows": rows, "complete": done,
+                 "onnxruntime": __import__("onnxruntime").__version__}, indent=2) + "\n")
+
+    def measure(name: str, model: Path, optimized: bool, plan=None, budget=None,
+                partition: bool = False) -> None:
         print(f"measuring {name} ...", flush=True)
+        extra = ["--optimized"] if optimized else []
+        if partition:
+            extra = ["--partition-kib", str(max(1, budget >> 10))]
+        runs = args.partition_runs if partition else args.runs
         res = run_child(["--child", "onnx", "--model", str(model), "--feeds", str(feeds),
-                         "--runs", str(args.runs)] + (["--optimized"] if optimized else []),
-                        args.timeout)
+                         "--runs", str(runs), *extra], args.timeout)
         row = {"name": name, "budget_bytes": budget, **res}
         if plan is not None:
             row["predicted_peak_bytes"] = plan.planned.peak_bytes
             row["predicted_s"] = plan.planned.total_s
             row["plan_fits"] = plan.fits
         rows.append(row)
+        save(False)
 
     measure("baseline", src, False)
     rows[-1]["predicted_peak_bytes"] = base_peak
@@ -351,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"name": name, "budget_bytes": budget, "error": f"plan: {e}"})
             continue
         measure(name, out, True, r.plan, budget)
+
+    for f in (x for x in args.ort_partition.split(",") if x.strip()):
+        measure(f"ort partition {float(f):.0%}", src, False, budget=int(float(f) * base_peak),
+                partition=True)
 
     if not args.no_accelerate:
         try:
@@ -401,11 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\npeak = device bytes in use above those used before the session (cudaMemGetInfo, "
           "1 ms polling); arena max / tot = ORT's CUDA arena MaxInUse / TotalAllocated at the "
           "last Wait (AllocatorGetStats); pred = the planner's simulated tensor peak and time.")
-    result = {"config": cfg, "weight_bytes": sizes["total_bytes"], "calibration": cal,
-              "machine": str(args.machine), "rows": rows,
-              "onnxruntime": __import__("onnxruntime").__version__}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        save(True)
         print(f"wrote {args.json}")
     return 0
 
