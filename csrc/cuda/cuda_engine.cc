@@ -779,6 +779,9 @@ class CudaEngine final : public Engine {
         !debug().skip_wait.load(std::memory_order_relaxed)) {
       check(cudaStreamWaitEvent(cs, *p.done, 0), "cudaStreamWaitEvent (wait)");
     }
+    // Test hook: the compute stream reaches this copy late, so a next load that does not
+    // wait for the staging fence (a) overwrites the buffer before the copy read it.
+    spin(debug().compute_delay_us.load(std::memory_order_relaxed), cs);
     check(cudaMemcpyAsync(z, p.stage->data(), bytes, cudaMemcpyDeviceToDevice, cs),
           "cudaMemcpyAsync (staging to wait output)");
     counters().cuda_bytes_d2d += bytes;

@@ -3,6 +3,8 @@
 ORT's CUDA EP claims every node it has a kernel for, then hands some back to the CPU EP in
 ``GetCpuPreferredNodes`` (onnxruntime ``core/framework/fallback_cpu_capability.cc``):
 
+* ORT turns every ``Constant`` node into an initializer when it loads the graph
+  (``Graph::Graph``), so a small Constant's output counts as a small initializer;
 * seeds: outputs that a CUDA kernel leaves in host memory (``Shape``, ``Size``) and every
   output of a node the CUDA EP cannot run; their consumers become candidates, visited in
   topological order;
@@ -169,6 +171,21 @@ def _has_cuda_kernel(node: ir.Node) -> bool:
         node.domain in ("", "ai.onnx") and node.op_type in NO_CUDA_KERNEL)
 
 
+def _small_constant(node: ir.Node) -> bool:
+    """A ``Constant`` node of at most :data:`SMALL_INITIALIZER` elements (ORT loads it as an
+    initializer)."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not node.outputs:
+        return False
+    for name, attr in node.attributes.items():
+        if name == "value":
+            return attr.value.size <= SMALL_INITIALIZER
+        if name in ("value_float", "value_int", "value_string"):
+            return True
+        if name in ("value_floats", "value_ints", "value_strings"):
+            return len(attr.value) <= SMALL_INITIALIZER
+    return False
+
+
 def _falls_back(node: ir.Node, inputs: list[str], types: Mapping[str, int],
                 cheap: set[str], host: set[str]) -> bool:
     """ORT's rule for a CUDA-capable candidate: to the CPU when no input is of a type with no
@@ -209,6 +226,7 @@ def predict_cuda_placement(model: Model, types: Mapping[str, int] | None = None
     rank = {i: r for r, i in enumerate(order)}
     small = {name for name, v in g.initializers.items()
              if v.const_value is not None and v.const_value.size <= SMALL_INITIALIZER}
+    small |= {n.outputs[0].name for n in nodes if _small_constant(n)}
     inputs = {v.name for v in g.inputs} - set(g.initializers)
     cheap = small | inputs
     on_cuda = [_has_cuda_kernel(n) for n in nodes]

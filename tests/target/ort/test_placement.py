@@ -112,6 +112,27 @@ def test_shape_arithmetic_runs_on_the_cpu_but_reshape_takes_its_shape_in_host_me
     assert {"s", "d", "n"} <= predict_cuda_placement(m).host_tensors
 
 
+@pytest.mark.parametrize(("size", "where"), [(1, CPU), (100, CPU), (101, CUDA)])
+def test_a_small_constant_node_counts_as_a_small_initializer(size, where):
+    """ORT loads Constant nodes as initializers (Graph::Graph): a Gather of a Shape with a
+    Constant index runs on the CPU exactly as with an initializer index (measured on an H100:
+    the old replay called its output a device tensor, the rewriter offloaded it and ORT
+    added a device-to-host copy for ConstantOfShape)."""
+    vals = ", ".join(["0"] * size)
+    m = parse(f"""
+    g (float[4, 4] x) => (float[4] out)
+    {{
+      s = Shape (x)
+      idx = Constant <value = int64[{size}] {{{vals}}}> ()
+      d = Gather <axis = 0> (s, idx)
+      c = ConstantOfShape (d)
+      out = ReduceSum <keepdims = 0> (c)
+    }}""")
+    got = providers(m)
+    assert got["n2"] == where
+    assert ("d" in predict_cuda_placement(m).host_tensors) == (where == CPU)
+
+
 def test_an_op_cuda_cannot_run_seeds_the_fallback_only_when_it_is_reached():
     m = parse("""
     g (float[8] x) => (float[8] out, int64[M] u, float[K] v)
