@@ -24,7 +24,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
 from threads import run_threads
 
 from ho_onnx.rewrite.pipeline import optimize
@@ -115,6 +115,16 @@ def decoder(tmp_path_factory):
     stored = _stored_by_the_cpu_engine(opt)
     assert stored >= sum(a.nbytes or 0 for a in r.choice.activations) > 0
     return src, opt, stored
+
+
+@pytest.fixture(scope="module")
+def decoder_weights(tmp_path_factory):
+    """(original, optimized with every weight streamed and no activation offloaded, 0)."""
+    src, opt, r = _optimized_decoder(tmp_path_factory.mktemp("dec_w"), 3,
+                                     OffloadOptions(activations=False, min_bytes=0,
+                                                    prefetch_distance=2))
+    assert r.choice.weights and not r.choice.activations
+    return src, opt, 0
 
 
 @pytest.fixture(scope="module")
@@ -393,7 +403,7 @@ def _mismatches(src, opt, runs: int, seed0: int = 0, broken: bool = False) -> in
         f = _feeds(seed0 + i)
         try:
             got = s.run(None, f)[0]
-        except OrtFail:
+        except (Fail, InvalidArgument, RuntimeException):
             if not broken:
                 raise
             failed += 1
@@ -437,12 +447,15 @@ def test_without_the_wait_event_outputs_are_wrong(decoder):
     _assert_hazard(decoder, "skip_wait_event", poison=True, delay_us=20_000)
 
 
-def test_without_the_staging_fence_outputs_are_wrong(decoder):
+def test_without_the_staging_fence_outputs_are_wrong(decoder_weights):
     """HAZARD (a) alone: a load waits for the fence of its device staging buffer (the
     Wait's copy out of it on the compute stream) before overwriting it. A slow compute
     stream: without the fence, the next load of a same-size weight overwrites the staging
-    buffer before the queued device-to-device copy of the previous Wait read it."""
-    _assert_hazard(decoder, "skip_staging_fence", poison=True, compute_delay_us=5_000)
+    buffer before the queued device-to-device copy of the previous Wait read it.
+    Weights only: in a plan that also stores activations, the load channel (FIFO) is held
+    behind loads of stored tensors, which wait for the compute stream, so no load can
+    overtake a Wait's copy and even the broken variant is right (measured on an H100)."""
+    _assert_hazard(decoder_weights, "skip_staging_fence", poison=True, compute_delay_us=5_000)
 
 
 def test_without_the_detach_event_outputs_are_wrong(decoder):
