@@ -407,6 +407,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"name": "accelerate cpu_offload",
                          "error": "torch with CUDA and accelerate are not installed"})
 
+    # Calibrate again after the rows: on the H100 one process measured 45.1 GB/s and another
+    # 54.9 GB/s on the same machine (docs/benchmarks.md); the fraction below uses the better.
+    cal2 = _ops.cuda_calibrate(256 * MIB)
+    cal["h2d_bw_runs"] = [cal["h2d_bw"], cal2["h2d_bw"]]
+    cal["d2h_bw_runs"] = [cal["d2h_bw"], cal2["d2h_bw"]]
+    cal["h2d_bw"], cal["d2h_bw"] = max(cal["h2d_bw_runs"]), max(cal["d2h_bw_runs"])
+    print(f"pinned copies after the rows: H2D {cal2['h2d_bw'] / 1e9:.1f} GB/s, "
+          f"D2H {cal2['d2h_bw'] / 1e9:.1f} GB/s (the better of the two is used)", flush=True)
     base_s = rows[0].get("median_s")
     for r in rows:
         if base_s and r.get("median_s"):
