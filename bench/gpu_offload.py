@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--ort-partition", default="0.5",
-                    help="budget fractions (of those in --budgets) at which ORT's own CUDA "
+                    help="fractions of the baseline's predicted peak at which ORT's own CUDA "
                          "memory-limited partitioning is measured ('' for none)")
     ap.add_argument("--partition-runs", type=int, default=2,
                     help="timed runs of the ORT partitioning rows (their CPU part is slow)")

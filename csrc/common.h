@@ -96,7 +96,8 @@ struct Debug {
   //  skip_wait_event    (c): Wait copies staging -> z without waiting for the load;
   //  skip_store_start   (d): a Store's copy does not wait for the compute stream (x written).
   // compute_delay_us: a spin kernel on the compute stream at every Prefetch (before the
-  // poison memset) and at every Wait (before its copy out of staging). cuda_timing: timing events around every copy (cuda_transfer_times).
+  // poison memset) and at every Wait (before its copy out of staging).
+  // cuda_timing: timing events around every copy (cuda_transfer_times).
   std::atomic<bool> skip_staging_fence{false};
   std::atomic<bool> skip_detach_wait{false};
   std::atomic<bool> skip_wait_event{false};

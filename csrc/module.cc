@@ -419,7 +419,8 @@ PYBIND11_MODULE(_ops, m) {
         "= skip_wait_event). CUDA only, one per ordering edge (docs/cuda.md): "
         "skip_staging_fence (a), skip_detach_wait (b), skip_wait_event (c), "
         "skip_store_start (d); compute_delay_us (spin on the compute stream at each "
-        "Prefetch and before each Wait's copy), cuda_timing (time every copy: cuda_transfer_times).");
+        "Prefetch and before each Wait's copy), cuda_timing (time every copy: "
+        "cuda_transfer_times).");
   m.def("cuda_mem_info", &cuda_mem_info, py::arg("device") = 0,
         "(free, total) bytes of a CUDA device (cudaMemGetInfo: every allocation on the "
         "device, ONNX Runtime's included). RuntimeError without CUDA.");

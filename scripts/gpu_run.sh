@@ -86,7 +86,7 @@ setup() {
   export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
   # cli/ is installed as ho_onnx.cli (pyproject's wheel.packages); from the source tree on
   # PYTHONPATH the same mapping is a link (ignored by git).
-  [[ -e $ROOT/ho_onnx/cli ]] || ln -s ../cli "$ROOT/ho_onnx/cli"
+  [[ -e $ROOT/ho_onnx/cli ]] || ln -sfn ../cli "$ROOT/ho_onnx/cli"
   local nv libs
   nv=$("$PY" -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__) if getattr(nvidia, "__file__", None) else list(nvidia.__path__)[0])' 2>/dev/null || true)
   if [[ -n $nv ]]; then

@@ -189,3 +189,31 @@ def test_contrib_shapes_clear_what_no_dim_binding_can_evaluate(monkeypatch):
     types = contrib_value_types(model)
     assert [_dims(types[n]) for n in ("h", "k", "m", "z")] == [
         [None, 4], [None, 4], [None, 4], ["a + 2*b", 4]]
+
+
+@pytest.mark.parametrize(("providers", "asks_kernels"), [
+    (["CPUExecutionProvider"], True),
+    (["CUDAExecutionProvider", "CPUExecutionProvider"], False),
+])
+def test_kernel_listing_is_asked_only_of_cpu_only_builds(monkeypatch, providers, asks_kernels):
+    """onnxruntime-gpu 1.31.1 segfaults in get_all_opkernel_def (measured on an H100): a GPU
+    build is asked for its schemas only."""
+    from onnxruntime.capi import _pybind_state as C
+
+    from ho_onnx.target.ort.contrib import ort_schemas
+
+    asked = []
+
+    class _Kernel:
+        domain, op_name = "com.example", "OnlyAKernel"
+
+    def kernels():
+        asked.append(True)
+        return [_Kernel()]
+
+    monkeypatch.setattr(C, "get_available_providers", lambda: providers)
+    monkeypatch.setattr(C, "get_all_opkernel_def", kernels, raising=False)
+    got = ort_schemas.__wrapped__()  # past the process-wide cache
+    assert bool(asked) == asks_kernels
+    assert (("com.example", "OnlyAKernel") in got) == asks_kernels
+    assert ("", "MatMul") in got  # the schemas are there either way

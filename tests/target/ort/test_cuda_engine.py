@@ -151,11 +151,13 @@ def _cache_ops(path) -> dict[str, int]:
 
 class _OnCuda:
     """Counters around some runs: asserts every cache op ran on the CUDA EP, none on the
-    CPU EP, and the CUDA engine copied the bytes the plan moves."""
+    CPU EP, and the CUDA engine copied the bytes the plan moves. A run that failed (set
+    ``failed``) stops early: then only "some cache ops ran, all on CUDA"."""
 
     def __init__(self, path, runs: int):
         self.ops = sum(_cache_ops(path).values())
         self.runs = runs
+        self.failed = 0
         assert self.ops > 0
 
     def __enter__(self):
@@ -166,8 +168,10 @@ class _OnCuda:
         if exc[0] is not None:
             return
         self.after = c = _ops.counters()
-        d = {k: c[k] - self.before[k] for k in c}
-        self.delta = d
+        self.delta = d = {k: c[k] - self.before[k] for k in c}
+        if self.failed:
+            assert d["ops_cpu"] == 0 and d["ops_cuda"] > 0, d
+            return
         assert d["ops_cuda"] == self.runs * self.ops, (d["ops_cuda"], self.runs, self.ops)
         assert d["ops_cpu"] == 0, d["ops_cpu"]
         # Every byte loaded went host -> device through the CUDA engine; every byte stored
@@ -397,29 +401,23 @@ def _mismatches(src, opt, runs: int, seed0: int = 0, broken: bool = False) -> in
     counts as a mismatch too)."""
     ref = _session(src, optimized=False)
     s = _session(opt, optimized=True)
-    bad = failed = 0
-    before = _ops.counters()
-    for i in range(runs):
-        f = _feeds(seed0 + i)
-        try:
-            got = s.run(None, f)[0]
-        except (Fail, InvalidArgument, RuntimeException):
-            if not broken:
-                raise
-            failed += 1
-            continue
-        if not _close(got, ref.run(None, f)[0]):
-            bad += 1
-    # A broken variant that ran on the CPU proves nothing: every cache op ran on CUDA (a
-    # failed run stops early, so then only "some, and none on the CPU").
-    d = {k: v - before[k] for k, v in _ops.counters().items()}
-    assert d["ops_cpu"] == 0, d
-    ops = sum(_cache_ops(opt).values())
-    assert d["ops_cuda"] == runs * ops if not failed else d["ops_cuda"] > 0, d
+    bad = 0
+    with _OnCuda(opt, runs=runs) as oc:  # a broken variant that ran on the CPU proves nothing
+        for i in range(runs):
+            f = _feeds(seed0 + i)
+            try:
+                got = s.run(None, f)[0]
+            except (Fail, InvalidArgument, RuntimeException):
+                if not broken:
+                    raise
+                oc.failed += 1
+                continue
+            if not _close(got, ref.run(None, f)[0]):
+                bad += 1
     del s
     gc.collect()
     time.sleep(0.2)  # copies of a deliberately broken run may still land
-    return bad + failed
+    return bad + oc.failed
 
 
 @pytest.mark.slow
