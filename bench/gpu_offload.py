@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     from ho_onnx import _ops
     from ho_onnx.rewrite.pipeline import CostSource, optimize, plan_model
     from ho_onnx.schedule.options import OffloadOptions
+    from ho_onnx.schedule.ort_reuse import ort_memory
     from models.decoder import build_decoder, decoder_config_bytes
 
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch",
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                                            dtype=np.int64))
 
     costs = CostSource(machine=args.machine)
-    _, _, base_plan = plan_model(src, OffloadOptions(budget=1 << 62), costs=costs)
+    _, base_analysis, base_plan = plan_model(src, OffloadOptions(budget=1 << 62), costs=costs)
     base_peak = base_plan.baseline.peak_bytes
     acts = max(0, base_peak - sizes["total_bytes"])
     rows: list[dict] = []
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                  "onnxruntime": __import__("onnxruntime").__version__}, indent=2) + "\n")
 
     def measure(name: str, model: Path, optimized: bool, plan=None, budget=None,
-                partition: bool = False) -> None:
+                partition: bool = False, arena: int | None = None) -> None:
         print(f"measuring {name} ...", flush=True)
         extra = ["--optimized"] if optimized else []
         if partition:
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"name": name, "budget_bytes": budget, **res}
         if plan is not None:
             row["predicted_peak_bytes"] = plan.planned.peak_bytes
+            row["predicted_arena_bytes"] = arena
             row["predicted_s"] = plan.planned.total_s
             row["plan_fits"] = plan.fits
         rows.append(row)
@@ -370,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
     measure("baseline", src, False)
     rows[-1]["predicted_peak_bytes"] = base_peak
+    rows[-1]["predicted_arena_bytes"] = int(ort_memory(base_analysis).max())
     rows[-1]["predicted_s"] = base_plan.baseline.total_s
 
     budgets = [(f"ho {float(f):.0%}", int(float(f) * base_peak))
@@ -384,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # the planner refuses an impossible budget: say so
             rows.append({"name": name, "budget_bytes": budget, "error": f"plan: {e}"})
             continue
-        measure(name, out, True, r.plan, budget)
+        measure(name, out, True, r.plan, budget,
+                arena=int(ort_memory(r.analysis, r.decision.choice).max()))
 
     for f in (x for x in args.ort_partition.split(",") if x.strip()):
         measure(f"ort partition {float(f):.0%}", src, False, budget=int(float(f) * base_peak),
@@ -423,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             r["h2d_fraction_of_calibrated"] = r["h2d_achieved_bw"] / cal["h2d_bw"]
 
     hdr = (f"{'row':<24}{'budget GiB':>11}{'peak GiB':>10}{'arena max':>10}{'arena tot':>10}"
-           f"{'pred GiB':>10}{'median ms':>11}"
+           f"{'pred GiB':>10}{'pred ORT':>10}{'median ms':>11}"
            f"{'pred ms':>9}{'x base':>8}{'H2D GB/run':>11}{'H2D GB/s':>10}{'of cal':>8}")
     print()
     print(hdr)
@@ -438,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_gb(r.get('ort_arena_max_in_use')):>10}"
               f"{_gb(r.get('ort_arena_total_allocated')):>10}"
               f"{_gb(r.get('predicted_peak_bytes')):>10}"
+              f"{_gb(r.get('predicted_arena_bytes')):>10}"
               f"{(med or 0) * 1e3:>11.1f}"
               f"{(r['predicted_s'] * 1e3 if r.get('predicted_s') else float('nan')):>9.1f}"
               f"{r.get('ratio_to_baseline', float('nan')):>8.2f}"
@@ -446,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('h2d_fraction_of_calibrated', float('nan')):>8.0%}")
     print("\npeak = device bytes in use above those used before the session (cudaMemGetInfo, "
           "1 ms polling); arena max / tot = ORT's CUDA arena MaxInUse / TotalAllocated at the "
-          "last Wait (AllocatorGetStats); pred = the planner's simulated tensor peak and time.")
+          "last Wait (AllocatorGetStats); pred = the planner's simulated tensor peak and time; "
+          "pred ORT = the arena ORT's buffer reuse needs (schedule/ort_reuse.py).")
     if args.json:
         save(True)
         print(f"wrote {args.json}")

@@ -11,6 +11,7 @@
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
 #include "cuda/probe.h"
+#include "ort_abi.h"
 #endif
 
 #ifndef HO_ONNX_VERSION
@@ -142,6 +143,7 @@ const DebugFlag kDebugFlags[] = {
     {"skip_wait_event", &ho::Debug::skip_wait_event},
     {"skip_store_start", &ho::Debug::skip_store_start},
     {"cuda_timing", &ho::Debug::cuda_timing},
+    {"arena_trace", &ho::Debug::arena_trace},
 };
 const DebugDuration kDebugDurations[] = {
     {"delay_us", &ho::Debug::delay_us},
@@ -167,6 +169,18 @@ size_t HoOnnx_GetCounters(const char** names, int64_t* values, size_t capacity) 
     if (values != nullptr) values[i] = kCounters[i].get();
   }
   return kCounterCount;
+}
+
+size_t HoOnnx_ArenaTrace(HoOnnxArenaSample* out, size_t capacity, int reset) {
+  // Sizing (capacity 0) never forgets: a caller sizes, then copies with reset.
+  const std::vector<ho::ArenaSample> t = ho::arena_trace(reset != 0 && capacity > 0);
+  for (size_t i = 0; i < t.size() && i < capacity && out != nullptr; ++i) {
+    std::snprintf(out[i].node, sizeof(out[i].node), "%s", t[i].where.c_str());
+    out[i].in_use = t[i].in_use;
+    out[i].max_in_use = t[i].max_in_use;
+    out[i].total_allocated = t[i].total_allocated;
+  }
+  return t.size();
 }
 
 void HoOnnx_ResetCounters(void) {

@@ -98,12 +98,15 @@ struct Debug {
   // compute_delay_us: a spin kernel on the compute stream at every Prefetch (before the
   // poison memset) and at every Wait (before its copy out of staging).
   // cuda_timing: timing events around every copy (cuda_transfer_times).
+  // arena_trace: every arena sample (ho_onnx.sample_arena=1) is also kept, with its Wait's
+  // node name, in order (arena_trace(); at most kArenaTraceCap samples).
   std::atomic<bool> skip_staging_fence{false};
   std::atomic<bool> skip_detach_wait{false};
   std::atomic<bool> skip_wait_event{false};
   std::atomic<bool> skip_store_start{false};
   std::atomic<int64_t> compute_delay_us{0};
   std::atomic<bool> cuda_timing{false};
+  std::atomic<bool> arena_trace{false};
 };
 Debug& debug();
 

@@ -50,7 +50,7 @@ HO_ONNX_EXPORT void HoOnnx_ResetCounters(void);
 
 /* Test hooks (all 0 by default): "delay_us", "poison", "skip_wait", "skip_staging_fence",
  * "skip_detach_wait", "skip_wait_event", "skip_store_start", "compute_delay_us",
- * "cuda_timing" (see csrc/common.h). -1 for an unknown name. */
+ * "cuda_timing", "arena_trace" (see csrc/common.h). -1 for an unknown name. */
 HO_ONNX_EXPORT int HoOnnx_SetDebug(const char* name, int64_t value);
 
 /* CUDA helpers. Without a CUDA build they fail (CudaDeviceCount returns 0). */
@@ -76,6 +76,18 @@ typedef struct HoOnnxCudaTransferTimes {
   uint64_t d2h_copies;
 } HoOnnxCudaTransferTimes;
 HO_ONNX_EXPORT int HoOnnx_CudaTransferTimes(int reset, HoOnnxCudaTransferTimes* out);
+
+/* The arena samples kept while "arena_trace" is set (each Wait with
+ * ho_onnx.sample_arena=1): writes up to `capacity` of them, oldest first, and returns how
+ * many there are (capacity 0 sizes the array and keeps them); `reset` != 0 with a capacity
+ * forgets all of them after copying. */
+typedef struct HoOnnxArenaSample {
+  char node[128]; /* the sampling Wait's node name, truncated */
+  int64_t in_use;
+  int64_t max_in_use;
+  int64_t total_allocated;
+} HoOnnxArenaSample;
+HO_ONNX_EXPORT size_t HoOnnx_ArenaTrace(HoOnnxArenaSample* out, size_t capacity, int reset);
 
 #ifdef __cplusplus
 }

@@ -287,7 +287,7 @@ void Kernel::wait(OrtKernelContext* ctx, ExecContext& ec) {
   if (gpu) ec.out = dst;
   engine->wait(src, dst, bytes, ec);
   if (!gpu && dst != src) counters().alias_copies += 1;
-  if (stats != nullptr) sample_arena(*stats, api, alloc);
+  if (stats != nullptr) sample_arena(*stats, api, alloc, node);
 }
 
 void Kernel::store(OrtKernelContext* ctx, ExecContext& ec) {

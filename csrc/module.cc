@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <algorithm>
 #include <vector>
 
 #include "cuda/host_logic.h"
@@ -54,7 +55,8 @@ void reset_counters() { HoOnnx_ResetCounters(); }
 // Every test hook of HoOnnx_SetDebug: set_debug(**kw) sets those named and resets the rest.
 const char* const kDebugHooks[] = {"delay_us",         "poison",          "skip_wait",
                                    "skip_staging_fence", "skip_detach_wait", "skip_wait_event",
-                                   "skip_store_start", "compute_delay_us", "cuda_timing"};
+                                   "skip_store_start", "compute_delay_us", "cuda_timing",
+                                   "arena_trace"};
 
 void set_debug(const py::kwargs& kw) {
   for (auto item : kw) {
@@ -91,6 +93,26 @@ py::dict cuda_calibrate(size_t bytes, int device, int repeats) {
   d["device"] = c.device;
   d["device_name"] = std::string(c.device_name);
   return d;
+}
+
+py::list arena_trace(bool reset) {
+  std::vector<HoOnnxArenaSample> buf;
+  {
+    py::gil_scoped_release nogil;
+    // Samples may arrive between sizing and copying: size with room to spare, copy once.
+    buf.resize(HoOnnx_ArenaTrace(nullptr, 0, 0) + 64);
+    buf.resize(std::min(buf.size(), HoOnnx_ArenaTrace(buf.data(), buf.size(), reset ? 1 : 0)));
+  }
+  py::list out;
+  for (const HoOnnxArenaSample& s : buf) {
+    py::dict d;
+    d["node"] = std::string(s.node);
+    d["in_use"] = s.in_use;
+    d["max_in_use"] = s.max_in_use;
+    d["total_allocated"] = s.total_allocated;
+    out.append(d);
+  }
+  return out;
 }
 
 py::dict cuda_transfer_times(bool reset) {
@@ -420,14 +442,19 @@ PYBIND11_MODULE(_ops, m) {
         "skip_staging_fence (a), skip_detach_wait (b), skip_wait_event (c), "
         "skip_store_start (d); compute_delay_us (spin on the compute stream at each "
         "Prefetch and before each Wait's copy), cuda_timing (time every copy: "
-        "cuda_transfer_times).");
+        "cuda_transfer_times), arena_trace (keep every arena sample: arena_trace).");
+  m.def("arena_trace", &arena_trace, py::arg("reset") = true,
+        "ORT arena samples (node, in_use, max_in_use, total_allocated; bytes) taken at each "
+        "Wait, oldest first, while set_debug(arena_trace=True) and the session has "
+        "ho_onnx.sample_arena=1.");
   m.def("cuda_mem_info", &cuda_mem_info, py::arg("device") = 0,
         "(free, total) bytes of a CUDA device (cudaMemGetInfo: every allocation on the "
         "device, ONNX Runtime's included). RuntimeError without CUDA.");
   m.def("cuda_calibrate", &cuda_calibrate, py::arg("bytes") = size_t{256} << 20,
-        py::arg("device") = 0, py::arg("repeats") = 5,
+        py::arg("device") = 0, py::arg("repeats") = 16,
         "Pinned host <-> device copy rates (bytes/s, best of `repeats` single "
-        "cudaMemcpyAsync of `bytes`): dict(h2d_bw, d2h_bw, bytes, device, device_name).");
+        "cudaMemcpyAsync of `bytes`, in four groups 50 ms apart after a warm-up): "
+        "dict(h2d_bw, d2h_bw, bytes, device, device_name).");
   m.def("cuda_transfer_times", &cuda_transfer_times, py::arg("reset") = true,
         "Bytes and GPU seconds of the engine's copies timed while set_debug(cuda_timing=True).");
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 
 #include "common.h"
 
@@ -90,7 +91,23 @@ StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime) 
 
 // Names as ORT reports them. An allocator without statistics (not an arena) leaves the
 // counters as they are.
-void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc) {
+namespace {
+std::mutex g_trace_mu;
+std::vector<ArenaSample>& trace() {
+  static auto* t = new std::vector<ArenaSample>();  // never destroyed: kernels may sample late
+  return *t;
+}
+}  // namespace
+
+std::vector<ArenaSample> arena_trace(bool reset) {
+  std::lock_guard<std::mutex> lock(g_trace_mu);
+  std::vector<ArenaSample> out = trace();
+  if (reset) trace().clear();
+  return out;
+}
+
+void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc,
+                  const std::string& where) {
   if (!s.ok() || alloc == nullptr) return;
   OrtKeyValuePairs* kv = nullptr;
   OrtStatus* st = s.get_stats(alloc, &kv);
@@ -112,6 +129,11 @@ void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* allo
     if (std::strcmp(keys[i], "TotalAllocated") == 0) dst = &counters().ort_arena_total_allocated;
     if (dst != nullptr) dst->store(std::strtoll(values[i], nullptr, 10));
   }
+  if (!debug().arena_trace.load()) return;
+  ArenaSample one{where, counters().ort_arena_in_use.load(), counters().ort_arena_max_in_use.load(),
+                  counters().ort_arena_total_allocated.load()};
+  std::lock_guard<std::mutex> lock(g_trace_mu);
+  if (trace().size() < kArenaTraceCap) trace().push_back(std::move(one));
 }
 
 }  // namespace ho

@@ -7,7 +7,9 @@
 #include <onnxruntime_c_api.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
+#include <vector>
 
 // Declared by onnxruntime_c_api.h from API 22 on; the library may be built with older headers.
 struct OrtKeyValuePairs;
@@ -46,8 +48,21 @@ struct StatsApi {
 // Empty (ok() false) when the runtime is older than 1.23 or the headers' layout is unknown.
 StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime);
 
-// Records InUse / MaxInUse / TotalAllocated of `alloc` into the ort_arena_* counters.
+// Records InUse / MaxInUse / TotalAllocated of `alloc` into the ort_arena_* counters, and
+// with debug().arena_trace also into the trace under `where` (the sampling node's name).
 // Never fails (a measurement, not a transfer).
-void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc);
+void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc,
+                  const std::string& where);
+
+// One arena sample of the trace.
+struct ArenaSample {
+  std::string where;
+  int64_t in_use = -1;
+  int64_t max_in_use = -1;
+  int64_t total_allocated = -1;
+};
+constexpr size_t kArenaTraceCap = size_t{1} << 16;
+// The samples kept since the last call with reset (oldest first).
+std::vector<ArenaSample> arena_trace(bool reset);
 
 }  // namespace ho
