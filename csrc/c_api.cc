@@ -6,12 +6,13 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "common.h"
+#include "ort_abi.h"
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
 #include "cuda/probe.h"
-#include "ort_abi.h"
 #endif
 
 #ifndef HO_ONNX_VERSION
