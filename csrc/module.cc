@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -18,7 +19,6 @@
 #include <string>
 #include <thread>
 #include <utility>
-#include <algorithm>
 #include <vector>
 
 #include "cuda/host_logic.h"

@@ -89,8 +89,6 @@ StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime) 
   return s;
 }
 
-// Names as ORT reports them. An allocator without statistics (not an arena) leaves the
-// counters as they are.
 namespace {
 std::mutex g_trace_mu;
 std::vector<ArenaSample>& trace() {
@@ -106,6 +104,9 @@ std::vector<ArenaSample> arena_trace(bool reset) {
   return out;
 }
 
+// Names as ORT reports them. An allocator without statistics (not an arena) leaves the
+// counters as they are. The trace keeps this sample's own values, not the counters read
+// back: another session's Wait may store into them at the same time.
 void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc,
                   const std::string& where) {
   if (!s.ok() || alloc == nullptr) return;
@@ -121,17 +122,27 @@ void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* allo
   const char* const* values = nullptr;
   size_t n = 0;
   s.get_pairs(kv, &keys, &values, &n);
+  ArenaSample one;
   for (size_t i = 0; i < n; ++i) {
     if (keys[i] == nullptr || values[i] == nullptr) continue;
     std::atomic<int64_t>* dst = nullptr;
-    if (std::strcmp(keys[i], "InUse") == 0) dst = &counters().ort_arena_in_use;
-    if (std::strcmp(keys[i], "MaxInUse") == 0) dst = &counters().ort_arena_max_in_use;
-    if (std::strcmp(keys[i], "TotalAllocated") == 0) dst = &counters().ort_arena_total_allocated;
-    if (dst != nullptr) dst->store(std::strtoll(values[i], nullptr, 10));
+    int64_t* mine = nullptr;
+    if (std::strcmp(keys[i], "InUse") == 0) {
+      dst = &counters().ort_arena_in_use;
+      mine = &one.in_use;
+    } else if (std::strcmp(keys[i], "MaxInUse") == 0) {
+      dst = &counters().ort_arena_max_in_use;
+      mine = &one.max_in_use;
+    } else if (std::strcmp(keys[i], "TotalAllocated") == 0) {
+      dst = &counters().ort_arena_total_allocated;
+      mine = &one.total_allocated;
+    }
+    if (dst == nullptr) continue;
+    *mine = std::strtoll(values[i], nullptr, 10);
+    dst->store(*mine);
   }
   if (!debug().arena_trace.load()) return;
-  ArenaSample one{where, counters().ort_arena_in_use.load(), counters().ort_arena_max_in_use.load(),
-                  counters().ort_arena_total_allocated.load()};
+  one.where = where;
   std::lock_guard<std::mutex> lock(g_trace_mu);
   if (trace().size() < kArenaTraceCap) trace().push_back(std::move(one));
 }

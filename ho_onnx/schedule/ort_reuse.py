@@ -121,7 +121,9 @@ def ort_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None =
         born[v.start].append(name)
         dies[v.end].append(name)
     owner: dict[str, _Buffer] = {}
-    free: list[_Buffer] = []  # most recently freed first
+    # ORT's free list, searched most recently freed first for the first same-key buffer:
+    # per key, a stack whose top is the most recently freed.
+    free: dict[tuple, list[_Buffer]] = {}
     buffers: list[_Buffer] = []
     for pos in range(n):
         for name in born[pos]:
@@ -129,9 +131,9 @@ def ort_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None =
             if v.alias_of is not None and v.alias_of in owner:
                 buf = owner[v.alias_of]
             else:
-                buf = next((b for b in free if v.key is not None and b.key == v.key), None)
-                if buf is not None:
-                    free.remove(buf)
+                stack = free.get(v.key) if v.key is not None else None
+                if stack:
+                    buf = stack.pop()
                 else:
                     buf = _Buffer(pos, pos, v.nbytes, v.key)
                     buffers.append(buf)
@@ -141,8 +143,8 @@ def ort_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None =
         for name in dies[pos]:
             buf = owner[name]
             buf.users -= 1
-            if buf.users == 0:
-                free.insert(0, buf)
+            if buf.users == 0 and buf.key is not None:
+                free.setdefault(buf.key, []).append(buf)
     return [(b.start, b.end, b.nbytes) for b in buffers], static
 
 
