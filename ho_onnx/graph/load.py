@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from onnx import TensorProto
 
 from ..contract import DOMAIN
@@ -95,9 +95,11 @@ def external_ref(tensor: TensorProto) -> ExternalRef | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _resolve(base_dir: Path, location: str) -> tuple[Path, Path]:
+def _resolve(base_dir: Path, location: str) -> tuple[Path, Path | None]:
+    """The resolved folder and the file ``location`` names in it (None: outside it)."""
     base = base_dir.resolve()
-    return base, (base / location).resolve()
+    path = (base / location).resolve()
+    return base, path if path == base or base in path.parents else None
 
 
 def resolve_data_path(base_dir: Path, location: str, what: str) -> Path:
@@ -113,7 +115,7 @@ def resolve_data_path(base_dir: Path, location: str, what: str) -> Path:
             f"model folder {str(base_dir)!r}"
         )
     base, path = _resolve(base_dir, location)
-    if path != base and base not in path.parents:
+    if path is None:
         raise ExternalDataError(
             f"{what}: external data location {location!r} points outside the model folder "
             f"{str(base)!r}"
@@ -181,14 +183,35 @@ def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False) -> None:
         )
 
 
-def check_text(message: Message, what: str) -> None:
-    """Refuse a string field that is not valid UTF-8 (protobuf parses it and hands it out
-    as bytes, or fails, wherever it is read later)."""
+# Models up to this many bytes are checked for UTF-8 by one parse in C (which copies the
+# bytes once more); bigger ones (inline weights) by the field walk, whose cost grows with the
+# number of fields, not with bytes.
+UTF8_PARSE_MAX_BYTES = 64 << 20
+
+
+@functools.cache
+def _utf8_verifying_model() -> type[Message]:
+    """``onnx.ModelProto``'s schema restated as an editions-2023 file, whose string fields
+    protobuf verifies as UTF-8 while parsing (proto2's, onnx's, are not verified)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    fdp = descriptor_pb2.FileDescriptorProto()
+    onnx.ModelProto.DESCRIPTOR.file.CopyToProto(fdp)
+    fdp.syntax, fdp.edition = "editions", descriptor_pb2.EDITION_2023
+    features = fdp.options.features  # proto2's behaviour, but for UTF-8 (2023: VERIFY)
+    features.enum_type = descriptor_pb2.FeatureSet.CLOSED
+    features.repeated_field_encoding = descriptor_pb2.FeatureSet.EXPANDED
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("onnx.ModelProto"))
+
+
+def _walk_text(message: Message, what: str) -> None:
     for fd, value in message.ListFields():
         repeated = fd.is_repeated
         if fd.type == fd.TYPE_MESSAGE:
             for m in value if repeated else (value,):
-                check_text(m, what)
+                _walk_text(m, what)
         elif fd.type == fd.TYPE_STRING:
             try:
                 bad = [v for v in (value if repeated else (value,)) if not isinstance(v, str)]
@@ -197,6 +220,25 @@ def check_text(message: Message, what: str) -> None:
             if bad:
                 raise ModelLoadError(f"{what!r}: a {fd.full_name} string is not valid "
                                      f"UTF-8 ({bad[0]!r})")
+
+
+def check_text(message: Message, what: str) -> None:
+    """Refuse a string field that is not valid UTF-8 (protobuf parses it and hands it out
+    as bytes, or fails, wherever it is read later).
+
+    A model up to :data:`UTF8_PARSE_MAX_BYTES` is parsed once more by a verifying schema
+    (C speed); the field walk runs when that parse fails (to name the field) and for
+    bigger models and other messages.
+    """
+    if isinstance(message, onnx.ModelProto) and message.ByteSize() <= UTF8_PARSE_MAX_BYTES:
+        try:
+            _utf8_verifying_model().FromString(message.SerializeToString())
+            return
+        except DecodeError:  # (the walk names the field)
+            pass
+        _walk_text(message, what)
+        raise ModelLoadError(f"{what!r}: a string field is not valid UTF-8")
+    _walk_text(message, what)
 
 
 @gc_paused()

@@ -24,7 +24,7 @@ ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1)
 @pytest.fixture(autouse=True, params=["in-process", "forked"])
 def checks(request, monkeypatch):
     """Every case twice: the load's checks in this process, and in a forked child beside the
-    onnx_ir deserialisation (graph.forked; normally only for graphs of 2,000+ nodes)."""
+    onnx_ir deserialisation (graph.forked; normally only for graphs of 1,000+ nodes)."""
     if request.param == "forked":
         from ho_onnx.graph import forked, load
 
@@ -96,3 +96,52 @@ def test_unknown_dim_error_names_the_dim(tmp_path):
     with pytest.raises(UnboundDimError, match="'N'"):
         optimize(src, tmp_path / "out.onnx", OffloadOptions(weights=False, min_bytes=1))
     assert not (tmp_path / "out.onnx").exists()
+
+
+def _with_bad_text(where: str) -> onnx.ModelProto:
+    """chain_model with one string field set to a unique marker, later made invalid UTF-8."""
+    m = chain_model()
+    if where == "node name":
+        m.graph.node[1].name = "@MARK@"
+    elif where == "subgraph node input":
+        body = onnx.parser.parse_graph("body () => (float y) { y = Identity(X) }")
+        other = onnx.parser.parse_graph("body () => (float y) { y = Identity(X) }")
+        body.node[0].input[0] = "@MARK@"
+        cond = onnx.helper.make_tensor("c", onnx.TensorProto.BOOL, [], [True])
+        m.graph.initializer.append(cond)
+        m.graph.node.append(onnx.helper.make_node(
+            "If", ["c"], ["unused"], then_branch=body, else_branch=other))
+    elif where == "metadata":
+        m.metadata_props.add(key="k", value="@MARK@")
+    elif where == "attribute name":  # (an attribute's strings are bytes in onnx.proto)
+        m.graph.node[1].attribute.append(onnx.helper.make_attribute("@MARK@", 1))
+    elif where == "initializer doc":
+        m.graph.initializer[0].doc_string = "@MARK@"
+    return m
+
+
+@pytest.mark.parametrize("verifying_parse", [True, False], ids=["parse", "walk"])
+@pytest.mark.parametrize("where", ["node name", "subgraph node input", "metadata",
+                                   "attribute name", "initializer doc"])
+def test_invalid_utf8_anywhere_is_refused_naming_the_field(tmp_path, where, verifying_parse,
+                                                           monkeypatch):
+    """Both ways of checking (the verifying parse of small models, the field walk of big
+    ones) find a bad string wherever it is and name its field; valid non-ASCII passes."""
+    from ho_onnx.graph import load
+
+    if not verifying_parse:
+        monkeypatch.setattr(load, "UTF8_PARSE_MAX_BYTES", 0)
+    m = _with_bad_text(where)
+    good = onnx.ModelProto.FromString(m.SerializeToString().replace(b"@MARK@", "aé✓".encode()))
+    load.check_text(good, "good.onnx")  # (same length: 6 bytes; valid non-ASCII passes)
+    raw = m.SerializeToString()
+    assert raw.count(b"@MARK@") == 1
+    bad = onnx.ModelProto.FromString(raw.replace(b"@MARK@", b"a\xff\xfeb\xc0z"))
+    field = {"node name": "NodeProto.name", "subgraph node input": "NodeProto.input",
+             "metadata": "StringStringEntryProto.value",
+             "attribute name": "AttributeProto.name",
+             "initializer doc": "TensorProto.doc_string"}[where]
+    with pytest.raises(ModelLoadError, match=r"'bad.onnx': a onnx\.\S+ string is not valid "
+                                             r"UTF-8") as e:
+        load.check_text(bad, "bad.onnx")
+    assert f"onnx.{field} " in str(e.value)
