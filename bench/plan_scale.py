@@ -11,7 +11,8 @@ Phases, each timed on its own (best of ``--repeat``):
 * ``load+analyse``: :func:`ho_onnx.graph.load.load_model` + :func:`ho_onnx.graph.analyse.analyse`
 * ``costs``: :func:`ho_onnx.cost.analytic.analytic_costs` on the ``cpu`` preset
 * ``plan``: :func:`ho_onnx.schedule.planner.plan` at ``--frac`` of the baseline peak (so the
-  planner has real work: many offloads, a full placement pass and two simulations)
+  planner has real work: many offloads, a full placement pass and two simulations), with
+  up to ``--arena-refits`` more plans while ORT's replayed arena exceeds the budget
 * ``insert``: :func:`ho_onnx.rewrite.insert.insert_cache_ops` (in place, on a fresh analysis
   each repetition)
 * ``save``: :func:`ho_onnx.rewrite.place.place_weight_data` + :func:`ho_onnx.graph.save.save_model`
@@ -94,7 +95,8 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
     sec["costs"], nc = _best(lambda: analytic_costs(a, machine, dims), args.repeat)
     compute_s, tt = nc.seconds, machine.transfer_time
     base = simulate(a, None, compute_s, tt, dims)
-    opts = OffloadOptions(budget=max(1, int(base.peak_bytes * args.frac)), min_bytes=args.min_bytes)
+    opts = OffloadOptions(budget=max(1, int(base.peak_bytes * args.frac)), min_bytes=args.min_bytes,
+                          arena_refits=args.arena_refits)
     sec["plan"], p = _best(lambda: plan(a, opts, CostModel(compute_s, tt), dims), args.repeat)
     assert isinstance(p, Plan)
     # insertion works in place: each repetition rewrites a freshly loaded and analysed model
@@ -113,7 +115,8 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
         "layers": layers, "nodes": n, "tensors": len(a.tensors), "seconds": sec,
         "total_s": total, "us_per_node": total / n * 1e6,
         "budget_bytes": opts.budget, "baseline_peak_bytes": base.peak_bytes,
-        "planned_peak_bytes": p.planned.peak_bytes,
+        "planned_peak_bytes": p.planned.peak_bytes, "arena_refits": args.arena_refits,
+        "predicted_arena_bytes": p.arena_bytes, "planned_for_bytes": p.planned_for,
         "offloaded_weights": len(p.choice.weights),
         "offloaded_activations": len(p.choice.activations),
         "transfers": len(p.planned.transfers), "cache_nodes": rw.cache_nodes,
@@ -146,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="budget as a fraction of the baseline peak (default 0.5)")
     ap.add_argument("--min-bytes", type=int, default=0,
                     help="planner min_bytes (default 0: every tensor is a candidate)")
+    ap.add_argument("--arena-refits", type=int, default=OffloadOptions.arena_refits,
+                    help="plans again while ORT's replayed arena exceeds the budget, at most "
+                         "this many times (default %(default)s; 0: the tensor count only, as "
+                         "the planner before it, for side-by-side runs with older trees)")
     ap.add_argument("--machine", default="cpu")
     ap.add_argument("--repeat", type=int, default=3, help="best of N per phase (default 3)")
     ap.add_argument("--json", type=Path, help="write the figures here")

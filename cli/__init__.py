@@ -389,6 +389,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         click.echo(f"predicted peak {format_bytes(p.planned.peak_bytes, 'MiB', 1)} (budget "
                    f"{format_bytes(p.budget, 'MiB', 1)}), time x"
                    f"{p.planned.total_s / p.baseline.total_s if p.baseline.total_s else 1:.3f}")
+        click.echo(p.arena_summary())
 
 
 @main.command()

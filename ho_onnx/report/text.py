@@ -43,6 +43,9 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         "budget_bytes": plan.budget,
         "min_budget_bytes": plan.min_budget,
         "fits": plan.fits,
+        "arena_bytes": plan.arena_bytes,
+        "arena_fits": plan.arena_fits,
+        "planned_for_bytes": plan.planned_for,
         "host_bytes": plan.host_bytes,
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),
@@ -80,6 +83,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         f"{len(c.activations)} activations "
         f"({_mib(sum(x.nbytes or 0 for x in c.activations))}); host holds up to "
         f"{_mib(plan.host_bytes)}",
+        plan.arena_summary(),
     ]
     rows = transfer_rows(plan, analysis_names)
     if rows:

@@ -36,6 +36,10 @@ class OffloadOptions:
       margin, and opens at most this many copy-times early (XLA MSA's overlap ratios).
       ``max_extra``, ``max_extra_s``: tries and seconds of the look-ahead that offloads one
       more tensor to rescue a stalled reload.
+      ``arena_refits``: ORT's arena holds more than the live tensors (its allocation planner
+      keeps reused buffers across gaps, :mod:`~ho_onnx.schedule.ort_reuse`); while that
+      replayed arena peak exceeds ``budget``, plan again for a budget lowered by the excess,
+      at most this many times (0: fit the tensor count only).
     """
 
     weights: bool = True
@@ -50,11 +54,12 @@ class OffloadOptions:
     max_overlap: float = 10.0
     max_extra: int = 64
     max_extra_s: float = 2.0
+    arena_refits: int = 4
 
     def __post_init__(self) -> None:
         if self.weight_tier not in ("host", "disk"):
             raise ValueError(f"weight_tier must be host|disk, not {self.weight_tier!r}")
-        for name in ("min_gap", "prefetch_distance", "max_extra"):
+        for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.min_bytes is not None and self.min_bytes < 0:

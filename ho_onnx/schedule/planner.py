@@ -22,6 +22,11 @@
    Look-ahead: a reload still stalling because the budget was full where its window would
    open gets one more tensor offloaded there, kept only if the re-simulated time drops.
 5. **Prediction**: :func:`ho_onnx.schedule.simulate.simulate` of the final schedule.
+6. **ORT's arena**: the simulation counts tensors, ORT's allocation planner holds reused
+   buffers longer (:mod:`.ort_reuse`). While that replayed arena peak exceeds the budget,
+   the plan is made again for a budget lowered by the excess (``options.arena_refits``
+   times at most); the plan keeps the user's budget and records the budget it was made
+   for and the arena it predicts.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every
 candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
@@ -66,6 +71,7 @@ from .lifetimes import (
     resident_intervals,
 )
 from .options import OffloadOptions
+from .ort_reuse import ort_memory
 from .simulate import Simulation, simulate
 from .types import ActivationOffload, Decision, OffloadChoice, Tier, WeightOffload
 
@@ -100,6 +106,8 @@ class Plan(Decision):
     planned: Simulation
     min_budget: int
     host_bytes: int  # peak bytes the slow tier holds (weights + stored activations)
+    arena_bytes: int = 0  # ORT's arena peak, buffer reuse replayed (module docstring, 6)
+    planned_for: int = 0  # the budget the choice was made for (lower after arena refits)
 
     @property
     def budget(self) -> int:
@@ -110,6 +118,22 @@ class Plan(Decision):
     def fits(self) -> bool:
         return self.planned.peak_bytes <= self.budget
 
+    @property
+    def arena_fits(self) -> bool:
+        """Whether ORT's arena, as replayed, stays within the budget."""
+        return self.arena_bytes <= self.budget
+
+    def arena_summary(self) -> str:
+        """ORT's predicted arena peak against the budget, for reports and logs."""
+        mib = functools.partial(format_bytes, unit="MiB", digits=1)
+        line = f"ORT arena {mib(self.arena_bytes)} predicted (its buffer reuse replayed)"
+        if self.planned_for < self.budget:
+            line += f", planned for {mib(self.planned_for)} to leave room for it"
+        if not self.arena_fits:
+            line += (f"; OVER the budget by {mib(self.arena_bytes - self.budget)}: the "
+                     "smallest arena this planner reaches (raise the budget)")
+        return line
+
     def metadata(self) -> dict[str, str]:
         b, p = self.baseline, self.planned
         return {
@@ -119,6 +143,7 @@ class Plan(Decision):
             "predicted_time_s": f"{p.total_s:.6g}",
             "baseline_time_s": f"{b.total_s:.6g}",
             "predicted_stall_s": f"{p.stall_s:.6g}",
+            "predicted_arena_bytes": str(self.arena_bytes),
         } | super().metadata() | {"host_bytes": str(self.host_bytes)}
 
 
@@ -499,7 +524,33 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
 
     Raises :class:`InfeasibleBudgetError` whose ``min_budget`` is a budget this planner
     meets (the smallest from the largest-gap estimate up, :func:`_met_budget`)."""
-    return _plan(analysis, opts, costs, dims, search=True)
+    return _fit_arena(analysis, opts, costs, dims, _plan(analysis, opts, costs, dims, search=True))
+
+
+def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+               dims: Mapping[str, int] | None, first: Plan) -> Plan:
+    """``first``, or a plan for a lower budget whose replayed ORT arena fits ``opts.budget``
+    (module docstring, 6): the one with the smallest arena of at most ``opts.arena_refits``
+    more tries, each for a budget lowered by the last excess (at least 1/256 of the budget,
+    so that a few steps converge) but not below the smallest budget the planner said it
+    meets."""
+    budget = first.budget
+    best, arena = first, int(ort_memory(analysis, first.choice, dims).max())
+    target, last, floor = budget, arena, 1
+    for _ in range(opts.arena_refits):
+        if arena <= budget or target <= floor:
+            break
+        lower = max(floor, target - max(last - budget, budget // 256))
+        try:
+            trial = _plan(analysis, replace(opts, budget=lower), costs, dims, search=False)
+        except InfeasibleBudgetError as e:
+            floor = max(floor, e.min_budget)  # the next try is between it and ``target``
+            continue
+        target, last = lower, int(ort_memory(analysis, trial.choice, dims).max())
+        if last < arena:
+            best, arena = replace(trial, options=opts,
+                                  min_budget=min(first.min_budget, trial.min_budget)), last
+    return replace(best, arena_bytes=arena)
 
 
 def _met_budget(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
@@ -569,4 +620,5 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     choice.skipped = skipped
     if planned.peak_bytes > ctx.budget:  # the planner's own invariant
         raise AssertionError(f"plan peak {planned.peak_bytes} > budget {ctx.budget}")
-    return Plan(choice, opts, baseline, planned, min_budget, host_bytes(choice))
+    return Plan(choice, opts, baseline, planned, min_budget, host_bytes(choice),
+                planned_for=ctx.budget)
