@@ -288,6 +288,11 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
         click.option("--host-budget", type=SizeType(), default=None,
                      help="Host (slow-tier) memory budget: offloaded weights that do not fit "
                           "stay in the model's data file and are read from disk at each use."),
+        click.option("--arena-refits", type=click.IntRange(min=0),
+                     default=_DEFAULTS.arena_refits, show_default=True,
+                     help="ORT's arena holds more than the live tensors (it keeps reused "
+                          "buffers): while its replayed peak exceeds --budget, plan again for "
+                          "a lower budget, at most this many times; 0 fits the tensors only."),
         click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP),
         click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...",
                      help=_SHAPE_HELP),
@@ -334,8 +339,8 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, dims: tuple[str, ...], shapes: tuple[str, ...],
-             ort_level: str | None) -> None:
+             host_budget: int | None, arena_refits: int, dims: tuple[str, ...],
+             shapes: tuple[str, ...], ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
@@ -361,7 +366,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
             raise click.UsageError("--host-budget needs --budget (the planner)")
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
-                           prefetch_distance=prefetch_distance)
+                           prefetch_distance=prefetch_distance, arena_refits=arena_refits)
         def run_file(src: object, dst: object):  # type: ignore[no-untyped-def]
             return run(src, dst, options, parse_dims(dims),  # type: ignore[arg-type]
                        costs=CostSource(machine, profile_path), ort_level=ort_level, log=_log,
@@ -409,8 +414,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         dims: tuple[str, ...], shapes: tuple[str, ...], ort_level: str | None,
-         as_json: bool, plot_path: str | None) -> None:
+         arena_refits: int, dims: tuple[str, ...], shapes: tuple[str, ...],
+         ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
@@ -427,7 +432,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
         _, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
-                                             host_budget=host_budget),
+                                             host_budget=host_budget,
+                                             arena_refits=arena_refits),
                                     parse_dims(dims), CostSource(machine, profile_path),
                                     ort_level=ort_level, log=_log,
                                     shapes=parse_shape_options(shapes))

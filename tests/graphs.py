@@ -100,3 +100,22 @@ def doubling_model(n: int) -> onnx.ModelProto:
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["D"])])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+# t1 and t2 ([512, 512] f32, 1 MiB each) die at steps 1 and 2; Split's two [512, 512] outputs
+# at step 4 take their buffers from ORT's free list, so ORT holds both through steps 2-3,
+# where t3 and t4 (2 MiB each, a shape nothing else has) are live. Tensors at step 3:
+# t3 + t4 = 4 MiB; ORT's buffers: t1 + t2 + t3 + t4 = 6 MiB. None of these ops writes in
+# place. W (1 MiB) is read last, so with weights offloaded its Wait samples ORT's arena
+# after the peak.
+GAP = """
+gap (float[512, 512] x) => (float[512, 512] y) {
+  t1 = Transpose<perm = [1, 0]>(x)
+  t2 = MatMul(t1, t1)
+  t3 = Concat<axis = 0>(t2, t2)
+  t4 = Transpose<perm = [1, 0]>(t3)
+  s1, s2 = Split<axis = 1>(t4)
+  m = MatMul(s1, W)
+  y = MatMul(m, s2)
+}
+"""

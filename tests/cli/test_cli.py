@@ -38,3 +38,26 @@ def test_python_dash_m_runs_the_cli(module):
     r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
                        text=True, timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "ho-onnx, version 0.1.0", r.stderr
+
+
+def test_plan_reports_and_fits_ort_arena(tmp_path):
+    """``plan --json`` carries ORT's replayed arena; with refits (default) the plan fits the
+    budget's arena, with ``--arena-refits 0`` the table says it is OVER; a negative count
+    is a usage error."""
+    import json
+
+    from graphs import GAP, text_model
+
+    src = save(text_model(GAP, W=(512, 512)), tmp_path / "gap.onnx")
+    runner = CliRunner()
+    args = ["plan", str(src), "--budget", "6MiB", "--min-bytes", "0"]
+    r = runner.invoke(main, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    assert d["arena_fits"] and d["arena_bytes"] <= 6 << 20 < d["before"]["peak_bytes"] + (2 << 20)
+    assert d["planned_for_bytes"] < d["budget_bytes"] == 6 << 20
+    r = runner.invoke(main, [*args, "--arena-refits", "0"])
+    assert r.exit_code == 0 and "ORT arena 7.0 MiB predicted" in r.output
+    assert "OVER the budget by 1.0 MiB" in r.output, r.output
+    r = runner.invoke(main, [*args, "--arena-refits", "-1"])
+    assert r.exit_code == 2 and "-1" in r.output
