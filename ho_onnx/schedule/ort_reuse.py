@@ -29,7 +29,7 @@ import numpy as np
 from ..contract import DOMAIN
 from ..graph.analyse import GraphAnalysis, input_names, output_names
 from ..graph.dtypes import ELEMENT_BITS
-from .lifetimes import Interval, TensorSizes, memory_profile, resident_intervals
+from .lifetimes import Interval, Residency, memory_profile, resident_intervals
 from .types import OffloadChoice
 
 # (domain, op_type) -> index of the input whose buffer output 0 takes.
@@ -60,17 +60,17 @@ class _Buffer:
 
 
 def _key(elem_type: int | None, shape: tuple | None) -> tuple | None:
-    if elem_type not in ELEMENT_BITS or not shape or any(d is None for d in shape):
+    if elem_type not in ELEMENT_BITS or not shape or None in shape:
         return None
     return (ELEMENT_BITS[elem_type], tuple(shape))
 
 
 def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
-            dims: Mapping[str, int] | None) -> tuple[dict[str, _Value], int]:
+            dims: Mapping[str, int] | None, residency: Residency | None
+            ) -> tuple[dict[str, _Value], int]:
     """The values ORT's planner sees at each step of the schedule with ``choice``, and the
     bytes held for the whole run (the initializers that stay)."""
-    nbytes = TensorSizes(analysis.tensors, dims)
-    spans, sizes = resident_intervals(analysis, dims, nbytes)
+    spans, sizes = residency or resident_intervals(analysis, dims)
     n = len(analysis.order)
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
@@ -97,8 +97,10 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             values[f"{w.name}\0{k}"] = _Value(p, c, w.nbytes, _key(t.elem_type, t.shape))
     for pos, node in enumerate(analysis.nodes):
         src = ALIAS_INPUT.get((node.domain or "", node.op_type))
+        if src is None:
+            continue
         ins, outs = input_names(node), output_names(node)
-        if src is None or src >= len(ins) or not outs or outs[0] not in values:
+        if src >= len(ins) or not outs or outs[0] not in values:
             continue
         v = values[outs[0]]
         if ins[src] in values and values[ins[src]].start <= pos:
@@ -110,10 +112,12 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
 
 
 def ort_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None = None,
-                         dims: Mapping[str, int] | None = None) -> tuple[list[Interval], int]:
+                         dims: Mapping[str, int] | None = None,
+                         residency: Residency | None = None) -> tuple[list[Interval], int]:
     """Interval and bytes of every buffer ORT's planner allocates for the schedule with
-    ``choice``'s offloads, and the bytes held for the whole run (resident initializers)."""
-    values, static = _values(analysis, choice, dims)
+    ``choice``'s offloads, and the bytes held for the whole run (resident initializers).
+    ``residency``: :func:`~.lifetimes.resident_intervals` under ``dims``, when known."""
+    values, static = _values(analysis, choice, dims, residency)
     n = len(analysis.order)
     born: list[list[str]] = [[] for _ in range(n)]
     dies: list[list[str]] = [[] for _ in range(n)]
@@ -149,10 +153,11 @@ def ort_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None =
 
 
 def ort_memory(analysis: GraphAnalysis, choice: OffloadChoice | None = None,
-               dims: Mapping[str, int] | None = None) -> np.ndarray:
+               dims: Mapping[str, int] | None = None,
+               residency: Residency | None = None) -> np.ndarray:
     """Bytes ORT's arena holds per step of the schedule with ``choice`` (buffer reuse
     replayed; see the module docstring)."""
-    intervals, static = ort_buffer_intervals(analysis, choice, dims)
+    intervals, static = ort_buffer_intervals(analysis, choice, dims, residency)
     n = len(analysis.order)
     if not intervals:
         return np.full(n, static, dtype=np.int64)

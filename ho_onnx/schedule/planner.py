@@ -524,29 +524,38 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
 
     Raises :class:`InfeasibleBudgetError` whose ``min_budget`` is a budget this planner
     meets (the smallest from the largest-gap estimate up, :func:`_met_budget`)."""
-    return _fit_arena(analysis, opts, costs, dims, _plan(analysis, opts, costs, dims, search=True))
+    sizes = TensorSizes(analysis.tensors, dims)  # shared by the plan and its arena refits
+    shared = sizes, resident_intervals(analysis, dims, sizes)
+    first = _plan(analysis, opts, costs, dims, search=True, shared=shared)
+    return _fit_arena(analysis, opts, costs, dims, first, shared)
 
 
 def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-               dims: Mapping[str, int] | None, first: Plan) -> Plan:
+               dims: Mapping[str, int] | None, first: Plan,
+               shared: tuple[TensorSizes, Residency]) -> Plan:
     """``first``, or a plan for a lower budget whose replayed ORT arena fits ``opts.budget``
     (module docstring, 6): the one with the smallest arena of at most ``opts.arena_refits``
     more tries, each for a budget lowered by the last excess (at least 1/256 of the budget,
     so that a few steps converge) but not below the smallest budget the planner said it
     meets."""
     budget = first.budget
-    best, arena = first, int(ort_memory(analysis, first.choice, dims).max())
+
+    def replayed(p: Plan) -> int:
+        return int(ort_memory(analysis, p.choice, dims, shared[1]).max())
+
+    best, arena = first, replayed(first)
     target, last, floor = budget, arena, 1
     for _ in range(opts.arena_refits):
         if arena <= budget or target <= floor:
             break
         lower = max(floor, target - max(last - budget, budget // 256))
         try:
-            trial = _plan(analysis, replace(opts, budget=lower), costs, dims, search=False)
+            trial = _plan(analysis, replace(opts, budget=lower), costs, dims, search=False,
+                          shared=shared)
         except InfeasibleBudgetError as e:
             floor = max(floor, e.min_budget)  # the next try is between it and ``target``
             continue
-        target, last = lower, int(ort_memory(analysis, trial.choice, dims).max())
+        target, last = lower, replayed(trial)
         if last < arena:
             best, arena = replace(trial, options=opts,
                                   min_budget=min(first.min_budget, trial.min_budget)), last
@@ -572,15 +581,21 @@ def _met_budget(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
 
 @gc_paused()
 def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-          dims: Mapping[str, int] | None, search: bool) -> Plan:
+          dims: Mapping[str, int] | None, search: bool,
+          shared: tuple[TensorSizes, Residency] | None = None) -> Plan:
+    """One plan for ``opts.budget`` (module docstring, 1-5); ``shared``: the sizes and
+    residency under ``dims``, when the caller already has them."""
     if opts.budget is None:
         raise ValueError("the planner needs options with a budget")
     dims = dict(dims or {})
     n = len(analysis.order)
     if costs.compute_s.shape != (n,):
         raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
-    nbytes = TensorSizes(analysis.tensors, dims)  # each size once in this call
-    residency = spans, sizes = resident_intervals(analysis, dims, nbytes)
+    if shared is None:
+        nbytes = TensorSizes(analysis.tensors, dims)  # each size once in this call
+        shared = nbytes, resident_intervals(analysis, dims, nbytes)
+    nbytes, residency = shared
+    spans, sizes = residency
     baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims, residency)
     skipped: dict[str, str] = {}
     cands = _candidates(analysis, opts, dims, costs, spans, skipped, nbytes)
