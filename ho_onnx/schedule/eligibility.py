@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
-from ..target.ort.placement import HOST_TENSOR_REASON, predict_cuda_placement
+from ..target.ort.placement import (
+    HOST_INPUT_REASON,
+    HOST_TENSOR_REASON,
+    host_input_reads,
+    predict_cuda_placement,
+)
 from .lifetimes import Sizes
 from .types import OffloadChoice, WeightOffload
 
@@ -54,10 +59,11 @@ def cuda_host_tensors(analysis: GraphAnalysis) -> frozenset[str]:
 
 
 def placement_reasons(analysis: GraphAnalysis) -> dict[str, str]:
-    """Tensors that stay resident so every cache-op chain runs on one provider under the
-    CUDA EP, with the reason. One optimized model runs on either provider, so this holds
-    for every target."""
-    return dict.fromkeys(cuda_host_tensors(analysis), HOST_TENSOR_REASON)
+    """Tensors that stay resident for the CUDA EP, with the reason: those in host memory
+    there (every cache-op chain runs on one provider) and those a CUDA kernel reads in host
+    memory. One optimized model runs on either provider, so this holds for every target."""
+    reasons = dict.fromkeys(host_input_reads(analysis.nodes), HOST_INPUT_REASON)
+    return reasons | dict.fromkeys(cuda_host_tensors(analysis), HOST_TENSOR_REASON)
 
 
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo

@@ -63,3 +63,68 @@ def test_both_deciders_fit_the_decision_seam():
     p = planner.decide(a, {"N": 4})
     assert isinstance(p, Plan) and p.metadata()["policy"] == "planner"
     assert p.metadata()["budget_bytes"] == str(1 << 30) and not p.choice.weights
+
+
+HOST_READS = """
+host_reads (float[4, 6] x) => (float[6, 2] y, float[6, 2] z) {
+  r = Reshape(x, shape)
+  m = MatMul(r, W)
+  y, z = Split<axis = 1>(m, sizes)
+}
+"""
+
+
+def test_tensors_a_cuda_kernel_reads_in_host_memory_stay_resident(tmp_path):
+    """Reshape's shape and Split's sizes: offloaded, they would come back to the device and
+    ORT would copy them to the host again with a stream sync. Both deciders keep them (W
+    is offloaded, forced), and the rewritten model computes the same outputs in ORT."""
+    import numpy as np
+    import onnxruntime as ort
+    from graphs import save, text_model
+
+    from ho_onnx.cost.model import CostModel
+    from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.planner import plan
+    from ho_onnx.target.ort import runtime
+    from ho_onnx.target.ort.placement import HOST_INPUT_REASON
+
+    m = text_model(HOST_READS, W=(4, 4), shape=np.array([6, 4], np.int64),
+                   sizes=np.array([2, 2], np.int64))
+    a = analyse(m)
+    c = choose(a, OffloadOptions(min_bytes=0, min_gap=1))
+    assert [w.name for w in c.weights] == ["W"]
+    assert c.skipped["shape"] == c.skipped["sizes"] == HOST_INPUT_REASON
+    costs = CostModel(np.full(len(a.order), 1e-3), lambda nbytes, direction: nbytes / 1e9)
+    p = plan(a, OffloadOptions(budget=1 << 30, min_bytes=0, arena_refits=0), costs)
+    assert p.choice.skipped["shape"] == p.choice.skipped["sizes"] == HOST_INPUT_REASON
+
+    src = save(m, tmp_path / "m.onnx")
+    out = tmp_path / "m.ho.onnx"
+    r = optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1))
+    assert [w.name for w in r.decision.choice.weights] == ["W"]
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    so = ort.SessionOptions()  # the same kernels in both (no fusions, no packed W)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    want = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})
+    got = runtime.InferenceSession(str(out), sess_options=so,
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_external_shape_initializers_stay_eligible(tmp_path):
+    """In external data ORT's shape inference cannot read Reshape's shape (such a model
+    does not load in ORT as it is): those stay candidates, and reloading them is what lets
+    the rewritten model load."""
+    import numpy as np
+    from graphs import save, text_model
+
+    from ho_onnx.graph.load import load_model
+
+    m = text_model(HOST_READS, W=(4, 4), shape=np.array([6, 4], np.int64),
+                   sizes=np.array([2, 2], np.int64))
+    loaded = load_model(save(m, tmp_path / "m.onnx", external=True))
+    c = choose(analyse(loaded.model), OffloadOptions(min_bytes=0, min_gap=1))
+    assert {w.name for w in c.weights} == {"W", "shape", "sizes"}

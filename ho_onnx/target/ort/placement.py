@@ -318,6 +318,22 @@ def split_chains(model: Model, placement: Placement | None = None) -> PlacementR
 
 HOST_TENSOR_REASON = ("lives in host memory on the CUDA EP (shape arithmetic): its cache ops "
                       "would run on the CPU EP and split from the rest of their chain")
+HOST_INPUT_REASON = ("read in host memory by a CUDA kernel (e.g. Reshape's shape, Split's "
+                     "sizes): reloaded to the device, ORT would copy it back with a stream sync")
+
+
+def host_input_reads(nodes: Iterable[ir.Node]) -> set[str]:
+    """Values some node reads at an input its CUDA kernel takes in host memory
+    (:data:`HOST_INPUTS`), but initializers in external data: ORT's shape inference cannot
+    read those (such a model does not load as it is), and a reload is what makes it load."""
+    out: set[str] = set()
+    for node in nodes:
+        positions = HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+        for k in positions:
+            if k < len(node.inputs) and (v := node.inputs[k]) is not None and v.name and \
+                    not isinstance(v.const_value, ir.ExternalTensor):
+                out.add(v.name)
+    return out
 
 
 def format_report(report: PlacementReport, limit: int = 20) -> str:
