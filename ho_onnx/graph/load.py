@@ -190,20 +190,31 @@ UTF8_PARSE_MAX_BYTES = 64 << 20
 
 
 @functools.cache
-def _utf8_verifying_model() -> type[Message]:
+def _utf8_verifying_model() -> type[Message] | None:
     """``onnx.ModelProto``'s schema restated as an editions-2023 file, whose string fields
-    protobuf verifies as UTF-8 while parsing (proto2's, onnx's, are not verified)."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    protobuf verifies as UTF-8 while parsing (proto2's, onnx's, are not verified); None
+    where this protobuf cannot build it (no editions before 4.25) or does not verify (a
+    known bad string is tried first)."""
+    try:
+        from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-    fdp = descriptor_pb2.FileDescriptorProto()
-    onnx.ModelProto.DESCRIPTOR.file.CopyToProto(fdp)
-    fdp.syntax, fdp.edition = "editions", descriptor_pb2.EDITION_2023
-    features = fdp.options.features  # proto2's behaviour, but for UTF-8 (2023: VERIFY)
-    features.enum_type = descriptor_pb2.FeatureSet.CLOSED
-    features.repeated_field_encoding = descriptor_pb2.FeatureSet.EXPANDED
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("onnx.ModelProto"))
+        fdp = descriptor_pb2.FileDescriptorProto()
+        onnx.ModelProto.DESCRIPTOR.file.CopyToProto(fdp)
+        fdp.syntax, fdp.edition = "editions", descriptor_pb2.EDITION_2023
+        features = fdp.options.features  # proto2's behaviour, but for UTF-8 (2023: VERIFY)
+        features.enum_type = descriptor_pb2.FeatureSet.CLOSED
+        features.repeated_field_encoding = descriptor_pb2.FeatureSet.EXPANDED
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(fdp)
+        cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("onnx.ModelProto"))
+    except Exception:  # an older protobuf: the walk checks every model
+        return None
+    probe = onnx.ModelProto(producer_name="@").SerializeToString().replace(b"@", b"\xff")
+    try:
+        cls.FromString(probe)
+    except DecodeError:
+        return cls
+    return None
 
 
 def _walk_text(message: Message, what: str) -> None:
@@ -227,12 +238,14 @@ def check_text(message: Message, what: str) -> None:
     as bytes, or fails, wherever it is read later).
 
     A model up to :data:`UTF8_PARSE_MAX_BYTES` is parsed once more by a verifying schema
-    (C speed); the field walk runs when that parse fails (to name the field) and for
-    bigger models and other messages.
+    (C speed) where this protobuf has one; the field walk runs when that parse fails (to
+    name the field), and for bigger models, other messages and older protobufs.
     """
-    if isinstance(message, onnx.ModelProto) and message.ByteSize() <= UTF8_PARSE_MAX_BYTES:
+    verifying = _utf8_verifying_model() if isinstance(message, onnx.ModelProto) and \
+        message.ByteSize() <= UTF8_PARSE_MAX_BYTES else None
+    if verifying is not None:
         try:
-            _utf8_verifying_model().FromString(message.SerializeToString())
+            verifying.FromString(message.SerializeToString())
             return
         except DecodeError:  # (the walk names the field)
             pass

@@ -129,11 +129,17 @@ def test_invalid_utf8_anywhere_is_refused_naming_the_field(tmp_path, where, veri
     ones) find a bad string wherever it is and name its field; valid non-ASCII passes."""
     from ho_onnx.graph import load
 
-    if not verifying_parse:
+    walks: list[int] = []
+    walk = load._walk_text
+    monkeypatch.setattr(load, "_walk_text", lambda *a: walks.append(1) or walk(*a))
+    if verifying_parse:  # this protobuf verifies (else every model would take the walk)
+        assert load._utf8_verifying_model() is not None
+    else:
         monkeypatch.setattr(load, "UTF8_PARSE_MAX_BYTES", 0)
     m = _with_bad_text(where)
     good = onnx.ModelProto.FromString(m.SerializeToString().replace(b"@MARK@", "aé✓".encode()))
     load.check_text(good, "good.onnx")  # (same length: 6 bytes; valid non-ASCII passes)
+    assert bool(walks) is not verifying_parse
     raw = m.SerializeToString()
     assert raw.count(b"@MARK@") == 1
     bad = onnx.ModelProto.FromString(raw.replace(b"@MARK@", b"a\xff\xfeb\xc0z"))
@@ -145,3 +151,14 @@ def test_invalid_utf8_anywhere_is_refused_naming_the_field(tmp_path, where, veri
                                              r"UTF-8") as e:
         load.check_text(bad, "bad.onnx")
     assert f"onnx.{field} " in str(e.value)
+
+
+def test_utf8_check_without_a_verifying_protobuf_walks(monkeypatch):
+    """An older protobuf (no editions) or one that does not verify: every model is walked."""
+    from ho_onnx.graph import load
+
+    monkeypatch.setattr(load, "_utf8_verifying_model", lambda: None)
+    m = _with_bad_text("node name")
+    bad = onnx.ModelProto.FromString(m.SerializeToString().replace(b"@MARK@", b"a\xff\xfeb\xc0z"))
+    with pytest.raises(ModelLoadError, match=r"onnx\.NodeProto\.name string is not valid"):
+        load.check_text(bad, "bad.onnx")
