@@ -15,7 +15,8 @@ used it, so it stays allocated across the gap between two users: ORT's arena can
 than the live tensors (measured on an H100 with a 24-layer decoder at 2,048 tokens: a
 constant ~0.5 GB of attention scores kept for the next layer, docs/benchmarks.md). The
 planner's simulation counts tensors (:mod:`.lifetimes`); this module counts ORT's buffers,
-for the prediction of ORT's arena peak. ``MayInplace`` reuse (an elementwise op writing into
+for the prediction of ORT's arena peak, which the planner then fits to the budget
+(``OffloadOptions.arena_refits``). ``MayInplace`` reuse (an elementwise op writing into
 an input at its last use) is not modelled: it only lowers the count.
 """
 
