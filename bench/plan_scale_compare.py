@@ -61,14 +61,18 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         (work / "run_tree.py").write_text(_RUN_TREE)
         runs: list[tuple[str, Path, list[str]]] = []
-        for rev in args.tree:
-            wt = work / f"tree-{len(runs)}"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt),
-                            rev], check=True, capture_output=True)
-            runs.append((rev, wt, [str(work / "run_tree.py"), "bench/plan_scale.py"]))
-        for v in args.variant if args.variant is not None else [""]:
-            runs.append((f"this {v}".strip(), ROOT, ["bench/plan_scale.py", *shlex.split(v)]))
         try:
+            for rev in args.tree:
+                wt = work / f"tree-{len(runs)}"
+                added = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach",
+                                        str(wt), rev], capture_output=True, text=True,
+                                       check=False)
+                if added.returncode != 0:
+                    err = (added.stderr.strip().splitlines() or ["git failed"])[-1]
+                    raise SystemExit(f"cannot check out {rev!r}: {err}")
+                runs.append((rev, wt, [str(work / "run_tree.py"), "bench/plan_scale.py"]))
+            for v in args.variant if args.variant is not None else [""]:
+                runs.append((f"this {v}".strip(), ROOT, ["bench/plan_scale.py", *shlex.split(v)]))
             for r in range(args.rounds):
                 for name, cwd, run_argv in runs:
                     rows = _run(cwd, run_argv, args.layers, args.repeat, work / "rows.json")

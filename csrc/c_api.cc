@@ -173,17 +173,20 @@ size_t HoOnnx_GetCounters(const char** names, int64_t* values, size_t capacity) 
 }
 
 size_t HoOnnx_ArenaTrace(HoOnnxArenaSample* out, size_t capacity, int reset) {
-  // Sizing (capacity 0) never forgets: a caller sizes, then copies with reset. No exception
-  // crosses the C API: a copy that cannot be made reports no samples.
+  // Only what is copied is forgotten: samples beyond `capacity` (or that arrive meanwhile)
+  // stay for the next call. No exception crosses the C API: a copy that cannot be made
+  // reports no samples and forgets none.
   try {
-    const std::vector<ho::ArenaSample> t = ho::arena_trace(reset != 0 && capacity > 0);
-    for (size_t i = 0; i < t.size() && i < capacity && out != nullptr; ++i) {
+    size_t total = 0;
+    const size_t take = out == nullptr ? 0 : capacity;
+    const std::vector<ho::ArenaSample> t = ho::arena_trace(take, reset != 0, &total);
+    for (size_t i = 0; i < t.size(); ++i) {
       std::snprintf(out[i].node, sizeof(out[i].node), "%s", t[i].where.c_str());
       out[i].in_use = t[i].in_use;
       out[i].max_in_use = t[i].max_in_use;
       out[i].total_allocated = t[i].total_allocated;
     }
-    return t.size();
+    return total;
   } catch (...) {
     return 0;
   }

@@ -79,8 +79,8 @@ HO_ONNX_EXPORT int HoOnnx_CudaTransferTimes(int reset, HoOnnxCudaTransferTimes* 
 
 /* The arena samples kept while "arena_trace" is set (each Wait with
  * ho_onnx.sample_arena=1): writes up to `capacity` of them, oldest first, and returns how
- * many there are (capacity 0 sizes the array and keeps them); `reset` != 0 with a capacity
- * forgets all of them after copying. */
+ * many there were before the call (capacity 0 sizes); `reset` != 0 forgets the ones
+ * written, so a caller loops until the return is at most its capacity. */
 typedef struct HoOnnxArenaSample {
   char node[128]; /* the sampling Wait's node name, truncated */
   int64_t in_use;

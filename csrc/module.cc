@@ -99,9 +99,15 @@ py::list arena_trace(bool reset) {
   std::vector<HoOnnxArenaSample> buf;
   {
     py::gil_scoped_release nogil;
-    // Samples may arrive between sizing and copying: size with room to spare, copy once.
-    buf.resize(HoOnnx_ArenaTrace(nullptr, 0, 0) + 64);
-    buf.resize(std::min(buf.size(), HoOnnx_ArenaTrace(buf.data(), buf.size(), reset ? 1 : 0)));
+    // Samples may arrive between sizing and copying: with reset, what did not fit stays in
+    // the trace and the next round takes it; without, one copy of what fits.
+    for (size_t room = HoOnnx_ArenaTrace(nullptr, 0, 0) + 64;; room = 64) {
+      const size_t at = buf.size();
+      buf.resize(at + room);
+      const size_t there = HoOnnx_ArenaTrace(buf.data() + at, room, reset ? 1 : 0);
+      buf.resize(at + std::min(room, there));
+      if (!reset || there <= room) break;
+    }
   }
   py::list out;
   for (const HoOnnxArenaSample& s : buf) {

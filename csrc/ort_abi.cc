@@ -5,6 +5,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdio>
+#include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -97,10 +99,13 @@ std::vector<ArenaSample>& trace() {
 }
 }  // namespace
 
-std::vector<ArenaSample> arena_trace(bool reset) {
+std::vector<ArenaSample> arena_trace(size_t take, bool erase, size_t* total) {
   std::lock_guard<std::mutex> lock(g_trace_mu);
-  std::vector<ArenaSample> out = trace();
-  if (reset) trace().clear();
+  std::vector<ArenaSample>& t = trace();
+  *total = t.size();
+  const auto end = t.begin() + static_cast<std::ptrdiff_t>(std::min(take, t.size()));
+  std::vector<ArenaSample> out(t.begin(), end);
+  if (erase) t.erase(t.begin(), end);
   return out;
 }
 
@@ -142,9 +147,12 @@ void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* allo
     dst->store(*mine);
   }
   if (!debug().arena_trace.load()) return;
-  one.where = where;
-  std::lock_guard<std::mutex> lock(g_trace_mu);
-  if (trace().size() < kArenaTraceCap) trace().push_back(std::move(one));
+  try {  // (a test hook: a sample that cannot be kept is dropped, the run goes on)
+    one.where = where;
+    std::lock_guard<std::mutex> lock(g_trace_mu);
+    if (trace().size() < kArenaTraceCap) trace().push_back(std::move(one));
+  } catch (...) {
+  }
 }
 
 }  // namespace ho

@@ -62,7 +62,8 @@ struct ArenaSample {
   int64_t total_allocated = -1;
 };
 constexpr size_t kArenaTraceCap = size_t{1} << 16;
-// The samples kept since the last call with reset (oldest first).
-std::vector<ArenaSample> arena_trace(bool reset);
+// The oldest `take` samples kept (all: SIZE_MAX), erased from the trace with `erase`;
+// `total` is how many there were.
+std::vector<ArenaSample> arena_trace(size_t take, bool erase, size_t* total);
 
 }  // namespace ho

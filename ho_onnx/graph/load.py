@@ -238,8 +238,9 @@ def check_text(message: Message, what: str) -> None:
     as bytes, or fails, wherever it is read later).
 
     A model up to :data:`UTF8_PARSE_MAX_BYTES` is parsed once more by a verifying schema
-    (C speed) where this protobuf has one; the field walk runs when that parse fails (to
-    name the field), and for bigger models, other messages and older protobufs.
+    (C speed) where this protobuf has one; the field walk runs when that parse fails (it
+    decides, and names the field), and for bigger models, other messages and older
+    protobufs.
     """
     verifying = _utf8_verifying_model() if isinstance(message, onnx.ModelProto) and \
         message.ByteSize() <= UTF8_PARSE_MAX_BYTES else None
@@ -247,10 +248,8 @@ def check_text(message: Message, what: str) -> None:
         try:
             verifying.FromString(message.SerializeToString())
             return
-        except DecodeError:  # (the walk names the field)
+        except DecodeError:  # the walk decides (and names the field)
             pass
-        _walk_text(message, what)
-        raise ModelLoadError(f"{what!r}: a string field is not valid UTF-8")
     _walk_text(message, what)
 
 

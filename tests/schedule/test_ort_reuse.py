@@ -82,14 +82,20 @@ def test_replay_matches_the_arena_ort_reports(tmp_path):
     assert measured - tensor_count >= MIB, (measured, tensor_count)
 
 
-def test_trace_is_off_unless_asked(tmp_path):
+def _sampling_session(tmp_path):
+    """The GAP model with W offloaded (its Wait samples the arena), in a session with
+    ``ho_onnx.sample_arena=1``, and an input."""
     src = _gap(tmp_path)
     out = tmp_path / "gap.ho.onnx"
     optimize(src, out, OffloadOptions(activations=False, min_bytes=0))
     so = ort.SessionOptions()
     so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
     s = runtime.InferenceSession(str(out), sess_options=so, providers=["CPUExecutionProvider"])
-    x = np.ones((512, 512), np.float32)
+    return s, np.ones((512, 512), np.float32)
+
+
+def test_trace_is_off_unless_asked(tmp_path):
+    s, x = _sampling_session(tmp_path)
     _ops.set_debug()
     _ops.arena_trace()
     s.run(None, {"x": x})
@@ -166,3 +172,36 @@ def test_the_planner_fits_ort_arena_not_just_the_tensors(tmp_path):
     so.add_session_config_entry("session.disable_prepacking", "1")
     plain = ort.InferenceSession(str(src), sess_options=so, providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(got[0], plain.run(None, {"x": x})[0])
+
+
+def test_trace_reset_forgets_only_the_samples_copied(tmp_path):
+    """Through the C API: a copy with reset removes what it wrote, the rest stays (a sample
+    that arrives between a caller's sizing and its copy is never lost)."""
+    import ctypes
+
+    import ho_onnx
+
+    s, x = _sampling_session(tmp_path)
+    _ops.set_debug(arena_trace=True)
+    try:
+        _ops.arena_trace()
+        for _ in range(3):
+            s.run(None, {"x": x})
+    finally:
+        _ops.set_debug()
+
+    class Sample(ctypes.Structure):
+        _fields_ = [("node", ctypes.c_char * 128), ("in_use", ctypes.c_int64),
+                    ("max_in_use", ctypes.c_int64), ("total_allocated", ctypes.c_int64)]
+
+    lib = ctypes.CDLL(ho_onnx.library_path())
+    lib.HoOnnx_ArenaTrace.restype = ctypes.c_size_t
+    lib.HoOnnx_ArenaTrace.argtypes = [ctypes.POINTER(Sample), ctypes.c_size_t, ctypes.c_int]
+    if lib.HoOnnx_ArenaTrace(None, 0, 1) == 0:
+        pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
+    one = (Sample * 1)()
+    assert lib.HoOnnx_ArenaTrace(None, 0, 1) == 3  # sizing forgets nothing, reset or not
+    assert lib.HoOnnx_ArenaTrace(one, 1, 1) == 3 and one[0].node == b"ho.wait.W.0"
+    assert lib.HoOnnx_ArenaTrace(one, 1, 0) == 2  # without reset: copied, kept
+    rest = _ops.arena_trace()
+    assert [t["node"] for t in rest] == ["ho.wait.W.0"] * 2 and _ops.arena_trace() == []

@@ -186,12 +186,17 @@ def _small_constant(node: ir.Node) -> bool:
     return False
 
 
+def _host_input_positions(node: ir.Node) -> tuple[int, ...]:
+    """The inputs ``node``'s CUDA kernel takes in host memory (:data:`HOST_INPUTS`)."""
+    return HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+
+
 def _falls_back(node: ir.Node, inputs: list[str], types: Mapping[str, int],
                 cheap: set[str], host: set[str]) -> bool:
     """ORT's rule for a CUDA-capable candidate: to the CPU when no input is of a type with no
     CPU fallback and each is cheap to read there (a small initializer or a graph input:
     ``cheap``) or a host tensor its CUDA kernel does not itself take in host memory."""
-    host_inputs = HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+    host_inputs = _host_input_positions(node)
     for k, x in enumerate(inputs):
         if not x:
             continue
@@ -328,8 +333,7 @@ def host_input_reads(nodes: Iterable[ir.Node]) -> set[str]:
     read those (such a model does not load as it is), and a reload is what makes it load."""
     out: set[str] = set()
     for node in nodes:
-        positions = HOST_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
-        for k in positions:
+        for k in _host_input_positions(node):
             if k < len(node.inputs) and (v := node.inputs[k]) is not None and v.name and \
                     not isinstance(v.const_value, ir.ExternalTensor):
                 out.add(v.name)
