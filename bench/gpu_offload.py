@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                  "onnxruntime": __import__("onnxruntime").__version__}, indent=2) + "\n")
 
     def measure(name: str, model: Path, optimized: bool, plan=None, budget=None,
-                partition: bool = False, arena: int | None = None) -> None:
+                partition: bool = False) -> None:
         print(f"measuring {name} ...", flush=True)
         extra = ["--optimized"] if optimized else []
         if partition:
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"name": name, "budget_bytes": budget, **res}
         if plan is not None:
             row["predicted_peak_bytes"] = plan.planned.peak_bytes
-            row["predicted_arena_bytes"] = arena
+            row["predicted_arena_bytes"] = plan.arena_bytes  # (the planner's replay)
             row["predicted_s"] = plan.planned.total_s
             row["plan_fits"] = plan.fits
         rows.append(row)
@@ -387,8 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # the planner refuses an impossible budget: say so
             rows.append({"name": name, "budget_bytes": budget, "error": f"plan: {e}"})
             continue
-        measure(name, out, True, r.plan, budget,
-                arena=int(ort_memory(r.analysis, r.decision.choice).max()))
+        measure(name, out, True, r.plan, budget)
 
     for f in (x for x in args.ort_partition.split(",") if x.strip()):
         measure(f"ort partition {float(f):.0%}", src, False, budget=int(float(f) * base_peak),

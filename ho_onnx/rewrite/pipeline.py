@@ -183,7 +183,10 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         steps.say(f"planned in {steps.seconds['decide']:.2f} s: peak "
                   f"{format_bytes(decision.baseline.peak_bytes, 'MiB', 1)} -> "
                   f"{format_bytes(decision.planned.peak_bytes, 'MiB', 1)} (budget "
-                  f"{format_bytes(decision.budget, 'MiB', 1)}); {decision.arena_summary()}")
+                  f"{format_bytes(decision.budget, 'MiB', 1)}"
+                  + (f", planned for {format_bytes(decision.planned_for, 'MiB', 1)} to leave "
+                     "room for ORT's arena" if decision.planned_for < decision.budget else "")
+                  + ")")  # (the arena itself: the result's plan.arena_summary())
     return analysis, decision
 
 

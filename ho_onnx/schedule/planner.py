@@ -518,21 +518,55 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
     return choice, planned
 
 
+@gc_paused()
 def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
          dims: Mapping[str, int] | None = None) -> Plan:
     """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring).
 
     Raises :class:`InfeasibleBudgetError` whose ``min_budget`` is a budget this planner
     meets (the smallest from the largest-gap estimate up, :func:`_met_budget`)."""
-    sizes = TensorSizes(analysis.tensors, dims)  # shared by the plan and its arena refits
-    shared = sizes, resident_intervals(analysis, dims, sizes)
-    first = _plan(analysis, opts, costs, dims, search=True, shared=shared)
-    return _fit_arena(analysis, opts, costs, dims, first, shared)
+    basis = _Basis.of(analysis, opts, costs, dims)  # shared by the plan and its refits
+    first = _plan(analysis, opts, costs, dims, search=True, basis=basis)
+    return _fit_arena(analysis, opts, costs, dims, first, basis)
+
+
+@dataclass
+class _Basis:
+    """What every plan of one :func:`plan` call shares, whatever its budget: the sizes and
+    residency under ``dims``, the unmodified schedule's simulation, the scored candidates and
+    the reasons the others stay resident (a plan copies them), and (on first use) the
+    smallest budget the planner can meet. Built once, never changed after."""
+
+    sizes: TensorSizes
+    residency: Residency
+    baseline: Simulation
+    candidates: list[Candidate]  # best score first
+    skipped: dict[str, str]
+
+    @staticmethod
+    @gc_paused()
+    def of(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+           dims: Mapping[str, int] | None) -> _Basis:
+        """The basis of plans for ``opts`` (its budget is not read)."""
+        dims = dict(dims or {})
+        n = len(analysis.order)
+        if costs.compute_s.shape != (n,):
+            raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
+        sizes = TensorSizes(analysis.tensors, dims)  # each size once
+        residency = resident_intervals(analysis, dims, sizes)
+        baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims,
+                            residency)
+        skipped: dict[str, str] = {}
+        cands = _candidates(analysis, opts, dims, costs, residency[0], skipped, sizes)
+        return _Basis(sizes, residency, baseline, cands, skipped)
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, Candidate]:
+        return {c.name: c for c in self.candidates}
 
 
 def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-               dims: Mapping[str, int] | None, first: Plan,
-               shared: tuple[TensorSizes, Residency]) -> Plan:
+               dims: Mapping[str, int] | None, first: Plan, basis: _Basis) -> Plan:
     """``first``, or a plan for a lower budget whose replayed ORT arena fits ``opts.budget``
     (module docstring, 6): the one with the smallest arena of at most ``opts.arena_refits``
     more tries, each for a budget lowered by the last excess (at least 1/256 of the budget,
@@ -541,7 +575,7 @@ def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     budget = first.budget
 
     def replayed(p: Plan) -> int:
-        return int(ort_memory(analysis, p.choice, dims, shared[1]).max())
+        return int(ort_memory(analysis, p.choice, dims, basis.residency).max())
 
     best, arena = first, replayed(first)
     target, last, floor = budget, arena, 1
@@ -551,7 +585,7 @@ def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         lower = max(floor, target - max(last - budget, budget // 256))
         try:
             trial = _plan(analysis, replace(opts, budget=lower), costs, dims, search=False,
-                          shared=shared)
+                          basis=basis)
         except InfeasibleBudgetError as e:
             floor = max(floor, e.min_budget)  # the next try is between it and ``target``
             continue
@@ -563,7 +597,8 @@ def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
 
 
 def _met_budget(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-                dims: Mapping[str, int] | None, start: int, ceiling: int) -> int:
+                dims: Mapping[str, int] | None, basis: _Basis, start: int, ceiling: int
+                ) -> int:
     """The first budget from ``start`` up that the planner meets: the greedy selection can
     fall short of the largest-gap estimate, so each failure's resident bytes are tried next
     (a few plans at most; the unmodified peak ``ceiling`` always holds)."""
@@ -572,7 +607,8 @@ def _met_budget(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         if budget >= ceiling:
             break
         try:
-            _plan(analysis, replace(opts, budget=budget), costs, dims, search=False)
+            _plan(analysis, replace(opts, budget=budget), costs, dims, search=False,
+                  basis=basis)
             return budget
         except InfeasibleBudgetError as e:
             budget = max(budget + 1, e.min_budget)
@@ -581,30 +617,24 @@ def _met_budget(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
 
 @gc_paused()
 def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-          dims: Mapping[str, int] | None, search: bool,
-          shared: tuple[TensorSizes, Residency] | None = None) -> Plan:
-    """One plan for ``opts.budget`` (module docstring, 1-5); ``shared``: the sizes and
-    residency under ``dims``, when the caller already has them."""
+          dims: Mapping[str, int] | None, search: bool, basis: _Basis | None = None) -> Plan:
+    """One plan for ``opts.budget`` (module docstring, 1-5); ``basis``: what the plans of
+    one :func:`plan` call share (:class:`_Basis`), when the caller already has it."""
     if opts.budget is None:
         raise ValueError("the planner needs options with a budget")
     dims = dict(dims or {})
-    n = len(analysis.order)
-    if costs.compute_s.shape != (n,):
-        raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
-    if shared is None:
-        nbytes = TensorSizes(analysis.tensors, dims)  # each size once in this call
-        shared = nbytes, resident_intervals(analysis, dims, nbytes)
-    nbytes, residency = shared
-    spans, sizes = residency
-    baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims, residency)
-    skipped: dict[str, str] = {}
-    cands = _candidates(analysis, opts, dims, costs, spans, skipped, nbytes)
-    ctx = _Context(analysis, opts, costs, dims, cands, {c.name: c for c in cands}, residency,
+    if basis is None:
+        basis = _Basis.of(analysis, opts, costs, dims)
+    spans, sizes = residency = basis.residency
+    baseline = basis.baseline
+    skipped = dict(basis.skipped)
+    cands = basis.candidates
+    ctx = _Context(analysis, opts, costs, dims, cands, basis.by_name, residency,
                    baseline.memory)
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
         min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes)
-        met = functools.partial(_met_budget, analysis, opts, costs, dims,
+        met = functools.partial(_met_budget, analysis, opts, costs, dims, basis,
                                 ceiling=baseline.peak_bytes)
         if ctx.budget < min_budget:
             least = met(min_budget) if search else min_budget
