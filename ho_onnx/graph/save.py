@@ -33,6 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import contract
 from ..errors import OutputPathError
+from .analyse import all_graphs
 from .fingerprint import data_fingerprint
 from .load import LoadedModel, resolve_data_path
 
@@ -66,7 +67,32 @@ class OutputFiles:
         """The finished model as the proto that is written (made once, on first use)."""
         if isinstance(self.finished, onnx.ModelProto):
             return self.finished
-        return ir.to_proto(self.finished)
+        with implied_types_hidden(self.finished):
+            return ir.to_proto(self.finished)
+
+
+@contextlib.contextmanager
+def implied_types_hidden(model: ir.Model) -> Iterator[int]:
+    """For the duration of the block, initializers whose type and shape say no more than
+    their tensor (no symbolic dims, no doc string or metadata; not a graph input) carry
+    none, so that ``onnx_ir`` serialises no ``value_info`` for them (it writes one for every
+    initializer: thousands of redundant entries in a big model, and ~7 µs each to write).
+    Yields how many were hidden; everything is put back afterwards."""
+    hidden: list[tuple[ir.Value, Any, Any]] = []
+    for g in all_graphs(model.graph):
+        inputs = set(g.inputs)
+        for v in g.initializers.values():
+            t = v.const_value
+            if t is None or v in inputs or v.doc_string or v.metadata_props or \
+                    v.type != ir.TensorType(t.dtype) or v.shape != t.shape:
+                continue
+            hidden.append((v, v.type, v.shape))
+            v.type, v.shape = None, None
+    try:
+        yield len(hidden)
+    finally:
+        for v, type_, shape in hidden:
+            v.type, v.shape = type_, shape
 
 
 def set_attr(node: onnx.NodeProto, name: str, value: object) -> None:

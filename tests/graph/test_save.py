@@ -115,3 +115,44 @@ def test_failure_while_saving_leaves_nothing(tmp_path, monkeypatch, fail_at):
     with pytest.raises(OSError, match="simulated"):
         optimize(src, tmp_path / "out.onnx", ALL)
     assert folder_digest(tmp_path) == before
+
+
+def test_no_value_info_for_what_an_initializer_says_itself(tmp_path):
+    """onnx_ir writes a value_info for every initializer; the output keeps only those that
+    say more than the tensor (here a symbolic dim and a doc string), and the model being
+    saved keeps every type and shape (hidden only while serialising); ORT runs it."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from ho_onnx.graph.load import load_model
+    from ho_onnx.graph.save import OutputFiles, implied_types_hidden, save_model
+
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 3] x) => (float[2, 3] y) <float[2, 3] a = {1,2,3,4,5,6},
+                                              float[2, 3] b = {1,1,1,1,1,1},
+                                              float[2, 3] c = {2,2,2,2,2,2}> {
+            t = Add(x, a)
+            u = Mul(t, b)
+            y = Sub(u, c)
+        }""")
+    model.graph.value_info.extend([
+        onnx.helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, ["n", 3]),
+        onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [2, 3], "documented")])
+    src = save(model, tmp_path / "m.onnx")
+    loaded = load_model(src)
+    before = {n: (v.type, v.shape) for n, v in loaded.model.graph.initializers.items()}
+    with implied_types_hidden(loaded.model) as hidden:
+        assert hidden == 1  # a: nothing beyond its tensor
+        assert loaded.model.graph.initializers["a"].type is None
+    assert {n: (v.type, v.shape) for n, v in loaded.model.graph.initializers.items()} == before
+    save_model(OutputFiles(loaded.model), loaded, tmp_path / "out.onnx")
+    out = onnx.load(str(tmp_path / "out.onnx"))
+    infos = {vi.name: vi for vi in out.graph.value_info}
+    assert "a" not in infos and infos["c"].doc_string == "documented"
+    assert [d.dim_param or d.dim_value for d in infos["b"].type.tensor_type.shape.dim] == ["n", 3]
+    assert {n: (v.type, v.shape) for n, v in loaded.model.graph.initializers.items()} == before
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = ort.InferenceSession(str(tmp_path / "out.onnx")).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, (x + np.arange(1, 7, dtype=np.float32).reshape(2, 3)) - 2)
+    assert ir.load(str(tmp_path / "out.onnx")).graph.initializers["a"].shape == [2, 3]
