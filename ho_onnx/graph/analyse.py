@@ -154,18 +154,31 @@ def output_names(node: ir.Node) -> list[str]:
     return [v.name or "" for v in node.outputs]
 
 
+# A node's attributes are an ``onnx_ir`` ``Attributes``, a ``collections.UserDict``: walking
+# it goes through Python-level ``__iter__``/``__getitem__``; these per-node walks read its
+# plain ``dict`` (``UserDict.data``), 2-3x faster over a whole graph.
+_GRAPH, _GRAPHS = ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS
+
+
 def attribute_values(node: ir.Node) -> dict[str, Any]:
     """Attribute name -> Python value (ints, floats, strings, lists; tensors as ir tensors)."""
-    return {k: a.value for k, a in node.attributes.items()}
+    return {k: a.value for k, a in node.attributes.data.items()}
 
 
 def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
     """The graphs ``node``'s attributes hold (If branches, Loop/Scan bodies), not nested."""
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
+    for attr in node.attributes.data.values():
+        if attr.type is _GRAPH:
             yield attr.value
-        elif attr.type == ir.AttributeType.GRAPHS:
+        elif attr.type is _GRAPHS:
             yield from attr.value
+
+
+def _holds_graphs(node: ir.Node) -> bool:
+    for attr in node.attributes.data.values():
+        if attr.type is _GRAPH or attr.type is _GRAPHS:
+            return True
+    return False
 
 
 def subgraph_owners(graph: ir.Graph) -> dict[ir.Graph, ir.Node]:
@@ -173,7 +186,7 @@ def subgraph_owners(graph: ir.Graph) -> dict[ir.Graph, ir.Node]:
     holds it."""
     owners: dict[ir.Graph, ir.Node] = {}
     for node in graph:
-        if not node.attributes:
+        if not _holds_graphs(node):
             continue
         stack = list(subgraphs(node))
         while stack:

@@ -82,9 +82,7 @@ def implied_types_hidden(model: ir.Model) -> Iterator[int]:
     for g in all_graphs(model.graph):
         inputs = set(g.inputs)
         for v in g.initializers.values():
-            t = v.const_value
-            if t is None or v in inputs or v.doc_string or v.metadata_props or \
-                    v.type != ir.TensorType(t.dtype) or v.shape != t.shape:
+            if v in inputs or not _implied_by_tensor(v):
                 continue
             hidden.append((v, v.type, v.shape))
             v.type, v.shape = None, None
@@ -93,6 +91,18 @@ def implied_types_hidden(model: ir.Model) -> Iterator[int]:
     finally:
         for v, type_, shape in hidden:
             v.type, v.shape = type_, shape
+
+
+def _implied_by_tensor(v: ir.Value) -> bool:
+    """Whether initializer ``v``'s type and shape (and no doc string or metadata) are what
+    its tensor says: same dtype, no denotation, the tensor's dims (the same object after
+    ``onnx_ir``'s deserialisation, else equal, without dim denotations)."""
+    t, type_, shape = v.const_value, v.type, v.shape
+    if t is None or v.doc_string or v.metadata_props or type(type_) is not ir.TensorType \
+            or type_.dtype != t.dtype or type_.denotation:
+        return False
+    return shape is t.shape or (shape == t.shape and not any(
+        shape.get_denotation(i) for i in range(len(shape))))
 
 
 def set_attr(node: onnx.NodeProto, name: str, value: object) -> None:

@@ -119,8 +119,9 @@ def test_failure_while_saving_leaves_nothing(tmp_path, monkeypatch, fail_at):
 
 def test_no_value_info_for_what_an_initializer_says_itself(tmp_path):
     """onnx_ir writes a value_info for every initializer; the output keeps only those that
-    say more than the tensor (here a symbolic dim and a doc string), and the model being
-    saved keeps every type and shape (hidden only while serialising); ORT runs it."""
+    say more than the tensor (here a symbolic dim, a doc string, a type denotation), the
+    model being saved keeps every type and shape (hidden only while serialising), and ORT
+    runs the output."""
     import onnx_ir as ir
     import onnxruntime as ort
 
@@ -131,14 +132,19 @@ def test_no_value_info_for_what_an_initializer_says_itself(tmp_path):
         <ir_version: 8, opset_import: ["" : 17]>
         g (float[2, 3] x) => (float[2, 3] y) <float[2, 3] a = {1,2,3,4,5,6},
                                               float[2, 3] b = {1,1,1,1,1,1},
-                                              float[2, 3] c = {2,2,2,2,2,2}> {
+                                              float[2, 3] c = {2,2,2,2,2,2},
+                                              float[2, 3] e = {0,0,0,0,0,0}> {
             t = Add(x, a)
             u = Mul(t, b)
-            y = Sub(u, c)
+            s = Sub(u, c)
+            y = Add(s, e)
         }""")
+    denoted = onnx.helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [2, 3])
+    denoted.type.denotation = "TENSOR"
     model.graph.value_info.extend([
         onnx.helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, ["n", 3]),
-        onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [2, 3], "documented")])
+        onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [2, 3], "documented"),
+        denoted])
     src = save(model, tmp_path / "m.onnx")
     loaded = load_model(src)
     before = {n: (v.type, v.shape) for n, v in loaded.model.graph.initializers.items()}
@@ -150,6 +156,7 @@ def test_no_value_info_for_what_an_initializer_says_itself(tmp_path):
     out = onnx.load(str(tmp_path / "out.onnx"))
     infos = {vi.name: vi for vi in out.graph.value_info}
     assert "a" not in infos and infos["c"].doc_string == "documented"
+    assert infos["e"].type.denotation == "TENSOR"
     assert [d.dim_param or d.dim_value for d in infos["b"].type.tensor_type.shape.dim] == ["n", 3]
     assert {n: (v.type, v.shape) for n, v in loaded.model.graph.initializers.items()} == before
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
