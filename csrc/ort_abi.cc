@@ -2,11 +2,10 @@
 // statistics of API 23 found by their position in the OrtApi table.
 #include "ort_abi.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdio>
-#include <algorithm>
-#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -128,23 +127,21 @@ void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* allo
   size_t n = 0;
   s.get_pairs(kv, &keys, &values, &n);
   ArenaSample one;
+  const struct {
+    const char* key;
+    std::atomic<int64_t>& counter;
+    int64_t& value;
+  } reported[] = {{"InUse", counters().ort_arena_in_use, one.in_use},
+                  {"MaxInUse", counters().ort_arena_max_in_use, one.max_in_use},
+                  {"TotalAllocated", counters().ort_arena_total_allocated, one.total_allocated}};
   for (size_t i = 0; i < n; ++i) {
     if (keys[i] == nullptr || values[i] == nullptr) continue;
-    std::atomic<int64_t>* dst = nullptr;
-    int64_t* mine = nullptr;
-    if (std::strcmp(keys[i], "InUse") == 0) {
-      dst = &counters().ort_arena_in_use;
-      mine = &one.in_use;
-    } else if (std::strcmp(keys[i], "MaxInUse") == 0) {
-      dst = &counters().ort_arena_max_in_use;
-      mine = &one.max_in_use;
-    } else if (std::strcmp(keys[i], "TotalAllocated") == 0) {
-      dst = &counters().ort_arena_total_allocated;
-      mine = &one.total_allocated;
+    for (const auto& r : reported) {
+      if (std::strcmp(keys[i], r.key) != 0) continue;
+      r.value = std::strtoll(values[i], nullptr, 10);
+      r.counter.store(r.value);
+      break;
     }
-    if (dst == nullptr) continue;
-    *mine = std::strtoll(values[i], nullptr, 10);
-    dst->store(*mine);
   }
   if (!debug().arena_trace.load()) return;
   try {  // (a test hook: a sample that cannot be kept is dropped, the run goes on)

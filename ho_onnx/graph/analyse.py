@@ -174,19 +174,12 @@ def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
             yield from attr.value
 
 
-def _holds_graphs(node: ir.Node) -> bool:
-    for attr in node.attributes.data.values():
-        if attr.type is _GRAPH or attr.type is _GRAPHS:
-            return True
-    return False
-
-
 def subgraph_owners(graph: ir.Graph) -> dict[ir.Graph, ir.Node]:
     """Every graph nested in ``graph``'s nodes (at any depth) -> the node of ``graph`` that
     holds it."""
     owners: dict[ir.Graph, ir.Node] = {}
     for node in graph:
-        if not _holds_graphs(node):
+        if not node.attributes.data:
             continue
         stack = list(subgraphs(node))
         while stack:

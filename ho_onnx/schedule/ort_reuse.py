@@ -84,18 +84,18 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         elif t.is_graph_input:  # the caller's buffer (or ORT's copy of it): never reused
             values[name] = _Value(s, e, sizes[name], None)
         elif name in moved_a:
-            a = moved_a[name]
+            a, key = moved_a[name], _key(t.elem_type, t.shape)
             b = a.nbytes or 0
-            values[name] = _Value(s, a.last_early, b, _key(t.elem_type, t.shape))
-            values[name + "\0reload"] = _Value(a.prefetch_at, max(a.late), b,
-                                               _key(t.elem_type, t.shape))
+            values[name] = _Value(s, a.last_early, b, key)
+            values[name + "\0reload"] = _Value(a.prefetch_at, max(a.late), b, key)
         elif not t.is_initializer:
             key = None if t.is_graph_output else _key(t.elem_type, t.shape)
             values[name] = _Value(s, n - 1 if t.is_graph_output else e, sizes[name], key)
     for w in moved_w.values():
         t = analysis.tensors[w.name]
+        key = _key(t.elem_type, t.shape)
         for k, (c, p) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
-            values[f"{w.name}\0{k}"] = _Value(p, c, w.nbytes, _key(t.elem_type, t.shape))
+            values[f"{w.name}\0{k}"] = _Value(p, c, w.nbytes, key)
     for pos, node in enumerate(analysis.nodes):
         src = ALIAS_INPUT.get((node.domain or "", node.op_type))
         if src is None:

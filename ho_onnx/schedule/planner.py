@@ -532,19 +532,17 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
 
 @dataclass
 class _Basis:
-    """What every plan of one :func:`plan` call shares, whatever its budget: the sizes and
-    residency under ``dims``, the unmodified schedule's simulation, the scored candidates and
-    the reasons the others stay resident (a plan copies them), and (on first use) the
-    smallest budget the planner can meet. Built once, never changed after."""
+    """What every plan of one :func:`plan` call shares, whatever its budget: the residency
+    and sizes under ``dims``, the unmodified schedule's simulation, the scored candidates
+    (and, on first use, by name) and the reasons the others stay resident (a plan copies
+    them). Built once, never changed after."""
 
-    sizes: TensorSizes
     residency: Residency
     baseline: Simulation
     candidates: list[Candidate]  # best score first
     skipped: dict[str, str]
 
     @staticmethod
-    @gc_paused()
     def of(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
            dims: Mapping[str, int] | None) -> _Basis:
         """The basis of plans for ``opts`` (its budget is not read)."""
@@ -558,7 +556,7 @@ class _Basis:
                             residency)
         skipped: dict[str, str] = {}
         cands = _candidates(analysis, opts, dims, costs, residency[0], skipped, sizes)
-        return _Basis(sizes, residency, baseline, cands, skipped)
+        return _Basis(residency, baseline, cands, skipped)
 
     @functools.cached_property
     def by_name(self) -> dict[str, Candidate]:
@@ -615,16 +613,13 @@ def _met_budget(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     return ceiling
 
 
-@gc_paused()
 def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-          dims: Mapping[str, int] | None, search: bool, basis: _Basis | None = None) -> Plan:
-    """One plan for ``opts.budget`` (module docstring, 1-5); ``basis``: what the plans of
-    one :func:`plan` call share (:class:`_Basis`), when the caller already has it."""
+          dims: Mapping[str, int] | None, search: bool, basis: _Basis) -> Plan:
+    """One plan for ``opts.budget`` (module docstring, 1-5) on ``basis``, what the plans of
+    one :func:`plan` call share (:func:`plan` pauses gc for all of them)."""
     if opts.budget is None:
         raise ValueError("the planner needs options with a budget")
     dims = dict(dims or {})
-    if basis is None:
-        basis = _Basis.of(analysis, opts, costs, dims)
     spans, sizes = residency = basis.residency
     baseline = basis.baseline
     skipped = dict(basis.skipped)
