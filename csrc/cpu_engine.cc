@@ -9,7 +9,7 @@
 //    or a disk read that lands in a staging buffer of this engine);
 //  * Wait copies from library memory into its own output before it returns.
 // A failed run can therefore leave only library memory in flight; its records are owned by
-// the run (enter_locked) and released at the latest when the next run on the same thread
+// the run (run_records.h) and released at the latest when the next run on the same thread
 // starts, or with the engine.
 #include <algorithm>
 #include <atomic>
@@ -19,13 +19,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -34,6 +32,7 @@
 #include "disk_io.h"
 #include "engine.h"
 #include "host_memory.h"
+#include "run_records.h"
 #include "weight_file.h"
 
 namespace ho {
@@ -42,30 +41,6 @@ namespace {
 
 // Store ids are unique in the process, so a token of another engine is never mistaken.
 std::atomic<uint64_t> g_next_store_id{1};
-// Run epochs are unique in the process too.
-std::atomic<uint64_t> g_next_epoch{1};
-std::atomic<uint64_t> g_next_thread{1};
-
-// Threads that ended (their uids, in order): their runs are over, so engines release what
-// those runs left. Never freed (8 bytes per thread that ever ran a cache op and ended).
-std::mutex g_dead_mu;
-std::vector<uint64_t>* g_dead = new std::vector<uint64_t>();
-std::atomic<size_t> g_dead_count{0};
-
-struct ThreadMark {
-  const uint64_t uid = g_next_thread.fetch_add(1);
-  ~ThreadMark() {
-    std::lock_guard<std::mutex> lock(g_dead_mu);
-    g_dead->push_back(uid);
-    g_dead_count.store(g_dead->size());
-  }
-};
-
-uint64_t this_thread_uid() {
-  thread_local ThreadMark mark;
-  return mark.uid;
-}
-
 void debug_delay() {
   const int64_t us = debug().delay_us.load(std::memory_order_relaxed);
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
@@ -105,12 +80,6 @@ void copy_in_compute(const ExecContext& ctx, void* dst, const void* src, size_t 
     std::memcpy(dst, src, n);
   }
 }
-
-// Which run a record belongs to: the thread that ran the op and that thread's run epoch.
-struct Owner {
-  uint64_t thread = 0;
-  uint64_t epoch = 0;
-};
 
 class CpuStored final : public StoredTensor {
  public:
@@ -196,13 +165,19 @@ struct Pending {
   std::shared_ptr<const HostBlob> blob;    // host tier
   std::shared_ptr<CpuStored> stored;       // a stored activation
   std::shared_ptr<DiskTransfer> disk;      // disk tier
+
+  // Released without its Wait: its chunk jobs still run, into the staging they hold.
+  void abandon() {}
 };
 
-// Records of earlier runs, destroyed by the caller after it let go of the engine's lock.
-struct Released {
-  std::vector<std::shared_ptr<CpuStored>> stored;
-  std::vector<Pending> loads;
+using Records = RunRecords<CpuStored, Pending>;
+
+// Accepts a stored tensor whose tag is the token's (ids are guessable, tags are not).
+struct Tagged {
+  uint64_t tag;
+  bool operator()(const CpuStored& rec) const { return rec.tag == tag; }
 };
+using Released = Records::Released;
 
 class CpuEngine final : public Engine {
  public:
@@ -213,7 +188,6 @@ class CpuEngine final : public Engine {
     rng_.seed((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
               static_cast<uint64_t>(
                   std::chrono::steady_clock::now().time_since_epoch().count()));
-    dead_seen_ = g_dead_count.load();
     counters().engines_alive += 1;
   }
 
@@ -221,8 +195,10 @@ class CpuEngine final : public Engine {
     // Stop the disk channel first (queued jobs are dropped, running ones finish): they
     // write only into staging buffers they hold themselves.
     disk_.reset();
-    pending_.clear();
-    stored_.clear();
+    {
+      Released released;
+      records_.clear(&released);
+    }
     counters().engines_alive -= 1;
   }
 
@@ -306,23 +282,19 @@ class CpuEngine final : public Engine {
     }
     StoreKey key;
     key.id = g_next_store_id.fetch_add(1);
-    Released released;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      rec->owner = enter_locked(ctx.kernel, &released);
+      std::lock_guard<std::mutex> lock(rng_mu_);
       key.tag = rng_();
-      rec->tag = key.tag;
-      stored_.emplace(key.id, std::move(rec));
     }
+    rec->tag = key.tag;
+    Released released;
+    records_.put_stored(key.id, std::move(rec), ctx.kernel, &released);
     return key;
   }
 
   void detach(const StoreKey& key, const ExecContext& ctx) override {
     Released released;
-    std::lock_guard<std::mutex> lock(mu_);
-    const Owner me = enter_locked(ctx.kernel, &released);
-    auto it = stored_.find(key.id);
-    if (it == stored_.end() || it->second->tag != key.tag || !may_use(it->second->owner, me)) {
+    if (!records_.find_stored(key.id, ctx.kernel, Tagged{key.tag}, &released)) {
       fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (id " +
                                      std::to_string(key.id) + ")");
     }
@@ -332,17 +304,14 @@ class CpuEngine final : public Engine {
   std::shared_ptr<StoredTensor> take_stored(const StoreKey& key,
                                             const ExecContext& ctx) override {
     Released released;
-    std::lock_guard<std::mutex> lock(mu_);
-    const Owner me = enter_locked(ctx.kernel, &released);
-    auto it = stored_.find(key.id);
-    if (it == stored_.end() || it->second->tag != key.tag || !may_use(it->second->owner, me)) {
+    std::shared_ptr<CpuStored> rec = records_.take_stored(key.id, ctx.kernel, Tagged{key.tag},
+                                                          &released);
+    if (!rec) {
       fail(ORT_INVALID_ARGUMENT,
            "token names no stored tensor of this run (id " + std::to_string(key.id) +
                "; already reloaded, forged, from an earlier or failed run, or from another "
                "session)");
     }
-    std::shared_ptr<StoredTensor> rec = std::move(it->second);
-    stored_.erase(it);
     return rec;
   }
 
@@ -360,15 +329,12 @@ class CpuEngine final : public Engine {
     Pending p;
     {
       Released released;
-      std::lock_guard<std::mutex> lock(mu_);
-      const Owner me = enter_locked(ctx.kernel, &released);
-      auto it = pending_.find(dst);
-      if (it == pending_.end() || !may_use(it->second.owner, me)) {
+      std::optional<Pending> found = records_.take_load(dst, ctx.kernel, &released);
+      if (!found) {
         fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
                        "output of this run)");
       }
-      p = std::move(it->second);
-      pending_.erase(it);
+      p = std::move(*found);
     }
     if (p.bytes != bytes) {
       fail(ORT_FAIL, "input holds " + std::to_string(bytes) + " bytes but its Prefetch loads " +
@@ -406,92 +372,17 @@ class CpuEngine final : public Engine {
       std::memset(dst, 0xFF, p.bytes);  // ORT's buffer, inside this Compute: allowed
     }
     if (p.bytes == 0) return;  // nothing to wait for (the Wait returns at once)
-    Pending old;
-    Released released;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      p.owner = enter_locked(counted ? ctx.kernel : nullptr, &released);
-      Pending& slot = pending_[dst];
-      old = std::move(slot);  // a load of a failed run at the same address: dropped
-      slot = std::move(p);
-    }
+    Released released;  // (a load of a failed run at the same address is dropped)
+    records_.put_load(dst, std::move(p), counted ? ctx.kernel : nullptr, &released);
   }
 
-  // The calling thread's run: a kernel that already ran on this thread in its current
-  // epoch means a new run began there (ORT runs each node once per run), so the records of
-  // the thread's earlier runs that are still here (their run failed, or their graph never
-  // reloaded them) are released. Returned records are destroyed by the caller, outside the
-  // lock (pool buffers, staging).
-  Owner enter_locked(const void* kernel, Released* released) {
-    const uint64_t tid = this_thread_uid();
-    if (g_dead_count.load(std::memory_order_acquire) != dead_seen_) reap_dead_locked(released);
-    ThreadRun& tr = threads_[tid];
-    if (tr.epoch == 0 || (kernel != nullptr && !tr.seen.insert(kernel).second)) {
-      const uint64_t old = tr.epoch;
-      tr.epoch = g_next_epoch.fetch_add(1);
-      tr.seen.clear();
-      if (kernel != nullptr) tr.seen.insert(kernel);
-      if (old != 0) release_epoch_locked(tid, old, released);
-    }
-    return Owner{tid, tr.epoch};
-  }
-
-  // Records of threads that ended belong to runs that are over.
-  void reap_dead_locked(Released* released) {
-    std::vector<uint64_t> dead;
-    {
-      std::lock_guard<std::mutex> lock(g_dead_mu);
-      dead.assign(g_dead->begin() + static_cast<std::ptrdiff_t>(dead_seen_), g_dead->end());
-      dead_seen_ = g_dead->size();
-    }
-    for (uint64_t tid : dead) {
-      auto it = threads_.find(tid);
-      if (it == threads_.end()) continue;
-      threads_.erase(it);
-      release_epoch_locked(tid, UINT64_MAX, released);
-    }
-  }
-
-  void release_epoch_locked(uint64_t tid, uint64_t epoch, Released* released) {
-    for (auto it = stored_.begin(); it != stored_.end();) {
-      if (it->second->owner.thread == tid && it->second->owner.epoch <= epoch) {
-        released->stored.push_back(std::move(it->second));
-        it = stored_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.owner.thread == tid && it->second.owner.epoch <= epoch) {
-        released->loads.push_back(std::move(it->second));
-        it = pending_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  // A record made on this thread must come from its current run. Records made on other
-  // threads are accepted (ORT_PARALLEL runs one run's nodes on several threads); their
-  // tokens carry a random tag, and they are released with their own thread's next run.
-  static bool may_use(const Owner& rec, const Owner& me) {
-    return rec.thread != me.thread || rec.epoch == me.epoch;
-  }
-
-  struct ThreadRun {
-    uint64_t epoch = 0;
-    std::unordered_set<const void*> seen;
-  };
 
   HostStore host_store_;
   std::shared_ptr<HostPool> pool_;     // stored activations (bounded)
   std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight)
-  std::mutex mu_;
+  std::mutex rng_mu_;  // guards rng_
   std::mt19937_64 rng_;
-  std::unordered_map<uint64_t, ThreadRun> threads_;
-  size_t dead_seen_ = 0;  // entries of g_dead already reaped
-  std::unordered_map<const void*, Pending> pending_;
-  std::unordered_map<uint64_t, std::shared_ptr<CpuStored>> stored_;
+  Records records_{process_threads()};
   DiskFiles files_;  // open data files, shared by weights
   std::unique_ptr<Channel> disk_ = std::make_unique<Channel>("disk", disk_io_threads());
 };

@@ -2,7 +2,8 @@
 // Everything about the ORT custom ops comes from the custom-op library libho_onnx_ops.so
 // through its C API (ho_onnx_c_api.h): the module links to it, and ORT later loads that
 // same file, so both see one copy of its process-wide state. The test hooks of the CUDA
-// engine's host-side logic (cuda/host_logic.h, header-only) are compiled here.
+// engine's host-side logic (cuda/host_logic.h, header-only) and of both engines' run-owned
+// records (run_records.h, header-only) are compiled here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -23,6 +24,7 @@
 
 #include "cuda/host_logic.h"
 #include "ho_onnx_c_api.h"
+#include "run_records.h"
 
 namespace py = pybind11;
 
@@ -420,6 +422,124 @@ py::dict pack_weights(const std::vector<size_t>& sizes) {
   return d;
 }
 
+// RunRecords (run_records.h) with simulated threads: each call names its thread and
+// kernel (0: none); a thread ends when the test says so. Records are named by integers;
+// calls return what they released as {"stored": [names], "loads": [names]}, sorted.
+class TestRunRecords {
+ public:
+  struct Stored {
+    ho::Owner owner;
+    int64_t name = 0;
+    int64_t tag = 0;
+  };
+  struct Load {
+    ho::Owner owner;
+    int64_t name = 0;
+    std::vector<int64_t>* abandoned = nullptr;
+    void abandon() { abandoned->push_back(name); }
+  };
+  using Records = ho::RunRecords<Stored, Load>;
+
+  void end_thread(uint64_t thread) { threads_.ended.push_back(thread); }
+
+  py::dict put_stored(uint64_t key, int64_t name, int64_t tag, uint64_t thread,
+                      uintptr_t kernel) {
+    Records::Released r;
+    auto rec = std::make_shared<Stored>();
+    rec->name = name;
+    rec->tag = tag;
+    records_.put_stored(key, rec, on(thread, kernel), &r);
+    return released(r);
+  }
+
+  // (name of the record or None, released); take: removed as well.
+  py::tuple find_stored(uint64_t key, int64_t tag, uint64_t thread, uintptr_t kernel,
+                        bool take) {
+    Records::Released r;
+    auto accept = [tag](const Stored& s) { return s.tag == tag; };
+    const void* k = on(thread, kernel);
+    std::shared_ptr<Stored> rec = take ? records_.take_stored(key, k, accept, &r)
+                                       : records_.find_stored(key, k, accept, &r);
+    return py::make_tuple(rec ? py::cast(rec->name) : py::none(), released(r));
+  }
+
+  py::tuple rekey_stored(uint64_t from, uint64_t to) {
+    Records::Released r;
+    const bool ok = records_.rekey_stored(from, to, &r);
+    return py::make_tuple(ok, released(r));
+  }
+
+  py::dict put_load(uintptr_t dst, int64_t name, uint64_t thread, uintptr_t kernel) {
+    Records::Released r;
+    Load load;
+    load.name = name;
+    load.abandoned = &abandoned_;
+    records_.put_load(address(dst), std::move(load), on(thread, kernel), &r);
+    return released(r);
+  }
+
+  py::tuple take_load(uintptr_t dst, uint64_t thread, uintptr_t kernel) {
+    Records::Released r;
+    std::optional<Load> load = records_.take_load(address(dst), on(thread, kernel), &r);
+    return py::make_tuple(load ? py::cast(load->name) : py::none(), released(r));
+  }
+
+  py::dict drop_load(uintptr_t dst) {
+    Records::Released r;
+    records_.drop_load(address(dst), &r);
+    return released(r);
+  }
+
+  py::dict clear() {
+    Records::Released r;
+    records_.clear(&r);
+    return released(r);
+  }
+
+  py::dict counts() {
+    py::dict d;
+    d["stored"] = records_.stored_count();
+    d["loads"] = records_.load_count();
+    d["abandoned"] = abandoned_;
+    return d;
+  }
+
+ private:
+  struct SimThreads final : ho::ThreadSource {
+    uint64_t now = 0;
+    uint64_t epochs = 0;
+    std::vector<uint64_t> ended;
+    uint64_t current() override { return now; }
+    uint64_t next_epoch() override { return ++epochs; }
+    size_t ended_count() override { return ended.size(); }
+    size_t ended_since(size_t seen, std::vector<uint64_t>* out) override {
+      out->insert(out->end(), ended.begin() + static_cast<std::ptrdiff_t>(seen), ended.end());
+      return ended.size();
+    }
+  };
+
+  static const void* address(uintptr_t a) { return reinterpret_cast<const void*>(a); }
+  const void* on(uint64_t thread, uintptr_t kernel) {
+    threads_.now = thread;
+    return address(kernel);
+  }
+  static py::dict released(const Records::Released& r) {
+    std::vector<int64_t> stored, loads;
+    for (const auto& s : r.stored) stored.push_back(s->name);
+    for (const auto& l : r.loads) loads.push_back(l.name);
+    std::sort(stored.begin(), stored.end());  // (map order is not the test's business)
+    std::sort(loads.begin(), loads.end());
+    py::dict d;
+    d["stored"] = stored;
+    d["loads"] = loads;
+    return d;
+  }
+
+  SimThreads threads_;  // (declared before records_, which reads it when constructed)
+  std::vector<int64_t> abandoned_;
+  Records records_{threads_};
+};
+
 }  // namespace
 
 // Over 60 lines: the module's table of bindings, one m.def per Python name with its
@@ -489,6 +609,21 @@ PYBIND11_MODULE(_ops, m) {
       .def("stats", &TestSlotRing::stats)
       .def("concurrent", &TestSlotRing::concurrent, py::arg("threads"), py::arg("runs"),
            py::arg("sizes"), py::arg("fence_us"), py::arg("timeout_s") = 30.0);
+  py::class_<TestRunRecords>(m, "_test_RunRecords")
+      .def(py::init<>())
+      .def("end_thread", &TestRunRecords::end_thread)
+      .def("put_stored", &TestRunRecords::put_stored, py::arg("key"), py::arg("name"),
+           py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0)
+      .def("find_stored", &TestRunRecords::find_stored, py::arg("key"), py::arg("tag") = 0,
+           py::arg("thread") = 1, py::arg("kernel") = 0, py::arg("take") = false)
+      .def("rekey_stored", &TestRunRecords::rekey_stored)
+      .def("put_load", &TestRunRecords::put_load, py::arg("dst"), py::arg("name"),
+           py::arg("thread") = 1, py::arg("kernel") = 0)
+      .def("take_load", &TestRunRecords::take_load, py::arg("dst"), py::arg("thread") = 1,
+           py::arg("kernel") = 0)
+      .def("drop_load", &TestRunRecords::drop_load)
+      .def("clear", &TestRunRecords::clear)
+      .def("counts", &TestRunRecords::counts);
   m.def("_test_ring_capacity", &ho::cuda_logic::ring_capacity,
         "First ring segment for a plan storing `host_bytes` bytes of activations per run.");
   m.def("_test_pack_weights", &pack_weights,

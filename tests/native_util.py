@@ -107,18 +107,35 @@ def save(model: onnx.ModelProto, directory, name: str = "model.onnx") -> Path:
 N = 1 << 16  # 256 KiB of float32: above malloc's mmap threshold (freed memory is unmapped)
 
 
+# The failure graphs' constants: the empty weight placeholder, a zero and the table read by
+# the failing node.
+_FAILURE_INITS = (
+    helper.make_tensor("s0", TensorProto.FLOAT, [0], []),
+    helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+    helper.make_tensor("table", TensorProto.FLOAT, [4], [1, 2, 3, 4]),
+)
+
+
+def _after_store_and_prefetch(value: str, out: str) -> list[onnx.NodeProto]:
+    """``out`` = ``value`` + 0 * Shape(wy) + 0 * Shape(t): the same value, computed only
+    after the weight Prefetch (``wy``) and the Store (``t``) ran."""
+    return [
+        helper.make_node("Shape", ["wy"], ["sw"]),
+        helper.make_node("Shape", ["t"], ["st"]),
+        helper.make_node("Mul", ["sw", "zero"], ["sw0"]),
+        helper.make_node("Mul", ["st", "zero"], ["st0"]),
+        helper.make_node("Add", [value, "sw0"], ["i1"]),
+        helper.make_node("Add", ["i1", "st0"], [out]),
+    ]
+
+
 def failure_model(tier: str = "host", n: int = N, with_wait: bool = True,
                   with_detach: bool = True) -> onnx.ModelProto:
     nodes = [
         hnode("Prefetch", ["s0"], ["wy"], **weight_attrs("w.bin", 0, 4 * n, [n], "w", tier)),
         helper.make_node("Relu", ["x"], ["h"]),
         hnode("Store", ["h"], ["t"]),
-        helper.make_node("Shape", ["wy"], ["sw"]),
-        helper.make_node("Shape", ["t"], ["st"]),
-        helper.make_node("Mul", ["sw", "zero"], ["sw0"]),
-        helper.make_node("Mul", ["st", "zero"], ["st0"]),
-        helper.make_node("Add", ["idx", "sw0"], ["i1"]),
-        helper.make_node("Add", ["i1", "st0"], ["i2"]),
+        *_after_store_and_prefetch("idx", "i2"),
         helper.make_node("Gather", ["table", "i2"], ["g"]),
     ]
     if with_detach:
@@ -132,17 +149,12 @@ def failure_model(tier: str = "host", n: int = N, with_wait: bool = True,
     else:
         nodes.append(helper.make_node("Identity", ["wy"], ["w"]))
     nodes.append(helper.make_node("Add", ["z", "w"], ["out"]))
-    inits = [
-        helper.make_tensor("s0", TensorProto.FLOAT, [0], []),
-        helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
-        helper.make_tensor("table", TensorProto.FLOAT, [4], [1, 2, 3, 4]),
-    ]
     return make_model(
         nodes,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n]),
          helper.make_tensor_value_info("idx", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [n])],
-        inits,
+        _FAILURE_INITS,
     )
 
 
@@ -152,3 +164,39 @@ def write_failure_model(folder, tier: str = "host", n: int = N, **kw) -> tuple[P
     w = (np.arange(n, dtype=np.float32) % 1000) * 0.5 + 1.0
     w.tofile(folder / "w.bin")
     return save(failure_model(tier, n, **kw), folder), w
+
+
+def moving_failure_model(m: int = 1024) -> onnx.ModelProto:
+    """The failure graph with a stored activation of dynamic length ``n`` (``x`` -> ``z``)
+    and a node that fails on every execution provider: ``Reshape(table, shp)`` with
+    ``shp`` = [5] (good: [4]; Gather's index check is the CPU kernel's, not CUDA's). Failed
+    runs of different lengths leave their records at different buffers, so a record can
+    only be released by run tracking, not by the next run reusing its address. Outputs
+    ``z`` (= relu(x)) and the weight ``w`` (``m`` floats of ``w.bin``, host tier)."""
+    nodes = [
+        hnode("Prefetch", ["s0"], ["wy"], **weight_attrs("w.bin", 0, 4 * m, [m], "w", "host")),
+        helper.make_node("Relu", ["x"], ["h"]),
+        hnode("Store", ["h"], ["t"]),
+        *_after_store_and_prefetch("shp", "i2"),
+        helper.make_node("Reshape", ["table", "i2"], ["g"]),
+        hnode("Detach", ["h", "t", "g"], ["t2"]),
+        hnode("Prefetch", ["t2"], ["y"]),
+        hnode("Wait", ["y"], ["z"]),
+        hnode("Wait", ["wy", "g"], ["w"]),
+    ]
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]),
+         helper.make_tensor_value_info("shp", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n"]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [m])],
+        _FAILURE_INITS,
+    )
+
+
+def write_moving_failure_model(folder, m: int = 1024) -> tuple[Path, np.ndarray]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    w = np.arange(m, dtype=np.float32) * 0.25 - 3.0
+    w.tofile(folder / "w.bin")
+    return save(moving_failure_model(m), folder), w

@@ -30,6 +30,7 @@ from native_util import (
     session_options,
     weight_attrs,
     write_failure_model,
+    write_moving_failure_model,
 )
 from onnx import TensorProto, helper
 
@@ -236,6 +237,27 @@ def test_failed_runs_do_not_leak_stores(tmp_path, arena):
     c = ops().counters()
     assert c["host_pool_bytes_in_use"] == base
     assert c["host_pool_bytes_reserved"] <= base + 4 * 4 * N  # reused, not grown per run
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_failed_runs_of_changing_lengths_hold_one_runs_store(tmp_path, arena):
+    """Failed runs of growing lengths (a Reshape fails between every cache op and its
+    completion): each holds only its own store until the next run starts, whatever buffers
+    it got; the good run after them is exact and leaves the pool as it found it. (The CUDA
+    engine keys stores by token address: test_cuda_engine.py runs the same scenario.)"""
+    path, w = write_moving_failure_model(tmp_path)
+    sess = session(path, arena=arena)
+    base = ops().counters()["host_pool_bytes_in_use"]
+    for i in range(30):
+        n = 1024 + 256 * i
+        with pytest.raises(Exception, match=r"(?i)reshape"):
+            sess.run(None, {"x": np.ones(n, np.float32), "shp": np.array([5], np.int64)})
+        assert ops().counters()["host_pool_bytes_in_use"] - base == 4 * n
+    x = np.linspace(-2, 2, 5000, dtype=np.float32)
+    z, wz = sess.run(None, {"x": x, "shp": np.array([4], np.int64)})
+    np.testing.assert_array_equal(z, np.maximum(x, 0))
+    np.testing.assert_array_equal(wz, w)
+    assert ops().counters()["host_pool_bytes_in_use"] == base
 
 
 def test_host_pool_limit_is_a_clear_error(tmp_path):

@@ -55,6 +55,7 @@
 #include "../common.h"
 #include "../disk_io.h"
 #include "../engine.h"
+#include "../run_records.h"
 #include "../weight_file.h"
 #include "cuda_api.h"
 #include "cuda_util.h"
@@ -395,6 +396,7 @@ class GpuStored final : public StoredTensor {
   Lease stored;  // recorded on the d2h stream after the copy into the slot
   int device = 0;
   uint64_t id = 0;
+  Owner owner;  // the run that stored it (run_records.h)
 
  private:
   std::vector<int64_t> shape_;
@@ -423,7 +425,18 @@ struct Pending {
   size_t bytes = 0;
   CompletionPtr issued;  // disk tier only
   std::shared_ptr<std::atomic<bool>> cancelled;  // disk tier only
+  Owner owner;  // the run of its Prefetch (run_records.h)
+
+  // Released without its Wait (a failed run's load): it writes only its own staging buffer
+  // (released with its fence when its last copy is enqueued); a disk load stops issuing
+  // more copies.
+  void abandon() {
+    if (cancelled) cancelled->store(true);
+  }
 };
+
+using Records = RunRecords<GpuStored, Pending>;
+using Released = Records::Released;
 
 // One disk transfer split into chunks; the part that finishes last records `done`.
 class GpuDiskTransfer {
@@ -519,8 +532,10 @@ class CudaEngine final : public Engine {
         cuda::ignore(cudaStreamSynchronize(kv.second->h2d.get()));
         cuda::ignore(cudaStreamSynchronize(kv.second->d2h.get()));
       }
-      pending_.clear();
-      stored_.clear();
+    }
+    {
+      Released released;
+      records_.clear(&released);
     }
     ring_.reset();
     weights_.reset();
@@ -565,7 +580,7 @@ class CudaEngine final : public Engine {
     counters().bytes_loaded += bytes;
     counters().cuda_bytes_h2d += bytes;
     // The pinned source is the engine's (never freed before the streams are synchronized).
-    add_pending(dst, std::move(p));
+    add_pending(dst, std::move(p), ctx.kernel);
   }
 
   std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& wf,
@@ -602,7 +617,7 @@ class CudaEngine final : public Engine {
     const uint64_t end = w->offset + bytes;
     const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
     Device* dp = &d;
-    add_pending(dst, p);
+    add_pending(dst, p, ctx.kernel);
     auto t = std::make_shared<GpuDiskTransfer>(p, parts, dp);
     char* out = static_cast<char*>(p.stage->data());
     uint64_t pos = begin;
@@ -655,32 +670,22 @@ class CudaEngine final : public Engine {
     if (ctx.out == nullptr) fail(ORT_FAIL, "store: no token output");
     check(cuda::launch_write_token(ctx.out, rec->id, kTokenMagic, cs), "token kernel launch");
     const uint64_t key = reinterpret_cast<uintptr_t>(ctx.out);
-    std::shared_ptr<GpuStored> stale;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto& slot = stored_[key];
-      stale = std::move(slot);  // a record of a failed run at the same address: drop it
-      slot = std::move(rec);
-    }
+    Released released;  // (a record of a failed run at the same address is dropped)
+    records_.put_stored(key, std::move(rec), ctx.kernel, &released);
     return StoreKey{key, 0};
   }
 
   void detach(const StoreKey& skey, const ExecContext& ctx) override {
     const uint64_t key = skey.id;
-    std::shared_ptr<GpuStored> rec;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = stored_.find(key);
-      if (it == stored_.end()) {
-        fail(ORT_INVALID_ARGUMENT, "token names no pending store (not a Store output of this "
-                                   "session, or already reloaded)");
-      }
-      rec = it->second;
-      const auto out = reinterpret_cast<uintptr_t>(ctx.out);
-      if (ctx.out != nullptr && out != key) {  // ORT did not alias token2: move the key
-        stored_.erase(it);
-        stored_[out] = rec;
-      }
+    Released released;
+    std::shared_ptr<GpuStored> rec = records_.find_stored(key, ctx.kernel, any_record, &released);
+    if (!rec) {
+      fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (not a Store "
+                                 "output of this run and session, or already reloaded)");
+    }
+    const auto out = reinterpret_cast<uintptr_t>(ctx.out);
+    if (ctx.out != nullptr && out != key) {  // ORT did not alias token2: move the key
+      records_.rekey_stored(key, out, &released);
     }
     (void)dev(ctx.device);  // makes the kernel's device current on this thread
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
@@ -698,16 +703,16 @@ class CudaEngine final : public Engine {
     }
   }
 
-  std::shared_ptr<StoredTensor> take_stored(const StoreKey& skey, const ExecContext&) override {
-    const uint64_t key = skey.id;
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = stored_.find(key);
-    if (it == stored_.end()) {
+  std::shared_ptr<StoredTensor> take_stored(const StoreKey& skey,
+                                            const ExecContext& ctx) override {
+    Released released;
+    std::shared_ptr<GpuStored> rec = records_.take_stored(skey.id, ctx.kernel, any_record,
+                                                          &released);
+    if (!rec) {
       fail(ORT_INVALID_ARGUMENT,
-           "token names no stored tensor (already reloaded, or from another session)");
+           "token names no stored tensor of this run (already reloaded, from an earlier or "
+           "failed run, or from another session)");
     }
-    std::shared_ptr<StoredTensor> rec = std::move(it->second);
-    stored_.erase(it);
     return rec;
   }
 
@@ -736,7 +741,7 @@ class CudaEngine final : public Engine {
     counters().cuda_bytes_h2d += bytes;
     // The slot is reused only after this copy read it (its fence is `done`).
     rec->release_slot(p.done);
-    add_pending(dst, std::move(p));
+    add_pending(dst, std::move(p), nullptr);  // take_stored entered the run for this op
   }
 
   void wait(const void* dst, void* /*out: ctx.out*/, size_t bytes,
@@ -744,14 +749,13 @@ class CudaEngine final : public Engine {
     if (bytes == 0) return;
     Pending p;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pending_.find(dst);
-      if (it == pending_.end()) {
+      Released released;
+      std::optional<Pending> found = records_.take_load(dst, ctx.kernel, &released);
+      if (!found) {
         fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
-                       "output)");
+                       "output of this run)");
       }
-      p = std::move(it->second);
-      pending_.erase(it);
+      p = std::move(*found);
     }
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
     counters().waits += 1;
@@ -813,20 +817,9 @@ class CudaEngine final : public Engine {
   // `cs`): returns the staging buffer it lands in, the load stream already ordered after
   // the buffer's previous use.
   StageBuf begin_load(Device& d, cudaStream_t cs, void* dst, size_t bytes) {
-    std::optional<Pending> stale;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pending_.find(dst);
-      if (it != pending_.end()) {
-        stale = std::move(it->second);
-        pending_.erase(it);
-      }
-    }
-    if (stale && stale->issued) {
-      // A load of a failed run for the same block, never waited for: it writes only its own
-      // staging buffer (released with its fence when its last copy is enqueued); stop it
-      // from issuing more copies.
-      stale->cancelled->store(true);
+      Released stale;  // a load of a failed run for the same block, never waited for
+      records_.drop_load(dst, &stale);
     }
     spin(debug().compute_delay_us.load(std::memory_order_relaxed), cs);
     if (debug().poison.load(std::memory_order_relaxed)) {
@@ -843,10 +836,13 @@ class CudaEngine final : public Engine {
     return sb;
   }
 
-  void add_pending(const void* dst, Pending p) {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_[dst] = std::move(p);
+  // `kernel`: ctx.kernel when this is the op's first call into the engine, else null.
+  void add_pending(const void* dst, Pending p, const void* kernel) {
+    Released released;
+    records_.put_load(dst, std::move(p), kernel, &released);
   }
+
+  static bool any_record(const GpuStored&) { return true; }  // (the key is an address)
 
   // One chunk of a disk load, on an I/O thread: file -> pinned staging -> dst.
   static void disk_part(Device& d, const GpuDiskWeight& w, uint64_t p, uint64_t q, char* dst,
@@ -878,8 +874,7 @@ class CudaEngine final : public Engine {
 
   std::mutex mu_;
   std::map<int, std::shared_ptr<Device>> devices_;
-  std::unordered_map<const void*, Pending> pending_;
-  std::unordered_map<uint64_t, std::shared_ptr<GpuStored>> stored_;  // key: token address
+  Records records_{process_threads()};  // stored: keyed by token address
   std::mutex plan_mu_;
   size_t planned_ring_ = 0;
   std::shared_ptr<Ring> ring_ = std::make_shared<Ring>(

@@ -24,6 +24,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 import pytest
+from native_util import write_moving_failure_model
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
 from threads import run_threads
 
@@ -490,6 +491,37 @@ def test_concurrent_runs(decoder):
     run_threads(worker, 4)
     assert not errors, errors[:5]
     oc.__exit__(None, None, None)
+
+
+def test_failed_runs_hold_only_their_own_store(tmp_path):
+    """Failed runs of growing lengths (a Reshape fails between every cache op and its
+    completion; the scenario of test_native_safety.py's CPU test): each holds only its own
+    store until the next run starts (run tracking, run_records.h), the good run after them
+    is exact and leaves the pinned pool as it found it. Before run tracking a failed run's
+    store stayed until a later Store got its token's address; this fails without it
+    whenever ORT gives the failed runs' tokens different addresses."""
+    path, w = write_moving_failure_model(tmp_path)
+    so = ort.SessionOptions()
+    so.log_severity_level = 4  # expected failures: keep the log quiet
+    so.add_session_config_entry("ho_onnx.model_dir", str(tmp_path))
+    so.register_custom_ops_library(runtime.library_path())
+    s = ort.InferenceSession(str(path), sess_options=so, providers=PROVIDERS)
+    c0 = _ops.counters()
+    base = c0["host_pool_bytes_in_use"]
+    for i in range(30):
+        n = 1024 + 256 * i
+        with pytest.raises(Exception, match=r"(?i)reshape"):
+            s.run(None, {"x": np.ones(n, np.float32), "shp": np.array([5], np.int64)})
+        assert _ops.counters()["host_pool_bytes_in_use"] - base == 4 * n, i
+    x = np.linspace(-2, 2, 5000, dtype=np.float32)
+    z, wz = s.run(None, {"x": x, "shp": np.array([4], np.int64)})
+    np.testing.assert_array_equal(z, np.maximum(x, 0))
+    np.testing.assert_array_equal(wz, w)
+    c1 = _ops.counters()
+    assert c1["host_pool_bytes_in_use"] == base
+    # The cache ops ran on the CUDA engine: its copies, none of the CPU engine's ops.
+    assert c1["ops_cpu"] == c0["ops_cpu"] and c1["ops_cuda"] > c0["ops_cuda"]
+    assert c1["cuda_bytes_d2h"] - c0["cuda_bytes_d2h"] >= 4 * (1024 + 5000)
 
 
 # ---- memory --------------------------------------------------------------------------------
