@@ -167,7 +167,8 @@ cpu_engine_tests() {
   local f
   shopt -s globstar nullglob
   for f in tests/**/test_*engine_cpu*.py tests/**/test_*ops_contract*.py tests/**/test_*disk_tier*.py \
-           tests/**/test_*cuda_host_logic*.py tests/**/test_*placement*.py; do
+           tests/**/test_*cuda_host_logic*.py tests/**/test_*placement*.py \
+           tests/**/test_*run_records*.py; do
     echo "$f"
   done
 }
