@@ -463,10 +463,12 @@ class TestRunRecords {
     return py::make_tuple(rec ? py::cast(rec->name) : py::none(), released(r));
   }
 
-  py::tuple rekey_stored(uint64_t from, uint64_t to) {
+  py::tuple move_stored(uint64_t key, uint64_t to, int64_t tag, uint64_t thread,
+                        uintptr_t kernel) {
     Records::Released r;
-    const bool ok = records_.rekey_stored(from, to, &r);
-    return py::make_tuple(ok, released(r));
+    auto accept = [tag](const Stored& s) { return s.tag == tag; };
+    std::shared_ptr<Stored> rec = records_.move_stored(key, to, on(thread, kernel), accept, &r);
+    return py::make_tuple(rec ? py::cast(rec->name) : py::none(), released(r));
   }
 
   py::dict put_load(uintptr_t dst, int64_t name, uint64_t thread, uintptr_t kernel) {
@@ -616,7 +618,8 @@ PYBIND11_MODULE(_ops, m) {
            py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0)
       .def("find_stored", &TestRunRecords::find_stored, py::arg("key"), py::arg("tag") = 0,
            py::arg("thread") = 1, py::arg("kernel") = 0, py::arg("take") = false)
-      .def("rekey_stored", &TestRunRecords::rekey_stored)
+      .def("move_stored", &TestRunRecords::move_stored, py::arg("key"), py::arg("to"),
+           py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0)
       .def("put_load", &TestRunRecords::put_load, py::arg("dst"), py::arg("name"),
            py::arg("thread") = 1, py::arg("kernel") = 0)
       .def("take_load", &TestRunRecords::take_load, py::arg("dst"), py::arg("thread") = 1,

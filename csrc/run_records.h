@@ -110,18 +110,23 @@ class RunRecords {
     return rec;
   }
 
-  // Move the record under `from` to `to` (the CUDA engine's Detach, when ORT gave the token
-  // a new buffer); false when there is none.
-  bool rekey_stored(uint64_t from, uint64_t to, Released* out) {
+  // find_stored, and the record (when found) then lives under `to` (the CUDA engine's
+  // Detach, when ORT gave the token a new buffer); a record there already is a failed
+  // run's (released).
+  template <class Accept>
+  StoredPtr move_stored(uint64_t key, uint64_t to, const void* kernel, Accept accept,
+                        Released* out) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = stored_.find(from);
-    if (it == stored_.end()) return false;
-    StoredPtr rec = std::move(it->second);
-    stored_.erase(it);
-    StoredPtr& slot = stored_[to];
-    if (slot) out->stored.push_back(std::move(slot));
-    slot = std::move(rec);
-    return true;
+    auto it = usable_stored_locked(key, kernel, accept, out);
+    if (it == stored_.end()) return nullptr;
+    StoredPtr rec = it->second;
+    if (to != key) {
+      stored_.erase(it);
+      StoredPtr& slot = stored_[to];
+      if (slot) out->stored.push_back(std::move(slot));
+      slot = rec;
+    }
+    return rec;
   }
 
   // Record the load into `dst`, owned by the caller's run.

@@ -677,15 +677,14 @@ class CudaEngine final : public Engine {
 
   void detach(const StoreKey& skey, const ExecContext& ctx) override {
     const uint64_t key = skey.id;
+    // When ORT did not alias token2, the record moves to its address (the copy below).
+    const uint64_t to = ctx.out != nullptr ? reinterpret_cast<uintptr_t>(ctx.out) : key;
     Released released;
-    std::shared_ptr<GpuStored> rec = records_.find_stored(key, ctx.kernel, any_record, &released);
+    std::shared_ptr<GpuStored> rec =
+        records_.move_stored(key, to, ctx.kernel, any_record, &released);
     if (!rec) {
       fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (not a Store "
                                  "output of this run and session, or already reloaded)");
-    }
-    const auto out = reinterpret_cast<uintptr_t>(ctx.out);
-    if (ctx.out != nullptr && out != key) {  // ORT did not alias token2: move the key
-      records_.rekey_stored(key, out, &released);
     }
     (void)dev(ctx.device);  // makes the kernel's device current on this thread
     const auto cs = static_cast<cudaStream_t>(ctx.stream);

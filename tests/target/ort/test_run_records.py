@@ -116,14 +116,20 @@ def test_drop_load_releases_whatever_waits_at_an_address_without_entering_a_run(
     assert r.take_load(0x300, kernel=0xD, thread=1) == (2, NONE)
 
 
-def test_rekey_moves_a_record_and_replaces_a_stale_one_at_the_new_key():
+def test_move_finds_a_record_and_replaces_a_stale_one_at_the_new_key():
     r = _records()
-    r.put_stored(10, name=1, kernel=0xA)
+    r.put_stored(10, name=1, tag=7, kernel=0xA)
     r.put_stored(20, name=2, kernel=0xB, thread=2)  # stale, at the address token2 gets
-    assert r.rekey_stored(10, 20) == (True, {"stored": [2], "loads": []})
-    assert r.rekey_stored(10, 30) == (False, NONE)
-    assert r.find_stored(20, kernel=0xC) == (1, NONE)
-    assert r.find_stored(10, kernel=0xD) == (None, NONE)
+    assert r.move_stored(10, 30, tag=6, kernel=0) == (None, NONE)  # refused: not moved
+    assert r.move_stored(10, 20, tag=7, kernel=0xC) == (1, {"stored": [2], "loads": []})
+    assert r.move_stored(10, 30, tag=7, kernel=0) == (None, NONE)  # gone from 10
+    assert r.move_stored(20, 20, tag=7, kernel=0) == (1, NONE)  # aliased: stays
+    assert r.find_stored(20, tag=7, kernel=0xD) == (1, NONE)
+    assert r.counts()["stored"] == 1
+    # A record released with its run is not found, nor moved.
+    r.put_stored(40, name=3, kernel=0xA, thread=5)
+    r.put_stored(41, name=4, kernel=0xA, thread=5)  # thread 5's next run released name 3
+    assert r.move_stored(40, 50, kernel=0xE) == (None, NONE)
 
 
 def test_clear_releases_everything():
