@@ -109,7 +109,7 @@ PARTITION_KEY = "session.resource_cuda_partitioning_settings"
 
 
 def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str,
-                 partition_kib: int = 0) -> dict:
+                 partition_kib: int = 0, mem_pattern: bool = True) -> dict:
     import numpy as np
     import onnxruntime as ort
 
@@ -125,10 +125,12 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str,
             # ho_onnx.sample_arena=1: every Wait samples ORT's arena (the arena columns).
             so = ort.SessionOptions()
             so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
+            so.enable_mem_pattern = mem_pattern
             s = runtime.InferenceSession(model, sess_options=so, providers=providers)
         else:
             so = ort.SessionOptions()
             so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+            so.enable_mem_pattern = mem_pattern
             if partition_kib:
                 # ORT's capacity-aware partitioning: CUDA takes nodes in topological order
                 # until the limit, the rest go to the CPU EP (no stats file: ORT estimates).
@@ -243,7 +245,7 @@ def measure_accelerate(cfg: dict, runs: int) -> dict:
 def child(args: argparse.Namespace) -> int:
     if args.child == "onnx":
         res = measure_onnx(args.model, args.optimized, args.runs, args.feeds,
-                           args.partition_kib)
+                           args.partition_kib, args.mem_pattern != "off")
     else:
         res = measure_accelerate(json.loads(args.cfg), args.runs)
     print("RESULT " + json.dumps(res), flush=True)
@@ -286,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                          "memory-limited partitioning is measured ('' for none)")
     ap.add_argument("--partition-runs", type=int, default=2,
                     help="timed runs of the ORT partitioning rows (their CPU part is slow)")
+    ap.add_argument("--mem-pattern", choices=["on", "off", "both"], default="on",
+                    help="ORT's memory patterns in the baseline and ho rows (SessionOptions."
+                         "enable_mem_pattern; 'both': each of those rows twice, side by side)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per measured row")
     ap.add_argument("--child", choices=["onnx", "accelerate"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -354,26 +359,32 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(name: str, model: Path, optimized: bool, plan=None, budget=None,
                 partition: bool = False) -> None:
-        print(f"measuring {name} ...", flush=True)
-        extra = ["--optimized"] if optimized else []
-        if partition:
-            extra = ["--partition-kib", str(max(1, budget >> 10))]
-        runs = args.partition_runs if partition else args.runs
-        res = run_child(["--child", "onnx", "--model", str(model), "--feeds", str(feeds),
-                         "--runs", str(runs), *extra], args.timeout)
-        row = {"name": name, "budget_bytes": budget, **res}
-        if plan is not None:
-            row["predicted_peak_bytes"] = plan.planned.peak_bytes
-            row["predicted_arena_bytes"] = plan.arena_bytes  # (the planner's replay)
-            row["predicted_s"] = plan.planned.total_s
-            row["plan_fits"] = plan.fits
-        rows.append(row)
-        save(False)
+        patterns = ["on"] if partition else (["on", "off"] if args.mem_pattern == "both"
+                                             else [args.mem_pattern])
+        for pattern in patterns:
+            label = name + (" no-pattern" if pattern == "off" and len(patterns) > 1 else "")
+            print(f"measuring {label} ...", flush=True)
+            extra = ["--optimized"] if optimized else []
+            if partition:
+                extra = ["--partition-kib", str(max(1, budget >> 10))]
+            runs = args.partition_runs if partition else args.runs
+            res = run_child(["--child", "onnx", "--model", str(model), "--feeds", str(feeds),
+                             "--runs", str(runs), "--mem-pattern", pattern, *extra],
+                            args.timeout)
+            row = {"name": label, "budget_bytes": budget, "mem_pattern": pattern == "on", **res}
+            if plan is not None:
+                row["predicted_peak_bytes"] = plan.planned.peak_bytes
+                row["predicted_arena_bytes"] = plan.arena_bytes  # (the planner's replay)
+                row["predicted_s"] = plan.planned.total_s
+                row["plan_fits"] = plan.fits
+            rows.append(row)
+            save(False)
 
     measure("baseline", src, False)
-    rows[-1]["predicted_peak_bytes"] = base_peak
-    rows[-1]["predicted_arena_bytes"] = int(ort_memory(base_analysis).max())
-    rows[-1]["predicted_s"] = base_plan.baseline.total_s
+    for row in rows:
+        row["predicted_peak_bytes"] = base_peak
+        row["predicted_arena_bytes"] = int(ort_memory(base_analysis).max())
+        row["predicted_s"] = base_plan.baseline.total_s
 
     budgets = [(f"ho {float(f):.0%}", int(float(f) * base_peak))
                for f in args.budgets.split(",") if f.strip()]
