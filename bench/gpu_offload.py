@@ -125,8 +125,8 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str,
             # ho_onnx.sample_arena=1: every Wait samples ORT's arena (the arena columns).
             so = ort.SessionOptions()
             so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
-            so.enable_mem_pattern = mem_pattern
-            s = runtime.InferenceSession(model, sess_options=so, providers=providers)
+            s = runtime.InferenceSession(model, sess_options=so, providers=providers,
+                                         memory_patterns=mem_pattern)
         else:
             so = ort.SessionOptions()
             so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -245,7 +245,7 @@ def measure_accelerate(cfg: dict, runs: int) -> dict:
 def child(args: argparse.Namespace) -> int:
     if args.child == "onnx":
         res = measure_onnx(args.model, args.optimized, args.runs, args.feeds,
-                           args.partition_kib, args.mem_pattern != "off")
+                           args.partition_kib, args.mem_pattern == "on")
     else:
         res = measure_accelerate(json.loads(args.cfg), args.runs)
     print("RESULT " + json.dumps(res), flush=True)
@@ -288,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                          "memory-limited partitioning is measured ('' for none)")
     ap.add_argument("--partition-runs", type=int, default=2,
                     help="timed runs of the ORT partitioning rows (their CPU part is slow)")
-    ap.add_argument("--mem-pattern", choices=["on", "off", "both"], default="on",
-                    help="ORT's memory patterns in the baseline and ho rows (SessionOptions."
-                         "enable_mem_pattern; 'both': each of those rows twice, side by side)")
+    ap.add_argument("--mem-pattern", choices=["auto", "on", "off", "both"], default="auto",
+                    help="ORT's memory patterns (SessionOptions.enable_mem_pattern) in the "
+                         "baseline and ho rows: 'auto' as each is run by default (ORT: on; "
+                         "ho_onnx's session helper: off); 'both': each row twice, side by side")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per measured row")
     ap.add_argument("--child", choices=["onnx", "accelerate"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -359,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(name: str, model: Path, optimized: bool, plan=None, budget=None,
                 partition: bool = False) -> None:
-        patterns = ["on"] if partition else (["on", "off"] if args.mem_pattern == "both"
-                                             else [args.mem_pattern])
+        if partition or args.mem_pattern == "auto":
+            patterns = ["off" if optimized else "on"]
+        else:
+            patterns = ["on", "off"] if args.mem_pattern == "both" else [args.mem_pattern]
         for pattern in patterns:
             label = name + (" no-pattern" if pattern == "off" and len(patterns) > 1 else "")
             print(f"measuring {label} ...", flush=True)
