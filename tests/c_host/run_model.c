@@ -141,6 +141,8 @@ int main(int argc, char** argv) {
   /* Config entries first: the library reads them when it is registered. */
   CHECK(g_ort->AddSessionConfigEntry(so, "ho_onnx.model_dir", model_dir));
   CHECK(g_ort->AddSessionConfigEntry(so, "session.disable_prepacking", "1"));
+  /* ORT's memory-pattern block is not in the planner's budget (README). */
+  CHECK(g_ort->DisableMemPattern(so));
   CHECK(g_ort->RegisterCustomOpsLibrary_V2(so, library));
   OrtSession* session = NULL;
   CHECK(g_ort->CreateSession(env, model, so, &session));
