@@ -246,7 +246,9 @@ def main() -> None:
       ho-onnx verify   model.onnx model.ho.onnx --dim batch=1 --dim seq=512
 
     Run the optimized model with ho_onnx.InferenceSession(path), or register
-    ho_onnx.library_path() with onnxruntime.SessionOptions.register_custom_ops_library.
+    ho_onnx.library_path() with onnxruntime.SessionOptions.register_custom_ops_library
+    (and set enable_mem_pattern = False: the budget does not count ORT's memory-pattern
+    block).
     """
 
 

@@ -39,7 +39,8 @@ class OffloadOptions:
       ``arena_refits``: ORT's arena holds more than the live tensors (its allocation planner
       keeps reused buffers across gaps, :mod:`~ho_onnx.schedule.ort_reuse`); while that
       replayed arena peak exceeds ``budget``, plan again for a budget lowered by the excess,
-      at most this many times (0: fit the tensor count only).
+      at most this many times (0: fit the tensor count only). The replay is ORT's arena
+      with memory patterns off, as ``ho_onnx.InferenceSession`` runs.
     """
 
     weights: bool = True
