@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     from ho_onnx.rewrite.pipeline import CostSource, optimize, plan_model
     from ho_onnx.schedule.options import OffloadOptions
     from ho_onnx.schedule.ort_reuse import ort_memory
+    from ho_onnx.schedule.simulate import simulate
     from models.decoder import build_decoder, decoder_config_bytes
 
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch",
@@ -358,8 +359,15 @@ def main(argv: list[str] | None = None) -> int:
                  "machine": str(args.machine), "rows": rows, "complete": done,
                  "onnxruntime": __import__("onnxruntime").__version__}, indent=2) + "\n")
 
+    def host_ahead_s(analysis, plan) -> float:
+        """The plan's time with loads timed as the CUDA engine issues them (simulate's
+        ``host_ahead``; the planner's own prediction is ``predicted_s``)."""
+        cm = costs.cost_model(analysis, {})
+        return simulate(analysis, plan.choice, cm.compute_s, cm.transfer_time,
+                        host_ahead=True).total_s
+
     def measure(name: str, model: Path, optimized: bool, plan=None, budget=None,
-                partition: bool = False) -> None:
+                partition: bool = False, host_s: float | None = None) -> None:
         if partition or args.mem_pattern == "auto":
             patterns = ["off" if optimized else "on"]
         else:
@@ -379,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["predicted_peak_bytes"] = plan.planned.peak_bytes
                 row["predicted_arena_bytes"] = plan.arena_bytes  # (the planner's replay)
                 row["predicted_s"] = plan.planned.total_s
+                row["predicted_s_host_ahead"] = host_s
                 row["plan_fits"] = plan.fits
             rows.append(row)
             save(False)
@@ -387,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["predicted_peak_bytes"] = base_peak
         row["predicted_arena_bytes"] = int(ort_memory(base_analysis).max())
-        row["predicted_s"] = base_plan.baseline.total_s
+        row["predicted_s"] = row["predicted_s_host_ahead"] = base_plan.baseline.total_s
 
     budgets = [(f"ho {float(f):.0%}", int(float(f) * base_peak))
                for f in args.budgets.split(",") if f.strip()]
@@ -401,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # the planner refuses an impossible budget: say so
             rows.append({"name": name, "budget_bytes": budget, "error": f"plan: {e}"})
             continue
-        measure(name, out, True, r.plan, budget)
+        measure(name, out, True, r.plan, budget, host_s=host_ahead_s(r.analysis, r.plan))
 
     for f in (x for x in args.ort_partition.split(",") if x.strip()):
         measure(f"ort partition {float(f):.0%}", src, False, budget=int(float(f) * base_peak),
@@ -441,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hdr = (f"{'row':<24}{'budget GiB':>11}{'peak GiB':>10}{'arena max':>10}{'arena tot':>10}"
            f"{'pred GiB':>10}{'pred ORT':>10}{'median ms':>11}"
-           f"{'pred ms':>9}{'x base':>8}{'H2D GB/run':>11}{'H2D GB/s':>10}{'of cal':>8}")
+           f"{'pred ms':>9}{'pred host':>10}{'x base':>8}{'H2D GB/run':>11}{'H2D GB/s':>10}"
+           f"{'of cal':>8}")
     print()
     print(hdr)
     print("-" * len(hdr))
@@ -458,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_gb(r.get('predicted_arena_bytes')):>10}"
               f"{(med or 0) * 1e3:>11.1f}"
               f"{(r['predicted_s'] * 1e3 if r.get('predicted_s') else float('nan')):>9.1f}"
+              f"{(r.get('predicted_s_host_ahead') or float('nan')) * 1e3:>10.1f}"
               f"{r.get('ratio_to_baseline', float('nan')):>8.2f}"
               f"{r.get('h2d_bytes_per_run', 0) / 1e9:>11.2f}"
               f"{(bw or 0) / 1e9:>10.1f}"
@@ -465,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\npeak = device bytes in use above those used before the session (cudaMemGetInfo, "
           "1 ms polling); arena max / tot = ORT's CUDA arena MaxInUse / TotalAllocated at the "
           "last Wait (AllocatorGetStats); pred = the planner's simulated tensor peak and time; "
-          "pred ORT = the arena ORT's buffer reuse needs (schedule/ort_reuse.py).")
+          "pred ORT = the arena ORT's buffer reuse needs (schedule/ort_reuse.py); pred host = "
+          "the plan's time with loads timed as the CUDA engine issues them (simulate's "
+          "host_ahead).")
     if args.json:
         save(True)
         print(f"wrote {args.json}")

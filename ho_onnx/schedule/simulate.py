@@ -8,10 +8,19 @@ there start, then the Waits there block; after step ``i`` the Stores there start
 Detaches there block. Each direction is one FIFO channel: a transfer starts when it is
 issued and its channel is free (a reload also not before its store finished), and takes
 ``latency + bytes / bandwidth``. Oversubscription therefore shows as stall.
+
+``host_ahead=True`` times loads as the CUDA engine issues them instead (an estimate for
+reports; the planner uses the default): ORT's host thread runs ahead of the GPU, so a
+Prefetch is issued long before the GPU reaches it, and its copy waits only for its channel
+and for the device staging buffer it lands in. Staging buffers are reused by size, oldest
+released first, each after the Wait's copy that last read it (``DeviceStaging`` in
+``csrc/cuda/cuda_engine.cc``); a run starts with as many free buffers of each size as it
+holds at once. Disk loads keep the default timing.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -64,11 +73,12 @@ class Simulation:
 
 def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
              transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
-             residency: Residency | None = None, base_memory: np.ndarray | None = None
-             ) -> Simulation:
+             residency: Residency | None = None, base_memory: np.ndarray | None = None,
+             *, host_ahead: bool = False) -> Simulation:
     """Predict time (with FIFO channels) and memory of the schedule of ``choice``
     (``residency``: the unmodified schedule's, when the caller already has it;
-    ``base_memory``: that schedule's bytes per step, when known too)."""
+    ``base_memory``: that schedule's bytes per step, when known too; ``host_ahead``: loads
+    timed as the CUDA engine issues them, module docstring)."""
     n = len(analysis.order)
     events = _events(choice)
     # position -> its transfers (few positions have any: no list per position)
@@ -87,6 +97,7 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
         else:
             stores_after.setdefault(ev.issue_pos, []).append(ev)
             detach_after.setdefault(ev.wait_pos, []).append(ev)
+    staging = _staging_pool(n, loads_at, waits_at) if host_ahead else None
     free = {"h2d": 0.0, "d2h": 0.0, "disk": 0.0}
     now = 0.0
     starts = np.zeros(n)
@@ -95,6 +106,8 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     for i in range(n):
         for ev in loads_at.get(i, ()):
             ready = now
+            if staging is not None and ev.direction == "h2d":
+                ready = staging[ev.nbytes].popleft()  # its buffer's last Wait copy
             if ev.tensor in stored and ev.direction == "h2d":
                 ready = max(ready, stored[ev.tensor].end_s)
             ev.start_s = max(ready, free[ev.direction])
@@ -104,6 +117,10 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
             if ev.end_s > now:
                 ev.stall_s = ev.end_s - now
                 now = ev.end_s
+        if staging is not None:
+            for ev in waits_at.get(i, ()):
+                if ev.direction == "h2d":
+                    staging[ev.nbytes].append(now)  # the Wait copies out: buffer free then
         starts[i] = now
         now += seconds[i]
         for ev in stores_after.get(i, ()):
@@ -117,6 +134,24 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     return Simulation(compute_s, starts,
                       schedule_memory(analysis, choice, dims, residency, base_memory), now,
                       events)
+
+
+def _staging_pool(n: int, loads_at: Mapping[int, list[TransferEvent]],
+                  waits_at: Mapping[int, list[TransferEvent]]) -> dict[int, deque[float]]:
+    """Per size, the ready times of the free device staging buffers at the start of a run:
+    as many as the run holds at once (taken at a Prefetch, given back at its Wait, in the
+    order the host issues them), all free (the last run's copies are done)."""
+    held: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for i in range(n):
+        for ev in loads_at.get(i, ()):
+            if ev.direction == "h2d":
+                held[ev.nbytes] = held.get(ev.nbytes, 0) + 1
+                most[ev.nbytes] = max(most.get(ev.nbytes, 0), held[ev.nbytes])
+        for ev in waits_at.get(i, ()):
+            if ev.direction == "h2d":
+                held[ev.nbytes] -= 1
+    return {b: deque([0.0] * k) for b, k in most.items()}
 
 
 def _events(choice: OffloadChoice | None) -> list[TransferEvent]:

@@ -1,0 +1,61 @@
+"""The simulation's load timing (``schedule/simulate.py``): the default (a load starts when the
+GPU reaches its Prefetch) and ``host_ahead`` (as the CUDA engine issues it: at once, after
+its channel and the Wait copy that last used its staging buffer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from graphs import two_weights_model
+
+from ho_onnx.graph.analyse import analyse
+from ho_onnx.schedule.simulate import simulate
+from ho_onnx.schedule.types import OffloadChoice, WeightOffload
+
+MS = 1e-3
+NBYTES = 512 * 512 * 4
+
+
+def _run(w2_bytes: int, host_ahead: bool):
+    """Steps Relu, Sigmoid, MatMul(W1), MatMul(W2) of 1 ms; W1 prefetched before step 0 and
+    read at step 2, W2 prefetched right before its reader (step 3); copies 0.5 ms per
+    NBYTES on one channel, no latency."""
+    a = analyse(two_weights_model())
+    choice = OffloadChoice(weights=[WeightOffload("W1", NBYTES, (2,), (0,)),
+                                    WeightOffload("W2", w2_bytes, (3,), (3,))])
+    sim = simulate(a, choice, np.full(4, MS), lambda nbytes, d: 0.5 * MS * nbytes / NBYTES,
+                   host_ahead=host_ahead)
+    return sim, {t.tensor: t for t in sim.transfers}
+
+
+def test_default_starts_a_load_when_the_gpu_reaches_its_prefetch():
+    sim, t = _run(NBYTES, host_ahead=False)
+    assert t["W1"].start_s == 0 and t["W2"].start_s == pytest.approx(3 * MS)
+    assert t["W2"].stall_s == pytest.approx(0.5 * MS)
+    assert sim.total_s == pytest.approx(4.5 * MS)
+
+
+def test_host_ahead_load_waits_for_the_wait_copy_of_its_staging_buffer():
+    """W2 has W1's size: the one staging buffer of that size is W1's until W1's Wait copied
+    out of it (step 2, at 2 ms), so W2's copy starts then: not when its channel is free
+    (0.5 ms: no fence) nor when the GPU reaches its Prefetch (3 ms)."""
+    sim, t = _run(NBYTES, host_ahead=True)
+    assert t["W1"].start_s == 0
+    assert t["W2"].start_s == pytest.approx(2 * MS)
+    assert t["W2"].stall_s == 0
+    assert sim.total_s == pytest.approx(4 * MS)
+
+
+def test_host_ahead_load_of_another_size_starts_when_its_channel_is_free():
+    """A size no earlier load held gets a buffer of its own: only the channel orders it."""
+    sim, t = _run(2 * NBYTES, host_ahead=True)
+    assert t["W2"].start_s == pytest.approx(0.5 * MS)
+    assert sim.total_s == pytest.approx(4 * MS)
+    default, td = _run(2 * NBYTES, host_ahead=False)
+    assert td["W2"].start_s == pytest.approx(3 * MS) and default.total_s == pytest.approx(5 * MS)
+
+
+def test_host_ahead_keeps_memory_and_the_default_plan_timing():
+    """Only load start times change: the memory per step is the same schedule's."""
+    a, b = _run(NBYTES, host_ahead=False)[0], _run(NBYTES, host_ahead=True)[0]
+    assert np.array_equal(a.memory, b.memory)
