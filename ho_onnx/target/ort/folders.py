@@ -3,7 +3,8 @@
 * **onnxruntime-genai** (``genai_config.json`` + the decoder model it names): the output
   folder holds the optimized decoder, its data, the ho-onnx custom-op library (genai loads a
   library named relative to the model folder) and ``genai_config.json`` with
-  ``model.decoder.session_options`` extended by ``custom_ops_library`` and the session
+  ``model.decoder.session_options`` extended by ``custom_ops_library``,
+  ``enable_mem_pattern: false`` (ORT's pattern block is not in the budget) and the session
   config entries the library reads (``ho_onnx.model_dir``; unknown string keys of genai's
   session options are session config entries).
 * **Optimum** (``config.json`` + ``model.onnx``): the output folder holds the optimized
@@ -165,6 +166,7 @@ def optimize_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str],
         cfg = json.loads(json.dumps(folder.config))
         so = cfg["model"]["decoder"].setdefault("session_options", {})
         so["custom_ops_library"] = lib.name
+        so["enable_mem_pattern"] = False  # as ho_onnx.InferenceSession: the budget's arena
         so.update(result.session_config)
         (out / GENAI_CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
     return result

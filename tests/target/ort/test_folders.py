@@ -74,6 +74,7 @@ def test_genai_folder_is_ready(tmp_path):
     so_cfg = json.loads((out / "genai_config.json").read_text())["model"]["decoder"][
         "session_options"]
     assert so_cfg["custom_ops_library"] == "libfake_ops.so"
+    assert so_cfg["enable_mem_pattern"] is False  # ORT's pattern block is not in the budget
     assert so_cfg[CONFIG_MODEL_DIR] == str(out.resolve())
     assert so_cfg["log_id"] == "onnxruntime-genai"  # what was there stays
     assert json.loads((src / "genai_config.json").read_text())["model"]["decoder"][
