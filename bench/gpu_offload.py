@@ -13,6 +13,10 @@ Rows (each measured in its own process, so ORT's arena and the CUDA context star
 * ``accelerate``  the same architecture in torch with ``accelerate.cpu_offload`` (when torch
   with CUDA and accelerate are installed).
 
+ORT rows run as each is run by default: the baseline and ORT's partitioning with ORT's memory
+patterns on, the ho rows through ``ho_onnx``'s session helper, which turns them off
+(``--mem-pattern both`` measures every row both ways, side by side).
+
 Per row: measured peak device memory (``cudaMemGetInfo`` polled every millisecond in a thread,
 through ``ho_onnx._ops.cuda_mem_info``: used bytes above those used before the session was
 made) next to ORT's CUDA arena as ORT reports it (``MaxInUse`` / ``InUse`` /
