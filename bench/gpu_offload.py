@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="ORT's memory patterns (SessionOptions.enable_mem_pattern) in the "
                          "baseline and ho rows: 'auto' as each is run by default (ORT: on; "
                          "ho_onnx's session helper: off); 'both': each row twice, side by side")
+    ap.add_argument("--profile-costs", action="store_true",
+                    help="plan with compute measured on the device: ORT's profile of the "
+                         "unmodified model on the CUDA EP (ho-onnx profile), which also times "
+                         "loads as the CUDA engine issues them; default: the analytic model")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per measured row")
     ap.add_argument("--child", choices=["onnx", "accelerate"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -350,6 +354,19 @@ def main(argv: list[str] | None = None) -> int:
                                            dtype=np.int64))
 
     costs = CostSource(machine=args.machine)
+    if args.profile_costs:
+        # The planner's compute from the device: ORT's profile of the unmodified model on
+        # the CUDA EP (its run time; node times there are launch times), loads timed as the
+        # engine issues them (cost.profiled.device_scaled, CostModel.host_ahead).
+        from ho_onnx.target.ort.profile import profile_model
+
+        t0 = time.perf_counter()
+        prof = work / "decoder.profile.json"
+        r = profile_model(src, prof, providers=[CUDA_EP], runs=10, warmup=2)
+        print(f"profiled the baseline on {r['provider']} in {time.perf_counter() - t0:.0f} s: "
+              f"run {r['total_median_s'] * 1e3:.1f} ms, node times: {r['time_basis']}",
+              flush=True)
+        costs = CostSource(machine=args.machine, profile=prof)
     _, base_analysis, base_plan = plan_model(src, OffloadOptions(budget=1 << 62), costs=costs)
     base_peak = base_plan.baseline.peak_bytes
     acts = max(0, base_peak - sizes["total_bytes"])
@@ -360,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(
                 {"config": cfg, "weight_bytes": sizes["total_bytes"], "calibration": cal,
-                 "machine": str(args.machine), "rows": rows, "complete": done,
+                 "machine": str(args.machine), "profile_costs": args.profile_costs,
+                 "rows": rows, "complete": done,
                  "onnxruntime": __import__("onnxruntime").__version__}, indent=2) + "\n")
 
     def host_ahead_s(analysis, plan) -> float:

@@ -18,9 +18,10 @@ class NodeCosts:
     ``GraphAnalysis.order``)."""
 
     seconds: np.ndarray  # float64, len(analysis.order)
-    source: str  # "analytic" | "profile"
+    source: str  # "analytic" | "profile" | "profile run time" (profiled.device_scaled)
     coverage: float = 1.0  # fraction of nodes whose time came from the profile by name
     notes: list[str] = field(default_factory=list)
+    gpu: bool = False  # measured on a GPU provider (its loads are issued ahead of the GPU)
 
     @property
     def total(self) -> float:
@@ -43,11 +44,15 @@ def cumulative(seconds: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class CostModel:
     """The planner's view of the target: ``compute_s[pos]`` seconds per schedule step,
-    ``transfer_time(bytes, direction)`` seconds per copy, and where both came from."""
+    ``transfer_time(bytes, direction)`` seconds per copy, and where both came from.
+    ``host_ahead``: loads start as the CUDA engine issues them, ahead of the GPU
+    (:func:`~ho_onnx.schedule.simulate.simulate`'s ``host_ahead``), which the planner assumes
+    when compute times were measured on a GPU."""
 
     compute_s: np.ndarray
     transfer_time: TransferTime
     description: str = ""
+    host_ahead: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compute_s", np.asarray(self.compute_s, dtype=np.float64))

@@ -18,6 +18,7 @@ from .machine import MACHINES, Machine
 from .model import NodeCosts
 
 _FUSION_SEPARATORS = ("/", "_", ":")
+DEVICE_SCALED = "profile run time"  # NodeCosts.source of :func:`device_scaled`
 _TRANSFER_OPS = frozenset(("MemcpyFromHost", "MemcpyToHost"))
 
 
@@ -46,10 +47,17 @@ def profile_costs(analysis: GraphAnalysis, profile_json_path: str | os.PathLike[
     their analytic estimate when it ran with ``opt_level="disable"``. ORT's own copy nodes
     (``MemcpyFromHost``/``MemcpyToHost``) are transfers, not compute, and are skipped.
 
+    A profile of a GPU provider whose node times are host launch times (``time_basis``
+    ``"host"``: ORT's release builds record no device kernels) cannot time nodes; its run
+    time is real (a run ends when the device is done). Its nodes get the analytic estimates
+    scaled so that they add up to the profile's median run time (:func:`device_scaled`).
+
     ``machine`` (for the analytic weights) defaults to ``h100`` for a CUDA profile and
     ``cpu`` otherwise; ``dims`` defaults to the dims the profile was taken with.
     """
     prof = read_profile(profile_json_path)
+    if is_launch_time_profile(prof):
+        return device_scaled(analysis, prof, machine, dims)
     n = len(analysis.order)
     locate = _Locator(analysis, prof.get("model_nodes") == len(analysis.nodes))
     secs = np.zeros(n, dtype=np.float64)
@@ -70,7 +78,38 @@ def profile_costs(analysis: GraphAnalysis, profile_json_path: str | os.PathLike[
             matched[pos] = True
     notes = _fill_unmatched(analysis, prof, secs, matched, pool, pool_entries, machine, dims)
     coverage = float(matched.mean()) if n else 1.0
-    return NodeCosts(secs, "profile", coverage, notes)
+    return NodeCosts(secs, "profile", coverage, notes, gpu=_gpu(prof))
+
+
+def _gpu(prof: Mapping[str, Any]) -> bool:
+    return not str(prof.get("provider") or "CPU").startswith("CPU")
+
+
+def is_launch_time_profile(prof: Mapping[str, Any]) -> bool:
+    """A profile of a non-CPU provider whose node times are host launch times."""
+    return prof.get("time_basis") == "host" and _gpu(prof)
+
+
+def device_scaled(analysis: GraphAnalysis, prof: Mapping[str, Any],
+                  machine: Machine | None = None,
+                  dims: Mapping[str, int] | None = None) -> NodeCosts:
+    """Analytic node times scaled so their sum is the profile's median run time (a launch-time
+    profile of a GPU: its node times say nothing of the device, its run time does)."""
+    n = len(analysis.order)
+    machine = machine or MACHINES["h100"]
+    use_dims = dict(prof.get("dims") or {}) if dims is None else dims
+    est = np.array([0.0 if never_runs(analysis.node_at(p))
+                    else node_time(machine, *node_flops_bytes(analysis, p, use_dims))
+                    for p in range(n)])
+    total = float(prof.get("total_median_s") or 0.0)
+    if total <= 0 or est.sum() <= 0:
+        return NodeCosts(est, "analytic", 0.0, [
+            f"{prof.get('provider')} profile with launch times and no run time: analytic "
+            "estimate"], gpu=True)
+    scale = total / float(est.sum())
+    return NodeCosts(est * scale, DEVICE_SCALED, 1.0, gpu=True, notes=[
+        f"{prof.get('provider')} profile records launch times only: analytic estimates "
+        f"scaled x{scale:.3g} to its median run time ({total * 1e3:.3g} ms)"])
 
 
 class _Locator:

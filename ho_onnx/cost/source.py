@@ -12,7 +12,7 @@ from ..graph.analyse import GraphAnalysis
 from .analytic import analytic_costs
 from .machine import load_machine
 from .model import CostModel
-from .profiled import profile_costs
+from .profiled import DEVICE_SCALED, profile_costs
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,16 @@ class CostSource:
         machine = load_machine(self.machine)
         if self.profile is not None:
             nc = profile_costs(analysis, self.profile, machine, dims)
-            what = f"profile {Path(self.profile).name} ({nc.coverage:.0%} of nodes by name)"
+            if nc.source == DEVICE_SCALED:
+                what = (f"analytic roofline on {machine.name} scaled to the run time of "
+                        f"profile {Path(self.profile).name}")
+            else:
+                what = f"profile {Path(self.profile).name} ({nc.coverage:.0%} of nodes by name)"
         else:
             nc = analytic_costs(analysis, machine, dims)
             what = f"analytic roofline on {machine.name}"
+        # Compute measured on a GPU: loads are timed as the CUDA engine issues them.
         return CostModel(nc.seconds, machine.transfer_time,
-                         f"{what}; transfers on {machine.name}")
+                         f"{what}; transfers on {machine.name}"
+                         + ("; loads issued ahead of the GPU" if nc.gpu else ""),
+                         host_ahead=nc.gpu)

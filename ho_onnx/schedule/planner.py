@@ -509,7 +509,8 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
             continue
         new_choice = _place(ctx, trial)
         new_sim = simulate(ctx.analysis, new_choice, ctx.costs.compute_s,
-                           ctx.costs.transfer_time, ctx.dims, ctx.residency, ctx.base_memory)
+                           ctx.costs.transfer_time, ctx.dims, ctx.residency, ctx.base_memory,
+                           host_ahead=ctx.costs.host_ahead)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
             sel, choice, planned = trial, new_choice, new_sim
             skipped.pop(c.name, None)
@@ -650,7 +651,7 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
     choice = _place(ctx, sel)
     planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency,
-                       baseline.memory)
+                       baseline.memory, host_ahead=costs.host_ahead)
     choice, planned = _make_room(ctx, sel, choice, planned, skipped)
     offloaded = {x.name for x in [*choice.weights, *choice.activations]}
     for c in cands:

@@ -260,6 +260,45 @@ def test_profile_mapping_rules(tmp_path: Path):
     assert profile_costs(a, p).seconds[2] > 0  # not profiled: analytic
 
 
+def test_launch_time_gpu_profile_scales_analytic_times_to_its_run_time(tmp_path: Path):
+    """A CUDA profile of ORT's release build times launches, not kernels: its node times are
+    ignored, the analytic estimates are scaled so they add up to its run time, and the cost
+    model then times loads as the CUDA engine issues them (so does one with device kernels,
+    whose node times are kept). A CPU profile keeps its node times and the default
+    timing."""
+    from ho_onnx.cost.source import CostSource
+
+    m = parse("""
+    g (float[64, 256] x, float[256, 256] w) => (float[64, 256] y) {
+      h = MatMul(x, w)
+      y = Relu(h)
+    }""")
+    for node, name in zip(m.graph.node, ["mm", "relu"], strict=True):
+        node.name = name
+    a = analyse(m)
+    est = analytic_costs(a, MACHINES["h100"]).seconds
+    prof = {"provider": "CUDAExecutionProvider", "time_basis": "host", "opt_level": "all",
+            "model_nodes": 2, "total_median_s": 3e-3, "nodes": {
+                "mm": {"op": "MatMul", "median_s": 5e-6, "index": 0},
+                "relu": {"op": "Relu", "median_s": 5e-6, "index": 1}}}
+    p = tmp_path / "cuda.json"
+    p.write_text(json.dumps(prof))
+    c = profile_costs(a, p, MACHINES["h100"])
+    assert c.seconds.sum() == pytest.approx(3e-3)
+    assert list(c.seconds / c.seconds.sum()) == pytest.approx(list(est / est.sum()))
+    assert "launch times" in c.notes[0]
+    cm = CostSource("h100", p).cost_model(a, {})
+    assert cm.host_ahead and cm.compute_s.sum() == pytest.approx(3e-3)
+    assert "scaled to the run time" in cm.description
+    for change, gpu in (({"time_basis": "device"}, True),
+                        ({"provider": "CPUExecutionProvider"}, False)):
+        q = tmp_path / "other.json"
+        q.write_text(json.dumps({**prof, **change}))
+        other = CostSource("h100", q).cost_model(a, {})  # node times as profiled
+        assert other.host_ahead == gpu and list(other.compute_s) == pytest.approx([5e-6, 5e-6])
+    assert not CostSource("h100").cost_model(a, {}).host_ahead
+
+
 def test_profile_errors(tmp_path: Path):
     a = analyse(matmul_model(2, 2, 2))
     with pytest.raises(ProfileError, match="does not exist"):

@@ -59,3 +59,28 @@ def test_host_ahead_keeps_memory_and_the_default_plan_timing():
     """Only load start times change: the memory per step is the same schedule's."""
     a, b = _run(NBYTES, host_ahead=False)[0], _run(NBYTES, host_ahead=True)[0]
     assert np.array_equal(a.memory, b.memory)
+
+
+def test_the_planner_times_plans_as_its_cost_model_says():
+    """A cost model with ``host_ahead`` (compute measured on a GPU) makes the planner report
+    (and judge its look-ahead by) host-ahead timing; the default model keeps the default."""
+    from ho_onnx.cost.model import CostModel
+    from ho_onnx.schedule.options import OffloadOptions
+    from ho_onnx.schedule.planner import plan
+
+    a = analyse(two_weights_model())
+    cs = np.full(4, MS)
+
+    def tt(nbytes, direction):
+        return 3 * MS * nbytes / NBYTES
+
+    budget = simulate(a, None, cs, tt).peak_bytes - NBYTES // 2
+    for host_ahead in (False, True):
+        p = plan(a, OffloadOptions(budget=budget, activations=False, min_bytes=0,
+                                   arena_refits=0),
+                 CostModel(cs, tt, host_ahead=host_ahead))
+        assert p.choice.weights
+        want = simulate(a, p.choice, cs, tt, host_ahead=host_ahead).total_s
+        other = simulate(a, p.choice, cs, tt, host_ahead=not host_ahead).total_s
+        assert p.planned.total_s == pytest.approx(want)
+        assert other != pytest.approx(want), "this plan does not tell the timings apart"

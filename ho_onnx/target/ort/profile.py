@@ -9,7 +9,8 @@ node's event on the same thread (nodes of If/Loop/Scan bodies) are already count
 their parent and skipped. Where ORT also recorded device kernels (``cat: "Kernel"``, a
 build with CUDA profiling) a node's time is the sum of its kernels; otherwise it is the
 host time of the node's ``Compute``, which on a GPU is only the launch time (the output
-then carries a ``warning``).
+then carries a ``warning``, and the planner uses only the run time:
+:func:`ho_onnx.cost.profiled.device_scaled`).
 
 Output (JSON)::
 
@@ -122,7 +123,8 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     if basis == "host" and any(not p.startswith("CPU") for p in used[:1]):
         result["warning"] = (
             f"{used[0]}: node times are host-side launch times (this ORT build records no "
-            "device kernels); prefer analytic costs for the planner")
+            "device kernels): the planner uses its analytic estimates scaled to this "
+            "profile's run time, and times loads as the CUDA engine issues them")
     if out_json is not None:
         write_atomic(out_json, (json.dumps(result, indent=1) + "\n").encode())
     return result
