@@ -472,7 +472,11 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
             shapes: tuple[str, ...], runs: int, warmup: int, opt_level: str,
             int_high: int) -> None:
     """Run the unmodified MODEL under ORT's profiler and save median per-node times, for
-    `optimize --budget ... --profile FILE` and `plan --profile FILE`."""
+    `optimize --budget ... --profile FILE` and `plan --profile FILE`.
+
+    On a GPU provider ORT's release builds time kernel launches, not kernels: the planner
+    then uses the profile's run time (analytic node times scaled to it) and times loads as
+    the CUDA engine issues them."""
     from ho_onnx.target.ort.profile import profile_model
 
     _refuse_overwriting_inputs({"--out": out_json}, [model])
