@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..graph.analyse import GraphAnalysis
+from ..target.ort.profile import ProfileError
 from .analytic import analytic_costs
 from .machine import load_machine
 from .model import CostModel
@@ -28,6 +29,11 @@ class CostSource:
         machine = load_machine(self.machine)
         if self.profile is not None:
             nc = profile_costs(analysis, self.profile, machine, dims)
+            if nc.gpu and machine.name.startswith("cpu"):
+                raise ProfileError(
+                    f"profile {str(self.profile)!r} was taken on a GPU provider but the "
+                    f"machine is {machine.name!r}, whose copy rates are a CPU's: pass the "
+                    "GPU's machine (--machine h100, or a file from `ho-onnx calibrate`)")
             if nc.source == DEVICE_SCALED:
                 what = (f"analytic roofline on {machine.name} scaled to the run time of "
                         f"profile {Path(self.profile).name}")

@@ -297,6 +297,8 @@ def test_launch_time_gpu_profile_scales_analytic_times_to_its_run_time(tmp_path:
         other = CostSource("h100", q).cost_model(a, {})  # node times as profiled
         assert other.host_ahead == gpu and list(other.compute_s) == pytest.approx([5e-6, 5e-6])
     assert not CostSource("h100").cost_model(a, {}).host_ahead
+    with pytest.raises(ProfileError, match="GPU provider but the machine is 'cpu'"):
+        CostSource("cpu", p).cost_model(a, {})  # a GPU's profile with a CPU's copy rates
 
 
 def test_profile_errors(tmp_path: Path):
