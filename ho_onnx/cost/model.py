@@ -21,7 +21,7 @@ class NodeCosts:
     source: str  # "analytic" | "profile" | "profile run time" (profiled.device_scaled)
     coverage: float = 1.0  # fraction of nodes whose time came from the profile by name
     notes: list[str] = field(default_factory=list)
-    gpu: bool = False  # measured on a GPU provider (its loads are issued ahead of the GPU)
+    gpu: bool = False  # compute measured on a GPU provider (loads issued ahead of the GPU)
 
     @property
     def total(self) -> float:

@@ -13,7 +13,7 @@ import numpy as np
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.facts import never_runs
 from ..target.ort.profile import read_profile
-from .analytic import node_flops_bytes, node_time
+from .analytic import analytic_costs, node_flops_bytes, node_time
 from .machine import MACHINES, Machine
 from .model import NodeCosts
 
@@ -95,17 +95,13 @@ def device_scaled(analysis: GraphAnalysis, prof: Mapping[str, Any],
                   dims: Mapping[str, int] | None = None) -> NodeCosts:
     """Analytic node times scaled so their sum is the profile's median run time (a launch-time
     profile of a GPU: its node times say nothing of the device, its run time does)."""
-    n = len(analysis.order)
-    machine = machine or MACHINES["h100"]
     use_dims = dict(prof.get("dims") or {}) if dims is None else dims
-    est = np.array([0.0 if never_runs(analysis.node_at(p))
-                    else node_time(machine, *node_flops_bytes(analysis, p, use_dims))
-                    for p in range(n)])
+    est = analytic_costs(analysis, machine or MACHINES["h100"], use_dims).seconds
     total = float(prof.get("total_median_s") or 0.0)
-    if total <= 0 or est.sum() <= 0:
+    if total <= 0 or est.sum() <= 0:  # nothing measured: the analytic model, timed as such
         return NodeCosts(est, "analytic", 0.0, [
             f"{prof.get('provider')} profile with launch times and no run time: analytic "
-            "estimate"], gpu=True)
+            "estimate"])
     scale = total / float(est.sum())
     return NodeCosts(est * scale, DEVICE_SCALED, 1.0, gpu=True, notes=[
         f"{prof.get('provider')} profile records launch times only: analytic estimates "
