@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     from ho_onnx.schedule.options import OffloadOptions
     from ho_onnx.schedule.ort_reuse import ort_memory
     from ho_onnx.schedule.simulate import simulate
-    from models.decoder import build_decoder, decoder_config_bytes
+    from models.decoder import build_decoder_once, decoder_config_bytes
 
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch",
                                          "dtype")}
@@ -338,14 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = decoder_config_bytes(layers=args.layers, hidden=args.hidden, heads=args.heads,
                                  vocab=args.vocab, seq=args.seq, max_positions=args.seq,
                                  dtype=args.dtype)
-    src = work / "decoder.onnx"
-    stamp = work / "decoder.json"
-    if not (src.exists() and stamp.exists() and json.loads(stamp.read_text()) == cfg):
-        t0 = time.perf_counter()
-        build_decoder(src, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                      vocab=args.vocab, seq=args.seq, batch=args.batch, dtype=args.dtype,
-                      external_data=True, max_positions=args.seq)
-        stamp.write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    src, built = build_decoder_once(work, cfg)
+    if built:
         print(f"built {src} ({sizes['total_bytes'] / 2**30:.2f} GiB of weights) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     feeds = work / "feeds.npz"

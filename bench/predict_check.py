@@ -42,23 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     from ho_onnx.rewrite.pipeline import plan_model
     from ho_onnx.schedule.options import OffloadOptions
     from ho_onnx.schedule.simulate import simulate
-    from models.decoder import build_decoder
+    from ho_onnx.target.ort.profile import PROFILE_FORMAT
+    from models.decoder import build_decoder_once
 
     run = json.loads(Path(args.bench_json).read_text())
     cfg, rows = run["config"], run["rows"]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ho_predict_check_"))
     work.mkdir(parents=True, exist_ok=True)
-    src, stamp = work / "decoder.onnx", work / "decoder.json"
-    if not (src.exists() and stamp.exists() and json.loads(stamp.read_text()) == cfg):
-        print(f"building the decoder of {args.bench_json} in {work} ...", flush=True)
-        build_decoder(src, layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
-                      vocab=cfg["vocab"], seq=cfg["seq"], batch=cfg["batch"],
-                      dtype=cfg["dtype"], external_data=True, max_positions=cfg["seq"])
-        stamp.write_text(json.dumps(cfg))
+    print(f"the decoder of {args.bench_json} in {work} (built unless there) ...", flush=True)
+    src, _ = build_decoder_once(work, cfg)
     base_s = rows[0]["median_s"]
     profile = work / "gpu_run_time.profile.json"
     profile.write_text(json.dumps({
-        "format": "ho-onnx-profile", "version": 1, "provider": "CUDAExecutionProvider",
+        "format": PROFILE_FORMAT, "version": 1, "provider": "CUDAExecutionProvider",
         "time_basis": "host", "opt_level": "all", "total_median_s": base_s, "nodes": {}}))
     analytic = CostSource(machine=args.machine)
     measured_gpu = CostSource(machine=args.machine, profile=profile)

@@ -25,6 +25,7 @@ tensor at a 4096-byte-aligned offset, so models far above 2 GB never exist twice
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -35,7 +36,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["build_decoder", "decoder_config_bytes", "decoder_weight_specs", "main"]
+__all__ = ["build_decoder", "build_decoder_once", "decoder_config_bytes",
+           "decoder_weight_specs", "main"]
 
 PROTO_LIMIT = 2**31  # protobuf cannot serialize a message of 2 GiB or more
 ALIGN = 4096  # offset alignment of tensors in the external data file (page size, mmap friendly)
@@ -344,6 +346,22 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
                 stale.unlink()
         onnx.save_model(model, str(path))
     return model
+
+
+def build_decoder_once(folder: str | os.PathLike, cfg: dict) -> tuple[Path, bool]:
+    """``folder/decoder.onnx`` with external data for ``cfg`` (``layers``, ``hidden``,
+    ``heads``, ``vocab``, ``seq``, ``batch``, ``dtype``; positions up to ``seq``), built only
+    when ``folder/decoder.json`` does not record the same config; returns the path and whether
+    it was built now (benchmarks rebuild a multi-GB decoder only when its config changed)."""
+    folder = Path(folder)
+    src, stamp = folder / "decoder.onnx", folder / "decoder.json"
+    if src.exists() and stamp.exists() and json.loads(stamp.read_text()) == cfg:
+        return src, False
+    build_decoder(src, layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
+                  vocab=cfg["vocab"], seq=cfg["seq"], batch=cfg["batch"], dtype=cfg["dtype"],
+                  external_data=True, max_positions=cfg["seq"])
+    stamp.write_text(json.dumps(cfg))
+    return src, True
 
 
 def add_shape_args(ap: argparse.ArgumentParser, *, layers: int, hidden: int, heads: int,

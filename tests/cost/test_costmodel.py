@@ -297,6 +297,10 @@ def test_launch_time_gpu_profile_scales_analytic_times_to_its_run_time(tmp_path:
         other = CostSource("h100", q).cost_model(a, {})  # node times as profiled
         assert other.host_ahead == gpu and list(other.compute_s) == pytest.approx([5e-6, 5e-6])
     assert not CostSource("h100").cost_model(a, {}).host_ahead
+    q = tmp_path / "no_run_time.json"  # nothing measured: analytic compute, default timing
+    q.write_text(json.dumps({**prof, "total_median_s": 0}))
+    bare = CostSource("h100", q).cost_model(a, {})
+    assert not bare.host_ahead and list(bare.compute_s) == pytest.approx(list(est))
     with pytest.raises(ProfileError, match="GPU provider but the machine is 'cpu'"):
         CostSource("cpu", p).cost_model(a, {})  # a GPU's profile with a CPU's copy rates
 
