@@ -525,7 +525,8 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
     Either may be a genai or Optimum model folder (its model is compared). Input shapes
     come from --dim and --shape as for `plan` (expression dims evaluated; every missing
     dim named in one error); attention masks are ones. Exits 1 when an output differs
-    beyond the tolerances (bit-exact by default).
+    beyond the tolerances (bit-exact by default). ONNX Runtime runs in a child process:
+    if it crashes on a model, that is one error line (exit 2).
     """
     from ho_onnx.target.ort.verify import verify as run
 

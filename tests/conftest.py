@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from native_util import load_ops_override
 
@@ -27,3 +31,24 @@ def hostile_model_dir(tmp_path):
     np.zeros(16, np.float32).tofile(tmp_path / "outside.bin")
     os.symlink(tmp_path / "outside.bin", model_dir / "link.bin")
     return model_dir
+
+
+@pytest.fixture(scope="session")
+def ort_crash_model(tmp_path_factory) -> Path:
+    """``tests.graphs.ORT_CRASH`` saved, after checking in a child process that ONNX Runtime
+    really crashes creating a session for it at level ``all`` (skips where it does not: the
+    tests that use it are about what happens when ORT crashes)."""
+    from tests.graphs import ort_crash_model
+
+    path = tmp_path_factory.mktemp("ort_crash") / "ln.onnx"
+    onnx.save(ort_crash_model(), path)
+    probe = ("import sys, onnxruntime as ort; so = ort.SessionOptions(); "
+             "ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])")
+    r = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True,
+                       timeout=120, check=False)
+    if r.returncode >= 0:
+        import onnxruntime
+
+        pytest.skip(f"onnxruntime {onnxruntime.__version__} does not crash on "
+                    f"tests.graphs.ORT_CRASH (exit {r.returncode})")
+    return path

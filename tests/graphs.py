@@ -89,6 +89,21 @@ def two_weights_model() -> onnx.ModelProto:
     return text_model(TWO_WEIGHTS, W1=(512, 512), W2=(512, 512))
 
 
+# A valid model ONNX Runtime crashes on (measured: onnxruntime 1.32, SIGSEGV while creating a
+# CPU session at the extended and all optimization levels; basic and disable load it): a
+# LayerNormalization whose optional bias is passed as the empty name. (onnxruntime#18967,
+# "LayerNormalization without bias throws segfault", was closed as fixed in 2024.)
+ORT_CRASH = """
+ln (float[3,4] X, float[4] W) => (float[3,4] Y) {
+    Y = LayerNormalization <axis: int = 1> (X, W, "")
+}
+"""
+
+
+def ort_crash_model() -> onnx.ModelProto:
+    return text_model(ORT_CRASH)
+
+
 def doubling_model(n: int) -> onnx.ModelProto:
     """7 KB for n=40: Shape(x) concatenated with itself ``n`` times; ONNX's data propagation
     would materialize 2**n integers (a hostile model for shape inference)."""

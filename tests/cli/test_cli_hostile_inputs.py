@@ -122,6 +122,26 @@ def test_corrupt_model_is_one_line(tmp_path: Path, model: Path, cmd: str):
     assert not (tmp_path / "o.onnx").exists() and not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("cmd", ["verify", "profile", "plan", "optimize"])
+def test_an_ort_crash_is_one_line(tmp_path: Path, ort_crash_model: Path, cmd: str):
+    """ORT segfaults on this model (conftest checks it): the commands that hand it to ORT
+    (``profile`` at level all, ``plan``/``optimize`` through ``--ort-optimize extended``)
+    say so in one line."""
+    m, out = str(ort_crash_model), tmp_path / "o.onnx"
+    before = digest(ort_crash_model)
+    args = {
+        "verify": ["verify", m, m],
+        "profile": ["profile", m, "--opt-level", "all", "--out", str(tmp_path / "p.json")],
+        "plan": ["plan", m, "--budget", "1KiB", "--ort-optimize", "extended"],
+        "optimize": ["optimize", m, str(out), "--budget", "1KiB", "--ort-optimize", "extended"],
+    }[cmd]
+    msg = one_line_error(ho(*args))
+    assert "ONNX Runtime crashed (SIGSEGV)" in msg
+    assert not out.exists() and not (tmp_path / "p.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert digest(ort_crash_model) == before
+
+
 def test_calibrate_size_zero_is_one_line(tmp_path: Path):
     one_line_error(ho("calibrate", "--out", str(tmp_path / "m.json"), "--size", "0"))
     assert not (tmp_path / "m.json").exists()

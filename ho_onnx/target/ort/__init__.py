@@ -3,5 +3,6 @@ respect, verification, profiling, ORT's own graph optimizations and calibration.
 
 Modules: :mod:`.facts`, :mod:`.session` (optimization levels, sessions for comparisons),
 :mod:`.runtime` (the op library: ``InferenceSession``, ``library_path``, counters),
-:mod:`.verify`, :mod:`.profile`, :mod:`.optimize`, :mod:`.calibrate`.
+:mod:`.verify`, :mod:`.profile`, :mod:`.optimize`, :mod:`.calibrate`, :mod:`.isolate` (ORT on
+untrusted models in a child process).
 """

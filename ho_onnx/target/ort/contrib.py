@@ -23,6 +23,7 @@ import onnx
 from ...errors import UnsupportedModelError
 from ...graph.check import check_standard, domain_name, weights_as_inputs
 from ...graph.dims import free_names
+from .isolate import run_isolated
 
 _CPU_ONLY = {"CPUExecutionProvider", "AzureExecutionProvider"}
 
@@ -112,15 +113,20 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
     return types
 
 
-def ort_check(path: str | os.PathLike[str], library: str | None = None) -> None:
+def ort_check(path: str | os.PathLike[str], library: str | None = None, *,
+              isolate: bool = True) -> None:
     """Validate a written model by ORT loading its graph, weights as typed inputs.
 
     ``library`` (default: ho-onnx's) is registered so cache operators and their types are
-    judged too. Raises :class:`UnsupportedModelError` with ORT's first line on failure.
+    judged too. Raises :class:`UnsupportedModelError` with ORT's first line on failure (or
+    when ORT crashes: it runs in a child process unless ``isolate`` is false).
     """
+    p = Path(path)
+    if isolate:
+        return run_isolated(ort_check, p, library, isolate=False,
+                            what=f"loading the written model {str(p)!r}")
     import onnxruntime as ort
 
-    p = Path(path)
     model = onnx.load(str(p), load_external_data=False)
     sk = weights_as_inputs(model, keep_bytes=0)
     so = ort.SessionOptions()

@@ -14,23 +14,28 @@ import os
 from pathlib import Path
 
 from ...errors import HoOnnxError
+from .isolate import run_isolated
 from .session import ort_opt_level
 
 LEVELS = ("basic", "extended")
 
 
 def ort_optimize(model: str | os.PathLike[str], out: str | os.PathLike[str], level: str = "basic",
-                 providers: list[str] | None = None) -> Path:
+                 providers: list[str] | None = None, *, isolate: bool = True) -> Path:
     """Write ORT's ``level`` optimization of ``model`` to ``out`` (data in ``<out>.data``).
 
     ``basic`` keeps standard ONNX ops (constant folding, redundant node removal, simple
     fusions); ``extended`` adds ORT's contrib fusions (com.microsoft ops), which only ORT
     runs. ``all`` is not offered: its layout transformations are provider specific.
+    ORT runs in a child process unless ``isolate`` is false (:mod:`.isolate`).
     """
-    import onnxruntime as ort
-
     if level not in LEVELS:
         raise HoOnnxError(f"ORT optimization level must be one of {LEVELS}, not {level!r}")
+    if isolate:
+        return run_isolated(ort_optimize, model, out, level, providers, isolate=False,
+                            what=f"optimizing {os.fspath(model)!r}")
+    import onnxruntime as ort
+
     out = Path(out)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort_opt_level(level)

@@ -38,6 +38,7 @@ import onnx
 
 from ...errors import HoOnnxError
 from ...graph.save import write_atomic
+from .isolate import run_isolated
 from .session import OPT_LEVELS, ort_opt_level, random_inputs
 
 _KERNEL_SUFFIX = "_kernel_time"
@@ -83,19 +84,27 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
                   dims: Mapping[str, int] | None = None, runs: int = 10, warmup: int = 2,
                   opt_level: str = "all", seed: int = 0, int_high: int = 8,
                   intra_op_threads: int | None = None,
-                  shapes: Mapping[str, list[int]] | None = None) -> dict[str, Any]:
+                  shapes: Mapping[str, list[int]] | None = None,
+                  isolate: bool = True) -> dict[str, Any]:
     """Profile ``model_path`` with ORT and write per-node median times to ``out_json``.
 
     ``opt_level`` is ORT's graph optimization level (``disable`` keeps every original node,
     so every node gets its own time; ``all`` measures what really runs, fused). Returns the
-    dict that is written (``out_json=None`` writes nothing).
+    dict that is written (``out_json=None`` writes nothing). ORT runs in a child process
+    unless ``isolate`` is false (:mod:`.isolate`).
     """
-    import onnxruntime as ort
-
     if runs < 1 or warmup < 0:
         raise ValueError(f"runs must be >= 1 and warmup >= 0 (got {runs}, {warmup})")
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
+    if isolate:
+        return run_isolated(
+            profile_model, model_path, out_json, providers=providers, dims=dims, runs=runs,
+            warmup=warmup, opt_level=opt_level, seed=seed, int_high=int_high,
+            intra_op_threads=intra_op_threads, shapes=shapes, isolate=False,
+            what=f"profiling {os.fspath(model_path)!r}")
+    import onnxruntime as ort
+
     dims = dict(dims or {})
     model = onnx.load(os.fspath(model_path), load_external_data=False)
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)

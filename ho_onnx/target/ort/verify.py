@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from ...errors import UnsupportedModelError
+from .isolate import run_isolated
 from .session import make_session, random_inputs
 
 
@@ -77,14 +78,21 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
            int_high: int = 8, providers: list[str] | None = None,
            execution_order: str = "priority", prepacking: bool = False, atol: float = 0.0,
            rtol: float = 0.0, opt_level: str = "all",
-           shapes: Mapping[str, list[int]] | None = None) -> VerifyReport:
+           shapes: Mapping[str, list[int]] | None = None, isolate: bool = True) -> VerifyReport:
     """Run both models ``runs`` times on fresh random inputs; worst differences per output.
 
     Input shapes come from ``dims`` and whole ``shapes`` as for ``plan`` (expression dims
-    evaluated, every missing dim named in one error, before any session is made)."""
+    evaluated, every missing dim named in one error, before any session is made). ORT runs
+    in a child process unless ``isolate`` is false (:mod:`.isolate`)."""
     providers = providers or ["CPUExecutionProvider"]
     model = onnx.load(str(original), load_external_data=False)
     random_inputs(model, dims, shapes=shapes)  # unbound dims fail here, not after loading
+    if isolate:
+        return run_isolated(
+            verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,
+            providers=providers, execution_order=execution_order, prepacking=prepacking,
+            atol=atol, rtol=rtol, opt_level=opt_level, shapes=shapes, isolate=False,
+            what=f"running {os.fspath(original)!r} and {os.fspath(optimized)!r}")
     kw = {"providers": providers, "execution_order": execution_order,
           "prepacking": prepacking, "opt_level": opt_level}
     s_orig = make_session(original, optimized=False, **kw)  # type: ignore[arg-type]

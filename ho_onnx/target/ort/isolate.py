@@ -1,0 +1,121 @@
+"""Run a step that hands an untrusted model to ONNX Runtime in a child process.
+
+ORT crashes on some malformed models instead of returning an error (measured: onnxruntime
+1.32 segfaults creating a CPU session for a one-node ``LayerNormalization`` whose scale
+has an empty dim, tests/fuzz_corpus/ort/). A crash in the caller's process would end an
+inference server, or the CLI without its one-line error. :func:`run_isolated` calls a
+module-level function in a fresh interpreter (``python -m ho_onnx.target.ort.isolate``,
+the same interpreter and import path as this process), so a crash ends only that child and
+becomes a :class:`~ho_onnx.errors.UnsupportedModelError` naming the signal.
+
+The call and its answer cross two pipes as pickles (the arguments and results are paths,
+options and reports; files are read by the child itself). The child is a crash boundary,
+not a sandbox: it runs as the same user. Cost: one interpreter start and the imports, about
+0.3-0.6 s per call, paid only by the steps that build ORT sessions on a model (``verify``,
+``profile``, ``--ort-optimize``, the contrib-op output check).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ...errors import HoOnnxError, UnsupportedModelError
+
+T = TypeVar("T")
+_OK, _RAISED = "ok", "raised"
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a child process: its result, or the exception it raised.
+
+    ``fn`` must be a module-level function; ``what`` completes "ONNX Runtime crashed while
+    ..." (e.g. ``"verifying 'a.onnx'"``). A child that dies by a signal raises
+    :class:`UnsupportedModelError`; one that cannot start or answer, :class:`HoOnnxError`.
+    """
+    request = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs, __file__))
+    r, w = os.pipe()
+    try:
+        # stdout to this process's stderr: a --json report on stdout stays clean
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(w)], stdin=subprocess.PIPE,
+                                stdout=2, pass_fds=(w,))
+    except OSError as e:
+        os.close(r)
+        raise HoOnnxError(f"cannot start a child process to run ONNX Runtime ({e})") from None
+    finally:
+        os.close(w)
+    try:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(request)
+            proc.stdin.close()
+        except BrokenPipeError:  # it died before reading: its exit status says why
+            pass
+        with os.fdopen(r, "rb") as f:
+            answer = f.read()
+        returncode = proc.wait()
+    except BaseException:  # interrupted: no child left behind
+        proc.kill()
+        proc.wait()
+        raise
+    if not answer:
+        if returncode < 0:
+            raise UnsupportedModelError(
+                f"ONNX Runtime crashed ({_signal_name(returncode)}) while {what}: the model is "
+                "malformed or hits an ONNX Runtime bug (it ran in a child process, which "
+                "ended; nothing else did)")
+        raise HoOnnxError(f"the child process {what} exited with status {returncode} "
+                          "without an answer (its messages are above)")
+    status, value, *rest = pickle.loads(answer)
+    if status == _OK:
+        return value
+    if isinstance(value, BaseException):
+        if rest and isinstance(value, Exception) and not isinstance(value, HoOnnxError):
+            value.add_note(f"in the child process:\n{rest[0]}")
+        raise value
+    raise HoOnnxError(str(value))
+
+
+def _answer(request: bytes) -> bytes:
+    """The pickled answer to a pickled request (run in the child)."""
+    module, qualname, args, kwargs, expected = pickle.loads(request)
+    try:
+        if os.path.realpath(__file__) != os.path.realpath(expected):
+            raise HoOnnxError(f"the child process runs ho_onnx from {__file__!r}, not "
+                              f"{expected!r} as its parent does")
+        fn: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        return pickle.dumps((_OK, fn(*args, **kwargs)))
+    except BaseException as e:  # (KeyboardInterrupt too: the parent decides)
+        tb = traceback.format_exc()
+        try:
+            return pickle.dumps((_RAISED, e, tb))
+        except Exception:  # an exception that does not pickle: its words
+            return pickle.dumps((_RAISED, f"{type(e).__name__}: {e}", tb))
+
+
+def main(argv: list[str] | None = None) -> int:
+    fd = int((argv if argv is not None else sys.argv[1:])[0])
+    answer = _answer(sys.stdin.buffer.read())
+    with os.fdopen(fd, "wb") as f:
+        f.write(answer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""ONNX Runtime on untrusted models runs in a child process (ho_onnx.target.ort.isolate): a
+crash there is an error here, and everything else comes back as if it ran here."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ho_onnx.errors import HoOnnxError, UnsupportedModelError
+from ho_onnx.target.ort import isolate
+from ho_onnx.target.ort.contrib import ort_check
+from ho_onnx.target.ort.optimize import ort_optimize
+from ho_onnx.target.ort.profile import profile_model
+from ho_onnx.target.ort.verify import verify
+
+
+def _children() -> set[str]:
+    """This process's child pids (Linux)."""
+    out: set[str] = set()
+    for task in Path("/proc/self/task").iterdir():
+        out |= set((task / "children").read_text().split())
+    return out
+
+
+def test_the_call_runs_in_another_process():
+    assert isolate.run_isolated(os.getpid, what="asking for a pid") != os.getpid()
+
+
+def test_exceptions_come_back_raised():
+    with pytest.raises(ValueError, match="invalid literal") as e:
+        isolate.run_isolated(int, "x", what="parsing")
+    assert any("in the child process" in n for n in e.value.__notes__)
+    with pytest.raises(HoOnnxError, match="could not load"):  # the library's own error
+        ort_optimize("/nonexistent/m.onnx", "/nonexistent/o.onnx")
+
+
+def test_a_signal_is_an_error_naming_it():
+    with pytest.raises(UnsupportedModelError, match=r"crashed \(SIGABRT\) while aborting"):
+        isolate.run_isolated(os.abort, what="aborting")
+
+
+def test_the_child_writes_nothing_to_stdout(capfd):
+    isolate.run_isolated(print, "from the child", what="printing")
+    out, err = capfd.readouterr()
+    assert out == "" and "from the child" in err
+
+
+def test_an_interrupt_leaves_no_child_behind():
+    before = _children()
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        isolate.run_isolated(time.sleep, 60, what="sleeping")
+    assert time.monotonic() - t0 < 30
+    assert _children() == before
+
+
+def test_a_child_importing_another_ho_onnx_refuses():
+    status, err, _ = pickle.loads(isolate._answer(pickle.dumps(
+        ("os", "getpid", (), {}, "/elsewhere/ho_onnx/target/ort/isolate.py"))))
+    assert status == "raised" and isinstance(err, HoOnnxError)
+    assert "/elsewhere" in str(err)
+
+
+def test_ort_crashes_on_the_model_in_process(ort_crash_model: Path):
+    """The crash the tests below contain is real: ``isolate=False`` dies by the signal."""
+    code = ("import sys; from ho_onnx.target.ort.verify import verify; "
+            "verify(sys.argv[1], sys.argv[1], isolate=False)")
+    r = subprocess.run([sys.executable, "-c", code, str(ort_crash_model)], capture_output=True,
+                       timeout=120, check=False)
+    assert r.returncode == -signal.SIGSEGV, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("step", ["verify", "profile", "ort_optimize"])
+def test_an_ort_crash_is_an_error(ort_crash_model: Path, tmp_path: Path, step: str):
+    m = str(ort_crash_model)
+    with pytest.raises(UnsupportedModelError, match=r"ONNX Runtime crashed \(SIGSEGV\)"):
+        if step == "verify":
+            verify(m, m)
+        elif step == "profile":
+            profile_model(m, tmp_path / "p.json", runs=1, warmup=0)
+        else:
+            ort_optimize(m, tmp_path / "o.onnx", "extended")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_ort_check_runs_in_a_child(monkeypatch, tmp_path: Path):
+    calls = []
+    monkeypatch.setattr("ho_onnx.target.ort.contrib.run_isolated",
+                        lambda fn, *a, **kw: calls.append((fn, a, kw)))
+    ort_check(tmp_path / "m.onnx")
+    assert calls and calls[0][0] is ort_check and calls[0][2]["isolate"] is False
