@@ -33,22 +33,38 @@ def hostile_model_dir(tmp_path):
     return model_dir
 
 
-@pytest.fixture(scope="session")
-def ort_crash_model(tmp_path_factory) -> Path:
-    """``tests.graphs.ORT_CRASH`` saved, after checking in a child process that ONNX Runtime
-    really crashes creating a session for it at level ``all`` (skips where it does not: the
-    tests that use it are about what happens when ORT crashes)."""
-    from tests.graphs import ort_crash_model
-
-    path = tmp_path_factory.mktemp("ort_crash") / "ln.onnx"
-    onnx.save(ort_crash_model(), path)
-    probe = ("import sys, onnxruntime as ort; so = ort.SessionOptions(); "
-             "ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])")
+def _crashes_ort(model: onnx.ModelProto, path: Path, probe: str) -> Path:
+    """``model`` saved at ``path``, after checking that ``probe`` (Python, ``sys.argv[1]`` the
+    path) dies by a signal in a child process; skips where it does not (the tests that use
+    it are about what happens when ORT crashes)."""
+    onnx.save(model, path)
     r = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True,
                        timeout=120, check=False)
     if r.returncode >= 0:
         import onnxruntime
 
-        pytest.skip(f"onnxruntime {onnxruntime.__version__} does not crash on "
-                    f"tests.graphs.ORT_CRASH (exit {r.returncode})")
+        pytest.skip(f"onnxruntime {onnxruntime.__version__} does not crash on {path.name} "
+                    f"(exit {r.returncode})")
     return path
+
+
+_SESSION = ("import sys, numpy as np, onnxruntime as ort; "
+            "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider']); ")
+
+
+@pytest.fixture(scope="session")
+def ort_crash_model(tmp_path_factory) -> Path:
+    """``tests.graphs.ORT_CRASH``: ORT crashes creating a session (level all)."""
+    from tests.graphs import ort_crash_model
+
+    return _crashes_ort(ort_crash_model(), tmp_path_factory.mktemp("ort_crash") / "ln.onnx",
+                        _SESSION)
+
+
+@pytest.fixture(scope="session")
+def ort_run_crash_model(tmp_path_factory) -> Path:
+    """``tests.graphs.ORT_RUN_CRASH``: ORT crashes in the first run (any level)."""
+    from tests.graphs import ort_run_crash_model
+
+    return _crashes_ort(ort_run_crash_model(), tmp_path_factory.mktemp("ort_crash") / "mx.onnx",
+                        _SESSION + "s.run(None, {'X': np.ones((3, 4), np.float32)})")

@@ -100,8 +100,21 @@ ln (float[3,4] X, float[4] W) => (float[3,4] Y) {
 """
 
 
+# Another: ``Max`` with an empty optional input, at run time, at every level (measured:
+# onnxruntime 1.32, SIGSEGV in the first run; onnx.checker's full check passes it).
+ORT_RUN_CRASH = """
+mx (float[3,4] X) => (float[3,4] Y) {
+    Y = Max (X, "")
+}
+"""
+
+
 def ort_crash_model() -> onnx.ModelProto:
     return text_model(ORT_CRASH)
+
+
+def ort_run_crash_model() -> onnx.ModelProto:
+    return text_model(ORT_RUN_CRASH)
 
 
 def doubling_model(n: int) -> onnx.ModelProto:

@@ -93,6 +93,18 @@ def test_an_ort_crash_is_an_error(ort_crash_model: Path, tmp_path: Path, step: s
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("step", ["verify", "profile"])
+def test_an_ort_crash_while_running_is_an_error(ort_run_crash_model: Path, tmp_path: Path,
+                                                step: str):
+    m = str(ort_run_crash_model)
+    with pytest.raises(UnsupportedModelError, match=r"ONNX Runtime crashed \(SIGSEGV\)"):
+        if step == "verify":
+            verify(m, m, opt_level="disable")
+        else:
+            profile_model(m, tmp_path / "p.json", runs=1, warmup=0, opt_level="disable")
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_ort_check_runs_in_a_child(monkeypatch, tmp_path: Path):
     calls = []
     monkeypatch.setattr("ho_onnx.target.ort.contrib.run_isolated",
