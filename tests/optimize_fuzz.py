@@ -1,4 +1,5 @@
-"""Fuzzing ``ho-onnx optimize`` and ``plan`` on mutated input models (issue 9).
+"""Fuzzing ``ho-onnx optimize``, ``plan``, ``verify`` and ``profile`` on mutated input models
+(issue 9).
 
 Seeds: small models (inline and external weights, a Shape/Reshape chain, a Tile peak).
 Mutations (seeded, one to four per case; shared with the session fuzzer, tests/native_fuzz.py,
@@ -6,9 +7,12 @@ where they apply): bytes of the serialized model, node attributes, dims of input
 and initializers, element types, external-data references (location, offset, length), the
 data file (truncated, a symbolic link, removed), node wiring (a node dropped or moved, an
 input rewired, an output duplicated) and opset/IR versions; then ``optimize`` or ``plan``
-with random options. Each case must end in exit 0, or exit 2 with exactly one ``error:``
-line (no traceback, no "unexpected" error), within the per-case time limit, with the input
-folder unchanged and nothing written outside the output folder.
+with random options (``plan`` sometimes after ORT's own optimizations), or ``verify`` (the
+mutant against itself) or ``profile`` at a random ORT optimization level: ORT loads and runs
+the mutant, in the child process ``ho_onnx.target.ort.isolate`` gives it. Each case must end
+in exit 0 (``verify``: or 1), or exit 2 with exactly one ``error:`` line (no traceback, no
+"unexpected" error), within the per-case time limit, with the input folder unchanged and
+nothing written outside the output folder.
 
 Run it longer by hand (the regular test run uses HO_FUZZ_SECONDS, default 30):
 
@@ -231,8 +235,15 @@ def make_case(seed_dir: Path, case_dir: Path, rng: random.Random) -> list[str]:
 def _options(rng: random.Random) -> list[str]:
     dims = ["--dim", f"N={rng.choice([1, 2, 3, 64, 2**40])}"] if rng.randrange(5) else []
     budget = rng.choice(["1", "4KiB", "64KiB", "1MiB", "1GiB"])
+    level = ["--opt-level", rng.choice(["disable", "basic", "extended", "all"])]
+    if rng.randrange(8) == 0:  # ORT runs the mutant (in a child process: it may crash)
+        return ["verify", "in/model.onnx", "in/model.onnx", *level, *dims]
+    if rng.randrange(8) == 0:
+        return ["profile", "in/model.onnx", "--out", "out/p.json", "--runs", "1", *level, *dims]
     if rng.randrange(3) == 0:
-        return ["plan", "in/model.onnx", "--budget", budget, *dims]
+        ort = ["--ort-optimize", rng.choice(["basic", "extended"])] if rng.randrange(4) == 0 \
+            else []
+        return ["plan", "in/model.onnx", "--budget", budget, *ort, *dims]
     opts = rng.choice([[], ["--budget", budget], ["--min-bytes", "0"],
                        ["--offload", rng.choice(["weights", "activations", "none"])],
                        ["--budget", budget, "--weight-tier", "disk"]])
@@ -263,6 +274,8 @@ def snapshot(case_dir: Path) -> dict[str, str]:
 def _may_write(args: list[str], rel: str) -> bool:
     """Whether a successful ``args`` may add ``rel`` (relative to the case folder): the
     output, its sidecar, and in a new folder whatever the output needs (data files)."""
+    if args[0] == "profile":
+        return rel in ("out", args[args.index("--out") + 1])
     if args[0] != "optimize":
         return False
     out = Path(args[2])
@@ -276,8 +289,9 @@ def _may_write(args: list[str], rel: str) -> bool:
 
 def check(args: list[str], before: dict[str, str], after: dict[str, str], code: int,
           stderr: str) -> str | None:
-    """The broken rule, or None."""
-    if code not in (0, 2):
+    """The broken rule, or None (``verify`` may also exit 1: a model with random ops
+    differs from itself)."""
+    if code not in (0, 2) and not (code == 1 and args[0] == "verify"):
         return f"exit {code}"
     if "Traceback" in stderr or "unexpected" in stderr.lower():
         return "traceback"

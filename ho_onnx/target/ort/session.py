@@ -14,6 +14,7 @@ import onnx
 
 from ...errors import UnsupportedModelError
 from ...graph.dims import input_shapes, is_mask_input
+from ...units import format_bytes
 
 _NP_TYPES: dict[int, type] = {
     onnx.TensorProto.FLOAT: np.float32,
@@ -29,6 +30,23 @@ _NP_TYPES: dict[int, type] = {
     onnx.TensorProto.UINT64: np.uint64,
     onnx.TensorProto.BOOL: np.bool_,
 }
+
+
+def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
+    """Refuse a negative dim, or a feed larger than this machine's memory."""
+    if any(d < 0 for d in shape):
+        raise UnsupportedModelError(
+            f"input {name!r} declares the shape {shape}: a negative dim is not a valid ONNX "
+            "shape (a dim is a value >= 0 or a name)")
+    nbytes = int(np.prod(shape, dtype=object)) * itemsize
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # unknown here: numpy decides
+        return
+    if nbytes > memory:
+        raise UnsupportedModelError(
+            f"input {name!r} of shape {shape} needs {format_bytes(nbytes)}, more than this "
+            f"machine's memory ({format_bytes(memory)}): choose smaller dims")
 
 
 def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
@@ -59,6 +77,7 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
             )
         shape = all_shapes.get(vi.name, [])
         np_type = _NP_TYPES[elem]
+        _check_feed_shape(vi.name, shape, np.dtype(np_type).itemsize)
         if is_mask_input(vi.name):
             arr = np.ones(shape, dtype=np_type)
         elif np_type is np.bool_:

@@ -1,0 +1,30 @@
+"""Random feeds for the tools that run models (target/ort/session.random_inputs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ho_onnx.errors import UnsupportedModelError
+from ho_onnx.target.ort.session import random_inputs
+from tests.graphs import text_model
+
+
+def test_feeds_follow_dims_and_types():
+    m = text_model("g (float[N,3] x, int64[2] ids) => (float[N,3] y) { y = Identity (x) }")
+    feeds = random_inputs(m, {"N": 4}, int_high=5)
+    assert feeds["x"].shape == (4, 3) and feeds["x"].dtype == np.float32
+    assert feeds["ids"].dtype == np.int64 and set(feeds["ids"]) <= set(range(5))
+
+
+def test_a_negative_dim_is_refused_in_words():
+    m = text_model("g (float[N,3] x) => (float[N,3] y) { y = Identity (x) }")
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = -1
+    with pytest.raises(UnsupportedModelError, match=r"declares the shape \[2, -1\]"):
+        random_inputs(m, {"N": 2})
+
+
+def test_a_feed_larger_than_memory_is_refused_before_allocating():
+    m = text_model("g (float[N,3] x) => (float[N,3] y) { y = Identity (x) }")
+    with pytest.raises(UnsupportedModelError, match="more than this machine's memory"):
+        random_inputs(m, {"N": 2**40})
