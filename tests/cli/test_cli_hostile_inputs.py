@@ -163,6 +163,19 @@ def test_non_utf8_strings_in_a_model_do_not_crash(tmp_path: Path):
             one_line_error(r)
 
 
+@pytest.mark.parametrize("cmd", ["verify", "profile"])
+def test_commands_that_run_ort_refuse_non_utf8_names(tmp_path: Path, cmd: str):
+    """ORT's error about a dangling input quotes its name: not UTF-8, that was an unexpected
+    UnicodeDecodeError (found by the fuzzer); the model's strings are checked first."""
+    raw = chain_model().SerializeToString()
+    assert raw.count(b"h4") == 2  # Relu's output and Sigmoid's input
+    p = tmp_path / "m.onnx"
+    p.write_bytes(raw.replace(b"h4", b"h\x87", 1))
+    args = {"verify": ["verify", str(p), str(p), "--dim", "N=2"],
+            "profile": ["profile", str(p), "--out", str(tmp_path / "p.json"), "--dim", "N=2"]}
+    assert "not valid UTF-8" in one_line_error(ho(*args[cmd]))
+
+
 def test_verify_exit_codes_tell_mismatch_from_error(tmp_path: Path, model: Path):
     other = chain_model()
     for t in other.graph.initializer:

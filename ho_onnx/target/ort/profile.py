@@ -37,6 +37,7 @@ from typing import Any
 import onnx
 
 from ...errors import HoOnnxError
+from ...graph.load import check_text
 from ...graph.save import write_atomic
 from .isolate import run_isolated
 from .session import OPT_LEVELS, ort_opt_level, random_inputs
@@ -107,6 +108,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
 
     dims = dict(dims or {})
     model = onnx.load(os.fspath(model_path), load_external_data=False)
+    check_text(model, os.fspath(model_path))  # ORT's errors would quote the bad bytes
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
 
     trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup + runs,
