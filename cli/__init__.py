@@ -197,7 +197,7 @@ def _refuse_overwriting_non_json(option: str, out: str) -> None:
 def _same(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
-    except OSError:
+    except (OSError, ValueError):  # (ValueError: a NUL byte in a path)
         return False
 
 
@@ -217,7 +217,8 @@ def _data_files(model: Path) -> list[Path]:
         for g in iter_graphs(m.graph):
             for t in g.initializer:
                 ref = external_ref(t)
-                if ref is not None and not os.path.isabs(ref.location):
+                if ref is not None and not os.path.isabs(ref.location) \
+                        and "\0" not in ref.location:  # (the load refuses it in words)
                     out.append(model.parent / ref.location)
     except Exception:  # the command reports an unreadable model itself
         return out

@@ -19,7 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.graphs import chain_model, doubling_model
+from tests.graphs import chain_model, doubling_model, text_model
 
 HO = str(Path(sys.executable).with_name("ho-onnx"))
 
@@ -174,6 +174,28 @@ def test_commands_that_run_ort_refuse_non_utf8_names(tmp_path: Path, cmd: str):
     args = {"verify": ["verify", str(p), str(p), "--dim", "N=2"],
             "profile": ["profile", str(p), "--out", str(tmp_path / "p.json"), "--dim", "N=2"]}
     assert "not valid UTF-8" in one_line_error(ho(*args[cmd]))
+
+
+@pytest.mark.parametrize("location", ["../outside.bin", "link.bin", "w.bin\0junk"])
+@pytest.mark.parametrize("cmd", ["verify", "profile"])
+def test_commands_that_run_ort_read_nothing_outside_the_model_folder(
+        hostile_model_dir: Path, cmd: str, location: str):
+    """The model's external data is checked before ORT is given it (whatever the installed
+    ORT checks itself): outside the folder, through a link out of it, a NUL byte."""
+    m = text_model("g (float[4,4] x) => (float[4,4] y) { y = Add (x, W) }", W=(4, 4))
+    w = m.graph.initializer[0]
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    w.external_data.add(key="location", value=location.replace("\0", "_"))
+    raw = m.SerializeToString()
+    if "\0" in location:
+        raw = raw.replace(b"w.bin_junk", location.encode())
+    p = hostile_model_dir / "m.onnx"
+    p.write_bytes(raw)
+    args = {"verify": ["verify", str(p), str(p)],
+            "profile": ["profile", str(p), "--out", str(hostile_model_dir / "p.json")]}
+    msg = one_line_error(ho(*args[cmd]))
+    assert "outside the model folder" in msg or "NUL byte" in msg, msg
 
 
 def test_verify_exit_codes_tell_mismatch_from_error(tmp_path: Path, model: Path):

@@ -34,13 +34,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from ...errors import HoOnnxError
-from ...graph.load import check_text
 from ...graph.save import write_atomic
 from .isolate import run_isolated
-from .session import OPT_LEVELS, ort_opt_level, random_inputs
+from .session import OPT_LEVELS, model_for_ort, ort_opt_level, random_inputs
 
 _KERNEL_SUFFIX = "_kernel_time"
 
@@ -107,8 +104,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     import onnxruntime as ort
 
     dims = dict(dims or {})
-    model = onnx.load(os.fspath(model_path), load_external_data=False)
-    check_text(model, os.fspath(model_path))  # ORT's errors would quote the bad bytes
+    model = model_for_ort(model_path)
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
 
     trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup + runs,

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import onnx
 
-from ...errors import UnsupportedModelError
+from ...errors import ModelLoadError, UnsupportedModelError
 from ...graph.dims import input_shapes, is_mask_input
+from ...graph.load import check_text, validate_external_data
 from ...units import format_bytes
 
 _NP_TYPES: dict[int, type] = {
@@ -30,6 +32,20 @@ _NP_TYPES: dict[int, type] = {
     onnx.TensorProto.UINT64: np.uint64,
     onnx.TensorProto.BOOL: np.bool_,
 }
+
+
+def model_for_ort(path: str | os.PathLike[str]) -> onnx.ModelProto:
+    """The model at ``path`` (weights left on disk), checked before ORT is given it: its
+    strings are UTF-8 (ORT's errors quote them) and its external data lies inside its folder
+    (whatever this ORT version checks itself). Unreadable: :class:`ModelLoadError`."""
+    p = Path(path)
+    try:
+        model = onnx.load(os.fspath(p), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends, a missing file
+        raise ModelLoadError(f"{os.fspath(p)!r} is not a readable ONNX model: {e}") from None
+    check_text(model, os.fspath(p))
+    validate_external_data(model, p.resolve().parent)
+    return model
 
 
 def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:

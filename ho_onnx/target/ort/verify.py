@@ -14,12 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
 
 from ...errors import UnsupportedModelError
-from ...graph.load import check_text
 from .isolate import run_isolated
-from .session import make_session, random_inputs
+from .session import make_session, model_for_ort, random_inputs
 
 
 @dataclass
@@ -86,9 +84,8 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     evaluated, every missing dim named in one error, before any session is made). ORT runs
     in a child process unless ``isolate`` is false (:mod:`.isolate`)."""
     providers = providers or ["CPUExecutionProvider"]
-    model = onnx.load(str(original), load_external_data=False)
-    check_text(model, os.fspath(original))  # ORT's errors would quote the bad bytes
-    check_text(onnx.load(str(optimized), load_external_data=False), os.fspath(optimized))
+    model = model_for_ort(original)
+    model_for_ort(optimized)
     random_inputs(model, dims, shapes=shapes)  # unbound dims fail here, not after loading
     if isolate:
         return run_isolated(
