@@ -12,7 +12,9 @@ becomes a :class:`~ho_onnx.errors.UnsupportedModelError` naming the signal.
 
 The call and its answer cross two pipes as pickles (the arguments and results are paths,
 options and reports; files are read by the child itself). The child is a crash boundary,
-not a sandbox: it runs as the same user. Cost: one interpreter start and the imports, about
+not a sandbox: it runs as the same user. Its ``oom_score_adj`` is 1000: when memory runs
+out (a model can make ORT allocate without bound), the kernel ends it first, and that is
+reported as "killed (SIGKILL): out of memory?". Cost: one interpreter start and the imports, about
 0.3-0.6 s per call, paid only by the steps that build ORT sessions on a model (``verify``,
 ``profile``, ``--ort-optimize``, the contrib-op output check).
 """
@@ -75,6 +77,10 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) 
         proc.wait()
         raise
     if not answer:
+        if returncode == -signal.SIGKILL:
+            raise UnsupportedModelError(
+                f"ONNX Runtime was killed (SIGKILL) while {what}: out of memory? (it ran in a "
+                "child process, the first the kernel ends when memory runs out)")
         if returncode < 0:
             raise UnsupportedModelError(
                 f"ONNX Runtime crashed ({_signal_name(returncode)}) while {what}: the model is "
@@ -113,6 +119,11 @@ def _answer(request: bytes) -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     fd = int((argv if argv is not None else sys.argv[1:])[0])
+    try:  # out of memory, the kernel ends this child first, not its parent (a server)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # not Linux, or not allowed: the kernel's default choice
+        pass
     answer = _answer(sys.stdin.buffer.read())
     with os.fdopen(fd, "wb") as f:
         f.write(answer)

@@ -47,6 +47,18 @@ def test_a_signal_is_an_error_naming_it():
         isolate.run_isolated(os.abort, what="aborting")
 
 
+def test_a_kill_is_an_error_that_suspects_memory():
+    with pytest.raises(UnsupportedModelError, match=r"killed \(SIGKILL\) while dying.*memory"):
+        isolate.run_isolated(signal.raise_signal, signal.SIGKILL, what="dying")
+
+
+@pytest.mark.skipif(not Path("/proc/self/oom_score_adj").exists(), reason="Linux only")
+def test_the_child_is_the_first_the_kernel_ends_out_of_memory():
+    adj = isolate.run_isolated(Path.read_text, Path("/proc/self/oom_score_adj"), what="asking")
+    assert adj.strip() == "1000"
+    assert Path("/proc/self/oom_score_adj").read_text().strip() != "1000"  # not this process
+
+
 def test_the_child_writes_nothing_to_stdout(capfd):
     isolate.run_isolated(print, "from the child", what="printing")
     out, err = capfd.readouterr()
