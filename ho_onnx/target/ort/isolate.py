@@ -51,7 +51,10 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) 
     ``fn`` must be a module-level function; ``what`` completes "ONNX Runtime crashed while
     ..." (e.g. ``"verifying 'a.onnx'"``). A child that dies by a signal raises
     :class:`UnsupportedModelError`; one that cannot start or answer, :class:`HoOnnxError`.
+    Off POSIX systems (no inherited pipe descriptors) ``fn`` runs in this process.
     """
+    if os.name != "posix":
+        return fn(*args, **kwargs)
     request = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs, __file__))
     r, w = os.pipe()
     try:
