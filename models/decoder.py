@@ -10,7 +10,8 @@ or from the shell::
 
     python -m models.decoder out/gpt.onnx --layers 12 --hidden 768 --heads 12 --external-data
 
-Graph (opset 17+): ``input_ids`` int64 [batch, seq] -> ``logits`` [batch, seq, vocab].
+Graph (opset 17+): ``input_ids`` int64 [batch, seq] -> ``logits`` [batch, seq, vocab]; with
+``kv_cache=True`` also a key/value cache per layer in and out (decode steps).
 Token embedding Gather + learned position embedding (positions from ``Range(0, seq)``), N pre-LN
 blocks (LayerNormalization, fused QKV MatMul, multi-head causal attention with a run-time
 ``Trilu`` mask, output projection, residual, LayerNormalization, MLP with erf-GELU, residual),
@@ -184,7 +185,8 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
                   heads: int = 4, ffn: int | None = None, vocab: int = 128,
                   seq: int | str = "seq", batch: int | str = "batch", dtype: str = "float32",
                   seed: int = 0, external_data: bool = False, opset: int = 17,
-                  max_positions: int | None = None, std: float = 0.02) -> onnx.ModelProto:
+                  max_positions: int | None = None, std: float = 0.02,
+                  kv_cache: bool = False, past: int | str = "past") -> onnx.ModelProto:
     """Build a random-weight GPT-style decoder as an ONNX model.
 
     Args:
@@ -199,6 +201,13 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
         max_positions: rows of the position table (default: ``seq`` if it is an int, else 1024);
             the model accepts any sequence length up to this.
         std: standard deviation of the normal weights.
+        kv_cache: decode with a key/value cache: inputs ``past_key.{i}``/``past_value.{i}``
+            [batch, heads, past, head_dim], outputs ``present_key.{i}``/``present_value.{i}``
+            [batch, heads, past + seq, head_dim] (the past with this step's keys/values
+            appended); positions start at ``past`` and the causal mask lets token ``t`` see
+            the whole past. Same weights as without a cache (same seed).
+        past: the past length dim of the cache inputs (a str is symbolic, an int fixed; ``0``
+            is an empty cache).
 
     Returns:
         The ``onnx.ModelProto`` (without weight data when ``external_data`` is True).
@@ -227,18 +236,29 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
     ids_shape = g.op("Shape", "embed.ids_shape", ["input_ids"])
     seq_len = g.op("Gather", "embed.seq_len", [ids_shape, g.const("const.one_i64", np.int64(1))],
                    axis=0)
-    positions = g.op("Range", "embed.positions",
-                     [g.const("const.zero_i64", np.int64(0)), seq_len,
-                      g.const("const.step_i64", np.int64(1))])
+    if kv_cache:  # positions past .. past + seq - 1
+        past_shape = g.op("Shape", "cache.past_shape", ["past_key.0"])
+        start = g.op("Gather", "cache.past_len", [past_shape, g.const("const.two_i64",
+                                                                      np.int64(2))], axis=0)
+        end = g.op("Add", "cache.total_len", [start, seq_len])
+    else:
+        start, end = g.const("const.zero_i64", np.int64(0)), seq_len
+    positions = g.op("Range", "embed.positions", [start, end,
+                                                  g.const("const.step_i64", np.int64(1))])
     tok = g.op("Gather", "embed.tok", ["embed.tok.weight", "input_ids"], axis=0)
     pos = g.op("Gather", "embed.pos", ["embed.pos.weight", positions], axis=0)
     x = g.op("Add", "embed.add", [tok, pos])
 
-    seq_1d = g.op("Unsqueeze", "mask.seq_1d", [seq_len, g.const("const.axes0", np.array([0]))])
-    mask_shape = g.op("Concat", "mask.shape", [seq_1d, seq_1d], axis=0)
+    axes0 = g.const("const.axes0", np.array([0]))
+    seq_1d = g.op("Unsqueeze", "mask.seq_1d", [seq_len, axes0])
+    # [seq, past + seq]: query t sees keys 0 .. past + t
+    keys_1d = g.op("Unsqueeze", "mask.keys_1d", [end, axes0]) if kv_cache else seq_1d
+    mask_shape = g.op("Concat", "mask.shape", [seq_1d, keys_1d], axis=0)
     ones = g.op("ConstantOfShape", "mask.ones", [mask_shape],
                 value=numpy_helper.from_array(np.array([1.0], dtype=np.float32)))
-    upper = g.op("Trilu", "mask.upper", [ones, g.const("const.diag1", np.int64(1))], upper=1)
+    diag = g.op("Add", "mask.diag", [start, g.const("const.diag1", np.int64(1))]) if kv_cache \
+        else g.const("const.diag1", np.int64(1))
+    upper = g.op("Trilu", "mask.upper", [ones, diag], upper=1)
     neg = -1e9 if dtype == "float32" else -1e4
     mask = g.op("Mul", "mask.causal_f32", [upper, g.const("mask.neg", np.float32(neg))])
     if dtype != "float32":
@@ -272,8 +292,17 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
         k = g.op("Reshape", f"{p}.attn.k_heads", [k, heads_shape])
         v = g.op("Reshape", f"{p}.attn.v_heads", [v, heads_shape])
         q = g.op("Transpose", f"{p}.attn.q_t", [q], perm=[0, 2, 1, 3])  # [b, H, s, d]
-        k = g.op("Transpose", f"{p}.attn.k_t", [k], perm=[0, 2, 3, 1])  # [b, H, d, s]
-        v = g.op("Transpose", f"{p}.attn.v_t", [v], perm=[0, 2, 1, 3])  # [b, H, s, d]
+        if kv_cache:  # [b, H, past + s, d], kept for the next step; keys transposed for q @ k
+            k = g.op("Transpose", f"{p}.attn.k_new", [k], perm=[0, 2, 1, 3])
+            k = g.op("Concat", f"{p}.cache.key", [f"past_key.{i}", k], axis=2,
+                     outputs=[f"present_key.{i}"])
+            k = g.op("Transpose", f"{p}.attn.k_t", [k], perm=[0, 1, 3, 2])
+            v = g.op("Transpose", f"{p}.attn.v_new", [v], perm=[0, 2, 1, 3])
+            v = g.op("Concat", f"{p}.cache.value", [f"past_value.{i}", v], axis=2,
+                     outputs=[f"present_value.{i}"])
+        else:
+            k = g.op("Transpose", f"{p}.attn.k_t", [k], perm=[0, 2, 3, 1])  # [b, H, d, s]
+            v = g.op("Transpose", f"{p}.attn.v_t", [v], perm=[0, 2, 1, 3])  # [b, H, s, d]
         s = g.op("MatMul", f"{p}.attn.scores", [q, k])
         s = g.op("Mul", f"{p}.attn.scale", [s, scale])
         s = g.op("Add", f"{p}.attn.mask", [s, mask])
@@ -297,12 +326,17 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
     x = layer_norm("ln_f", x)
     g.op("MatMul", "lm_head", [x, "lm_head.weight"], outputs=["logits"])
 
-    graph = helper.make_graph(
-        g.nodes,
-        f"decoder_l{layers}_h{hidden}",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq])],
-        [helper.make_tensor_value_info("logits", elem, [batch, seq, vocab])],
-    )
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq])]
+    outputs = [helper.make_tensor_value_info("logits", elem, [batch, seq, vocab])]
+    if kv_cache:
+        total = past + seq if isinstance(past, int) and isinstance(seq, int) else f"{past} + {seq}"
+        for i in range(layers):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(
+                    f"past_{kind}.{i}", elem, [batch, heads, past, head_dim]))
+                outputs.append(helper.make_tensor_value_info(
+                    f"present_{kind}.{i}", elem, [batch, heads, total, head_dim]))
+    graph = helper.make_graph(g.nodes, f"decoder_l{layers}_h{hidden}", inputs, outputs)
     opsets = [helper.make_opsetid("", opset)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="ho-onnx.models.decoder",
                               ir_version=helper.find_min_ir_version_for(opsets))
@@ -393,12 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opset", type=int, default=17)
     ap.add_argument("--external-data", action="store_true",
                     help="write weights to <out>.data beside the model")
+    ap.add_argument("--kv-cache", action="store_true",
+                    help="past_key/past_value inputs and present_* outputs per layer (decode)")
+    ap.add_argument("--past", type=_int_or_str, default="past",
+                    help="past length of the cache inputs: int or symbolic name")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     build_decoder(args.out, layers=args.layers, hidden=args.hidden, heads=args.heads,
                   ffn=args.ffn, vocab=args.vocab, seq=args.seq, batch=args.batch,
                   dtype=args.dtype, seed=args.seed, external_data=args.external_data,
-                  opset=args.opset, max_positions=args.max_positions)
+                  opset=args.opset, max_positions=args.max_positions,
+                  kv_cache=args.kv_cache, past=args.past)
     sizes = decoder_config_bytes(layers=args.layers, hidden=args.hidden, heads=args.heads,
                                  ffn=args.ffn, vocab=args.vocab, seq=args.seq,
                                  max_positions=args.max_positions, dtype=args.dtype)

@@ -57,6 +57,23 @@ def test_decoder_bit_exact_everything_offloaded(tmp_path, layers, hidden, heads,
         assert rep.exact, rep.outputs
 
 
+@pytest.mark.parametrize("past", [0, 5])
+def test_decoder_with_kv_cache_bit_exact(tmp_path, past):
+    """A decode step: the cache is a graph input ([batch, heads, past, head_dim]) and the
+    presents outputs whose dim is the expression ``past + seq``; everything offloaded.
+    Level ``disable``: at ``all`` ORT folds Transposes into FusedMatMul in the original (4
+    in this model) where cache ops separate the nodes in the rewrite (measured max abs
+    9e-8)."""
+    src = _decoder(tmp_path, layers=2, hidden=32, heads=2, max_positions=16, kv_cache=True)
+    dims = {"batch": 2, "seq": 1, "past": past}
+    r = optimize(src, tmp_path / "dec.ho.onnx", FORCE_ALL, dims)
+    assert r.choice.weights and r.choice.activations
+    rep = verify(src, tmp_path / "dec.ho.onnx", dims=dims, runs=2, opt_level="disable")
+    assert [o.name for o in rep.outputs][1:3] == ["present_key.0", "present_value.0"]
+    assert rep.outputs[1].shape == (2, 2, past + 1, 16)
+    assert rep.exact, rep.outputs
+
+
 def test_decoder_with_prepacking_within_tolerance(tmp_path):
     src = _decoder(tmp_path, layers=2, hidden=64, heads=4)
     optimize(src, tmp_path / "dec.ho.onnx", FORCE_ALL, DIMS)
