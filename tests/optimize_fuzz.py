@@ -9,10 +9,11 @@ data file (truncated, a symbolic link, removed), node wiring (a node dropped or 
 input rewired, an output duplicated) and opset/IR versions; then ``optimize`` or ``plan``
 with random options (``plan`` sometimes after ORT's own optimizations), or ``verify`` (the
 mutant against itself) or ``profile`` at a random ORT optimization level: ORT loads and runs
-the mutant, in the child process ``ho_onnx.target.ort.isolate`` gives it. Each case must end
-in exit 0 (``verify``: or 1), or exit 2 with exactly one ``error:`` line (no traceback, no
-"unexpected" error), within the per-case time limit, with the input folder unchanged and
-nothing written outside the output folder.
+the mutant, in the child process ``ho_onnx.target.ort.isolate`` gives it. Optimized seeds
+(tests/native_fuzz.py's, their cache-op attributes mutated too) go to ``inspect``. Each case
+must end in exit 0 (``verify``: or 1), or exit 2 with exactly one ``error:`` line (no
+traceback, no "unexpected" error), within the per-case time limit, with the input folder
+unchanged and nothing written outside the output folder.
 
 Run it longer by hand (the regular test run uses HO_FUZZ_SECONDS, default 30):
 
@@ -46,12 +47,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import native_fuzz  # noqa: E402
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from native_fuzz import (  # noqa: E402
     _INTS,
     _LOCATIONS,
     fuzzer_main,
+    mutate_attr,
     mutate_bytes,
     mutate_data,
     mutate_graph,
@@ -63,6 +66,7 @@ CASE_SECONDS = 60.0
 # The child's bounds: shape inference and the whole process stay small on a shared machine.
 ENV = {"HO_ONNX_SHAPE_INFERENCE_MEMORY": "1GiB", "HO_ONNX_SHAPE_INFERENCE_TIMEOUT": "20"}
 ADDRESS_SPACE = 6 << 30
+OPTIMIZED_SEED = "seed-optimized-"
 
 
 def make_seeds(work: Path) -> list[Path]:
@@ -88,6 +92,9 @@ def make_seeds(work: Path) -> list[Path]:
         d.mkdir(parents=True, exist_ok=True)
         save(model, d / "model.onnx", external=external, size_threshold=64)
         seeds.append(d)
+    # optimized models (cache ops, weights on the host and disk tiers), for ``inspect``
+    for d in native_fuzz.make_seeds(work / "optimized"):
+        seeds.append(d.rename(work / f"{OPTIMIZED_SEED}{d.name.removeprefix('seed-')}"))
     return seeds
 
 
@@ -208,18 +215,21 @@ _MUTATORS = [mutate_dims, mutate_attrs, mutate_external, mutate_wiring, mutate_g
 
 def make_case(seed_dir: Path, case_dir: Path, rng: random.Random) -> list[str]:
     """Write a mutant of ``seed_dir`` to ``case_dir/in`` and return the command's arguments
-    (paths relative to ``case_dir``)."""
+    (paths relative to ``case_dir``). An optimized seed's mutant (its cache ops' attributes
+    too) goes to ``inspect``."""
     if case_dir.exists():
         shutil.rmtree(case_dir)
     shutil.copytree(seed_dir, case_dir / "in")
     src = case_dir / "in" / "model.onnx"
     m = onnx.load(str(src), load_external_data=False)
+    optimized = seed_dir.name.startswith(OPTIMIZED_SEED)
+    mutators = [mutate_attr, mutate_attr, *_MUTATORS] if optimized else _MUTATORS
     for _ in range(rng.randint(1, 4)):
-        kind = rng.randrange(len(_MUTATORS) + 1)
-        if kind == len(_MUTATORS):
+        kind = rng.randrange(len(mutators) + 1)
+        if kind == len(mutators):
             mutate_data(case_dir / "in", rng)
         else:
-            _MUTATORS[kind](m, rng)
+            mutators[kind](m, rng)
     try:
         data = m.SerializeToString()
     except Exception:  # a mutation protobuf refuses to write: keep the original bytes
@@ -227,7 +237,8 @@ def make_case(seed_dir: Path, case_dir: Path, rng: random.Random) -> list[str]:
     if rng.randrange(4) == 0:
         data = mutate_bytes(data, rng)
     src.write_bytes(data)
-    args = _options(rng)
+    args = ["inspect", "in/model.onnx", *(["--json"] if rng.randrange(2) else [])] \
+        if optimized else _options(rng)
     (case_dir / "args.json").write_text(json.dumps(args))
     return args
 

@@ -83,8 +83,9 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str]:
     a = attribute_values(pf)
     if contract.ATTR_LOCATION in a:
         source = f"{a[contract.ATTR_LOCATION]}@{a.get(contract.ATTR_OFFSET, 0)}"
-        return (str(a.get(contract.ATTR_NAME, "")), "weight",
-                int(a.get(contract.ATTR_LENGTH, 0)), source)
+        length = a.get(contract.ATTR_LENGTH)  # (a model may carry any type here: unknown)
+        nbytes = length if isinstance(length, int) and length >= 0 else None
+        return str(a.get(contract.ATTR_NAME, "")), "weight", nbytes, source
     det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
     tensor = input_names(det)[0] if det is not None else "?"
     source = (det.name or "") if det is not None else "?"

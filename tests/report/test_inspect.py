@@ -46,3 +46,16 @@ def test_inspect_names_a_split_chain(tmp_path):
     assert len(s.split_chains) == 1 and "W: Prefetch 'n2' on CPU" in s.split_chains[0]
     r = CliRunner().invoke(main, ["inspect", str(p)])
     assert "1 SPLIT chain(s)" in r.output and "split: W" in r.output
+
+
+def test_inspect_reads_a_length_of_the_wrong_type_as_unknown(tmp_path):
+    """A model carries whatever attribute types it likes (found by the fuzzer: a string
+    ``length`` was an unexpected ValueError): the bytes are unknown, the rest is listed."""
+    p = tmp_path / "m.onnx"
+    onnx.save(onnx.parser.parse_model(SPLIT.replace("length: int = 64", 'length: string = "x"')),
+              p)
+    (t,) = summarize(p).transfers
+    assert (t.tensor, t.kind, t.nbytes, t.source) == ("W", "weight", None, "w.bin@0")
+    r = CliRunner().invoke(main, ["inspect", str(p)])
+    assert r.exit_code == 0, r.output
+    assert "1 transfers per run" in r.output
