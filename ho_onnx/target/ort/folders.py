@@ -59,6 +59,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _inside(folder: Path, name: str, what: str) -> Path:
+    """``folder / name`` for a relative ``name`` that stays inside ``folder`` (the optimized
+    model is written at the same place in the output folder)."""
+    if not name or "\0" in name or os.path.isabs(name) or name.startswith(("/", "\\")):
+        raise ModelLoadError(f"{what} {name!r}: a relative path inside {str(folder)!r} is "
+                             "required")
+    path = folder / name
+    if folder.resolve() not in path.resolve().parents:
+        raise ModelLoadError(f"{what} {name!r}, which is not a path inside {str(folder)!r}")
+    return path
+
+
 def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
     """Recognise ``path`` as a genai folder (``genai_config.json``, checked first) or an
     Optimum folder (``config.json`` + ``model.onnx``); raises :class:`ModelLoadError`
@@ -68,10 +80,11 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
         raise ModelLoadError(f"{str(p)!r} is not a folder")
     if (p / GENAI_CONFIG).is_file():
         cfg = _read_json(p / GENAI_CONFIG)
-        decoder = cfg.get("model", {}).get("decoder")
+        section = cfg.get("model")
+        decoder = section.get("decoder") if isinstance(section, dict) else None
         if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names no model.decoder.filename")
-        model = p / decoder["filename"]
+        model = _inside(p, decoder["filename"], f"{str(p / GENAI_CONFIG)!r} names decoder")
         if not model.is_file():
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names decoder "
                                  f"{decoder['filename']!r}, which is not in {str(p)!r}")

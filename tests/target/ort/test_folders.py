@@ -55,6 +55,31 @@ def test_detect(tmp_path):
         detect_folder(tmp_path / "e")
 
 
+@pytest.mark.parametrize(("model", "message"), [
+    (5, "names no model.decoder.filename"),
+    ({"decoder": []}, "names no model.decoder.filename"),
+    ({"decoder": {"filename": "../outside.onnx"}}, "which is not a path inside"),
+    ({"decoder": {"filename": "{abs}"}}, "a relative path inside .* is required"),
+    ({"decoder": {"filename": "m\0.onnx"}}, "a relative path inside .* is required"),
+    ({"decoder": {"filename": "."}}, "which is not a path inside"),
+])
+def test_a_genai_config_names_only_a_file_inside_its_folder(tmp_path, model, message):
+    """Its decoder is read there and written at the same place in the output folder: a
+    name out of the folder would read, and write, elsewhere (was: an unexpected
+    AttributeError for a non-object ``model``, and ``../x.onnx`` read the file beside the
+    folder and aimed the output beside the output folder)."""
+    save(chain_model(), tmp_path / "outside.onnx")
+    g = genai_folder(tmp_path / "g")
+    if isinstance(model, dict) and model.get("decoder", {}) == {"filename": "{abs}"}:
+        model = {"decoder": {"filename": str(tmp_path / "outside.onnx")}}
+    (g / "genai_config.json").write_text(json.dumps({"model": model}))
+    with pytest.raises(ModelLoadError, match=message):
+        detect_folder(g)
+    with pytest.raises(ModelLoadError, match=message):
+        optimize_folder(g, tmp_path / "out", _optimize)
+    assert not (tmp_path / "out").exists()
+
+
 def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
     s = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
