@@ -30,6 +30,7 @@ import onnx
 
 from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
 from ...errors import ModelLoadError, OutputPathError
+from ...graph.save import new_folders
 
 FolderKind = Literal["genai", "optimum"]
 GENAI_CONFIG = "genai_config.json"
@@ -84,6 +85,9 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
         decoder = section.get("decoder") if isinstance(section, dict) else None
         if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names no model.decoder.filename")
+        if not isinstance(decoder.get("session_options", {}), dict):
+            raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r}: model.decoder.session_options "
+                                 "must be a JSON object")
         model = _inside(p, decoder["filename"], f"{str(p / GENAI_CONFIG)!r} names decoder")
         if not model.is_file():
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names decoder "
@@ -161,7 +165,24 @@ def optimize_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str],
         raise OutputPathError(f"the output folder {str(out)!r} is the input folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputPathError(f"the output folder {str(out)!r} exists and is not empty")
-    out.mkdir(parents=True, exist_ok=True)
+    with new_folders(out):  # a failure leaves it as it was: absent, or empty
+        try:
+            return _fill_folder(folder, out, optimize_file, library)
+        except BaseException:
+            _empty(out)  # (empty before: everything in it is this call's)
+            raise
+
+
+def _empty(folder: Path) -> None:
+    for item in folder.iterdir():
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
+
+
+def _fill_folder(folder: ModelFolder, out: Path, optimize_file: OptimizeFile,
+                 library: str | os.PathLike[str] | None) -> FolderResult:
     out_model = out / folder.model.relative_to(folder.path)
     out_model.parent.mkdir(parents=True, exist_ok=True)
     optimize_file(folder.model, out_model)

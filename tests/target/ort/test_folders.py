@@ -62,6 +62,8 @@ def test_detect(tmp_path):
     ({"decoder": {"filename": "{abs}"}}, "a relative path inside .* is required"),
     ({"decoder": {"filename": "m\0.onnx"}}, "a relative path inside .* is required"),
     ({"decoder": {"filename": "."}}, "which is not a path inside"),
+    ({"decoder": {"filename": "model.onnx", "session_options": []}},
+     "session_options must be a JSON object"),
 ])
 def test_a_genai_config_names_only_a_file_inside_its_folder(tmp_path, model, message):
     """Its decoder is read there and written at the same place in the output folder: a
@@ -137,3 +139,26 @@ def test_output_folder_must_be_new_or_empty(tmp_path):
     (tmp_path / "busy" / "x").write_text("")
     with pytest.raises(OutputPathError, match="not empty"):
         optimize_folder(src, tmp_path / "busy", _optimize)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failure_leaves_the_output_folder_as_it_was(tmp_path, existing):
+    """Absent, or empty: nothing half-written (was: the library and the model stayed when a
+    later step failed)."""
+    src = genai_folder(tmp_path / "g")
+    out = tmp_path / "new" / "out"
+    if existing:
+        out.mkdir(parents=True)
+
+    def fails_after_writing(a: Path, b: Path) -> None:
+        _optimize(a, b)
+        (b.parent / "sub").mkdir()
+        (b.parent / "sub" / "x").write_text("x")
+        raise OutputPathError("disk full (simulated after the model was written)")
+
+    with pytest.raises(OutputPathError, match="simulated"):
+        optimize_folder(src, out, fails_after_writing)
+    if existing:
+        assert list(out.iterdir()) == []
+    else:
+        assert not (tmp_path / "new").exists()
