@@ -217,8 +217,7 @@ def _data_files(model: Path) -> list[Path]:
         for g in iter_graphs(m.graph):
             for t in g.initializer:
                 ref = external_ref(t)
-                if ref is not None and not os.path.isabs(ref.location) \
-                        and "\0" not in ref.location:  # (the load refuses it in words)
+                if ref is not None and not os.path.isabs(ref.location):
                     out.append(model.parent / ref.location)
     except Exception:  # the command reports an unreadable model itself
         return out

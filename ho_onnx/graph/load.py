@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from onnx import TensorProto
 
 from ..contract import DOMAIN
-from ..errors import ExternalDataError, ModelLoadError, UnsupportedModelError
+from ..errors import ExternalDataError, HoOnnxError, ModelLoadError, UnsupportedModelError
 from .analyse import all_graphs
 from .check import check_standard
 from .dtypes import ELEMENT_BITS, dense_nbytes
@@ -102,24 +102,22 @@ def _resolve(base_dir: Path, location: str) -> tuple[Path, Path | None]:
     return base, path if path == base or base in path.parents else None
 
 
-def resolve_data_path(base_dir: Path, location: str, what: str) -> Path:
-    """The file ``location`` names, refusing absolute paths and escapes from ``base_dir``.
+def resolve_data_path(base_dir: Path, location: str, what: str, *,
+                      kind: str = "external data location",
+                      error: type[HoOnnxError] = ExternalDataError) -> Path:
+    """The file ``location`` names, refusing absolute paths and escapes from ``base_dir``
+    (``kind`` names the string in the ``error``: also the decoder a genai folder names).
 
     (Resolution is cached per (folder, location): a model has one or a few data files and
     thousands of initializers.)"""
     if "\0" in location:
-        raise ExternalDataError(f"{what}: external data location {location!r} has a NUL byte")
+        raise error(f"{what}: {kind} {location!r} has a NUL byte")
     if not location or os.path.isabs(location) or location.startswith(("\\", "/")):
-        raise ExternalDataError(
-            f"{what}: external data location {location!r} must be a relative path inside the "
-            f"model folder {str(base_dir)!r}"
-        )
+        raise error(f"{what}: {kind} {location!r} must be a relative path inside the model "
+                    f"folder {str(base_dir)!r}")
     base, path = _resolve(base_dir, location)
     if path is None:
-        raise ExternalDataError(
-            f"{what}: external data location {location!r} points outside the model folder "
-            f"{str(base)!r}"
-        )
+        raise error(f"{what}: {kind} {location!r} points outside the model folder {str(base)!r}")
     return path
 
 
@@ -253,12 +251,9 @@ def check_text(message: Message, what: str) -> None:
     _walk_text(message, what)
 
 
-@gc_paused()
-def load_model(path: str | os.PathLike[str], *, check: bool = True,
-               allow_cache_ops: bool = False) -> LoadedModel:
-    """Read ``path`` (weight bytes stay on disk), check it and its external data references."""
-    p = Path(path)
-    _resolve.cache_clear()  # resolutions are cached within one load/save, never across
+def read_proto(p: Path) -> onnx.ModelProto:
+    """The model file ``p`` parsed (weight bytes stay on disk), or a :class:`ModelLoadError`
+    saying why it is not one."""
     if not p.exists():
         raise ModelLoadError(f"model file {str(p)!r} does not exist")
     if not p.is_file():
@@ -269,6 +264,16 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
         raise ModelLoadError(f"{str(p)!r} is not a readable ONNX model: {e}") from None
     if not model.HasField("graph") or model.ir_version == 0:
         raise ModelLoadError(f"{str(p)!r} is not an ONNX model (no graph or IR version)")
+    return model
+
+
+@gc_paused()
+def load_model(path: str | os.PathLike[str], *, check: bool = True,
+               allow_cache_ops: bool = False) -> LoadedModel:
+    """Read ``path`` (weight bytes stay on disk), check it and its external data references."""
+    p = Path(path)
+    _resolve.cache_clear()  # resolutions are cached within one load/save, never across
+    model = read_proto(p)
     base_dir = p.resolve().parent
 
     def validate() -> None:

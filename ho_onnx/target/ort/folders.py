@@ -30,6 +30,7 @@ import onnx
 
 from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
 from ...errors import ModelLoadError, OutputPathError
+from ...graph.load import resolve_data_path
 from ...graph.save import new_folders
 
 FolderKind = Literal["genai", "optimum"]
@@ -60,18 +61,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _inside(folder: Path, name: str, what: str) -> Path:
-    """``folder / name`` for a relative ``name`` that stays inside ``folder`` (the optimized
-    model is written at the same place in the output folder)."""
-    if not name or "\0" in name or os.path.isabs(name) or name.startswith(("/", "\\")):
-        raise ModelLoadError(f"{what} {name!r}: a relative path inside {str(folder)!r} is "
-                             "required")
-    path = folder / name
-    if folder.resolve() not in path.resolve().parents:
-        raise ModelLoadError(f"{what} {name!r}, which is not a path inside {str(folder)!r}")
-    return path
-
-
 def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
     """Recognise ``path`` as a genai folder (``genai_config.json``, checked first) or an
     Optimum folder (``config.json`` + ``model.onnx``); raises :class:`ModelLoadError`
@@ -88,7 +77,10 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
         if not isinstance(decoder.get("session_options", {}), dict):
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r}: model.decoder.session_options "
                                  "must be a JSON object")
-        model = _inside(p, decoder["filename"], f"{str(p / GENAI_CONFIG)!r} names decoder")
+        name = decoder["filename"]  # read there, written at the same place in the output
+        resolve_data_path(p, name, repr(str(p / GENAI_CONFIG)), kind="decoder file name",
+                          error=ModelLoadError)
+        model = p / name
         if not model.is_file():
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names decoder "
                                  f"{decoder['filename']!r}, which is not in {str(p)!r}")

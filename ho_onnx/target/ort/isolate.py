@@ -80,7 +80,11 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) 
         proc.kill()
         proc.wait()
         raise
-    if not answer:
+    try:
+        status, value, *rest = pickle.loads(answer) if answer else (None, None)
+    except Exception:  # cut short (killed while writing it): its exit status says why
+        status, value, rest = None, None, []
+    if status is None:
         if returncode == -signal.SIGKILL:
             raise UnsupportedModelError(
                 f"ONNX Runtime was killed (SIGKILL) while {what}: out of memory? (it ran in a "
@@ -92,7 +96,6 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) 
                 "ended; nothing else did)")
         raise HoOnnxError(f"the child process {what} exited with status {returncode} "
                           "without an answer (its messages are above)")
-    status, value, *rest = pickle.loads(answer)
     if status == _OK:
         return value
     if isinstance(value, BaseException):

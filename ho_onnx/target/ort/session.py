@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ...errors import ModelLoadError, UnsupportedModelError
+from ...errors import UnsupportedModelError
 from ...graph.dims import input_shapes, is_mask_input
-from ...graph.load import check_text, validate_external_data
+from ...graph.load import check_text, read_proto, validate_external_data
 from ...units import format_bytes
 
 _NP_TYPES: dict[int, type] = {
@@ -39,10 +39,7 @@ def model_for_ort(path: str | os.PathLike[str]) -> onnx.ModelProto:
     strings are UTF-8 (ORT's errors quote them) and its external data lies inside its folder
     (whatever this ORT version checks itself). Unreadable: :class:`ModelLoadError`."""
     p = Path(path)
-    try:
-        model = onnx.load(os.fspath(p), load_external_data=False)
-    except Exception as e:  # protobuf's DecodeError and friends, a missing file
-        raise ModelLoadError(f"{os.fspath(p)!r} is not a readable ONNX model: {e}") from None
+    model = read_proto(p)
     check_text(model, os.fspath(p))
     validate_external_data(model, p.resolve().parent)
     return model

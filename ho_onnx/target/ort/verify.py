@@ -83,16 +83,16 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     Input shapes come from ``dims`` and whole ``shapes`` as for ``plan`` (expression dims
     evaluated, every missing dim named in one error, before any session is made). ORT runs
     in a child process unless ``isolate`` is false (:mod:`.isolate`)."""
-    providers = providers or ["CPUExecutionProvider"]
-    model = model_for_ort(original)
-    model_for_ort(optimized)
-    random_inputs(model, dims, shapes=shapes)  # unbound dims fail here, not after loading
-    if isolate:
+    if isolate:  # (the checks below run there, once)
         return run_isolated(
             verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,
             providers=providers, execution_order=execution_order, prepacking=prepacking,
             atol=atol, rtol=rtol, opt_level=opt_level, shapes=shapes, isolate=False,
             what=f"running {os.fspath(original)!r} and {os.fspath(optimized)!r}")
+    providers = providers or ["CPUExecutionProvider"]
+    model = model_for_ort(original)
+    model_for_ort(optimized)
+    random_inputs(model, dims, shapes=shapes)  # unbound dims fail here, not after loading
     kw = {"providers": providers, "execution_order": execution_order,
           "prepacking": prepacking, "opt_level": opt_level}
     s_orig = make_session(original, optimized=False, **kw)  # type: ignore[arg-type]

@@ -67,13 +67,31 @@ def test_the_child_writes_nothing_to_stdout(capfd):
 
 def test_an_interrupt_leaves_no_child_behind():
     before = _children()
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+
+    def interrupt_once_the_child_runs() -> None:
+        deadline = time.monotonic() + 30
+        while _children() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # (past Popen: the parent waits for the answer)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_the_child_runs, daemon=True).start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         isolate.run_isolated(time.sleep, 60, what="sleeping")
     assert time.monotonic() - t0 < 30
     assert _children() == before
+
+
+def test_an_answer_cut_short_is_the_exit_status():
+    """A child killed while writing its answer leaves a truncated pickle: the parent reports
+    the death, not an unpickling error."""
+    answer_then_die = (  # in the child, sys.argv[1] is the answer's descriptor
+        "import os, pickle, signal, sys\n"
+        "os.write(int(sys.argv[1]), pickle.dumps(('ok', b'x' * 1000))[:20])\n"
+        "signal.raise_signal(signal.SIGKILL)\n")
+    with pytest.raises(UnsupportedModelError, match=r"killed \(SIGKILL\) while writing"):
+        isolate.run_isolated(exec, answer_then_die, what="writing")
 
 
 def test_a_child_importing_another_ho_onnx_refuses():
