@@ -94,7 +94,6 @@ def external_ref(tensor: TensorProto) -> ExternalRef | None:
     return ExternalRef(kv["location"], offset, length)
 
 
-@functools.lru_cache(maxsize=4096)
 def _resolve(base_dir: Path, location: str) -> tuple[Path, Path | None]:
     """The resolved folder and the file ``location`` names in it (None: outside it)."""
     base = base_dir.resolve()
@@ -107,9 +106,8 @@ def resolve_data_path(base_dir: Path, location: str, what: str, *,
                       error: type[HoOnnxError] = ExternalDataError) -> Path:
     """The file ``location`` names, refusing absolute paths and escapes from ``base_dir``
     (``kind`` names the string in the ``error``: also the decoder a genai folder names).
-
-    (Resolution is cached per (folder, location): a model has one or a few data files and
-    thousands of initializers.)"""
+    Resolved anew on every call (links can change between calls: a cached answer was a
+    stale "inside" for a file since replaced by a link out of the folder)."""
     if "\0" in location:
         raise error(f"{what}: {kind} {location!r} has a NUL byte")
     if not location or os.path.isabs(location) or location.startswith(("\\", "/")):
@@ -131,13 +129,16 @@ def expected_nbytes(tensor: TensorProto) -> int | None:
 def validate_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
     """Every external reference must name a file inside ``base_dir`` that is long enough."""
     sizes: dict[Path, int] = {}
+    paths: dict[str, Path] = {}  # one or a few data files, thousands of initializers
     for graph in iter_graphs(model.graph):
         for tensor in graph.initializer:
             ref = external_ref(tensor)
             if ref is None:
                 continue
             what = f"initializer {tensor.name!r}"
-            path = resolve_data_path(base_dir, ref.location, what)
+            path = paths.get(ref.location)
+            if path is None:
+                path = paths[ref.location] = resolve_data_path(base_dir, ref.location, what)
             if path not in sizes:
                 if not path.is_file():
                     raise ExternalDataError(
@@ -272,7 +273,6 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
                allow_cache_ops: bool = False) -> LoadedModel:
     """Read ``path`` (weight bytes stay on disk), check it and its external data references."""
     p = Path(path)
-    _resolve.cache_clear()  # resolutions are cached within one load/save, never across
     model = read_proto(p)
     base_dir = p.resolve().parent
 

@@ -266,3 +266,17 @@ def test_signal_during_the_data_copy_leaves_nothing_behind(tmp_path: Path, sig: 
     assert "Traceback" not in err, err[-3000:]
     assert not out_dir.exists() or not any(out_dir.iterdir()), list(out_dir.iterdir())
     assert (p.parent / "w.bin").stat().st_size == 768 << 20
+
+
+def test_optimize_of_a_folder_reads_nothing_outside_it(tmp_path: Path):
+    """A model folder whose tokenizer is a link out of it (was: that file was copied into
+    the output folder): one line, exit 2, no output folder."""
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save(chain_model(), src / "model.onnx")
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "secret.txt").write_text("private")
+    (src / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    msg = one_line_error(ho("optimize", str(src), str(tmp_path / "out"), "--budget", "1KiB"))
+    assert "outside the folder" in msg and "tokenizer.json" in msg, msg
+    assert not (tmp_path / "out").exists()

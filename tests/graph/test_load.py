@@ -79,6 +79,24 @@ def test_hostile_locations(tmp_path, location):
         optimize(tmp_path / "evil.onnx", tmp_path / "out.onnx", ALL)
 
 
+def test_a_data_file_replaced_by_a_link_out_is_refused_on_the_next_check(tmp_path):
+    """Where a data file is, is looked up on every check (was: cached across calls, so a
+    server that had checked the model once went on calling a link out of the folder inside:
+    ``verify`` then let ORT read it)."""
+    from ho_onnx.graph.load import validate_external_data
+
+    (tmp_path / "models").mkdir()
+    src = save(chain_model(), tmp_path / "models" / "m.onnx", external=True)
+    proto = onnx.load(str(src), load_external_data=False)
+    validate_external_data(proto, src.parent)
+    data = src.parent / "m.onnx.data"
+    (tmp_path / "elsewhere.bin").write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(tmp_path / "elsewhere.bin")
+    with pytest.raises(ExternalDataError, match="points outside the model folder"):
+        validate_external_data(proto, src.parent)
+
+
 def test_unsupported_opset_and_already_optimized(tmp_path):
     m = chain_model()
     m.opset_import[0].version = 99

@@ -12,15 +12,19 @@
   ``ORTModelForCausalLM.from_pretrained(folder, session_options=optimum_session_options(folder))``
   (:func:`optimum_session_options`: ho-onnx's session options for ``folder/model.onnx``).
 
-Every other file of the input folder (tokenizer, generation config, ...) is copied; model
-data files are written by the optimize step itself. The input folder is never modified.
+Every other file of the input folder and its subfolders (tokenizer, generation config, ...)
+is copied; model data files are written by the optimize step itself. Nothing outside the
+input folder is read (a link out of it, a FIFO or a device is refused before anything is
+written), and the input folder is never modified.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +34,8 @@ import onnx
 
 from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
 from ...errors import ModelLoadError, OutputPathError
-from ...graph.load import resolve_data_path
-from ...graph.save import new_folders
+from ...graph.load import read_proto, resolve_data_path
+from ...graph.save import copy_sparse, new_folders
 
 FolderKind = Literal["genai", "optimum"]
 GENAI_CONFIG = "genai_config.json"
@@ -86,35 +90,80 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
                                  f"{decoder['filename']!r}, which is not in {str(p)!r}")
         return ModelFolder("genai", p, model, cfg)
     if (p / OPTIMUM_CONFIG).is_file() and (p / OPTIMUM_MODEL).is_file():
+        resolve_data_path(p, OPTIMUM_MODEL, repr(str(p)), kind="model file",
+                          error=ModelLoadError)  # (a link out of the folder is refused)
         return ModelFolder("optimum", p, p / OPTIMUM_MODEL, _read_json(p / OPTIMUM_CONFIG))
     raise ModelLoadError(
         f"{str(p)!r} is neither an onnxruntime-genai folder ({GENAI_CONFIG}) nor an Optimum "
         f"folder ({OPTIMUM_CONFIG} + {OPTIMUM_MODEL})")
 
 
-def _model_files(folder: Path, model: Path) -> set[Path]:
-    """The model file and every external data file it references (not copied as-is)."""
+def _model_files(model: Path) -> set[Path]:
+    """The model file and every external data file it references (not copied as-is;
+    references the optimize step will refuse are left to it)."""
     out = {model.resolve()}
-    m = onnx.load(str(model), load_external_data=False)
-    for t in m.graph.initializer:
+    for t in read_proto(model).graph.initializer:
         for e in t.external_data:
             if e.key == "location":
-                out.add((folder / e.value).resolve())
+                with contextlib.suppress(ValueError, OSError, RuntimeError):
+                    out.add((model.parent / e.value).resolve())
     return out
 
 
-def _copy_rest(src: Path, dst: Path, skip: set[Path]) -> list[str]:
-    """Copy what the optimize step did not write (never over what it wrote)."""
+def _files_to_copy(folder: Path, skip: set[Path]) -> list[tuple[Path, Path]]:
+    """(file to read, path in the output folder) of every file copied as it is: all but the
+    model, its data files (``skip``, resolved) and ``genai_config.json``, in every subfolder.
+
+    Nothing outside the folder is read: a symbolic link must resolve to a regular file inside
+    it (was: followed anywhere, so a link to ``/etc/passwd`` or ``/dev/zero`` was copied);
+    FIFOs, sockets and devices (a read could block or never end) and links to folders are
+    refused with a :class:`ModelLoadError`, before anything is written."""
+    root = folder.resolve()
+    out: list[tuple[Path, Path]] = []
+
+    def refuse(item: Path, why: str) -> ModelLoadError:
+        hint = ""
+        if root.parent.name == "snapshots":  # Hugging Face's cache: links into ../../blobs
+            hint = ("; a Hugging Face cache snapshot links its files from outside it: make a "
+                    "real copy first (`cp -rL SNAPSHOT DIR`, or download with `--local-dir`)")
+        return ModelLoadError(f"{str(item)!r} {why}: model folders are copied only from "
+                              f"files inside {str(folder)!r}{hint}")
+
+    def walk(d: Path, rel: Path) -> None:
+        for item in sorted(d.iterdir()):
+            mode = item.lstat().st_mode
+            src = item
+            if stat.S_ISLNK(mode):
+                try:
+                    src = item.resolve(strict=True)
+                except (OSError, RuntimeError):  # dangling, or a loop
+                    raise refuse(item, "is a link that leads nowhere") from None
+                if root not in src.parents:
+                    raise refuse(item, f"is a link to {str(src)!r}, outside the folder")
+                mode = src.stat().st_mode
+                if stat.S_ISDIR(mode):
+                    raise refuse(item, "is a link to a folder")
+            if stat.S_ISDIR(mode):
+                walk(item, rel / item.name)
+            elif not stat.S_ISREG(mode):
+                raise refuse(item, "is not a regular file (a FIFO, socket or device)")
+            elif src.resolve() not in skip and rel / item.name != Path(GENAI_CONFIG):
+                out.append((src, rel / item.name))
+
+    walk(folder, Path())
+    return out
+
+
+def _copy_rest(dst: Path, files: list[tuple[Path, Path]]) -> list[str]:
+    """Copy :func:`_files_to_copy`'s files (never over what the optimize step wrote)."""
     copied = []
-    for item in sorted(src.iterdir()):
-        if item.resolve() in skip or item.name == GENAI_CONFIG or (dst / item.name).exists():
+    for src, rel in files:
+        target = dst / rel
+        if target.exists():
             continue
-        target = dst / item.name
-        if item.is_dir():
-            shutil.copytree(item, target, dirs_exist_ok=True)
-        else:
-            shutil.copy2(item, target)
-        copied.append(item.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        copy_sparse(src, target)
+        copied.append(rel.as_posix())
     return copied
 
 
@@ -157,9 +206,10 @@ def optimize_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str],
         raise OutputPathError(f"the output folder {str(out)!r} is the input folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputPathError(f"the output folder {str(out)!r} exists and is not empty")
+    files = _files_to_copy(folder.path, _model_files(folder.model))
     with new_folders(out):  # a failure leaves it as it was: absent, or empty
         try:
-            return _fill_folder(folder, out, optimize_file, library)
+            return _fill_folder(folder, out, files, optimize_file, library)
         except BaseException:
             _empty(out)  # (empty before: everything in it is this call's)
             raise
@@ -173,13 +223,14 @@ def _empty(folder: Path) -> None:
             item.unlink(missing_ok=True)
 
 
-def _fill_folder(folder: ModelFolder, out: Path, optimize_file: OptimizeFile,
-                 library: str | os.PathLike[str] | None) -> FolderResult:
+def _fill_folder(folder: ModelFolder, out: Path, files: list[tuple[Path, Path]],
+                 optimize_file: OptimizeFile, library: str | os.PathLike[str] | None
+                 ) -> FolderResult:
     out_model = out / folder.model.relative_to(folder.path)
     out_model.parent.mkdir(parents=True, exist_ok=True)
     optimize_file(folder.model, out_model)
     result = FolderResult(folder.kind, out, out_model)
-    result.copied = _copy_rest(folder.path, out, _model_files(folder.path, folder.model))
+    result.copied = _copy_rest(out, files)
     result.session_config = _plan_entries(out_model)
     if folder.kind == "genai":
         if library is None:

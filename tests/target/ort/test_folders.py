@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from graphs import chain_model, save
@@ -15,7 +17,7 @@ from ho_onnx.errors import ModelLoadError, OutputPathError
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.target.ort.folders import detect_folder, optimize_folder, optimum_session_options
-from ho_onnx.target.ort.runtime import library_path
+from ho_onnx.target.ort.runtime import library_path, session_options
 
 
 def _optimize(src: Path, dst: Path) -> None:
@@ -162,3 +164,107 @@ def test_a_failure_leaves_the_output_folder_as_it_was(tmp_path, existing):
         assert list(out.iterdir()) == []
     else:
         assert not (tmp_path / "new").exists()
+
+
+def _hostile_entry(root: Path, kind: str) -> str:
+    """Put one entry of ``kind`` in folder ``root``; the message that refuses it."""
+    outside = root.parent / "secret.txt"
+    outside.write_text("not the model's")
+    if kind == "link out":
+        (root / "tokenizer_config.json").symlink_to(outside)
+        return "outside the folder"
+    if kind == "link to a device":
+        (root / "vocab.txt").symlink_to("/dev/zero")
+        return "outside the folder"
+    if kind == "link out, in a subfolder":
+        (root / "sub").mkdir()
+        (root / "sub" / "merges.txt").symlink_to(Path("..") / ".." / "secret.txt")
+        return "outside the folder"
+    if kind == "fifo":
+        os.mkfifo(root / "special_tokens_map.json")
+        return "not a regular file"
+    if kind == "dangling link":
+        (root / "gone.json").symlink_to(root / "nothing-here")
+        return "leads nowhere"
+    if kind == "link loop":
+        (root / "a").symlink_to(root / "b")
+        (root / "b").symlink_to(root / "a")
+        return "leads nowhere"
+    if kind == "link to a folder":
+        (root / "sub").mkdir()
+        (root / "alias").symlink_to(root / "sub")
+        return "a link to a folder"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["link out", "link to a device", "link out, in a subfolder",
+                                  "fifo", "dangling link", "link loop", "link to a folder"])
+@pytest.mark.parametrize("make", [genai_folder, optimum_folder])
+def test_nothing_outside_the_folder_is_copied(tmp_path, make, kind):
+    """Was: every entry copied with links followed: a link to ``/etc/passwd`` put that file in
+    the output folder, one to ``/dev/zero`` filled the disk, a FIFO blocked forever. Refused
+    before the model is optimized: nothing is written."""
+    src = make(tmp_path / "src")
+    message = _hostile_entry(src, kind)
+    calls = []
+
+    def records(a: Path, b: Path) -> None:
+        calls.append(a)
+        _optimize(a, b)
+
+    with pytest.raises(ModelLoadError, match=message):
+        optimize_folder(src, tmp_path / "out", records)
+    assert not calls and not (tmp_path / "out").exists()
+
+
+def test_links_and_subfolders_inside_the_folder_are_copied(tmp_path):
+    """A link to a file of the folder is copied as that file; subfolders are copied whole,
+    also the one holding the decoder (was: a subfolder the optimize step had written to was
+    skipped, and the decoder's data was looked for beside the folder, not the decoder)."""
+    src = tmp_path / "src"
+    (src / "dec").mkdir(parents=True)
+    save(chain_model(), src / "dec" / "model.onnx", external=True)
+    (src / "dec" / "notes.txt").write_text("kept")
+    (src / "assets").mkdir()
+    (src / "assets" / "vocab.txt").write_text("a b c")
+    (src / "vocab.txt").symlink_to(Path("assets") / "vocab.txt")
+    (src / "genai_config.json").write_text(json.dumps(
+        {"model": {"decoder": {"filename": "dec/model.onnx"}}}))
+    r = optimize_folder(src, tmp_path / "out", _optimize, library=library_path())
+    out = tmp_path / "out"
+    assert sorted(r.copied) == ["assets/vocab.txt", "dec/notes.txt", "vocab.txt"]
+    assert not (out / "vocab.txt").is_symlink() and (out / "vocab.txt").read_text() == "a b c"
+    assert (out / "dec" / "notes.txt").read_text() == "kept"
+    assert "Prefetch" in {n.op_type for n in onnx.load(str(out / "dec" / "model.onnx"),
+                                                       load_external_data=False).graph.node}
+    want = _run(src / "dec" / "model.onnx", ort.SessionOptions())
+    np.testing.assert_array_equal(_run(out / "dec" / "model.onnx",
+                                       session_options(out / "dec" / "model.onnx")), want)
+
+
+def test_a_hugging_face_cache_snapshot_is_refused_with_what_to_do(tmp_path):
+    """Its files are links into ``../../blobs``, outside the snapshot folder."""
+    repo = tmp_path / "models--org--name"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    save(chain_model(), blobs / "m")
+    (blobs / "c").write_text('{"model_type": "llama"}')
+    (blobs / "t").write_text("{}")
+    for name, blob in [("model.onnx", "m"), ("config.json", "c"), ("tokenizer.json", "t")]:
+        (snap / name).symlink_to(Path("..") / ".." / "blobs" / blob)
+    with pytest.raises(ModelLoadError, match=r"points outside the model folder"):
+        optimize_folder(snap, tmp_path / "out", _optimize)
+    (snap / "model.onnx").unlink()
+    save(chain_model(), snap / "model.onnx")
+    with pytest.raises(ModelLoadError, match=r"outside the folder.*cp -rL"):
+        optimize_folder(snap, tmp_path / "out", _optimize)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unreadable_model_in_a_folder_is_a_load_error(tmp_path):
+    src = optimum_folder(tmp_path / "src")
+    (src / "model.onnx").write_bytes(b"\x08\x07garbage")
+    with pytest.raises(ModelLoadError, match=r"not a readable ONNX model|not an ONNX model"):
+        optimize_folder(src, tmp_path / "out", _optimize)
+    assert not (tmp_path / "out").exists()
