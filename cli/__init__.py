@@ -231,6 +231,9 @@ def _log(msg: str) -> None:
 _DIM_HELP = "Value of a symbolic dimension, NAME=N (repeatable), e.g. --dim seq=2048."
 _SHAPE_HELP = ("Whole shape of an input, NAME=D0,D1,... (repeatable), for dims without a name "
                "or with an odd one, e.g. --shape x=1,3,48,320; also binds the dims it names.")
+_TIMEOUT_HELP = ("End ONNX Runtime's child process after SECONDS (a model can make it run "
+                 "forever: a Loop whose condition stays true); one error line, exit 2. "
+                 "Default: HO_ONNX_ORT_TIMEOUT, unset: no limit; 0: no limit.")
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -469,9 +472,11 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                    "node; 'all' times what really runs (fused nodes).")
 @click.option("--int-high", type=click.IntRange(min=1), default=8, show_default=True,
               help="Integer inputs are drawn from [0, INT_HIGH).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None,
+              metavar="SECONDS", help=_TIMEOUT_HELP)
 def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
             shapes: tuple[str, ...], runs: int, warmup: int, opt_level: str,
-            int_high: int) -> None:
+            int_high: int, timeout_s: float | None) -> None:
     """Run the unmodified MODEL under ORT's profiler and save median per-node times, for
     `optimize --budget ... --profile FILE` and `plan --profile FILE`.
 
@@ -486,7 +491,7 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
         _log(f"profiling {model}: {warmup} warm-up + {runs} measured runs on {provider}")
         r = profile_model(_model_in(model), out_json, providers=[provider], dims=parse_dims(dims),
                           runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high,
-                          shapes=parse_shape_options(shapes))
+                          shapes=parse_shape_options(shapes), timeout_s=timeout_s)
     click.echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
                f"{r['total_median_s'] * 1e3:.3f} ms")
 
@@ -516,11 +521,13 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
                    "identical.")
 @click.option("--provider", "providers", multiple=True, default=("CPUExecutionProvider",),
               show_default=True, help="ORT execution provider (repeatable, in priority order).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None,
+              metavar="SECONDS", help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[str, ...],
            runs: int, seed: int, int_high: int, atol: float, rtol: float,
            execution_order: str, prepacking: bool, opt_level: str,
-           providers: tuple[str, ...], as_json: bool) -> None:
+           providers: tuple[str, ...], timeout_s: float | None, as_json: bool) -> None:
     """Run ORIGINAL and OPTIMIZED on the same random inputs and compare every output.
 
     Either may be a genai or Optimum model folder (its model is compared). Input shapes
@@ -535,7 +542,8 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
         report = run(_model_in(original), _model_in(optimized), dims=parse_dims(dims),
                      runs=runs, seed=seed, int_high=int_high, providers=list(providers),
                      execution_order=execution_order, prepacking=prepacking, atol=atol,
-                     rtol=rtol, opt_level=opt_level, shapes=parse_shape_options(shapes))
+                     rtol=rtol, opt_level=opt_level, shapes=parse_shape_options(shapes),
+                     timeout_s=timeout_s)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
                                "seconds_original": report.seconds_original,

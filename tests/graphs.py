@@ -109,6 +109,19 @@ mx (float[3,4] X) => (float[3,4] Y) {
 """
 
 
+# A model ORT runs forever: a Loop without a trip count whose condition stays true (each
+# iteration copies a 2-float state; nothing accumulates, so memory stays flat).
+FOREVER_LOOP = """
+forever (float[2] X) => (float[2] Y) {
+    go = Constant <value = bool {1}> ()
+    Y = Loop ("", go, X) <body = step (int64 i, bool c, float[2] a) => (bool c2, float[2] b) {
+        c2 = Identity (c)
+        b = Identity (a)
+    }>
+}
+"""
+
+
 def ort_crash_model() -> onnx.ModelProto:
     return text_model(ORT_CRASH)
 

@@ -63,8 +63,10 @@ from onnx import TensorProto, helper  # noqa: E402
 
 CORPUS = HERE / "fuzz_corpus" / "optimize"
 CASE_SECONDS = 60.0
-# The child's bounds: shape inference and the whole process stay small on a shared machine.
-ENV = {"HO_ONNX_SHAPE_INFERENCE_MEMORY": "1GiB", "HO_ONNX_SHAPE_INFERENCE_TIMEOUT": "20"}
+# The child's bounds: shape inference and the whole process stay small on a shared machine;
+# a mutant ORT would run forever (verify, profile) is ended as the user's limit would.
+ENV = {"HO_ONNX_SHAPE_INFERENCE_MEMORY": "1GiB", "HO_ONNX_SHAPE_INFERENCE_TIMEOUT": "20",
+       "HO_ONNX_ORT_TIMEOUT": "20"}
 ADDRESS_SPACE = 6 << 30
 OPTIMIZED_SEED = "seed-optimized-"
 

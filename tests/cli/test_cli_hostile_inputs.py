@@ -280,3 +280,19 @@ def test_optimize_of_a_folder_reads_nothing_outside_it(tmp_path: Path):
     msg = one_line_error(ho("optimize", str(src), str(tmp_path / "out"), "--budget", "1KiB"))
     assert "outside the folder" in msg and "tokenizer.json" in msg, msg
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cmd", ["verify", "profile"])
+def test_a_model_that_runs_forever_ends_at_the_time_limit(tmp_path: Path, cmd: str):
+    from tests.graphs import FOREVER_LOOP
+
+    p = tmp_path / "forever.onnx"
+    onnx.save(text_model(FOREVER_LOOP), p)
+    args = {"verify": ["verify", str(p), str(p)],
+            "profile": ["profile", str(p), "--out", str(tmp_path / "p.json")]}
+    t0 = time.monotonic()
+    msg = one_line_error(ho(*args[cmd], "--timeout", "2"))
+    assert "did not finish" in msg and "within 2 s" in msg, msg
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "p.json").exists()
+    r = ho(*args[cmd], env={**os.environ, "HO_ONNX_ORT_TIMEOUT": "2"})
+    assert "within 2 s" in one_line_error(r)

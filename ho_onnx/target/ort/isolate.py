@@ -18,16 +18,24 @@ out (a model can make ORT allocate without bound), the kernel ends it first, rep
 per call (``verify`` of a small model: 0.51 s, in-process 0.01 s), paid only by the steps
 that build ORT sessions on a model (``verify``, ``profile``, ``--ort-optimize``, the
 contrib-op output check).
+
+A model can also make ORT run forever (a ``Loop`` whose condition stays true and has no
+trip count): with a time limit (``timeout_s``, or ``HO_ONNX_ORT_TIMEOUT`` seconds; unset or
+``0``: none, as a big model's run may legitimately take hours) the child is killed when it
+is reached, an :class:`UnsupportedModelError` saying so.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import pickle
+import selectors
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -36,6 +44,22 @@ from ...errors import HoOnnxError, UnsupportedModelError
 
 T = TypeVar("T")
 _OK, _RAISED = "ok", "raised"
+ENV_TIMEOUT = "HO_ONNX_ORT_TIMEOUT"
+
+
+def default_timeout() -> float | None:
+    """``HO_ONNX_ORT_TIMEOUT`` in seconds; None (no limit) when unset or 0."""
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise HoOnnxError(f"{ENV_TIMEOUT}: {raw!r} is not a number of seconds") from None
+    if seconds < 0 or not math.isfinite(seconds):
+        raise HoOnnxError(f"{ENV_TIMEOUT} must be a number of seconds >= 0 (0: no limit), "
+                          f"not {raw!r}")
+    return seconds or None
 
 
 def _signal_name(returncode: int) -> str:
@@ -45,14 +69,20 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
-def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) -> T:
+def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
+                 timeout_s: float | None = None, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a child process: its result, or the exception it raised.
 
     ``fn`` must be a module-level function; ``what`` completes "ONNX Runtime crashed while
-    ..." (e.g. ``"verifying 'a.onnx'"``). A child that dies by a signal raises
+    ..." (e.g. ``"verifying 'a.onnx'"``). A child that dies by a signal, or is still running
+    after ``timeout_s`` seconds (None: :func:`default_timeout`; 0: no limit), raises
     :class:`UnsupportedModelError`; one that cannot start or answer, :class:`HoOnnxError`.
-    Off POSIX systems (no inherited pipe descriptors) ``fn`` runs in this process.
+    Off POSIX systems (no inherited pipe descriptors) ``fn`` runs in this process, unbounded.
     """
+    if timeout_s is None:
+        timeout_s = default_timeout()
+    elif timeout_s < 0 or not math.isfinite(timeout_s):
+        raise ValueError(f"timeout_s must be >= 0 (0: no limit), not {timeout_s!r}")
     if os.name != "posix":
         return fn(*args, **kwargs)
     request = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs, __file__))
@@ -66,20 +96,27 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) 
         raise HoOnnxError(f"cannot start a child process to run ONNX Runtime ({e})") from None
     finally:
         os.close(w)
-    try:
-        assert proc.stdin is not None
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    with os.fdopen(r, "rb", buffering=0) as reader:  # (closed whatever happens)
         try:
-            proc.stdin.write(request)
-            proc.stdin.close()
-        except BrokenPipeError:  # it died before reading: its exit status says why
-            pass
-        with os.fdopen(r, "rb") as f:
-            answer = f.read()
-        returncode = proc.wait()
-    except BaseException:  # interrupted: no child left behind
-        proc.kill()
-        proc.wait()
-        raise
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(request)
+                proc.stdin.close()
+            except BrokenPipeError:  # it died before reading: its exit status says why
+                pass
+            answer = _read_answer(reader.fileno(), deadline)
+            if answer is None:
+                raise UnsupportedModelError(
+                    f"ONNX Runtime did not finish {what} within {timeout_s:g} s (a model that "
+                    "runs forever, such as a Loop whose condition stays true?); its child "
+                    f"process was ended. Allow more with --timeout or {ENV_TIMEOUT} (seconds, "
+                    "0: no limit)")
+            returncode = proc.wait()
+        except BaseException:  # interrupted or timed out: no child left behind
+            proc.kill()
+            proc.wait()
+            raise
     try:
         status, value, *rest = pickle.loads(answer) if answer else (None, None)
     except Exception:  # cut short (killed while writing it): its exit status says why
@@ -103,6 +140,23 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str, **kwargs: Any) 
             value.add_note(f"in the child process:\n{rest[0]}")
         raise value
     raise HoOnnxError(str(value))
+
+
+def _read_answer(fd: int, deadline: float | None) -> bytes | None:
+    """Everything the child writes to ``fd`` until it closes its end, or None when
+    ``deadline`` (``time.monotonic()``) passes first."""
+    chunks: list[bytes] = []
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
 
 
 def _answer(request: bytes) -> bytes:

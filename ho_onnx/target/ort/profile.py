@@ -83,13 +83,14 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
                   opt_level: str = "all", seed: int = 0, int_high: int = 8,
                   intra_op_threads: int | None = None,
                   shapes: Mapping[str, list[int]] | None = None,
-                  isolate: bool = True) -> dict[str, Any]:
+                  isolate: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
     """Profile ``model_path`` with ORT and write per-node median times to ``out_json``.
 
     ``opt_level`` is ORT's graph optimization level (``disable`` keeps every original node,
     so every node gets its own time; ``all`` measures what really runs, fused). Returns the
     dict that is written (``out_json=None`` writes nothing). ORT runs in a child process
-    unless ``isolate`` is false (:mod:`.isolate`).
+    unless ``isolate`` is false (:mod:`.isolate`), ended after ``timeout_s`` seconds (None:
+    ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit).
     """
     if runs < 1 or warmup < 0:
         raise ValueError(f"runs must be >= 1 and warmup >= 0 (got {runs}, {warmup})")
@@ -100,7 +101,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
             profile_model, model_path, out_json, providers=providers, dims=dims, runs=runs,
             warmup=warmup, opt_level=opt_level, seed=seed, int_high=int_high,
             intra_op_threads=intra_op_threads, shapes=shapes, isolate=False,
-            what=f"profiling {os.fspath(model_path)!r}")
+            timeout_s=timeout_s, what=f"profiling {os.fspath(model_path)!r}")
     import onnxruntime as ort
 
     dims = dict(dims or {})

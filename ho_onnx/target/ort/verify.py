@@ -77,17 +77,20 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
            int_high: int = 8, providers: list[str] | None = None,
            execution_order: str = "priority", prepacking: bool = False, atol: float = 0.0,
            rtol: float = 0.0, opt_level: str = "all",
-           shapes: Mapping[str, list[int]] | None = None, isolate: bool = True) -> VerifyReport:
+           shapes: Mapping[str, list[int]] | None = None, isolate: bool = True,
+           timeout_s: float | None = None) -> VerifyReport:
     """Run both models ``runs`` times on fresh random inputs; worst differences per output.
 
     Input shapes come from ``dims`` and whole ``shapes`` as for ``plan`` (expression dims
     evaluated, every missing dim named in one error, before any session is made). ORT runs
-    in a child process unless ``isolate`` is false (:mod:`.isolate`)."""
+    in a child process unless ``isolate`` is false (:mod:`.isolate`), ended after ``timeout_s``
+    seconds (None: ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit)."""
     if isolate:  # (the checks below run there, once)
         return run_isolated(
             verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,
             providers=providers, execution_order=execution_order, prepacking=prepacking,
             atol=atol, rtol=rtol, opt_level=opt_level, shapes=shapes, isolate=False,
+            timeout_s=timeout_s,
             what=f"running {os.fspath(original)!r} and {os.fspath(optimized)!r}")
     providers = providers or ["CPUExecutionProvider"]
     model = model_for_ort(original)

@@ -12,7 +12,9 @@ import threading
 import time
 from pathlib import Path
 
+import onnx
 import pytest
+from graphs import FOREVER_LOOP, text_model
 
 from ho_onnx.errors import HoOnnxError, UnsupportedModelError
 from ho_onnx.target.ort import isolate
@@ -81,6 +83,45 @@ def test_an_interrupt_leaves_no_child_behind():
         isolate.run_isolated(time.sleep, 60, what="sleeping")
     assert time.monotonic() - t0 < 30
     assert _children() == before
+
+
+def test_a_time_limit_ends_the_child():
+    before = _children()
+    t0 = time.monotonic()
+    with pytest.raises(UnsupportedModelError, match=r"did not finish sleeping within 0\.5 s"):
+        isolate.run_isolated(time.sleep, 60, what="sleeping", timeout_s=0.5)
+    assert time.monotonic() - t0 < 30
+    assert _children() == before
+    # a limit the call stays within changes nothing
+    assert isolate.run_isolated(os.getpid, what="asking", timeout_s=60) != os.getpid()
+
+
+def test_the_time_limit_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(isolate.ENV_TIMEOUT, "0.5")
+    with pytest.raises(UnsupportedModelError, match=f"within 0.5 s.*{isolate.ENV_TIMEOUT}"):
+        isolate.run_isolated(time.sleep, 60, what="sleeping")
+    monkeypatch.setenv(isolate.ENV_TIMEOUT, "0")  # no limit
+    assert isolate.default_timeout() is None
+    for bad in ("soon", "-1", "inf", "nan"):
+        monkeypatch.setenv(isolate.ENV_TIMEOUT, bad)
+        with pytest.raises(HoOnnxError, match=isolate.ENV_TIMEOUT):
+            isolate.run_isolated(os.getpid, what="asking")
+    with pytest.raises(ValueError, match="timeout_s"):
+        isolate.run_isolated(os.getpid, what="asking", timeout_s=-1)
+
+
+@pytest.mark.parametrize("step", ["verify", "profile"])
+def test_a_model_that_runs_forever_is_ended(tmp_path: Path, step: str):
+    """Was: ``verify``/``profile`` ran until interrupted (a server's request never ended)."""
+    m = tmp_path / "forever.onnx"
+    onnx.save(text_model(FOREVER_LOOP), m)
+    before = _children()
+    with pytest.raises(UnsupportedModelError, match=r"did not finish .* within 3 s"):
+        if step == "verify":
+            verify(m, m, timeout_s=3)
+        else:
+            profile_model(m, tmp_path / "p.json", runs=1, warmup=0, timeout_s=3)
+    assert _children() == before and not (tmp_path / "p.json").exists()
 
 
 def test_an_answer_cut_short_is_the_exit_status():
