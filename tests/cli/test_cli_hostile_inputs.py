@@ -277,7 +277,8 @@ def test_optimize_of_a_folder_reads_nothing_outside_it(tmp_path: Path):
     (src / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "secret.txt").write_text("private")
     (src / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
-    msg = one_line_error(ho("optimize", str(src), str(tmp_path / "out"), "--budget", "1KiB"))
+    msg = one_line_error(ho("optimize", str(src), str(tmp_path / "out"), "--budget", "1KiB",
+                            "--dim", "N=2"))
     assert "outside the folder" in msg and "tokenizer.json" in msg, msg
     assert not (tmp_path / "out").exists()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 from graphs import chain_model, save
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ho_onnx.contract import CONFIG_MODEL_DIR
-from ho_onnx.errors import ModelLoadError, OutputPathError
+from ho_onnx.errors import HoOnnxError, ModelLoadError, OutputPathError
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.target.ort.folders import detect_folder, optimize_folder, optimum_session_options
@@ -268,3 +271,91 @@ def test_an_unreadable_model_in_a_folder_is_a_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match=r"not a readable ONNX model|not an ONNX model"):
         optimize_folder(src, tmp_path / "out", _optimize)
     assert not (tmp_path / "out").exists()
+
+
+_SECRET = "ho-onnx test: a file outside the model folder\n"
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                     lambda kids: st.lists(kids, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), kids, max_size=3), max_leaves=8)
+_DECODER_NAMES = st.sampled_from(["model.onnx", "sub/model.onnx", "../outside.onnx", "/abs",
+                                  "", ".", "sub", "tokenizer.json", "m\0.onnx", "mödel.onnx",
+                                  "link_in.onnx", "link_out.onnx", "sub/../model.onnx"])
+_ENTRIES = st.lists(st.sampled_from(["file", "sub/file", "link in", "link out", "device",
+                                     "fifo", "dangling", "folder link", "model link",
+                                     "sub/link out"]), max_size=4, unique=True)
+
+
+@st.composite
+def _genai_configs(draw: st.DrawFn) -> object:
+    if draw(st.integers(0, 4)) == 0:
+        return draw(_JSON)
+    decoder: dict[str, object] = {"filename": draw(_DECODER_NAMES)}
+    if draw(st.booleans()):
+        decoder["session_options"] = draw(_JSON)
+    if draw(st.integers(0, 5)) == 0:
+        decoder = draw(_JSON)  # type: ignore[assignment]
+    return {"model": {"decoder": decoder, **draw(st.dictionaries(st.text(max_size=4), _JSON,
+                                                                 max_size=2))}}
+
+
+def _add_entry(src: Path, entry: str) -> None:
+    outside = src.parent / "secret.txt"
+    {"file": lambda: (src / "extra.txt").write_text("extra"),
+     "sub/file": lambda: ((src / "sub").mkdir(exist_ok=True),
+                          (src / "sub" / "extra.txt").write_text("extra")),
+     "link in": lambda: (src / "link_in.onnx").symlink_to("model.onnx"),
+     "link out": lambda: (src / "link_out.onnx").symlink_to(outside),
+     "device": lambda: (src / "null.json").symlink_to("/dev/null"),
+     "fifo": lambda: os.mkfifo(src / "pipe.json"),
+     "dangling": lambda: (src / "gone.txt").symlink_to("nothing"),
+     "folder link": lambda: ((src / "sub").mkdir(exist_ok=True),
+                             (src / "alias").symlink_to("sub")),
+     "model link": lambda: (src / "copy.onnx").symlink_to("model.onnx"),
+     "sub/link out": lambda: ((src / "sub").mkdir(exist_ok=True),
+                              (src / "sub" / "t.json").symlink_to(Path("..") / ".." /
+                                                                  "secret.txt")),
+     }[entry]()
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        out[rel] = ("-> " + os.readlink(p) if p.is_symlink() else
+                    p.read_text(errors="replace") if p.is_file() else
+                    "dir" if p.is_dir() else "special")
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["genai", "optimum"]), config=_genai_configs(), entries=_ENTRIES,
+       out_exists=st.booleans())
+def test_any_folder_is_optimized_or_refused_cleanly(kind, config, entries, out_exists):
+    """Property: whatever the genai config and the folder's entries, ``optimize_folder``
+    either writes a folder holding only regular files from inside the input folder, or
+    raises a :class:`HoOnnxError` and leaves the output as it was; the input never changes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "secret.txt").write_text(_SECRET)
+        save(chain_model(), root / "outside.onnx")
+        src = (genai_folder if kind == "genai" else optimum_folder)(root / "src")
+        if kind == "genai":
+            (src / "genai_config.json").write_text(json.dumps(config))
+        (src / "sub").mkdir()
+        save(chain_model(), src / "sub" / "model.onnx")
+        for entry in entries:
+            _add_entry(src, entry)
+        before = _snapshot(src)
+        out = root / "out"
+        if out_exists:
+            out.mkdir()
+        try:
+            optimize_folder(src, out, _optimize, library=library_path())
+        except HoOnnxError:
+            assert (sorted(out.iterdir()) == []) if out_exists else not out.exists()
+        else:
+            for p in out.rglob("*"):
+                assert not p.is_symlink() and (p.is_dir() or p.is_file()), p
+                if p.is_file() and p.stat().st_size < 4096:
+                    assert p.read_bytes() != _SECRET.encode(), p
+        assert _snapshot(src) == before
