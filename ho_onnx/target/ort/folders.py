@@ -82,20 +82,35 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r}: model.decoder.session_options "
                                  "must be a JSON object")
         name = decoder["filename"]  # read there, written at the same place in the output
-        resolve_data_path(p, name, repr(str(p / GENAI_CONFIG)), kind="decoder file name",
-                          error=ModelLoadError)
+        _inside(p, name, repr(str(p / GENAI_CONFIG)), "decoder file name")
         model = p / name
         if not model.is_file():
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names decoder "
                                  f"{decoder['filename']!r}, which is not in {str(p)!r}")
         return ModelFolder("genai", p, model, cfg)
     if (p / OPTIMUM_CONFIG).is_file() and (p / OPTIMUM_MODEL).is_file():
-        resolve_data_path(p, OPTIMUM_MODEL, repr(str(p)), kind="model file",
-                          error=ModelLoadError)  # (a link out of the folder is refused)
+        _inside(p, OPTIMUM_MODEL, repr(str(p)), "model file")  # (not a link out of it)
         return ModelFolder("optimum", p, p / OPTIMUM_MODEL, _read_json(p / OPTIMUM_CONFIG))
     raise ModelLoadError(
         f"{str(p)!r} is neither an onnxruntime-genai folder ({GENAI_CONFIG}) nor an Optimum "
         f"folder ({OPTIMUM_CONFIG} + {OPTIMUM_MODEL})")
+
+
+def _snapshot_hint(folder: Path) -> str:
+    """What to do, when ``folder`` is a Hugging Face cache snapshot (its files are links
+    into ``../../blobs``, outside it); else nothing."""
+    if folder.resolve().parent.name != "snapshots":
+        return ""
+    return ("; a Hugging Face cache snapshot links its files from outside it: make a real "
+            "copy first (`cp -rL SNAPSHOT DIR`, or download with `--local-dir`)")
+
+
+def _inside(folder: Path, name: str, what: str, kind: str) -> None:
+    """Refuse a file name that is not a path inside ``folder`` (links resolved)."""
+    try:
+        resolve_data_path(folder, name, what, kind=kind, error=ModelLoadError)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{e}{_snapshot_hint(folder)}") from None
 
 
 def _model_files(model: Path) -> set[Path]:
@@ -122,12 +137,8 @@ def _files_to_copy(folder: Path, skip: set[Path]) -> list[tuple[Path, Path]]:
     out: list[tuple[Path, Path]] = []
 
     def refuse(item: Path, why: str) -> ModelLoadError:
-        hint = ""
-        if root.parent.name == "snapshots":  # Hugging Face's cache: links into ../../blobs
-            hint = ("; a Hugging Face cache snapshot links its files from outside it: make a "
-                    "real copy first (`cp -rL SNAPSHOT DIR`, or download with `--local-dir`)")
         return ModelLoadError(f"{str(item)!r} {why}: model folders are copied only from "
-                              f"files inside {str(folder)!r}{hint}")
+                              f"files inside {str(folder)!r}{_snapshot_hint(folder)}")
 
     def walk(d: Path, rel: Path) -> None:
         for item in sorted(d.iterdir()):
