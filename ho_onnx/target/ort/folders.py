@@ -141,19 +141,26 @@ def _files_to_copy(folder: Path, skip: set[Path]) -> list[tuple[Path, Path]]:
                               f"files inside {str(folder)!r}{_snapshot_hint(folder)}")
 
     def walk(d: Path, rel: Path) -> None:
-        for item in sorted(d.iterdir()):
-            mode = item.lstat().st_mode
-            src = item
-            if stat.S_ISLNK(mode):
-                try:
-                    src = item.resolve(strict=True)
-                except (OSError, RuntimeError):  # dangling, or a loop
-                    raise refuse(item, "is a link that leads nowhere") from None
-                if root not in src.parents:
-                    raise refuse(item, f"is a link to {str(src)!r}, outside the folder")
-                mode = src.stat().st_mode
-                if stat.S_ISDIR(mode):
-                    raise refuse(item, "is a link to a folder")
+        try:
+            items = sorted(d.iterdir())
+        except OSError as e:
+            raise refuse(d, f"cannot be listed ({e.strerror or e})") from None
+        for item in items:
+            try:
+                mode = item.lstat().st_mode
+                src = item
+                if stat.S_ISLNK(mode):
+                    try:
+                        src = item.resolve(strict=True)
+                    except (OSError, RuntimeError):  # dangling, or a loop
+                        raise refuse(item, "is a link that leads nowhere") from None
+                    if root not in src.parents:
+                        raise refuse(item, f"is a link to {str(src)!r}, outside the folder")
+                    mode = src.stat().st_mode
+                    if stat.S_ISDIR(mode):
+                        raise refuse(item, "is a link to a folder")
+            except OSError as e:  # (gone meanwhile, or not ours to read)
+                raise refuse(item, f"cannot be read ({e.strerror or e})") from None
             if stat.S_ISDIR(mode):
                 walk(item, rel / item.name)
             elif not stat.S_ISREG(mode):
@@ -173,7 +180,11 @@ def _copy_rest(dst: Path, files: list[tuple[Path, Path]]) -> list[str]:
         if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        copy_sparse(src, target)
+        try:
+            copy_sparse(src, target)
+        except OSError as e:  # (the output folder is emptied by the caller)
+            raise OutputPathError(f"cannot copy {str(src)!r} to {str(target)!r}: "
+                                  f"{e.strerror or e}") from None
         copied.append(rel.as_posix())
     return copied
 

@@ -245,6 +245,22 @@ def test_links_and_subfolders_inside_the_folder_are_copied(tmp_path):
                                        session_options(out / "dec" / "model.onnx")), want)
 
 
+def test_a_file_that_cannot_be_copied_is_an_error_leaving_no_output(tmp_path, monkeypatch):
+    import errno
+
+    from ho_onnx.target.ort import folders
+
+    def disk_full(src: Path, dst: Path) -> None:
+        dst.write_text("partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(folders, "copy_sparse", disk_full)
+    src = optimum_folder(tmp_path / "src")
+    with pytest.raises(OutputPathError, match=r"cannot copy .*/config\.json.*space"):
+        optimize_folder(src, tmp_path / "out", _optimize)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_hugging_face_cache_snapshot_is_refused_with_what_to_do(tmp_path):
     """Its files are links into ``../../blobs``, outside the snapshot folder."""
     repo = tmp_path / "models--org--name"
