@@ -76,3 +76,15 @@ def test_the_library_never_imports_the_cli():
     users = [m for m, p in _library_modules().items() if m != "ho_onnx.__main__"
              and any(t.startswith("ho_onnx.cli") for t in _imports(p, m))]
     assert not users, users
+
+
+def test_the_design_map_names_every_module():
+    """docs/design.md's map of the packages (issue 13: "the layout described in
+    docs/design.md matches the tree") names every module of the library."""
+    import re
+
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    missing = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
+                     if p.name != "__init__.py"
+                     and not re.search(rf"(?<![\w]){re.escape(p.name)}", text))
+    assert not missing, f"add these to the map in docs/design.md: {missing}"
