@@ -94,13 +94,6 @@ def external_ref(tensor: TensorProto) -> ExternalRef | None:
     return ExternalRef(kv["location"], offset, length)
 
 
-def _resolve(base_dir: Path, location: str) -> tuple[Path, Path | None]:
-    """The resolved folder and the file ``location`` names in it (None: outside it)."""
-    base = base_dir.resolve()
-    path = (base / location).resolve()
-    return base, path if path == base or base in path.parents else None
-
-
 def resolve_data_path(base_dir: Path, location: str, what: str, *,
                       kind: str = "external data location",
                       error: type[HoOnnxError] = ExternalDataError) -> Path:
@@ -113,8 +106,12 @@ def resolve_data_path(base_dir: Path, location: str, what: str, *,
     if not location or os.path.isabs(location) or location.startswith(("\\", "/")):
         raise error(f"{what}: {kind} {location!r} must be a relative path inside the model "
                     f"folder {str(base_dir)!r}")
-    base, path = _resolve(base_dir, location)
-    if path is None:
+    base = base_dir.resolve()
+    try:
+        path = (base / location).resolve()
+    except RuntimeError:  # (pathlib's word for a loop of symbolic links)
+        raise error(f"{what}: {kind} {location!r} is a loop of symbolic links") from None
+    if path != base and base not in path.parents:
         raise error(f"{what}: {kind} {location!r} points outside the model folder {str(base)!r}")
     return path
 

@@ -79,6 +79,17 @@ def test_hostile_locations(tmp_path, location):
         optimize(tmp_path / "evil.onnx", tmp_path / "out.onnx", ALL)
 
 
+def test_a_data_location_that_is_a_loop_of_links_is_refused(tmp_path):
+    """Was: pathlib's RuntimeError, an unexpected error."""
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    (tmp_path / "m.onnx.data").unlink()
+    (tmp_path / "m.onnx.data").symlink_to("loop")
+    (tmp_path / "loop").symlink_to("m.onnx.data")
+    with pytest.raises(ExternalDataError, match=r"'m\.onnx\.data' is a loop of symbolic links"):
+        optimize(src, tmp_path / "out.onnx", ALL)
+    assert not (tmp_path / "out.onnx").exists()
+
+
 def test_a_data_file_replaced_by_a_link_out_is_refused_on_the_next_check(tmp_path):
     """Where a data file is, is looked up on every check (was: cached across calls, so a
     server that had checked the model once went on calling a link out of the folder inside:

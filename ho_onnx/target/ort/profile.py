@@ -96,6 +96,8 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
         raise ValueError(f"runs must be >= 1 and warmup >= 0 (got {runs}, {warmup})")
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
+    if timeout_s and not isolate:
+        raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
     if isolate:
         return run_isolated(
             profile_model, model_path, out_json, providers=providers, dims=dims, runs=runs,

@@ -84,7 +84,10 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     Input shapes come from ``dims`` and whole ``shapes`` as for ``plan`` (expression dims
     evaluated, every missing dim named in one error, before any session is made). ORT runs
     in a child process unless ``isolate`` is false (:mod:`.isolate`), ended after ``timeout_s``
-    seconds (None: ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit)."""
+    seconds (None: ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit; only
+    a child process can be ended, so not with ``isolate=False``)."""
+    if timeout_s and not isolate:
+        raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
     if isolate:  # (the checks below run there, once)
         return run_isolated(
             verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,

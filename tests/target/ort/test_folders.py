@@ -169,53 +169,62 @@ def test_a_failure_leaves_the_output_folder_as_it_was(tmp_path, existing):
         assert not (tmp_path / "new").exists()
 
 
-def _hostile_entry(root: Path, kind: str) -> str:
-    """Put one entry of ``kind`` in folder ``root``; the message that refuses it."""
-    outside = root.parent / "secret.txt"
-    outside.write_text("not the model's")
-    if kind == "link out":
-        (root / "tokenizer_config.json").symlink_to(outside)
-        return "outside the folder"
-    if kind == "link to a device":
-        (root / "vocab.txt").symlink_to("/dev/zero")
-        return "outside the folder"
-    if kind == "link out, in a subfolder":
-        (root / "sub").mkdir()
-        (root / "sub" / "merges.txt").symlink_to(Path("..") / ".." / "secret.txt")
-        return "outside the folder"
-    if kind == "fifo":
-        os.mkfifo(root / "special_tokens_map.json")
-        return "not a regular file"
-    if kind == "dangling link":
-        (root / "gone.json").symlink_to(root / "nothing-here")
-        return "leads nowhere"
-    if kind == "link loop":
-        (root / "a").symlink_to(root / "b")
-        (root / "b").symlink_to(root / "a")
-        return "leads nowhere"
-    if kind == "link to a folder":
-        (root / "sub").mkdir()
-        (root / "alias").symlink_to(root / "sub")
-        return "a link to a folder"
-    raise AssertionError(kind)
+def _add_entry(src: Path, kind: str) -> None:
+    """Put one entry of ``kind`` (:data:`REFUSED` or :data:`COPIED`) in folder ``src``;
+    ``secret.txt`` beside the folder is what a link out names."""
+    sub = src / "sub"
+    if kind == "file":
+        (src / "extra.txt").write_text("extra")
+    elif kind == "sub/file":
+        sub.mkdir(exist_ok=True)
+        (sub / "extra.txt").write_text("extra")
+    elif kind == "link in":
+        (src / "link_in.onnx").symlink_to("model.onnx")
+    elif kind == "link out":
+        (src / "link_out.onnx").symlink_to(src.parent / "secret.txt")
+    elif kind == "link out, in a subfolder":
+        sub.mkdir(exist_ok=True)
+        (sub / "merges.txt").symlink_to(Path("..") / ".." / "secret.txt")
+    elif kind == "link to a device":  # (not /dev/zero: a regression would copy forever)
+        (src / "vocab.txt").symlink_to("/dev/null")
+    elif kind == "fifo":
+        os.mkfifo(src / "special_tokens_map.json")
+    elif kind == "dangling link":
+        (src / "gone.json").symlink_to("nothing-here")
+    elif kind == "link loop":
+        (src / "a").symlink_to("b")
+        (src / "b").symlink_to("a")
+    elif kind == "link to a folder":
+        sub.mkdir(exist_ok=True)
+        (src / "alias").symlink_to("sub")
+    else:
+        raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["link out", "link to a device", "link out, in a subfolder",
-                                  "fifo", "dangling link", "link loop", "link to a folder"])
+# the entries a folder may not have, with the words that refuse them; those it may have
+REFUSED = {"link out": "outside the folder", "link out, in a subfolder": "outside the folder",
+           "link to a device": "outside the folder", "fifo": "not a regular file",
+           "dangling link": "leads nowhere", "link loop": "leads nowhere",
+           "link to a folder": "a link to a folder"}
+COPIED = ["file", "sub/file", "link in"]
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED))
 @pytest.mark.parametrize("make", [genai_folder, optimum_folder])
 def test_nothing_outside_the_folder_is_copied(tmp_path, make, kind):
     """Was: every entry copied with links followed: a link to ``/etc/passwd`` put that file in
     the output folder, one to ``/dev/zero`` filled the disk, a FIFO blocked forever. Refused
     before the model is optimized: nothing is written."""
     src = make(tmp_path / "src")
-    message = _hostile_entry(src, kind)
+    (tmp_path / "secret.txt").write_text("not the model's")
+    _add_entry(src, kind)
     calls = []
 
     def records(a: Path, b: Path) -> None:
         calls.append(a)
         _optimize(a, b)
 
-    with pytest.raises(ModelLoadError, match=message):
+    with pytest.raises(ModelLoadError, match=REFUSED[kind]):
         optimize_folder(src, tmp_path / "out", records)
     assert not calls and not (tmp_path / "out").exists()
 
@@ -296,9 +305,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_siz
 _DECODER_NAMES = st.sampled_from(["model.onnx", "sub/model.onnx", "../outside.onnx", "/abs",
                                   "", ".", "sub", "tokenizer.json", "m\0.onnx", "mödel.onnx",
                                   "link_in.onnx", "link_out.onnx", "sub/../model.onnx"])
-_ENTRIES = st.lists(st.sampled_from(["file", "sub/file", "link in", "link out", "device",
-                                     "fifo", "dangling", "folder link", "model link",
-                                     "sub/link out"]), max_size=4, unique=True)
+_ENTRIES = st.lists(st.sampled_from([*COPIED, *REFUSED]), max_size=4, unique=True)
 
 
 @st.composite
@@ -312,25 +319,6 @@ def _genai_configs(draw: st.DrawFn) -> object:
         decoder = draw(_JSON)  # type: ignore[assignment]
     return {"model": {"decoder": decoder, **draw(st.dictionaries(st.text(max_size=4), _JSON,
                                                                  max_size=2))}}
-
-
-def _add_entry(src: Path, entry: str) -> None:
-    outside = src.parent / "secret.txt"
-    {"file": lambda: (src / "extra.txt").write_text("extra"),
-     "sub/file": lambda: ((src / "sub").mkdir(exist_ok=True),
-                          (src / "sub" / "extra.txt").write_text("extra")),
-     "link in": lambda: (src / "link_in.onnx").symlink_to("model.onnx"),
-     "link out": lambda: (src / "link_out.onnx").symlink_to(outside),
-     "device": lambda: (src / "null.json").symlink_to("/dev/null"),
-     "fifo": lambda: os.mkfifo(src / "pipe.json"),
-     "dangling": lambda: (src / "gone.txt").symlink_to("nothing"),
-     "folder link": lambda: ((src / "sub").mkdir(exist_ok=True),
-                             (src / "alias").symlink_to("sub")),
-     "model link": lambda: (src / "copy.onnx").symlink_to("model.onnx"),
-     "sub/link out": lambda: ((src / "sub").mkdir(exist_ok=True),
-                              (src / "sub" / "t.json").symlink_to(Path("..") / ".." /
-                                                                  "secret.txt")),
-     }[entry]()
 
 
 def _snapshot(folder: Path) -> dict[str, str]:

@@ -124,6 +124,16 @@ def test_a_model_that_runs_forever_is_ended(tmp_path: Path, step: str):
     assert _children() == before and not (tmp_path / "p.json").exists()
 
 
+def test_a_time_limit_is_refused_where_it_could_not_apply(tmp_path: Path):
+    """In this process a run cannot be ended: a limit there would only pretend."""
+    m = tmp_path / "forever.onnx"
+    onnx.save(text_model(FOREVER_LOOP), m)
+    with pytest.raises(ValueError, match="timeout_s needs isolate=True"):
+        verify(m, m, isolate=False, timeout_s=1)
+    with pytest.raises(ValueError, match="timeout_s needs isolate=True"):
+        profile_model(m, None, isolate=False, timeout_s=1)
+
+
 def test_an_answer_cut_short_is_the_exit_status():
     """A child killed while writing its answer leaves a truncated pickle: the parent reports
     the death, not an unpickling error."""
