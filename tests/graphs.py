@@ -122,6 +122,26 @@ forever (float[2] X) => (float[2] Y) {
 """
 
 
+# A model ORT's symbolic shape inference (run for models with contrib ops) blows up on: it
+# computes int64 tensors of known shape in numpy, and ConstantOfShape's output here is
+# N x N int64 (N=15000: 1.8 GB, twice over, from ~250 bytes of model; measured in-process
+# with N=16000: 4.3 GB and 10 s). ONNX's own inference does not compute it.
+CONTRIB_BLOWUP = """
+<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+blowup (float[2, 3] x) => (float[2, 3] y, int64 s) {
+    shp = Constant <value = int64[2] {N, N}> ()
+    c = ConstantOfShape <value = int64[1] {7}> (shp)
+    s = ReduceSum <keepdims = 0> (c)
+    g = com.microsoft.Gelu (x)
+    y = Relu (g)
+}
+"""
+
+
+def contrib_blowup_model(n: int = 15000) -> onnx.ModelProto:
+    return onnx.parser.parse_model(CONTRIB_BLOWUP.replace("{N, N}", f"{{{n}, {n}}}"))
+
+
 def ort_crash_model() -> onnx.ModelProto:
     return text_model(ORT_CRASH)
 

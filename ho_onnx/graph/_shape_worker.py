@@ -83,12 +83,18 @@ def _write(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def lower_address_space(limit: int) -> None:
+    """Lower this process's address-space limit (``RLIMIT_AS``) to ``limit`` bytes; never
+    above the hard limit. (Also used by :mod:`ho_onnx.target.ort.isolate`'s children.)"""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def _infer(onnx_c: ModuleType, limit: int, data: bytes) -> tuple[int, bytes]:
     if limit:
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard != resource.RLIM_INFINITY:
-            limit = min(limit, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        lower_address_space(limit)
     try:
         # check_type, strict_mode, data_prop: as onnx.shape_inference.infer_shapes(...,
         # check_type=False, strict_mode=False, data_prop=True), minus a parse and a

@@ -59,6 +59,20 @@ def limits() -> tuple[int, float]:
     return memory, timeout
 
 
+def too_big(memory: int, what: str = "shape inference") -> ModelLoadError:
+    """The error for an inference that needed more than ``memory`` bytes."""
+    return ModelLoadError(
+        f"{what} of the model needs more than {format_bytes(memory)} of memory (a malformed "
+        f"or hostile model, or a 1-D tensor of millions of elements?); set {ENV_MEMORY} to "
+        "allow more")
+
+
+def too_slow(timeout: float, what: str = "shape inference") -> ModelLoadError:
+    """The error for an inference still running after ``timeout`` seconds."""
+    return ModelLoadError(f"{what} of the model took more than {timeout:g} s (a malformed or "
+                          f"hostile model?); set {ENV_TIMEOUT} to allow more")
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference with data propagation of ``model`` (best effort: ``model``
     itself when inference fails), bounded by :func:`limits`; raises
@@ -91,10 +105,7 @@ class PendingShapes:
         if status == _FAILED:
             return self.model
         if status == _NO_MEMORY:
-            raise ModelLoadError(
-                f"shape inference of the model needs more than {format_bytes(self.memory)} of "
-                "memory (a malformed or hostile model, or a 1-D tensor of millions of "
-                f"elements?); set {ENV_MEMORY} to allow more")
+            raise too_big(self.memory)
         raise ModelLoadError(f"shape inference of the model crashed ({payload.decode()})")
 
     def cancel(self) -> None:
@@ -175,11 +186,13 @@ def _restore_long_vectors(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _worker_env() -> dict[str, str]:
-    """The worker's environment: ours, without preloaded sanitizer runtimes (the worker runs
-    only onnx, and AddressSanitizer's shadow memory cannot live under an address-space
-    limit)."""
-    env = dict(os.environ)
+def limited_env() -> dict[str, str]:
+    """The environment of a child whose address space is limited: ours without preloaded
+    sanitizer runtimes (AddressSanitizer's shadow memory cannot live under such a limit; the
+    children that get it run only Python and onnx, never the ho-onnx library), with one
+    BLAS/OpenMP thread (each thread's buffers are address space: OpenBLAS starts one per
+    core, up to 64, and a many-core machine would spend the limit on them)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     keep = [p for p in env.get("LD_PRELOAD", "").split()
             if "libasan" not in p and "libubsan" not in p]
     if keep:
@@ -201,7 +214,7 @@ class _Worker:
             safe = ["-P"] if sys.version_info >= (3, 11) else []
             self.proc = subprocess.Popen([sys.executable, *safe, _WORKER],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         start_new_session=True, env=_worker_env())
+                                         start_new_session=True, env=limited_env())
         return self.proc
 
     def stop(self) -> None:
@@ -286,9 +299,7 @@ class _Worker:
             while len(buf) < need:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(left):
-                    raise ModelLoadError(
-                        f"shape inference of the model took more than {timeout:g} s (a "
-                        f"malformed or hostile model?); set {ENV_TIMEOUT} to allow more")
+                    raise too_slow(timeout)
                 chunk = os.read(fd, min(max(need - len(buf), 1 << 16), 1 << 24))
                 if not chunk:
                     return None

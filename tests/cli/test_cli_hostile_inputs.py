@@ -19,7 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.graphs import chain_model, doubling_model, text_model
+from tests.graphs import chain_model, contrib_blowup_model, doubling_model, text_model
 
 HO = str(Path(sys.executable).with_name("ho-onnx"))
 
@@ -220,6 +220,18 @@ def test_shape_inference_of_a_hostile_model_is_bounded(tmp_path: Path, cmd: str)
     msg = one_line_error(ho(*args, timeout=300))
     assert time.monotonic() - t0 < 120
     assert "shape inference" in msg.lower()
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_ort_shape_inference_of_a_hostile_contrib_model_is_bounded(tmp_path: Path):
+    """CONTRIB_BLOWUP passes ONNX's inference; ORT's (asked for its Gelu) would take gigabytes
+    in this process: its child's limit stops it, one line."""
+    p = tmp_path / "hostile.onnx"
+    onnx.save(contrib_blowup_model(), p)
+    r = ho("optimize", str(p), str(tmp_path / "o.onnx"), "--budget", "1MiB",
+           env=dict(os.environ, HO_ONNX_SHAPE_INFERENCE_MEMORY="1.5GiB"))
+    msg = one_line_error(r)
+    assert "ORT's symbolic shape inference" in msg and "HO_ONNX_SHAPE_INFERENCE_MEMORY" in msg
     assert not (tmp_path / "o.onnx").exists()
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import onnx
 
 from ...errors import UnsupportedModelError
+from ...graph import bounded
 from ...graph.check import check_standard, domain_name, weights_as_inputs
 from ...graph.dims import free_names
 from .isolate import run_isolated
@@ -73,11 +74,14 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
     dims too). Dims it invents, and expressions other than arithmetic of names (sympy's
     ``Max(a, b)``), are cleared: unknown. Best effort: ``{}`` when
     onnxruntime's tool is missing or fails. Weight bytes are never read.
+
+    The tool computes the values of small tensors in Python (a ``ConstantOfShape`` of
+    int64 materializes its whole output: 250 bytes of model, gigabytes of memory), so it
+    runs in a child process bounded like ONNX's shape inference
+    (:func:`~ho_onnx.graph.bounded.limits`: ``HO_ONNX_SHAPE_INFERENCE_MEMORY`` of address
+    space, ``0`` in this process, unbounded; ``HO_ONNX_SHAPE_INFERENCE_TIMEOUT`` seconds);
+    going past either is a :class:`~ho_onnx.errors.ModelLoadError`.
     """
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    except ImportError:
-        return {}
     sk = weights_as_inputs(model)
     dims, shapes = dict(dims or {}), dict(shapes or {})
     weight_inputs = {t.name for t in model.graph.initializer}
@@ -93,14 +97,40 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
         for d in tt.shape.dim:
             if d.HasField("dim_param") and d.dim_param in dims:
                 d.dim_value = int(dims[d.dim_param])
+    memory, timeout = bounded.limits()
+    what = "ORT's symbolic shape inference"
+    data = sk.SerializeToString()
     try:
-        out = SymbolicShapeInference.infer_shapes(sk, int_max=2**31 - 1, auto_merge=True,
+        if not memory:
+            found = _symbolic_types(data)
+        else:
+            found = run_isolated(_symbolic_types, data, what=f"running {what}",
+                                 timeout_s=timeout, memory_bytes=memory,
+                                 on_timeout=bounded.too_slow(timeout, what))
+    except MemoryError:
+        raise bounded.too_big(memory, what) from None
+    return {name: onnx.TypeProto.FromString(tp) for name, tp in found.items()}
+
+
+def _symbolic_types(skeleton: bytes) -> dict[str, bytes]:
+    """The serialized types ORT's symbolic shape inference finds in a serialized weight-free
+    model, invented dims cleared (:func:`contrib_value_types`, maybe in a child process).
+    ``MemoryError`` is raised, any other failure gives ``{}``."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:
+        return {}
+    try:
+        out = SymbolicShapeInference.infer_shapes(onnx.ModelProto.FromString(skeleton),
+                                                  int_max=2**31 - 1, auto_merge=True,
                                                   guess_output_rank=True, verbose=0)
+    except MemoryError:
+        raise
     except Exception:  # best effort, like onnx's inference
         return {}
     if out is None:
         return {}
-    types: dict[str, onnx.TypeProto] = {}
+    types: dict[str, bytes] = {}
     for vi in list(out.graph.value_info) + list(out.graph.output):
         tp = onnx.TypeProto()
         tp.CopyFrom(vi.type)
@@ -109,7 +139,7 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
                 if d.HasField("dim_param") and (invented_dim(d.dim_param)
                                                 or free_names(d.dim_param) is None):
                     d.ClearField("dim_param")  # (sympy's Max(a, b), floor(...): unknown)
-        types[vi.name] = tp
+        types[vi.name] = tp.SerializeToString()
     return types
 
 

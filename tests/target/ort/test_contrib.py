@@ -3,13 +3,17 @@ validation."""
 
 from __future__ import annotations
 
+import resource
+import time
+
 import numpy as np
 import onnx
 import onnx.parser
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from ho_onnx.errors import UnsupportedModelError
+from ho_onnx.errors import ModelLoadError, UnsupportedModelError
+from ho_onnx.graph import bounded
 from ho_onnx.graph.check import check_standard, contrib_ops, weights_as_inputs
 from ho_onnx.target.ort.contrib import (
     contrib_value_types,
@@ -17,6 +21,7 @@ from ho_onnx.target.ort.contrib import (
     ort_check,
     refuse_unknown_ops,
 )
+from tests.graphs import contrib_blowup_model
 
 HEADER = '<ir_version: 8, opset_import: ["" : 21, "com.microsoft" : 1]>'
 
@@ -146,6 +151,41 @@ def test_contrib_shapes_keep_unbound_dims_symbolic_and_take_whole_shapes():
     assert _dims(types["qkv"]) == [2, 5, 128]
 
 
+def test_contrib_shapes_are_the_same_in_the_bounded_child_and_in_process(monkeypatch):
+    model = external(genai_block(), "qkv_q", "o_q")
+    dims = {"batch": 1, "seq": 8, "past": 0}
+    child = contrib_value_types(model, dims)
+    monkeypatch.setenv(bounded.ENV_MEMORY, "0")
+    here = contrib_value_types(model, dims)
+    assert {k: v.SerializeToString() for k, v in child.items()} == {
+        k: v.SerializeToString() for k, v in here.items()}
+    assert _dims(child["qkv"]) == [1, 8, 128]
+
+
+def test_contrib_shape_inference_of_a_hostile_model_is_bounded_in_memory(monkeypatch):
+    """~270 bytes of model make ORT's tool allocate 2 x 1.8 GB (CONTRIB_BLOWUP): the child's
+    address-space limit stops it; this process does not grow."""
+    model = contrib_blowup_model()
+    assert model.ByteSize() < 400
+    monkeypatch.setenv(bounded.ENV_MEMORY, "1.5GiB")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ModelLoadError, match=(
+            f"ORT's symbolic shape inference.*more than 1.50 GiB.*{bounded.ENV_MEMORY}")):
+        contrib_value_types(model)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB
+    monkeypatch.setenv(bounded.ENV_MEMORY, "4GiB")  # a small one fits the default
+    assert _dims(contrib_value_types(contrib_blowup_model(100))["c"]) == [100, 100]
+
+
+def test_contrib_shape_inference_of_a_hostile_model_is_bounded_in_time(monkeypatch):
+    monkeypatch.setenv(bounded.ENV_TIMEOUT, "0.5")  # the 2 x 460 MB fill takes ~2 s
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError, match=(
+            f"ORT's symbolic shape inference.*more than 0.5 s.*{bounded.ENV_TIMEOUT}")):
+        contrib_value_types(contrib_blowup_model(7600))
+    assert time.monotonic() - t0 < 30
+
+
 def test_invented_dims():
     assert invented_dim("unk__3")
     assert invented_dim("Flatten_99_o0__d1")
@@ -184,6 +224,7 @@ def test_contrib_shapes_clear_what_no_dim_binding_can_evaluate(monkeypatch):
 
     monkeypatch.setattr(symbolic_shape_infer.SymbolicShapeInference, "infer_shapes",
                         staticmethod(fake))
+    monkeypatch.setenv(bounded.ENV_MEMORY, "0")  # in this process, where the fake is
     model = onnx.parser.parse_model(f"""{HEADER}
     g (float[a, 4] x) => (float[a, 4] y) {{ y = Relu (x) }}""")
     types = contrib_value_types(model)
