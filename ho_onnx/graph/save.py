@@ -19,7 +19,7 @@ import errno
 import fcntl
 import functools
 import os
-import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +32,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import contract
-from ..errors import OutputPathError
+from ..errors import ModelLoadError, OutputPathError
 from .analyse import all_graphs
 from .fingerprint import data_fingerprint
 from .load import LoadedModel, resolve_data_path
@@ -179,37 +179,67 @@ def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
     return segs
 
 
-def copy_sparse(src: Path, dst: Path, progress: Progress | None = None) -> None:
+def open_regular(path: Path, expect: tuple[int, int] | None = None) -> int:
+    """A read-only descriptor of the regular file ``path``, opened without following a link
+    in its last part and without blocking (a FIFO swapped in is refused, not waited on);
+    with ``expect`` (``st_dev``, ``st_ino``), only the very file seen then. Otherwise a
+    :class:`ModelLoadError`: an input that changed between its check and its copy."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # (O_NOFOLLOW's answer for a link)
+            raise ModelLoadError(f"{str(path)!r} became a symbolic link while being copied; "
+                                 "was the folder changed meanwhile?") from None
+        raise
+    st = os.fstat(fd)
+    why = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+           else "was replaced" if expect is not None and (st.st_dev, st.st_ino) != expect
+           else "")
+    if why:
+        os.close(fd)
+        raise ModelLoadError(f"{str(path)!r} {why} while being copied; was the folder "
+                             "changed meanwhile?")
+    return fd
+
+
+def copy_sparse(src: Path, dst: Path, progress: Progress | None = None, *,
+                expect: tuple[int, int] | None = None) -> None:
     """Copy ``src`` to ``dst``: a copy-on-write clone where the filesystem can, else the data
-    regions only (holes stay holes), reporting bytes done/total to ``progress``."""
-    total = src.stat().st_size
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
+    regions only (holes stay holes), reporting bytes done/total to ``progress``. ``src``
+    is opened by :func:`open_regular` (``expect``: the file it must be); ``dst`` gets its
+    permission bits and times."""
+    with os.fdopen(open_regular(src, expect), "rb") as fi, open(dst, "wb") as fo:
+        st = os.fstat(fi.fileno())
+        total = st.st_size
         try:
             fcntl.ioctl(fo.fileno(), _FICLONE, fi.fileno())
             if progress:
                 progress(f"cloning {src.name}", total, total)
-            return
         except OSError:
-            pass
-        segs = _data_segments(fi.fileno(), total)
-        todo = sum(e - s for s, e in segs) or 1
-        done = 0
-        for start, end in segs:
-            pos = start
-            while pos < end:
-                n = min(_CHUNK, end - pos)
-                chunk = os.pread(fi.fileno(), n, pos)
-                if not chunk:
-                    raise OutputPathError(f"{str(src)!r} shrank while being copied")
-                os.pwrite(fo.fileno(), chunk, pos)
-                pos += len(chunk)
-                done += len(chunk)
-                if progress:
-                    progress(f"copying {src.name}", done, todo)
-        fo.truncate(total)
-        if progress and done == 0:
-            progress(f"copying {src.name}", todo, todo)
-    shutil.copystat(src, dst)
+            _copy_regions(fi.fileno(), fo, src, total, progress)
+        os.fchmod(fo.fileno(), stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy_regions(fd: int, fo: Any, src: Path, total: int, progress: Progress | None) -> None:
+    segs = _data_segments(fd, total)
+    todo = sum(e - s for s, e in segs) or 1
+    done = 0
+    for start, end in segs:
+        pos = start
+        while pos < end:
+            n = min(_CHUNK, end - pos)
+            chunk = os.pread(fd, n, pos)
+            if not chunk:
+                raise OutputPathError(f"{str(src)!r} shrank while being copied")
+            os.pwrite(fo.fileno(), chunk, pos)
+            pos += len(chunk)
+            done += len(chunk)
+            if progress:
+                progress(f"copying {src.name}", done, todo)
+    fo.truncate(total)
+    if progress and done == 0:
+        progress(f"copying {src.name}", todo, todo)
 
 
 def _place_data_file(src: Path, dst: Path, report: SaveReport, progress: Progress | None,

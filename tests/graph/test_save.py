@@ -12,9 +12,8 @@ import pytest
 from graphs import chain_model, folder_digest, save
 
 from ho_onnx import contract
-from ho_onnx.errors import (
-    OutputPathError,
-)
+from ho_onnx.errors import ModelLoadError, OutputPathError
+from ho_onnx.graph.save import copy_sparse
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 
@@ -78,6 +77,31 @@ def test_output_elsewhere_copies_data_with_progress_keeping_holes(tmp_path, monk
     assert copied.stat().st_blocks * 512 < (8 << 20)  # the hole stayed a hole
     assert copied.stat().st_nlink == 1  # onnx.checker refuses hard-linked data
     optimize(src, out, ALL)  # again: the earlier copy is recognised, not an error
+
+
+def test_copy_reads_only_the_regular_file_it_was_given(tmp_path):
+    """copy_sparse opens its source without following a link, without blocking on a FIFO,
+    and (``expect``) only as the file seen before; the copy keeps permission bits and times
+    (a later save recognises an earlier copy by size and mtime)."""
+    src = tmp_path / "w.bin"
+    src.write_bytes(os.urandom(3000))
+    src.chmod(0o640)
+    os.utime(src, ns=(1_000_000_000, 2_000_000_123))
+    st = src.stat()
+    copy_sparse(src, tmp_path / "c.bin", expect=(st.st_dev, st.st_ino))
+    c = (tmp_path / "c.bin").stat()
+    assert (tmp_path / "c.bin").read_bytes() == src.read_bytes()
+    assert (c.st_mode & 0o777, c.st_mtime_ns) == (0o640, 2_000_000_123)
+    (tmp_path / "link").symlink_to(src)
+    os.mkfifo(tmp_path / "fifo")
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x")
+    for path, why in [(tmp_path / "link", "became a symbolic link"),
+                      (tmp_path / "fifo", "is not a regular file"),
+                      (other, "was replaced")]:
+        with pytest.raises(ModelLoadError, match=why):
+            copy_sparse(path, tmp_path / "d.bin", expect=(st.st_dev, st.st_ino))
+    assert not (tmp_path / "d.bin").exists()
 
 
 def test_existing_different_data_file_is_not_overwritten(tmp_path):

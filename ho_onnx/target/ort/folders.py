@@ -28,7 +28,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import onnx
 
@@ -125,16 +125,27 @@ def _model_files(model: Path) -> set[Path]:
     return out
 
 
-def _files_to_copy(folder: Path, skip: set[Path]) -> list[tuple[Path, Path]]:
-    """(file to read, path in the output folder) of every file copied as it is: all but the
-    model, its data files (``skip``, resolved) and ``genai_config.json``, in every subfolder.
+class _Entry(NamedTuple):
+    """A file :func:`_files_to_copy` found: where to read it, where it goes in the output
+    folder, and which file it was (``st_dev``, ``st_ino``)."""
+
+    src: Path
+    rel: Path
+    seen: tuple[int, int]
+
+
+def _files_to_copy(folder: Path, skip: set[Path]) -> list[_Entry]:
+    """Every file copied as it is: all but the model, its data files (``skip``, resolved)
+    and ``genai_config.json``, in every subfolder.
 
     Nothing outside the folder is read: a symbolic link must resolve to a regular file inside
     it (was: followed anywhere, so a link to ``/etc/passwd`` or ``/dev/zero`` was copied);
     FIFOs, sockets and devices (a read could block or never end) and links to folders are
-    refused with a :class:`ModelLoadError`, before anything is written."""
+    refused with a :class:`ModelLoadError`, before anything is written. The copy reads each
+    file only if it is still the one seen here (a file swapped for a link or FIFO meanwhile
+    is refused: :func:`~ho_onnx.graph.save.open_regular`)."""
     root = folder.resolve()
-    out: list[tuple[Path, Path]] = []
+    out: list[_Entry] = []
 
     def refuse(item: Path, why: str) -> ModelLoadError:
         return ModelLoadError(f"{str(item)!r} {why}: model folders are copied only from "
@@ -147,41 +158,41 @@ def _files_to_copy(folder: Path, skip: set[Path]) -> list[tuple[Path, Path]]:
             raise refuse(d, f"cannot be listed ({e.strerror or e})") from None
         for item in items:
             try:
-                mode = item.lstat().st_mode
+                st = item.lstat()
                 src = item
-                if stat.S_ISLNK(mode):
+                if stat.S_ISLNK(st.st_mode):
                     try:
                         src = item.resolve(strict=True)
                     except (OSError, RuntimeError):  # dangling, or a loop
                         raise refuse(item, "is a link that leads nowhere") from None
                     if root not in src.parents:
                         raise refuse(item, f"is a link to {str(src)!r}, outside the folder")
-                    mode = src.stat().st_mode
-                    if stat.S_ISDIR(mode):
+                    st = src.lstat()  # (resolved: not a link)
+                    if stat.S_ISDIR(st.st_mode):
                         raise refuse(item, "is a link to a folder")
             except OSError as e:  # (gone meanwhile, or not ours to read)
                 raise refuse(item, f"cannot be read ({e.strerror or e})") from None
-            if stat.S_ISDIR(mode):
+            if stat.S_ISDIR(st.st_mode):
                 walk(item, rel / item.name)
-            elif not stat.S_ISREG(mode):
+            elif not stat.S_ISREG(st.st_mode):
                 raise refuse(item, "is not a regular file (a FIFO, socket or device)")
             elif src.resolve() not in skip and rel / item.name != Path(GENAI_CONFIG):
-                out.append((src, rel / item.name))
+                out.append(_Entry(src, rel / item.name, (st.st_dev, st.st_ino)))
 
     walk(folder, Path())
     return out
 
 
-def _copy_rest(dst: Path, files: list[tuple[Path, Path]]) -> list[str]:
+def _copy_rest(dst: Path, files: list[_Entry]) -> list[str]:
     """Copy :func:`_files_to_copy`'s files (never over what the optimize step wrote)."""
     copied = []
-    for src, rel in files:
+    for src, rel, seen in files:
         target = dst / rel
         if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            copy_sparse(src, target)
+            copy_sparse(src, target, expect=seen)
         except OSError as e:  # (the output folder is emptied by the caller)
             raise OutputPathError(f"cannot copy {str(src)!r} to {str(target)!r}: "
                                   f"{e.strerror or e}") from None
@@ -245,7 +256,7 @@ def _empty(folder: Path) -> None:
             item.unlink(missing_ok=True)
 
 
-def _fill_folder(folder: ModelFolder, out: Path, files: list[tuple[Path, Path]],
+def _fill_folder(folder: ModelFolder, out: Path, files: list[_Entry],
                  optimize_file: OptimizeFile, library: str | os.PathLike[str] | None
                  ) -> FolderResult:
     out_model = out / folder.model.relative_to(folder.path)

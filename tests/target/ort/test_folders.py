@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -229,6 +231,61 @@ def test_nothing_outside_the_folder_is_copied(tmp_path, make, kind):
     assert not calls and not (tmp_path / "out").exists()
 
 
+def _swap(src: Path, how: str) -> None:
+    """Change ``src/sub/vocab.txt`` (or its folder) the way a writer racing the copy could."""
+    sub, outside = src / "sub", src.parent / "outside"
+    if how == "link out":
+        (sub / "vocab.txt").unlink()
+        (sub / "vocab.txt").symlink_to(outside / "vocab.txt")
+    elif how == "fifo":
+        (sub / "vocab.txt").unlink()
+        os.mkfifo(sub / "vocab.txt")
+    elif how == "folder linked out":
+        (sub / "vocab.txt").unlink()
+        sub.rmdir()
+        sub.symlink_to(outside)
+    else:  # "replaced": another file at the same path
+        (sub / "new").write_text("new")
+        os.replace(sub / "new", sub / "vocab.txt")
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """A blocking call that outlives ``seconds`` raises TimeoutError (a regression that
+    waited on a FIFO forever fails instead of hanging the suite)."""
+    def expire(*_: object) -> None:
+        raise TimeoutError("still blocked")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("how", ["link out", "fifo", "folder linked out", "replaced"])
+def test_a_file_changed_between_the_check_and_the_copy_is_refused(tmp_path, how):
+    """The folder is walked before the model is optimized and copied after: a file swapped
+    meanwhile (here by the optimize step, standing in for another writer) for a link out of
+    the folder or a FIFO was followed or waited on. Now the copy opens only the very file the
+    walk saw (no link followed, no blocking open, same inode)."""
+    src = optimum_folder(tmp_path / "src")
+    (src / "sub").mkdir()
+    (src / "sub" / "vocab.txt").write_text("the model's")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "vocab.txt").write_text("not the model's")
+
+    def optimize_then_swap(a: Path, b: Path) -> None:
+        _optimize(a, b)
+        _swap(src, how)
+
+    with _deadline(20), pytest.raises(ModelLoadError, match="while being copied"):
+        optimize_folder(src, tmp_path / "out", optimize_then_swap)
+    assert not (tmp_path / "out").exists()
+
+
 def test_links_and_subfolders_inside_the_folder_are_copied(tmp_path):
     """A link to a file of the folder is copied as that file; subfolders are copied whole,
     also the one holding the decoder (was: a subfolder the optimize step had written to was
@@ -259,7 +316,7 @@ def test_a_file_that_cannot_be_copied_is_an_error_leaving_no_output(tmp_path, mo
 
     from ho_onnx.target.ort import folders
 
-    def disk_full(src: Path, dst: Path) -> None:
+    def disk_full(src: Path, dst: Path, **kw: object) -> None:
         dst.write_text("partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
