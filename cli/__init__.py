@@ -99,8 +99,13 @@ def _terminate(signum: int, _frame: object) -> None:
 
 
 def _one_line(text: str, limit: int = 2000) -> str:
+    """``text`` on one line; past ``limit`` characters (a model's names can be any length)
+    its middle is left out, so the end, which says what to do, stays."""
     line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[:limit] + " ..."
+    if len(line) <= limit:
+        return line
+    cut = len(line) - limit
+    return f"{line[:limit * 3 // 4]} ... [{cut} characters left out] ... {line[-(limit // 4):]}"
 
 
 def _fail(message: str, code: int = 2) -> None:

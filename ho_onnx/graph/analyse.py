@@ -24,6 +24,7 @@ from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
 from .bounded import start_infer_shapes
+from .dims import MAX_DIM_EXPRESSION, dim_text, parse_dim
 from .dtypes import ELEMENT_BITS, dtype_name, tensor_nbytes
 from .gcpause import gc_paused
 
@@ -61,23 +62,32 @@ class TensorInfo:
         """
         if not self.fixed_size_type or self.shape is None:
             return None
-        numel = 1
-        for d in self.shape:
-            if isinstance(d, str):
-                d = eval_dim(d, dims or {}, self.name)
-            if d is None or d < 0:  # unknown, or not a size
-                return None
+        sizes = [eval_dim(d, dims or {}, self.name) if isinstance(d, str) else d
+                 for d in self.shape]
+        if any(d is None or d < 0 for d in sizes):  # unknown, or not a size
+            return None
+        numel = 0 if 0 in sizes else 1
+        for d in sizes if numel else ():
             numel *= d
+            if numel > MAX_TENSOR_BYTES << 3:  # (stop: a model's dims can make it any size)
+                break
         assert self.elem_type is not None
         nbytes = tensor_nbytes(self.elem_type, numel)
         if nbytes > MAX_TENSOR_BYTES:
-            raise UnsupportedModelError(f"tensor {self.name!r} would have {nbytes} bytes "
-                                        "(over 1 PiB): check its shape and the --dim values")
+            raise UnsupportedModelError(
+                f"tensor {self.name!r} would have over 1 PiB (shape "
+                f"{_shape_text(self.shape)}): check its shape and the --dim values")
         return nbytes
 
 
 _DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
             ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _shape_text(shape: Sequence[int | str | None], limit: int = 8) -> str:
+    """``[a, 4, b*2]``, at most ``limit`` dims shown."""
+    shown = ", ".join("?" if d is None else dim_text(str(d)) for d in shape[:limit])
+    return f"[{shown}{', ...' if len(shape) > limit else ''}] of {len(shape)} dims"
 
 
 def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
@@ -88,10 +98,7 @@ def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
     """
     if dim in dims:
         return int(dims[dim])
-    try:
-        tree = ast.parse(dim, mode="eval")
-    except SyntaxError:
-        tree = None
+    tree = parse_dim(dim)
 
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Expression):
@@ -113,8 +120,13 @@ def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
     if tree is not None:
         try:
             return ev(tree)
-        except (ValueError, ZeroDivisionError):
+        except (ValueError, ZeroDivisionError, RecursionError):
             pass
+    if tree is None and len(dim) > MAX_DIM_EXPRESSION:
+        raise UnboundDimError(
+            f"tensor {tensor!r} has symbolic dimension {dim_text(dim)!r} with no value, too "
+            f"long to be an expression of names (over {MAX_DIM_EXPRESSION} characters): pass "
+            "the whole shapes of the inputs that have it with --shape")
     raise UnboundDimError(
         f"tensor {tensor!r} has symbolic dimension {dim!r} with no value: pass --dim {dim}=N"
     )

@@ -37,11 +37,33 @@ def parse_shapes(items: Iterable[str]) -> dict[str, list[int]]:
     return shapes
 
 
+# Exporters' dim expressions are short (``past_sequence_length + sequence_length``,
+# ``((s0 + 1)//2)``); a model's longer ones are taken as no expression, so their parse and
+# evaluation never run out of stack (measured: ``b*b*...*b`` of 3,000 factors was
+# an unexpected RecursionError in the parser).
+MAX_DIM_EXPRESSION = 500
+
+
+def parse_dim(dim: str) -> ast.Expression | None:
+    """``dim`` parsed as a Python expression, or None when it is none (a syntax error, a
+    null byte, longer than :data:`MAX_DIM_EXPRESSION` characters)."""
+    if len(dim) > MAX_DIM_EXPRESSION:
+        return None
+    try:
+        return ast.parse(dim, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def dim_text(dim: str, limit: int = 60) -> str:
+    """``dim`` for a message: itself, or its start and its length when it is long."""
+    return dim if len(dim) <= limit else f"{dim[:limit]}... ({len(dim)} characters)"
+
+
 def free_names(dim: str) -> list[str] | None:
     """Names an expression dim uses, in order (None when ``dim`` is no expression)."""
-    try:
-        tree = ast.parse(dim, mode="eval")
-    except SyntaxError:
+    tree = parse_dim(dim)
+    if tree is None:
         return None
     names: list[str] = []
     for node in ast.walk(tree):
@@ -146,7 +168,7 @@ def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None =
         parts.append("symbolic dimensions without a value: " + ", ".join(map(repr, names))
                      + " (pass " + " ".join(f"--dim {n}=N" for n in names) + ")")
     for inp, shape in (odd_inputs or {}).items():
-        spec = ",".join("?" if d is None else str(d) for d in shape)
+        spec = ",".join("?" if d is None else dim_text(str(d)) for d in shape)
         parts.append(f"input {inp!r} [{spec}] has dims --dim cannot name: pass its whole "
                      f"shape, --shape {inp}=" + ",".join(
                          str(d) if isinstance(d, int) else "N" for d in shape))

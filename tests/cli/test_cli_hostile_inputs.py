@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -233,6 +234,42 @@ def test_ort_shape_inference_of_a_hostile_contrib_model_is_bounded(tmp_path: Pat
     msg = one_line_error(r)
     assert "ORT's symbolic shape inference" in msg and "HO_ONNX_SHAPE_INFERENCE_MEMORY" in msg
     assert not (tmp_path / "o.onnx").exists()
+
+
+def _relu_model(path: Path, dim: str, name: str = "X") -> Path:
+    g = helper.make_graph([helper.make_node("Relu", [name], ["Y"])], "g",
+                          [helper.make_tensor_value_info(name, TensorProto.FLOAT, [dim])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [dim])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize(("cmd", "advice"), [
+    ("optimize", "too long to be an expression of names.*with --shape$"),
+    ("verify", "has dims --dim cannot name.*--shape X=N$")])
+def test_a_dim_no_parser_can_take_is_a_short_clear_error(tmp_path: Path, cmd: str,
+                                                          advice: str):
+    """A dim ``b*b*...*b`` of 3,000 factors was "unexpected RecursionError" (Python's
+    parser); now a short message with what to do."""
+    p = _relu_model(tmp_path / "deep.onnx", "*".join(["b"] * 3000))
+    args = (["optimize", str(p), str(tmp_path / "o.onnx"), "--budget", "1MiB"]
+            if cmd == "optimize" else ["verify", str(p), str(p)])
+    msg = one_line_error(ho(*args, "--dim", "b=2"))
+    assert "unexpected" not in msg and len(msg) < 400 and re.search(advice, msg), msg
+    assert not (tmp_path / "o.onnx").exists()
+    if cmd == "optimize":  # and that advice works
+        r = ho("optimize", str(p), str(tmp_path / "o.onnx"), "--budget", "1MiB",
+               "--shape", "X=4")
+        assert r.returncode == 0, r.stderr
+
+
+def test_a_long_message_keeps_its_advice(tmp_path: Path):
+    """A model's names can be any length: past 2,000 characters the error line's middle is
+    left out, not its end (was: the end, which says what to do)."""
+    p = _relu_model(tmp_path / "long.onnx", "?", name="x" * 10_000)
+    msg = one_line_error(ho("verify", str(p), str(p)))
+    assert len(msg) < 2100 and "characters left out" in msg, msg[:200]
+    assert msg.startswith("error: input 'xxx") and msg.endswith("xxx=N"), msg[-200:]
 
 
 def _big_data_model(tmp_path: Path, mib: int) -> Path:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import onnx_ir as ir
 import pytest
 from graphs import chain_model, text_model
+from onnx import TensorProto
 
-from ho_onnx.errors import UnboundDimError
-from ho_onnx.graph.analyse import analyse, is_sorted, sort_graph
+from ho_onnx.errors import UnboundDimError, UnsupportedModelError
+from ho_onnx.graph.analyse import TensorInfo, analyse, is_sorted, sort_graph
 
 
 def test_lifetimes_and_sizes():
@@ -19,6 +20,17 @@ def test_lifetimes_and_sizes():
     assert a.tensors["W1"].is_initializer and a.tensors["W1"].nbytes() == 16 * 16 * 4
     assert a.tensors["y"].is_graph_output
     assert a.last_use("h1") == 5
+
+
+def test_a_tensor_past_a_pebibyte_is_one_short_error_and_an_empty_one_is_empty():
+    """Many huge dims made a message of thousands of digits (and past 4,300 digits an
+    unexpected ValueError of Python's int-to-text limit); a zero dim among them is a size."""
+    huge = TensorInfo("t", TensorProto.FLOAT, (1 << 62,) * 300 + ("b",))
+    with pytest.raises(UnsupportedModelError, match=r"over 1 PiB \(shape \[4611") as e:
+        huge.nbytes({"b": 2})
+    assert len(str(e.value)) < 400 and "of 301 dims" in str(e.value)
+    assert TensorInfo("e", TensorProto.FLOAT, (1 << 62,) * 300 + (0,)).nbytes() == 0
+    assert TensorInfo("s", TensorProto.FLOAT, (2, "b")).nbytes({"b": 3}) == 24
 
 
 def test_unsorted_graph_is_sorted_in_place():

@@ -8,11 +8,14 @@ import onnx.parser
 import pytest
 
 from ho_onnx.errors import UnboundDimError
+from ho_onnx.graph.analyse import eval_dim
 from ho_onnx.graph.dims import (
+    MAX_DIM_EXPRESSION,
     dims_from_shapes,
     free_names,
     input_shapes,
     missing_dims,
+    parse_dim,
     parse_shapes,
 )
 
@@ -58,6 +61,20 @@ def test_free_names():
     assert free_names("?") is None
     assert free_names("p2o.DynamicDimension.0") is None
     assert free_names("f(x)") is None
+
+
+def test_a_model_dim_no_parser_can_take_is_no_expression():
+    """A 6,000-character ``b*b*...*b`` was an unexpected RecursionError in Python's parser; a
+    null byte a ValueError. Now they are dims that are no expression (a whole shape, or
+    ``--dim`` with the dim itself as the name, gives them)."""
+    deep = "*".join(["b"] * 3000)
+    for dim in (deep, "(" * 400 + "b" + ")" * 400, "b\x00", "b" * 501):
+        assert parse_dim(dim) is None and free_names(dim) is None
+        with pytest.raises(UnboundDimError, match="no value"):
+            eval_dim(dim, {"b": 2})
+        assert eval_dim(dim, {dim: 3}) == 3
+    near = "*".join(["b"] * 250)  # the longest kind still evaluated
+    assert len(near) <= MAX_DIM_EXPRESSION and eval_dim(near, {"b": 2}) == 2**250
 
 
 def test_expression_dims_are_evaluated_as_plan_does():
