@@ -1,7 +1,8 @@
 """Fuzzing ``ho-onnx optimize``, ``plan``, ``verify`` and ``profile`` on mutated input models
 (issue 9).
 
-Seeds: small models (inline and external weights, a Shape/Reshape chain, a Tile peak).
+Seeds: small models (inline and external weights, a Shape/Reshape chain, a Tile peak, a
+contrib op beside a ConstantOfShape).
 Mutations (seeded, one to four per case; shared with the session fuzzer, tests/native_fuzz.py,
 where they apply): bytes of the serialized model, node attributes, dims of inputs, outputs
 and initializers, element types, external-data references (location, offset, length), the
@@ -73,7 +74,14 @@ OPTIMIZED_SEED = "seed-optimized-"
 
 def make_seeds(work: Path) -> list[Path]:
     """Input folders, each with ``model.onnx`` (and its data file when external)."""
-    from graphs import chain_model, save, text_model, tile_model, two_weights_model
+    from graphs import (
+        chain_model,
+        contrib_blowup_model,
+        save,
+        text_model,
+        tile_model,
+        two_weights_model,
+    )
 
     shaped = text_model("""
     g (float[N, 16] x) => (float[N, 4, 4] y) {
@@ -89,7 +97,10 @@ def make_seeds(work: Path) -> list[Path]:
                                   ("chain-ext", chain_model(), True),
                                   ("two-ext", two_weights_model(), True),
                                   ("tile", tile_model((64, 64), (64, 64)), False),
-                                  ("shaped", shaped, True)):
+                                  ("shaped", shaped, True),
+                                  # ORT's symbolic inference (a contrib op), a small
+                                  # ConstantOfShape it computes: mutations make it big
+                                  ("contrib", contrib_blowup_model(4), False)):
         d = work / f"seed-{name}"
         d.mkdir(parents=True, exist_ok=True)
         save(model, d / "model.onnx", external=external, size_threshold=64)
@@ -103,7 +114,9 @@ def make_seeds(work: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------
 # Mutations of input models (graph wiring, bytes and data files: tests/native_fuzz.py)
 
-_DIMS = [*_INTS, "N", "", "M", "N+1", "2*N", "\u00b2"]
+# (also dims no parser takes: 3,000 factors, nesting, a null byte; and a long name)
+_DIMS = [*_INTS, "N", "", "M", "N+1", "2*N", "\u00b2", "*".join(["N"] * 3000),
+         "(" * 300 + "N" + ")" * 300, "N\x00", "n" * 5000]
 
 
 def mutate_dims(m: onnx.ModelProto, rng: random.Random) -> None:
@@ -125,6 +138,10 @@ def mutate_dims(m: onnx.ModelProto, rng: random.Random) -> None:
         tt.elem_type = rng.randrange(0, 26)
         return
     dims = tt.shape.dim
+    if rng.randrange(20) == 0:  # many huge dims: a size of thousands of digits
+        for _ in range(300):
+            dims.add().dim_value = 2**62
+        return
     if not dims or rng.randrange(4) == 0:
         dims.add()
     d = rng.choice(dims)

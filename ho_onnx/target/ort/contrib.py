@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -79,8 +80,8 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
     int64 materializes its whole output: 250 bytes of model, gigabytes of memory), so it
     runs in a child process bounded like ONNX's shape inference
     (:func:`~ho_onnx.graph.bounded.limits`: ``HO_ONNX_SHAPE_INFERENCE_MEMORY`` of address
-    space, ``0`` in this process, unbounded; ``HO_ONNX_SHAPE_INFERENCE_TIMEOUT`` seconds);
-    going past either is a :class:`~ho_onnx.errors.ModelLoadError`.
+    space, ``0``: unbounded; ``HO_ONNX_SHAPE_INFERENCE_TIMEOUT`` seconds); going past either
+    is a :class:`~ho_onnx.errors.ModelLoadError`.
     """
     sk = weights_as_inputs(model)
     dims, shapes = dict(dims or {}), dict(shapes or {})
@@ -99,14 +100,10 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
                 d.dim_value = int(dims[d.dim_param])
     memory, timeout = bounded.limits()
     what = "ORT's symbolic shape inference"
-    data = sk.SerializeToString()
     try:
-        if not memory:
-            found = _symbolic_types(data)
-        else:
-            found = run_isolated(_symbolic_types, data, what=f"running {what}",
-                                 timeout_s=timeout, memory_bytes=memory,
-                                 on_timeout=bounded.too_slow(timeout, what))
+        found = run_isolated(_symbolic_types, sk.SerializeToString(), what=f"running {what}",
+                             timeout_s=timeout, memory_bytes=memory,
+                             on_timeout=bounded.too_slow(timeout, what))
     except MemoryError:
         raise bounded.too_big(memory, what) from None
     return {name: onnx.TypeProto.FromString(tp) for name, tp in found.items()}
@@ -114,16 +111,26 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
 
 def _symbolic_types(skeleton: bytes) -> dict[str, bytes]:
     """The serialized types ORT's symbolic shape inference finds in a serialized weight-free
-    model, invented dims cleared (:func:`contrib_value_types`, maybe in a child process).
-    ``MemoryError`` is raised, any other failure gives ``{}``."""
+    model, invented dims cleared (:func:`contrib_value_types`, in a child process).
+    ``MemoryError`` is raised, any other failure gives ``{}``.
+
+    The tool writes ``sym_shape_infer_temp.onnx`` into the working directory when its
+    inference is incomplete (measured: onnxruntime 1.32, a contrib model at opset 7): it
+    runs in a temporary directory of its own, removed after."""
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     except ImportError:
         return {}
+    cwd = os.getcwd()
     try:
-        out = SymbolicShapeInference.infer_shapes(onnx.ModelProto.FromString(skeleton),
-                                                  int_max=2**31 - 1, auto_merge=True,
-                                                  guess_output_rank=True, verbose=0)
+        with tempfile.TemporaryDirectory(prefix="ho_onnx_sym_") as tmp:
+            os.chdir(tmp)
+            try:
+                out = SymbolicShapeInference.infer_shapes(
+                    onnx.ModelProto.FromString(skeleton), int_max=2**31 - 1,
+                    auto_merge=True, guess_output_rank=True, verbose=0)
+            finally:
+                os.chdir(cwd)
     except MemoryError:
         raise
     except Exception:  # best effort, like onnx's inference
