@@ -47,10 +47,13 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
             f"the sidecar {str(out_dir / sidecar.name)!r} would overwrite external data of the "
             "model; choose another output name"
         )
+    kept = out_dir == base_dir.resolve()  # the data files stay where they are
     for name, v in rewritten.weights.items():
         ref = ir_external_ref(v.const_value)
         if ref is not None:
-            where[name] = (ref.location, ref.offset, int(ref.length or 0))
+            loc = _unlinked(ref.location, out_dir, referenced[ref.location]) if kept else (
+                ref.location)
+            where[name] = (loc, ref.offset, int(ref.length or 0))
     stamped: dict[str, list[ir.Node]] = {}
     for name, nodes in rewritten.weight_prefetches.items():
         loc, off, length = where[name]
@@ -64,6 +67,16 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
     stamps = {loc: [index[n] for n in nodes] for loc, nodes in stamped.items()}
     return OutputFiles(rewritten.model, referenced,
                        sidecar if sidecar.tensors else None, stamps)
+
+
+def _unlinked(location: str, folder: Path, file: Path) -> str:
+    """``location`` in ``folder``, or, when a symbolic link leads there (to ``file``, inside
+    the folder: :func:`~ho_onnx.graph.load.resolve_data_path`), the path of ``file``
+    itself: the library opens weight data without following links (was: the output of an
+    optimization beside a linked data file failed to load)."""
+    if os.path.normpath(folder / location) == str(file):
+        return location
+    return file.relative_to(folder).as_posix()
 
 
 def ir_external_ref(tensor: ir.TensorProtocol | None) -> ExternalRef | None:

@@ -3,6 +3,8 @@ offloaded weight's bytes are, decided before anything is written."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 import onnx_ir as ir
 import pytest
@@ -13,9 +15,11 @@ from ho_onnx.errors import OutputPathError
 from ho_onnx.graph.analyse import analyse, attribute_values
 from ho_onnx.rewrite.annotate import annotate
 from ho_onnx.rewrite.insert import insert_cache_ops
+from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.rewrite.place import place_weight_data
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.schedule.policy import choose
+from ho_onnx.target.ort.verify import verify
 
 WEIGHTS = OffloadOptions(activations=False, min_bytes=0)
 
@@ -61,6 +65,36 @@ def test_external_weights_keep_their_file(tmp_path):
                    attribute_values(n)[contract.ATTR_LENGTH])
                   for nodes in rw.weight_prefetches.values() for n in nodes)
     assert refs == [(0, 1024), (1024, 1024)]
+
+
+def _linked_data(tmp_path) -> tuple[Path, onnx.ModelProto]:
+    """A model whose data file ``m.onnx.data`` is a link to ``real.bin`` beside it."""
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    (tmp_path / "m.onnx.data").rename(tmp_path / "real.bin")
+    (tmp_path / "m.onnx.data").symlink_to("real.bin")
+    return src, onnx.load(str(src), load_external_data=False)
+
+
+def test_weights_beside_a_linked_data_file_name_the_file_itself(tmp_path):
+    """The library opens weight data without following links: an output beside its input
+    names the file a link leads to; elsewhere the data is copied under its own name."""
+    _, model = _linked_data(tmp_path)
+    for out, want in [(tmp_path / "m.ho.onnx", "real.bin"),
+                      (tmp_path / "sub" / "m.ho.onnx", "m.onnx.data")]:
+        rw = _rewrite(model)
+        files = place_weight_data(rw, tmp_path, out)
+        locs = {attribute_values(n)[contract.ATTR_LOCATION]
+                for nodes in rw.weight_prefetches.values() for n in nodes}
+        assert locs == {want} and set(files.stamps) == {want}
+
+
+def test_an_output_beside_a_linked_data_file_runs(tmp_path):
+    """Was: optimized without error, then refused by the library at session creation
+    ("symbolic links inside the model directory are not followed")."""
+    src, _ = _linked_data(tmp_path)
+    out = tmp_path / "m.ho.onnx"
+    optimize(src, out, WEIGHTS)
+    assert verify(src, out, dims={"N": 4}, runs=2, opt_level="disable").exact
 
 
 def test_a_sidecar_over_the_models_data_is_refused(tmp_path):
