@@ -62,10 +62,13 @@ class TensorInfo:
         """
         if not self.fixed_size_type or self.shape is None:
             return None
-        sizes = [eval_dim(d, dims or {}, self.name) if isinstance(d, str) else d
-                 for d in self.shape]
-        if any(d is None or d < 0 for d in sizes):  # unknown, or not a size
-            return None
+        sizes = []
+        for d in self.shape:
+            if isinstance(d, str):
+                d = eval_dim(d, dims or {}, self.name)
+            if d is None or d < 0:  # unknown, or not a size
+                return None
+            sizes.append(d)
         numel = 0 if 0 in sizes else 1
         for d in sizes if numel else ():
             numel *= d
