@@ -8,6 +8,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
 _BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+_HUGE = 1 << 60
 
 
 def binary_unit(nbytes: float, at_least: float = 1.0) -> tuple[str, int]:
@@ -22,8 +23,12 @@ def binary_unit(nbytes: float, at_least: float = 1.0) -> tuple[str, int]:
 def format_bytes(nbytes: float, unit: str | None = None, digits: int = 2) -> str:
     """``format_bytes(3 << 20)`` → ``'3.00 MiB'``; ``unit`` fixes the unit (``'MiB'``).
 
-    Below 1 KiB without a fixed unit the count is printed as whole bytes.
+    Below 1 KiB without a fixed unit the count is printed as whole bytes; from 1 EiB on,
+    an integer count as a power of two (a model's dims can make a size of any length, past
+    what a float holds).
     """
+    if isinstance(nbytes, int) and nbytes >= _HUGE:
+        return f"at least 2^{nbytes.bit_length() - 1} B"
     if unit is None:
         unit, k = binary_unit(nbytes)
         if k == 1:

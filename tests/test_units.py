@@ -13,6 +13,11 @@ def test_format_bytes():
     assert format_bytes(1023) == "1023 B"
     assert format_bytes(5 << 30, "MiB", 1) == "5,120.0 MiB"
     assert binary_unit(3 << 20, at_least=4) == ("KiB", 1024)
+    # past 1 EiB a power of two: (2**62)**300 was an unexpected OverflowError (found by
+    # tests/optimize_fuzz.py: an input of 300 dims of 2**62 in profile's memory check)
+    assert format_bytes((1 << 62) ** 300) == "at least 2^18600 B"
+    assert format_bytes((1 << 60) + 5, "GiB") == "at least 2^60 B"
+    assert format_bytes((1 << 60) - 1) == "1,073,741,824.00 GiB"
 
 
 def test_parse_size_round_trips_and_refuses_words():

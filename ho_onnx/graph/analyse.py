@@ -24,7 +24,7 @@ from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
 from .bounded import start_infer_shapes
-from .dims import MAX_DIM_EXPRESSION, dim_text, parse_dim
+from .dims import MAX_DIM_EXPRESSION, dim_text, parse_dim, shape_text
 from .dtypes import ELEMENT_BITS, dtype_name, tensor_nbytes
 from .gcpause import gc_paused
 
@@ -79,18 +79,12 @@ class TensorInfo:
         if nbytes > MAX_TENSOR_BYTES:
             raise UnsupportedModelError(
                 f"tensor {self.name!r} would have over 1 PiB (shape "
-                f"{_shape_text(self.shape)}): check its shape and the --dim values")
+                f"{shape_text(self.shape)}): check its shape and the --dim values")
         return nbytes
 
 
 _DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
             ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
-
-
-def _shape_text(shape: Sequence[int | str | None], limit: int = 8) -> str:
-    """``[a, 4, b*2]``, at most ``limit`` dims shown."""
-    shown = ", ".join("?" if d is None else dim_text(str(d)) for d in shape[:limit])
-    return f"[{shown}{', ...' if len(shape) > limit else ''}] of {len(shape)} dims"
 
 
 def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:

@@ -11,7 +11,7 @@ input's whole shape is given instead, as ``trtexec --shapes`` does.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import onnx
 
@@ -58,6 +58,13 @@ def parse_dim(dim: str) -> ast.Expression | None:
 def dim_text(dim: str, limit: int = 60) -> str:
     """``dim`` for a message: itself, or its start and its length when it is long."""
     return dim if len(dim) <= limit else f"{dim[:limit]}... ({len(dim)} characters)"
+
+
+def shape_text(shape: Sequence[int | str | None], limit: int = 8) -> str:
+    """``[a, 4, b*2]`` for a message; a long shape's first ``limit`` dims and its rank."""
+    shown = ", ".join("?" if d is None else dim_text(str(d)) for d in shape[:limit])
+    return (f"[{shown}]" if len(shape) <= limit
+            else f"[{shown}, ...] ({len(shape)} dims)")
 
 
 def free_names(dim: str) -> list[str] | None:

@@ -28,7 +28,7 @@ def test_a_tensor_past_a_pebibyte_is_one_short_error_and_an_empty_one_is_empty()
     huge = TensorInfo("t", TensorProto.FLOAT, (1 << 62,) * 300 + ("b",))
     with pytest.raises(UnsupportedModelError, match=r"over 1 PiB \(shape \[4611") as e:
         huge.nbytes({"b": 2})
-    assert len(str(e.value)) < 400 and "of 301 dims" in str(e.value)
+    assert len(str(e.value)) < 400 and "(301 dims)" in str(e.value)
     assert TensorInfo("e", TensorProto.FLOAT, (1 << 62,) * 300 + (0,)).nbytes() == 0
     assert TensorInfo("s", TensorProto.FLOAT, (2, "b")).nbytes({"b": 3}) == 24
 

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from ...errors import UnsupportedModelError
-from ...graph.dims import input_shapes, is_mask_input
+from ...graph.dims import input_shapes, is_mask_input, shape_text
 from ...graph.load import check_text, read_proto, validate_external_data
 from ...units import format_bytes
 
@@ -49,8 +49,8 @@ def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
     """Refuse a negative dim, or a feed larger than this machine's memory."""
     if any(d < 0 for d in shape):
         raise UnsupportedModelError(
-            f"input {name!r} declares the shape {shape}: a negative dim is not a valid ONNX "
-            "shape (a dim is a value >= 0 or a name)")
+            f"input {name!r} declares the shape {shape_text(shape)}: a negative dim is not a "
+            "valid ONNX shape (a dim is a value >= 0 or a name)")
     nbytes = int(np.prod(shape, dtype=object)) * itemsize
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -58,8 +58,8 @@ def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
         return
     if nbytes > memory:
         raise UnsupportedModelError(
-            f"input {name!r} of shape {shape} needs {format_bytes(nbytes)}, more than this "
-            f"machine's memory ({format_bytes(memory)}): choose smaller dims")
+            f"input {name!r} of shape {shape_text(shape)} needs {format_bytes(nbytes)}, more "
+            f"than this machine's memory ({format_bytes(memory)}): choose smaller dims")
 
 
 def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
