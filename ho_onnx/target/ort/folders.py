@@ -35,10 +35,12 @@ import onnx
 from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
 from ...errors import ModelLoadError, OutputPathError
 from ...graph.load import read_proto, resolve_data_path
-from ...graph.save import copy_sparse, new_folders
+from ...graph.save import copy_sparse, new_folders, open_regular
+from ...units import format_bytes
 
 FolderKind = Literal["genai", "optimum"]
 GENAI_CONFIG = "genai_config.json"
+MAX_CONFIG_BYTES = 16 << 20  # genai_config.json and config.json hold kilobytes
 OPTIMUM_CONFIG = "config.json"
 OPTIMUM_MODEL = "model.onnx"
 
@@ -55,11 +57,22 @@ class ModelFolder:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(folder: Path, name: str) -> dict[str, Any]:
+    """The JSON object in file ``name`` of ``folder``: a regular file inside it (a link out
+    of it is refused), at most :data:`MAX_CONFIG_BYTES`, nested no deeper than Python's
+    parser goes (was: followed anywhere, read whole, and a ``[[[...`` of 200,000 levels an
+    unexpected RecursionError)."""
+    path = folder / name
+    _inside(folder, name, repr(str(folder)), "configuration file")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{str(path)!r} is not readable JSON: {e}") from None
+        with os.fdopen(open_regular(path), "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_CONFIG_BYTES:
+                raise ModelLoadError(f"{str(path)!r} is larger than "
+                                     f"{format_bytes(MAX_CONFIG_BYTES)}: not a configuration")
+            data = json.loads(f.read(MAX_CONFIG_BYTES + 1).decode())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ModelLoadError(f"{str(path)!r} is not readable JSON: {why}") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{str(path)!r} must hold a JSON object")
     return data
@@ -73,7 +86,7 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
     if not p.is_dir():
         raise ModelLoadError(f"{str(p)!r} is not a folder")
     if (p / GENAI_CONFIG).is_file():
-        cfg = _read_json(p / GENAI_CONFIG)
+        cfg = _read_json(p, GENAI_CONFIG)
         section = cfg.get("model")
         decoder = section.get("decoder") if isinstance(section, dict) else None
         if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
@@ -90,7 +103,7 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
         return ModelFolder("genai", p, model, cfg)
     if (p / OPTIMUM_CONFIG).is_file() and (p / OPTIMUM_MODEL).is_file():
         _inside(p, OPTIMUM_MODEL, repr(str(p)), "model file")  # (not a link out of it)
-        return ModelFolder("optimum", p, p / OPTIMUM_MODEL, _read_json(p / OPTIMUM_CONFIG))
+        return ModelFolder("optimum", p, p / OPTIMUM_MODEL, _read_json(p, OPTIMUM_CONFIG))
     raise ModelLoadError(
         f"{str(p)!r} is neither an onnxruntime-genai folder ({GENAI_CONFIG}) nor an Optimum "
         f"folder ({OPTIMUM_CONFIG} + {OPTIMUM_MODEL})")

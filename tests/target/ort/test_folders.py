@@ -89,6 +89,35 @@ def test_a_genai_config_names_only_a_file_inside_its_folder(tmp_path, model, mes
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("config", ["genai_config.json", "config.json"])
+@pytest.mark.parametrize(("bad", "message"), [
+    ("link out", "points outside the model folder"),
+    ("deep", "not readable JSON: nested too deeply"),
+    ("huge", "larger than 16.00 MiB"),
+    ("not utf-8", "not readable JSON"),
+])
+def test_a_hostile_configuration_file_is_one_clear_error(tmp_path, config, bad, message):
+    """The configuration is read before anything else: was followed out of the folder, read
+    whole whatever its size, and a ``[[[...`` of 200,000 levels an unexpected
+    RecursionError."""
+    src = (genai_folder if config == "genai_config.json" else optimum_folder)(tmp_path / "s")
+    path = src / config
+    if bad == "link out":
+        (tmp_path / "elsewhere.json").write_text(path.read_text())
+        path.unlink()
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif bad == "deep":
+        path.write_text("[" * 200_000)
+    elif bad == "huge":
+        with open(path, "ab") as f:  # (sparse: nothing of it is read)
+            f.truncate(17 << 20)
+    else:
+        path.write_bytes(b'{"model": "\xff"}')
+    with pytest.raises(ModelLoadError, match=message):
+        optimize_folder(src, tmp_path / "out", _optimize)
+    assert not (tmp_path / "out").exists()
+
+
 def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
     s = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
@@ -342,7 +371,7 @@ def test_a_hugging_face_cache_snapshot_is_refused_with_what_to_do(tmp_path):
         optimize_folder(snap, tmp_path / "out", _optimize)
     (snap / "model.onnx").unlink()
     save(chain_model(), snap / "model.onnx")
-    with pytest.raises(ModelLoadError, match=r"outside the folder.*cp -rL"):
+    with pytest.raises(ModelLoadError, match=r"outside the (model )?folder.*cp -rL"):
         optimize_folder(snap, tmp_path / "out", _optimize)
     assert not (tmp_path / "out").exists()
 
