@@ -194,7 +194,7 @@ def _refuse_overwriting_non_json(option: str, out: str) -> None:
     try:
         with open(o, "rb") as f:
             json.loads(f.read(64 << 20))
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):
         raise click.UsageError(f"{option} {out!r} exists and is not a JSON file: refusing to "
                                "write over it") from None
 

@@ -88,7 +88,7 @@ class Machine:
             data = json.loads(p.read_text())
         except FileNotFoundError:
             raise MachineError(f"machine file {str(p)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise MachineError(f"machine file {str(p)!r} is not readable JSON: {e}") from None
         if not isinstance(data, dict):
             raise MachineError(f"machine file {str(p)!r} must hold a JSON object")

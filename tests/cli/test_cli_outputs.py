@@ -48,6 +48,15 @@ def test_json_outputs_never_replace_another_kind_of_file(files, tmp_path, target
                                          files[target])
 
 
+def test_a_json_output_over_deeply_nested_text_is_refused(tmp_path):
+    """Text nested past Python's JSON parser is not JSON (was an unexpected RecursionError
+    while checking what the output would replace)."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000)
+    assert "not a JSON file" in _refused(["calibrate", "--out", str(deep), "--size", "1MiB"],
+                                         deep)
+
+
 def test_calibrate_out_onto_its_measured_file(files):
     data = str(files["data"])
     assert "is an input" in _refused(["calibrate", "--out", data, "--file", data], files["data"])

@@ -101,9 +101,10 @@ def test_machine_errors(tmp_path: Path):
     with pytest.raises(MachineError, match="does not exist"):
         load_machine(tmp_path / "none.json")
     bad = tmp_path / "bad.json"
-    bad.write_text("[1, 2")
-    with pytest.raises(MachineError, match="not readable JSON"):
-        load_machine(bad)
+    for text in ("[1, 2", "[" * 200_000):  # (nested past the parser: was a RecursionError)
+        bad.write_text(text)
+        with pytest.raises(MachineError, match="not readable JSON"):
+            load_machine(bad)
     bad.write_text(json.dumps({"base": "tpu"}))
     with pytest.raises(MachineError, match="unknown machine 'tpu'"):
         load_machine(bad)
@@ -310,9 +311,10 @@ def test_profile_errors(tmp_path: Path):
     with pytest.raises(ProfileError, match="does not exist"):
         profile_costs(a, tmp_path / "none.json")
     p = tmp_path / "p.json"
-    p.write_text("{oops")
-    with pytest.raises(ProfileError, match="not readable JSON"):
-        profile_costs(a, p)
+    for text in ("{oops", "[" * 200_000):
+        p.write_text(text)
+        with pytest.raises(ProfileError, match="not readable JSON"):
+            profile_costs(a, p)
     p.write_text(json.dumps([{"cat": "Node"}]))
     with pytest.raises(ProfileError, match="raw trace"):
         profile_costs(a, p)

@@ -61,7 +61,7 @@ def read_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise ProfileError(f"profile file {str(p)!r} does not exist "
                            "(make one with `ho-onnx profile MODEL`)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ProfileError(f"profile file {str(p)!r} is not readable JSON: {e}") from None
     if isinstance(data, list) or (isinstance(data, dict) and "traceEvents" in data):
         raise ProfileError(f"profile file {str(p)!r} looks like ORT's raw trace; convert it "
