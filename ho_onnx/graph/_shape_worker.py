@@ -2,13 +2,15 @@
 only the standard library and onnx's C++ extension, not the onnx package: it starts in
 ~20 ms instead of ~250 ms and forks a smaller process).
 
-It reads requests on stdin: 8-byte LE address-space limit, 8-byte LE length, a serialized
-model. For each it forks a child that lowers its address-space limit (RLIMIT_AS), runs
-ONNX's shape inference with data propagation on the request bytes (onnx's C++ entry: the
-model is never parsed into Python objects here) and pipes back the result; it answers on
-stdout with a 1-byte status, an 8-byte LE length and the payload (the inferred model, or a
-message). A child that runs out of memory or dies never takes the worker down; the worker
-exits when stdin closes or its parent dies.
+It writes one byte (:data:`READY`) once warmed up, then reads requests on stdin: 8-byte LE
+address-space limit, 8-byte LE length, a serialized model. For each it forks a child that
+lowers its address-space limit (RLIMIT_AS), runs ONNX's shape inference with data
+propagation on the request bytes (onnx's C++ entry: the model is never parsed into Python
+objects here) and pipes back the result; it answers on stdout with a 1-byte status, an
+8-byte LE length and the payload (the inferred model, or a message). A child that runs out
+of memory or dies never takes the worker down; the worker exits when stdin closes or its
+parent dies. :func:`serve` is the same loop for another inference (ORT's symbolic one:
+:mod:`ho_onnx.target.ort._symbolic_worker`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import resource
 import signal
 import struct
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 OK, FAILED, NO_MEMORY, DIED = 0, 1, 2, 3
+READY = b"R"  # written once, when the worker is warm (its start is not a request's time)
 _PR_SET_PDEATHSIG = 1
 _PIPE_SIZE = 1 << 20
 
@@ -85,28 +89,27 @@ def _write(fd: int, data: bytes) -> None:
 
 def lower_address_space(limit: int) -> None:
     """Lower this process's address-space limit (``RLIMIT_AS``) to ``limit`` bytes; never
-    above the hard limit. (Also used by :mod:`ho_onnx.target.ort.isolate`'s children.)"""
+    above the hard limit."""
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _infer(onnx_c: ModuleType, limit: int, data: bytes) -> tuple[int, bytes]:
+def _run(infer: Callable[[bytes], bytes], limit: int, data: bytes) -> tuple[int, bytes]:
+    """``infer(data)`` under an address-space limit of ``limit`` bytes (0: none), as a
+    status and payload."""
     if limit:
         lower_address_space(limit)
     try:
-        # check_type, strict_mode, data_prop: as onnx.shape_inference.infer_shapes(...,
-        # check_type=False, strict_mode=False, data_prop=True), minus a parse and a
-        # serialization of the model
-        return OK, onnx_c.infer_shapes(data, False, False, True)
+        return OK, infer(data)
     except MemoryError as e:
         return NO_MEMORY, str(e).encode(errors="replace")
     except Exception as e:  # inference is best effort: the caller decides
         return FAILED, f"{type(e).__name__}: {e}".encode(errors="replace")
 
 
-def _serve_one(onnx_c: ModuleType, limit: int, data: bytes) -> tuple[int, bytes]:
+def _serve_one(infer: Callable[[bytes], bytes], limit: int, data: bytes) -> tuple[int, bytes]:
     r, w = os.pipe()
     _widen(w)
     pid = os.fork()
@@ -114,7 +117,7 @@ def _serve_one(onnx_c: ModuleType, limit: int, data: bytes) -> tuple[int, bytes]
         os.close(r)
         _die_with_parent()
         try:
-            status, payload = _infer(onnx_c, limit, data)
+            status, payload = _run(infer, limit, data)
             _write(w, struct.pack("<BQ", status, len(payload)) + payload)
         finally:
             os._exit(0)
@@ -142,14 +145,15 @@ def _widen(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
 
 
-def main() -> None:
+def serve(infer: Callable[[bytes], bytes]) -> None:
+    """Answer requests on stdin with ``infer`` run in a forked, bounded child each (see the
+    module's text); :data:`READY` first."""
     _die_with_parent()
-    onnx_c = _load_onnx_c()
-    _warm_up(onnx_c)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (it kills the group)
     fin, fout = sys.stdin.fileno(), sys.stdout.fileno()
     _widen(fin)
     _widen(fout)
+    _write(fout, READY)
     while True:
         head = _read(fin, 16)
         if len(head) != 16:
@@ -158,8 +162,18 @@ def main() -> None:
         data = _read(fin, n)
         if len(data) != n:
             return
-        status, payload = _serve_one(onnx_c, limit, data)
+        status, payload = _serve_one(infer, limit, data)
         _write(fout, struct.pack("<BQ", status, len(payload)) + payload)
+
+
+def main() -> None:
+    _die_with_parent()
+    onnx_c = _load_onnx_c()
+    _warm_up(onnx_c)
+    # check_type, strict_mode, data_prop: as onnx.shape_inference.infer_shapes(...,
+    # check_type=False, strict_mode=False, data_prop=True), minus a parse and a
+    # serialization of the model
+    serve(lambda data: onnx_c.infer_shapes(data, False, False, True))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ ENV_TIMEOUT = "HO_ONNX_SHAPE_INFERENCE_TIMEOUT"
 DEFAULT_MEMORY = 4 << 30
 DEFAULT_TIMEOUT_S = 300.0
 
-_OK, _FAILED, _NO_MEMORY, _DIED = 0, 1, 2, 3  # the worker's statuses
+OK, FAILED, NO_MEMORY, DIED = 0, 1, 2, 3  # a worker's statuses (as _shape_worker's)
+_READY = b"R"
+START_TIMEOUT_S = 120.0  # a worker's imports and warm-up (ORT's symbolic one: ~2 s)
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shape_worker.py")
 
 
@@ -100,11 +102,11 @@ class PendingShapes:
             reply, self._reply = self._reply, None  # the worker is released exactly once
             self._answer = reply()
         status, payload = self._answer
-        if status == _OK:
+        if status == OK:
             return _parse_result(payload)
-        if status == _FAILED:
+        if status == FAILED:
             return self.model
-        if status == _NO_MEMORY:
+        if status == NO_MEMORY:
             raise too_big(self.memory)
         raise ModelLoadError(f"shape inference of the model crashed ({payload.decode()})")
 
@@ -120,9 +122,9 @@ def start_infer_shapes(model: onnx.ModelProto) -> PendingShapes:
     data = _hide_long_vectors(model).SerializeToString()
     if memory == 0:
         try:
-            reply = (_OK, onnx_c.infer_shapes(data, False, False, True))
+            reply = (OK, onnx_c.infer_shapes(data, False, False, True))
         except Exception:  # best effort: unknown shapes are handled downstream
-            reply = (_FAILED, b"")
+            reply = (FAILED, b"")
         return PendingShapes(model, memory, lambda: reply)
     return PendingShapes(model, memory, *_worker.submit(memory, data, timeout))
 
@@ -202,19 +204,30 @@ def limited_env() -> dict[str, str]:
     return env
 
 
-class _Worker:
-    """The long-lived worker process; one request at a time."""
+class Worker:
+    """A long-lived worker process (``python ARGS``: :mod:`._shape_worker`'s protocol) that
+    runs each request in a forked child under the caller's limits; one request at a time.
+    ``what`` names its inference in messages. Started on first use; its start (imports,
+    warm-up) is waited for apart, up to :data:`START_TIMEOUT_S`, and never counts against a
+    request's time limit."""
 
-    def __init__(self) -> None:
+    def __init__(self, args: list[str], what: str) -> None:
+        self.args, self.what = args, what
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
             safe = ["-P"] if sys.version_info >= (3, 11) else []
-            self.proc = subprocess.Popen([sys.executable, *safe, _WORKER],
+            self.proc = subprocess.Popen([sys.executable, *safe, *self.args],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          start_new_session=True, env=limited_env())
+            assert self.proc.stdout is not None
+            if _read_exactly(self.proc.stdout.fileno(), len(_READY),
+                             time.monotonic() + START_TIMEOUT_S) != _READY:
+                self.stop()
+                raise ModelLoadError(f"the {self.what} worker process did not start (its "
+                                     "messages are above)")
         return self.proc
 
     def stop(self) -> None:
@@ -241,7 +254,7 @@ class _Worker:
             raise
         if proc is None:
             self.lock.release()
-            return (lambda: (_DIED, b"the shape-inference worker died")), lambda: None
+            return (lambda: (DIED, f"the {self.what} worker died".encode())), lambda: None
         return (lambda: self._reply(proc, memory, data, timeout)), self._abandon
 
     def _deliver(self, memory: int, data: bytes) -> subprocess.Popen[bytes] | None:
@@ -264,7 +277,7 @@ class _Worker:
                 reply = self._receive(again, timeout) if again is not None else None
             if reply is None:
                 self.stop()
-                return _DIED, b"the shape-inference worker died"
+                return DIED, f"the {self.what} worker died".encode()
             return reply
         except BaseException:
             self.stop()  # a request left half done (timeout, signal) ends the worker
@@ -287,27 +300,44 @@ class _Worker:
             return False
         return True
 
-    @staticmethod
-    def _receive(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, bytes] | None:
+    def _receive(self, proc: subprocess.Popen[bytes], timeout: float
+                 ) -> tuple[int, bytes] | None:
         assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        fd = proc.stdout.fileno()
-        buf = bytearray()
-        need = 9
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while len(buf) < need:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise too_slow(timeout)
-                chunk = os.read(fd, min(max(need - len(buf), 1 << 16), 1 << 24))
-                if not chunk:
-                    return None
-                buf += chunk
-                if len(buf) >= 9 and need == 9:
-                    need = 9 + struct.unpack("<Q", bytes(buf[1:9]))[0]
-        return buf[0], bytes(buf[9:need])
+        fd, deadline = proc.stdout.fileno(), time.monotonic() + timeout
+        head = _read_exactly(fd, 9, deadline)
+        if head is None:
+            raise too_slow(timeout, self.what)
+        if len(head) < 9:
+            return None  # (its output ended: it died)
+        n = struct.unpack("<Q", head[1:9])[0]
+        payload = _read_exactly(fd, n, deadline)
+        if payload is None:
+            raise too_slow(timeout, self.what)
+        return (head[0], payload) if len(payload) == n else None
+
+    def call(self, data: bytes) -> tuple[int, bytes]:
+        """(status, payload) of one request under :func:`limits`."""
+        memory, timeout = limits()
+        reply, _ = self.submit(memory, data, timeout)
+        return reply()
 
 
-_worker = _Worker()
+def _read_exactly(fd: int, n: int, deadline: float) -> bytes | None:
+    """``n`` bytes from ``fd``, fewer when it ends first, None when ``deadline``
+    (``time.monotonic()``) passes first."""
+    buf = bytearray()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return None
+            chunk = os.read(fd, min(n - len(buf), 1 << 24))  # (never past the n bytes)
+            if not chunk:
+                break
+            buf += chunk
+    return bytes(buf)
+
+
+_worker = Worker([_WORKER], "shape inference")
 atexit.register(_worker.stop)

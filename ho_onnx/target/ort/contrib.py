@@ -12,16 +12,16 @@ their outputs, and whether it loads a written model.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import onnx
 
-from ...errors import UnsupportedModelError
+from ...errors import ModelLoadError, UnsupportedModelError
 from ...graph import bounded
 from ...graph.check import check_standard, domain_name, weights_as_inputs
 from ...graph.dims import free_names
@@ -77,11 +77,12 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
     onnxruntime's tool is missing or fails. Weight bytes are never read.
 
     The tool computes the values of small tensors in Python (a ``ConstantOfShape`` of
-    int64 materializes its whole output: 250 bytes of model, gigabytes of memory), so it
-    runs in a child process bounded like ONNX's shape inference
-    (:func:`~ho_onnx.graph.bounded.limits`: ``HO_ONNX_SHAPE_INFERENCE_MEMORY`` of address
-    space, ``0``: unbounded; ``HO_ONNX_SHAPE_INFERENCE_TIMEOUT`` seconds); going past either
-    is a :class:`~ho_onnx.errors.ModelLoadError`.
+    int64 materializes its whole output: 270 bytes of model, gigabytes of memory), so it
+    runs in a child forked from a worker process (:mod:`._symbolic_worker`), bounded like
+    ONNX's shape inference (:func:`~ho_onnx.graph.bounded.limits`:
+    ``HO_ONNX_SHAPE_INFERENCE_MEMORY`` of address space, ``0``: unbounded;
+    ``HO_ONNX_SHAPE_INFERENCE_TIMEOUT`` seconds); going past either is a
+    :class:`~ho_onnx.errors.ModelLoadError`.
     """
     sk = weights_as_inputs(model)
     dims, shapes = dict(dims or {}), dict(shapes or {})
@@ -98,46 +99,24 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
         for d in tt.shape.dim:
             if d.HasField("dim_param") and d.dim_param in dims:
                 d.dim_value = int(dims[d.dim_param])
-    memory, timeout = bounded.limits()
-    what = "ORT's symbolic shape inference"
-    try:
-        found = run_isolated(_symbolic_types, sk.SerializeToString(), what=f"running {what}",
-                             timeout_s=timeout, memory_bytes=memory,
-                             on_timeout=bounded.too_slow(timeout, what))
-    except MemoryError:
-        raise bounded.too_big(memory, what) from None
-    return {name: onnx.TypeProto.FromString(tp) for name, tp in found.items()}
+    status, payload = _SYMBOLIC.call(sk.SerializeToString())
+    if status == bounded.NO_MEMORY:
+        raise bounded.too_big(bounded.limits()[0], _SYMBOLIC.what)
+    if status == bounded.DIED:
+        raise ModelLoadError(f"{_SYMBOLIC.what} of the model crashed ({payload.decode()})")
+    return symbolic_types(payload) if status == bounded.OK else {}
 
 
-def _symbolic_types(skeleton: bytes) -> dict[str, bytes]:
-    """The serialized types ORT's symbolic shape inference finds in a serialized weight-free
-    model, invented dims cleared (:func:`contrib_value_types`, in a child process).
-    ``MemoryError`` is raised, any other failure gives ``{}``.
+_SYMBOLIC = bounded.Worker(["-m", "ho_onnx.target.ort._symbolic_worker"],
+                           "ORT's symbolic shape inference")
+atexit.register(_SYMBOLIC.stop)
 
-    The tool writes ``sym_shape_infer_temp.onnx`` into the working directory when its
-    inference is incomplete (measured: onnxruntime 1.32, a contrib model at opset 7): it
-    runs in a temporary directory of its own, removed after."""
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    except ImportError:
-        return {}
-    cwd = os.getcwd()
-    try:
-        with tempfile.TemporaryDirectory(prefix="ho_onnx_sym_") as tmp:
-            os.chdir(tmp)
-            try:
-                out = SymbolicShapeInference.infer_shapes(
-                    onnx.ModelProto.FromString(skeleton), int_max=2**31 - 1,
-                    auto_merge=True, guess_output_rank=True, verbose=0)
-            finally:
-                os.chdir(cwd)
-    except MemoryError:
-        raise
-    except Exception:  # best effort, like onnx's inference
-        return {}
-    if out is None:
-        return {}
-    types: dict[str, bytes] = {}
+
+def symbolic_types(inferred: bytes) -> dict[str, onnx.TypeProto]:
+    """The main graph's value types in a model ORT's symbolic inference wrote
+    (:func:`ho_onnx.target.ort._symbolic_worker.infer`), invented dims cleared."""
+    out = onnx.ModelProto.FromString(inferred)
+    types: dict[str, onnx.TypeProto] = {}
     for vi in list(out.graph.value_info) + list(out.graph.output):
         tp = onnx.TypeProto()
         tp.CopyFrom(vi.type)
@@ -146,7 +125,7 @@ def _symbolic_types(skeleton: bytes) -> dict[str, bytes]:
                 if d.HasField("dim_param") and (invented_dim(d.dim_param)
                                                 or free_names(d.dim_param) is None):
                     d.ClearField("dim_param")  # (sympy's Max(a, b), floor(...): unknown)
-        types[vi.name] = tp.SerializeToString()
+        types[vi.name] = tp
     return types
 
 

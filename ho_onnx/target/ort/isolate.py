@@ -41,7 +41,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ...errors import HoOnnxError, UnsupportedModelError
-from ...graph.bounded import limited_env
 
 T = TypeVar("T")
 _OK, _RAISED = "ok", "raised"
@@ -71,35 +70,27 @@ def _signal_name(returncode: int) -> str:
 
 
 def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
-                 timeout_s: float | None = None, memory_bytes: int = 0,
-                 on_timeout: HoOnnxError | None = None, **kwargs: Any) -> T:
+                 timeout_s: float | None = None, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a child process: its result, or the exception it raised.
 
     ``fn`` must be a module-level function; ``what`` completes "ONNX Runtime crashed while
     ..." (e.g. ``"verifying 'a.onnx'"``). A child that dies by a signal, or is still running
     after ``timeout_s`` seconds (None: :func:`default_timeout`; 0: no limit), raises
-    :class:`UnsupportedModelError` (``on_timeout`` instead, when given, for the latter); one
-    that cannot start or answer, :class:`HoOnnxError`. ``memory_bytes`` (0: none) limits
-    the child's address space (``RLIMIT_AS``, environment
-    :func:`~ho_onnx.graph.bounded.limited_env`): an allocation past it raises
-    ``MemoryError`` in ``fn``, which comes back raised like any exception. Off POSIX systems
-    (no inherited pipe descriptors) ``fn`` runs in this process, unbounded.
+    :class:`UnsupportedModelError`; one that cannot start or answer, :class:`HoOnnxError`.
+    Off POSIX systems (no inherited pipe descriptors) ``fn`` runs in this process, unbounded.
     """
     if timeout_s is None:
         timeout_s = default_timeout()
     elif timeout_s < 0 or not math.isfinite(timeout_s):
         raise ValueError(f"timeout_s must be >= 0 (0: no limit), not {timeout_s!r}")
-    if memory_bytes < 0:
-        raise ValueError(f"memory_bytes must be >= 0 (0: no limit), not {memory_bytes!r}")
     if os.name != "posix":
         return fn(*args, **kwargs)
     request = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs, __file__))
     r, w = os.pipe()
     try:
         # stdout to this process's stderr: a --json report on stdout stays clean
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(w), str(memory_bytes)],
-                                stdin=subprocess.PIPE, stdout=2, pass_fds=(w,),
-                                env=limited_env() if memory_bytes else None)
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(w)], stdin=subprocess.PIPE,
+                                stdout=2, pass_fds=(w,))
     except OSError as e:
         os.close(r)
         raise HoOnnxError(f"cannot start a child process to run ONNX Runtime ({e})") from None
@@ -116,8 +107,6 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
                 pass
             answer = _read_answer(reader.fileno(), deadline)
             if answer is None:
-                if on_timeout is not None:
-                    raise on_timeout
                 raise UnsupportedModelError(
                     f"ONNX Runtime did not finish {what} within {timeout_s:g} s (a model that "
                     "runs forever, such as a Loop whose condition stays true?); its child "
@@ -190,17 +179,12 @@ def _answer(request: bytes) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    fd, memory = int(args[0]), int(args[1]) if len(args) > 1 else 0
+    fd = int((argv if argv is not None else sys.argv[1:])[0])
     try:  # out of memory, the kernel ends this child first, not its parent (a server)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
     except OSError:  # not Linux, or not allowed: the kernel's default choice
         pass
-    if memory:
-        from ...graph._shape_worker import lower_address_space
-
-        lower_address_space(memory)
     answer = _answer(sys.stdin.buffer.read())
     with os.fdopen(fd, "wb") as f:
         f.write(answer)

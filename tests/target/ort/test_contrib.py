@@ -3,6 +3,7 @@ validation."""
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -15,12 +16,14 @@ from onnx import TensorProto, numpy_helper
 from ho_onnx.errors import ModelLoadError, UnsupportedModelError
 from ho_onnx.graph import bounded
 from ho_onnx.graph.check import check_standard, contrib_ops, weights_as_inputs
+from ho_onnx.target.ort import contrib
+from ho_onnx.target.ort._symbolic_worker import infer
 from ho_onnx.target.ort.contrib import (
-    _symbolic_types,
     contrib_value_types,
     invented_dim,
     ort_check,
     refuse_unknown_ops,
+    symbolic_types,
 )
 from tests.graphs import contrib_blowup_model
 
@@ -152,12 +155,17 @@ def test_contrib_shapes_keep_unbound_dims_symbolic_and_take_whole_shapes():
     assert _dims(types["qkv"]) == [2, 5, 128]
 
 
-def test_contrib_shapes_are_the_same_in_the_bounded_child_and_in_process():
+def test_contrib_shapes_are_the_same_in_the_worker_and_in_process():
     model = genai_block()
     child = contrib_value_types(model)
-    here = _symbolic_types(weights_as_inputs(model).SerializeToString())
-    assert {k: v.SerializeToString() for k, v in child.items()} == here
+    here = symbolic_types(infer(weights_as_inputs(model).SerializeToString()))
+    assert {k: v.SerializeToString() for k, v in child.items()} == {
+        k: v.SerializeToString() for k, v in here.items()}
     assert _dims(child["qkv"]) == ["batch", "seq", 128]
+    worker = contrib._SYMBOLIC.proc
+    assert worker is not None and worker.pid != os.getpid()
+    contrib_value_types(model)  # the next request: the same warm worker
+    assert contrib._SYMBOLIC.proc is worker and worker.poll() is None
 
 
 def test_contrib_shape_inference_writes_nothing_where_it_runs(monkeypatch, tmp_path):
@@ -167,6 +175,7 @@ def test_contrib_shape_inference_writes_nothing_where_it_runs(monkeypatch, tmp_p
     model = contrib_blowup_model(4)
     model.opset_import[0].version = 7  # (no ConstantOfShape at opset 7: incomplete)
     monkeypatch.chdir(tmp_path)
+    contrib._SYMBOLIC.stop()  # the next one starts here, in tmp_path
     assert "c" not in contrib_value_types(model)
     assert list(tmp_path.iterdir()) == []
 
@@ -187,12 +196,15 @@ def test_contrib_shape_inference_of_a_hostile_model_is_bounded_in_memory(monkeyp
 
 
 def test_contrib_shape_inference_of_a_hostile_model_is_bounded_in_time(monkeypatch):
-    monkeypatch.setenv(bounded.ENV_TIMEOUT, "0.5")  # the 2 x 460 MB fill takes ~2 s
+    contrib_value_types(contrib_blowup_model(4))  # (a warm worker: its start is not timed)
+    monkeypatch.setenv(bounded.ENV_TIMEOUT, "0.2")  # the 2 x 1.15 GB fill takes seconds
     t0 = time.monotonic()
     with pytest.raises(ModelLoadError, match=(
-            f"ORT's symbolic shape inference.*more than 0.5 s.*{bounded.ENV_TIMEOUT}")):
-        contrib_value_types(contrib_blowup_model(7600))
+            f"ORT's symbolic shape inference.*more than 0.2 s.*{bounded.ENV_TIMEOUT}")):
+        contrib_value_types(contrib_blowup_model(12000))
     assert time.monotonic() - t0 < 30
+    monkeypatch.delenv(bounded.ENV_TIMEOUT)  # the worker ended with the request; a new one
+    assert _dims(contrib_value_types(contrib_blowup_model(4))["c"]) == [4, 4]
 
 
 def test_invented_dims():
@@ -235,8 +247,7 @@ def test_contrib_shapes_clear_what_no_dim_binding_can_evaluate(monkeypatch):
                         staticmethod(fake))
     model = onnx.parser.parse_model(f"""{HEADER}
     g (float[a, 4] x) => (float[a, 4] y) {{ y = Relu (x) }}""")
-    found = _symbolic_types(model.SerializeToString())  # in this process, where the fake is
-    types = {k: onnx.TypeProto.FromString(v) for k, v in found.items()}
+    types = symbolic_types(infer(model.SerializeToString()))  # here, where the fake is
     assert [_dims(types[n]) for n in ("h", "k", "m", "z")] == [
         [None, 4], [None, 4], [None, 4], ["a + 2*b", 4]]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import resource
 import signal
 import subprocess
 import sys
@@ -95,32 +94,6 @@ def test_a_time_limit_ends_the_child():
     assert _children() == before
     # a limit the call stays within changes nothing
     assert isolate.run_isolated(os.getpid, what="asking", timeout_s=60) != os.getpid()
-
-
-def test_a_memory_limit_bounds_the_child(monkeypatch):
-    limit = 1 << 30
-    soft, _ = isolate.run_isolated(resource.getrlimit, resource.RLIMIT_AS, what="asking",
-                                   memory_bytes=limit)
-    assert soft == limit
-    assert isolate.run_isolated(resource.getrlimit, resource.RLIMIT_AS, what="asking") == (
-        resource.getrlimit(resource.RLIMIT_AS))  # none asked: the inherited one
-    with pytest.raises(MemoryError):  # (2 GiB of address space, never touched)
-        isolate.run_isolated(bytearray, 2 * limit, what="allocating", memory_bytes=limit)
-    # no sanitizer runtime under the limit, one BLAS thread
-    monkeypatch.setenv("LD_PRELOAD", "/nonexistent/libasan.so.8")
-    assert isolate.run_isolated(os.getenv, "LD_PRELOAD", what="asking",
-                                memory_bytes=limit) is None
-    assert isolate.run_isolated(os.getenv, "OPENBLAS_NUM_THREADS", what="asking",
-                                memory_bytes=limit) == "1"
-    monkeypatch.delenv("LD_PRELOAD")
-    with pytest.raises(ValueError, match="memory_bytes"):
-        isolate.run_isolated(os.getpid, what="asking", memory_bytes=-1)
-
-
-def test_the_caller_can_name_the_time_limit_error():
-    with pytest.raises(HoOnnxError, match=r"^too slow$"):
-        isolate.run_isolated(time.sleep, 60, what="sleeping", timeout_s=0.5,
-                             on_timeout=HoOnnxError("too slow"))
 
 
 def test_the_time_limit_comes_from_the_environment(monkeypatch):
