@@ -150,7 +150,10 @@ def serve(infer: Callable[[bytes], bytes]) -> None:
     module's text); :data:`READY` first."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (it kills the group)
-    fin, fout = sys.stdin.fileno(), sys.stdout.fileno()
+    # The answers go on a copy of stdout; stdout itself becomes stderr, so nothing the
+    # inference prints (a library's print) can land inside an answer.
+    fin, fout = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     _widen(fin)
     _widen(fout)
     _write(fout, READY)

@@ -111,3 +111,38 @@ def test_a_pending_inference_answers_once_and_cancels_once():
     with pytest.raises(ModelLoadError, match="cancelled"):
         cancelled.result()
     assert start_infer_shapes(chain_model()).result().graph.value_info  # worker free
+
+
+_ECHO = """
+import os
+from ho_onnx.graph._shape_worker import serve
+
+def infer(data):
+    os.write(1, b"noise on stdout, as a library's print or a C library's write")
+    if data == b"big":
+        bytearray(1 << 32)  # 4 GiB: past the limit
+    return data[::-1]
+
+serve(infer)
+"""
+
+
+def test_a_worker_answers_apart_from_what_its_inference_prints(monkeypatch):
+    """Any worker (bounded.Worker + _shape_worker.serve): what the inference writes on stdout
+    does not corrupt the answer; its limit applies per request; the worker survives."""
+    monkeypatch.setenv(bounded.ENV_TIMEOUT, "20")  # (a corrupted answer fails, not hangs)
+    w = bounded.Worker(["-c", _ECHO], "echo")
+    try:
+        assert w.call(b"abc") == (bounded.OK, b"cba")
+        monkeypatch.setenv(bounded.ENV_MEMORY, "1GiB")
+        assert w.call(b"big")[0] == bounded.NO_MEMORY
+        assert w.call(b"xyz") == (bounded.OK, b"zyx")
+    finally:
+        w.stop()
+
+
+def test_a_worker_that_does_not_start_is_a_clear_error():
+    w = bounded.Worker(["-c", "raise SystemExit(3)"], "echo")
+    with pytest.raises(ModelLoadError, match="the echo worker process did not start"):
+        w.call(b"abc")
+    assert w.proc is None
