@@ -65,7 +65,8 @@ def _read_json(folder: Path, name: str) -> dict[str, Any]:
     path = folder / name
     _inside(folder, name, repr(str(folder)), "configuration file")
     try:
-        with os.fdopen(open_regular(path), "rb") as f:
+        # (a link inside the folder is read as its file, like the files copied)
+        with os.fdopen(open_regular(path.resolve()), "rb") as f:
             if os.fstat(f.fileno()).st_size > MAX_CONFIG_BYTES:
                 raise ModelLoadError(f"{str(path)!r} is larger than "
                                      f"{format_bytes(MAX_CONFIG_BYTES)}: not a configuration")

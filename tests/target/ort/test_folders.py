@@ -92,6 +92,7 @@ def test_a_genai_config_names_only_a_file_inside_its_folder(tmp_path, model, mes
 @pytest.mark.parametrize("config", ["genai_config.json", "config.json"])
 @pytest.mark.parametrize(("bad", "message"), [
     ("link out", "points outside the model folder"),
+    ("link in", ""),
     ("deep", "not readable JSON: nested too deeply"),
     ("huge", "larger than 16.00 MiB"),
     ("not utf-8", "not readable JSON"),
@@ -106,6 +107,12 @@ def test_a_hostile_configuration_file_is_one_clear_error(tmp_path, config, bad, 
         (tmp_path / "elsewhere.json").write_text(path.read_text())
         path.unlink()
         path.symlink_to(tmp_path / "elsewhere.json")
+    elif bad == "link in":  # read as its file: the folder is optimized
+        (src / "real.json").write_text(path.read_text())
+        path.unlink()
+        path.symlink_to("real.json")
+        optimize_folder(src, tmp_path / "out", _optimize)
+        return
     elif bad == "deep":
         path.write_text("[" * 200_000)
     elif bad == "huge":
