@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cuda/host_logic.h"
+#include "fnv1a.h"
 #include "ho_onnx_c_api.h"
 #include "run_records.h"
 
@@ -53,6 +54,21 @@ py::dict counters() {
 }
 
 void reset_counters() { HoOnnx_ResetCounters(); }
+
+// FNV-1a 64 of data from state h (the fingerprint's hash, the library's own code).
+uint64_t fnv1a64(uint64_t h, const py::buffer& data) {
+  const py::buffer_info info = data.request();
+  if (info.ndim != 1 || info.itemsize != 1) {
+    throw py::type_error("fnv1a64: data must be a 1-D buffer of bytes");
+  }
+  if (info.strides[0] != 1 && info.shape[0] > 1) {
+    throw py::type_error("fnv1a64: data must be contiguous");
+  }
+  const auto* p = static_cast<const unsigned char*>(info.ptr);
+  const auto n = static_cast<size_t>(info.shape[0]);
+  py::gil_scoped_release release;
+  return ho::fnv1a64(h, p, n);
+}
 
 // Every test hook of HoOnnx_SetDebug: set_debug(**kw) sets those named and resets the rest.
 const char* const kDebugHooks[] = {"delay_us",         "poison",          "skip_wait",
@@ -560,6 +576,9 @@ PYBIND11_MODULE(_ops, m) {
   m.def("cuda_device_count", &cuda_device_count,
         "CUDA devices visible (0 without a CUDA build, a driver or a device).");
   m.def("counters", &counters, "Process-wide transfer and memory counters.");
+  m.def("fnv1a64", &fnv1a64, py::arg("h"), py::arg("data"),
+        "FNV-1a 64 of the bytes of data (a bytes-like object) from state h: the hash of the "
+        "data-file fingerprint, as the library computes it.");
   m.def("reset_counters", &reset_counters,
         "Reset the monotonic counters (bytes, counts, wait time); gauges are kept.");
   m.def("set_debug", &set_debug,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common.h"
+#include "fnv1a.h"
 
 namespace ho {
 
@@ -152,13 +153,8 @@ std::shared_ptr<WeightFile> resolve_weight_file(const std::string& model_dir,
 
 std::string data_fingerprint(int fd, uint64_t size) {
   constexpr uint64_t kBlock = 4096;
-  uint64_t h = 0xcbf29ce484222325ULL;
-  auto feed = [&h](const unsigned char* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      h ^= p[i];
-      h *= 0x100000001b3ULL;
-    }
-  };
+  uint64_t h = kFnv1aOffset;
+  auto feed = [&h](const unsigned char* p, size_t n) { h = fnv1a64(h, p, n); };
   auto feed_u64 = [&feed](uint64_t v) {
     unsigned char b[8];
     for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));

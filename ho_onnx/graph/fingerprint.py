@@ -4,10 +4,10 @@ never reads another optimization's weights. Reads at most 17 blocks of 4 KiB."""
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
-
-import numpy as np
+from collections.abc import Callable
 
 PREFIX = "fnv1a64s16:"
 _BLOCK = 4096
@@ -16,56 +16,23 @@ _FNV_PRIME = 0x100000001B3
 _MASK = 0xFFFFFFFFFFFFFFFF
 
 
-_POWERS = np.cumprod(np.full(1, _FNV_PRIME, np.uint64))
+def fnv1a_bytewise(h: int, data: bytes) -> int:
+    """FNV-1a 64 of ``data`` from state ``h``, a byte at a time (``h = (h ^ byte) * PRIME
+    mod 2**64``): ~7 ms for a fingerprint's ~70 KB, where the compiled module is missing."""
+    for c in data:
+        h = ((h ^ c) * _FNV_PRIME) & _MASK
+    return h
 
 
-def _powers(n: int) -> np.ndarray:
-    """P^1 .. P^n mod 2**64 (kept: a fingerprint hashes at most ~70 KB)."""
-    global _POWERS
-    if _POWERS.size < n:
-        _POWERS = np.cumprod(np.full(max(n, 17 * (_BLOCK + 8) + 8), _FNV_PRIME, np.uint64))
-    return _POWERS[:n]
-
-
-def _prefix_xor(bits: np.ndarray) -> np.ndarray:
-    """``out[i] = bits[0] ^ ... ^ bits[i]`` of 0/1 bytes (length a multiple of 64), on 64-bit
-    words: a prefix XOR within each word by shifts, then the parity of the words before."""
-    w = np.packbits(bits, bitorder="little").view("<u8").copy()
-    for s in (1, 2, 4, 8, 16, 32):
-        w ^= w << np.uint64(s)
-    before = np.bitwise_xor.accumulate(w >> np.uint64(63))  # parity of words 0..j
-    w[1:] ^= np.uint64(0) - before[:-1]  # all ones after an odd number of set bits
-    return np.unpackbits(w.view(np.uint8), bitorder="little")
-
-
-def _fnv1a(h: int, data: bytes) -> int:
-    """FNV-1a 64 of ``data`` from state ``h`` (``h = (h ^ byte) * PRIME mod 2**64`` per byte),
-    vectorised: a byte loop in Python costs ~7 ms per fingerprint, this ~1 ms.
-
-    The XOR changes only the state's low byte ``l``, so each step adds
-    ``d = (l ^ byte) - l`` before multiplying: ``h_n = h_0·P^n + Σ d_i·P^(n-i)`` (mod 2**64),
-    one wrapping dot product once every ``l_i`` is known. The low bytes follow their own
-    recurrence ``l' = ((l ^ byte) * 0xB3) & 0xFF`` (the low byte of a product depends on the
-    low bytes only), solved a bit at a time: bit k of ``l'`` is bit k of ``l ^ byte`` XOR bit
-    k of ``((l ^ byte) mod 2**k) * 0xB3`` (the prime's low byte is odd), so with the bits
-    below k known it is a prefix XOR.
-    """
-    n = len(data)
-    if n == 0:
-        return h
-    c = np.zeros(n + (-n) % 64, np.uint8)  # padded for _prefix_xor; the pad is never used
-    c[:n] = np.frombuffer(data, np.uint8)
-    low = np.zeros_like(c)  # the state's low byte before each data byte
-    for k in range(8):
-        x = (low ^ c) & ((1 << k) - 1)
-        flip = np.empty_like(c)  # bit k of l_i: h's, XOR the flips of bytes 0..i-1
-        flip[0] = (h >> k) & 1
-        flip[1:] = ((c[:-1] >> k) ^ ((x[:-1].astype(np.uint16) * (_FNV_PRIME & 0xFF)) >> k)) & 1
-        low |= _prefix_xor(flip) << k
-    d = (low[:n] ^ c[:n]).astype(np.int64) - low[:n].astype(np.int64)
-    powers = _powers(n)[n - 1::-1]  # P^n .. P^1 (wrapping)
-    total = int(np.sum(d.astype(np.uint64) * powers, dtype=np.uint64))
-    return (h * pow(_FNV_PRIME, n, 1 << 64) + total) & _MASK
+@functools.cache
+def _fnv1a() -> Callable[[int, bytes], int]:
+    """The library's own FNV-1a (``ho_onnx._ops.fnv1a64``, csrc/fnv1a.h: ~0.1 ms a
+    fingerprint), or :func:`fnv1a_bytewise` when the compiled module cannot be imported."""
+    try:
+        from .. import _ops
+    except (ImportError, RuntimeError):  # (RuntimeError: a library of another C API)
+        return fnv1a_bytewise
+    return _ops.fnv1a64
 
 
 def sample_offsets(size: int) -> list[int]:
@@ -84,4 +51,4 @@ def data_fingerprint(path: str | os.PathLike[str]) -> str:
         parts = [struct.pack("<Q", size)]
         for o in sample_offsets(size):
             parts += [struct.pack("<Q", o), os.pread(f.fileno(), min(_BLOCK, size - o), o)]
-    return f"{PREFIX}{_fnv1a(_FNV_OFFSET, b''.join(parts)):016x}"
+    return f"{PREFIX}{_fnv1a()(_FNV_OFFSET, b''.join(parts)):016x}"

@@ -3,6 +3,8 @@ cheap for ordinary and big models."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -121,9 +123,14 @@ def infer(data):
     os.write(1, b"noise on stdout, as a library's print or a C library's write")
     if data == b"big":
         bytearray(1 << 32)  # 4 GiB: past the limit
+    if data == b"crash":
+        os.abort()
     return data[::-1]
 
-serve(infer)
+def warm():
+    raise RuntimeError("a warm-up that fails is ignored")
+
+serve(infer, warm)
 """
 
 
@@ -146,3 +153,61 @@ def test_a_worker_that_does_not_start_is_a_clear_error():
     with pytest.raises(ModelLoadError, match="the echo worker process did not start"):
         w.call(b"abc")
     assert w.proc is None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _sleeping(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "S"
+    except OSError:
+        return False
+
+
+def _waiting_child(pid: int) -> int:
+    """The child the worker ``pid`` forked for its next request: its only child, asleep
+    (blocked on the request) twice 50 ms apart (the child that answered the last request
+    exits at once and is reaped before the next one is forked)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        children = _children(pid)
+        if len(children) == 1 and _sleeping(children[0]):
+            time.sleep(0.05)
+            if _children(pid) == children and _sleeping(children[0]):
+                return children[0]
+        time.sleep(0.01)
+    raise AssertionError(f"worker {pid} has children {_children(pid)}, not one waiting")
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs Linux's /proc/PID/task/PID/children")
+def test_a_worker_forks_each_child_before_its_request(monkeypatch):
+    """The fork is not a request's time: after each answer the worker already has the next
+    child waiting, a new one each time; a child that dies answers DIED, one killed while it
+    waited makes the worker end (the stream may be cut mid-request) and the next call start
+    a fresh worker; the warm-up's failure is ignored (warm() raises in this worker)."""
+    monkeypatch.setenv(bounded.ENV_TIMEOUT, "20")
+    w = bounded.Worker(["-c", _ECHO], "echo")
+    try:
+        assert w.call(b"abc") == (bounded.OK, b"cba")
+        assert w.proc is not None
+        worker = w.proc.pid
+        first = _waiting_child(worker)
+        assert w.call(b"def") == (bounded.OK, b"fed")
+        second = _waiting_child(worker)
+        assert second != first
+        assert w.call(b"crash")[0] == bounded.DIED
+        assert w.call(b"ghi") == (bounded.OK, b"ihg")
+        assert w.proc.pid == worker  # a child's crash never takes the worker down
+        os.kill(_waiting_child(worker), signal.SIGKILL)
+        assert w.call(b"jkl") == (bounded.OK, b"lkj")
+        assert w.proc.pid != worker
+    finally:
+        w.stop()
