@@ -25,12 +25,11 @@ from onnx import TensorProto
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
 from .bounded import start_infer_shapes
 from .dims import MAX_DIM_EXPRESSION, dim_text, parse_dim, shape_text
-from .dtypes import ELEMENT_BITS, dtype_name, tensor_nbytes
+from .dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from .gcpause import gc_paused
 
 Dim = int | str | None  # a value, a symbolic name, or unknown
 # No tensor is larger: sums of the sizes of many tensors stay within int64 (numpy arrays).
-MAX_TENSOR_BYTES = 1 << 50  # 1 PiB
 
 
 @dataclass
@@ -69,14 +68,9 @@ class TensorInfo:
             if d is None or d < 0:  # unknown, or not a size
                 return None
             sizes.append(d)
-        numel = 0 if 0 in sizes else 1
-        for d in sizes if numel else ():
-            numel *= d
-            if numel > MAX_TENSOR_BYTES << 3:  # (stop: a model's dims can make it any size)
-                break
         assert self.elem_type is not None
-        nbytes = tensor_nbytes(self.elem_type, numel)
-        if nbytes > MAX_TENSOR_BYTES:
+        nbytes = capped_nbytes(self.elem_type, sizes)
+        if nbytes is None:
             raise UnsupportedModelError(
                 f"tensor {self.name!r} would have over 1 PiB (shape "
                 f"{shape_text(self.shape)}): check its shape and the --dim values")

@@ -38,3 +38,22 @@ def tensor_nbytes(elem_type: int, numel: int) -> int:
 def dense_nbytes(elem_type: int, dims: Iterable[int]) -> int:
     """Bytes of a dense tensor of shape ``dims`` (``elem_type`` must be fixed-size)."""
     return tensor_nbytes(elem_type, math.prod(dims))
+
+
+# No tensor is bigger; a model's dims can claim any size (300 dims of 2**62: a byte count
+# of ~5,600 digits, past what Python turns into text).
+MAX_TENSOR_BYTES = 1 << 50  # 1 PiB
+
+
+def capped_nbytes(elem_type: int, dims: Iterable[int]) -> int | None:
+    """:func:`dense_nbytes` of non-negative ``dims``, or None when that is over
+    :data:`MAX_TENSOR_BYTES` (the product stops growing there; a zero dim anywhere is an
+    empty tensor)."""
+    sizes = list(dims)
+    numel = 0 if 0 in sizes else 1
+    for d in sizes if numel else ():
+        numel *= d
+        if numel > MAX_TENSOR_BYTES << 3:
+            return None
+    nbytes = tensor_nbytes(elem_type, numel)
+    return nbytes if nbytes <= MAX_TENSOR_BYTES else None

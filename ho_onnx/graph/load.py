@@ -22,7 +22,8 @@ from ..contract import DOMAIN
 from ..errors import ExternalDataError, HoOnnxError, ModelLoadError, UnsupportedModelError
 from .analyse import all_graphs
 from .check import check_standard
-from .dtypes import ELEMENT_BITS, dense_nbytes
+from .dims import shape_text
+from .dtypes import ELEMENT_BITS, capped_nbytes
 from .forked import MIN_NODES as FORK_MIN_NODES
 from .forked import start_check
 from .gcpause import gc_paused
@@ -117,10 +118,11 @@ def resolve_data_path(base_dir: Path, location: str, what: str, *,
 
 
 def expected_nbytes(tensor: TensorProto) -> int | None:
-    """Bytes a dense tensor of this type and shape occupies (None for strings/unknown types)."""
+    """Bytes a dense tensor of this type and shape occupies (None for strings/unknown types,
+    and over :data:`~ho_onnx.graph.dtypes.MAX_TENSOR_BYTES`)."""
     if tensor.data_type not in ELEMENT_BITS:
         return None
-    return dense_nbytes(tensor.data_type, tensor.dims)
+    return capped_nbytes(tensor.data_type, tensor.dims)
 
 
 def validate_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
@@ -144,6 +146,10 @@ def validate_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
                     )
                 sizes[path] = path.stat().st_size
             want = expected_nbytes(tensor)
+            if want is None and tensor.data_type in ELEMENT_BITS:
+                raise ExternalDataError(
+                    f"{what}: its type and shape {shape_text(list(tensor.dims))} would take "
+                    "over 1 PiB (a malformed model?)")
             if ref.length is not None and want is not None and ref.length != want:
                 raise ExternalDataError(
                     f"{what}: external data length {ref.length} does not match its type and "

@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from .. import contract
 from ..graph.analyse import attribute_values, input_names
-from ..graph.dtypes import ELEMENT_BITS, dense_nbytes, dtype_name
+from ..graph.dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from ..graph.load import load_model
 from ..target.ort.placement import split_chains
 
@@ -93,7 +93,7 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str]:
     nbytes = None
     if isinstance(y.type, ir.TensorType) and int(y.type.dtype) in ELEMENT_BITS and (
             y.shape is not None and all(isinstance(d, int) for d in y.shape)):
-        nbytes = dense_nbytes(int(y.type.dtype), [int(d) for d in y.shape])
+        nbytes = capped_nbytes(int(y.type.dtype), [int(d) for d in y.shape])
     return tensor, "activation", nbytes, source
 
 

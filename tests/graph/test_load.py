@@ -66,6 +66,29 @@ def test_missing_and_truncated_external_data(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
+@pytest.mark.parametrize("length", [None, 64])
+def test_an_external_initializer_of_absurd_shape_is_one_clear_error(tmp_path, length):
+    """300 dims of 2**62 (found by the fuzzer: formatting the ~5,600-digit byte count in the
+    message was an unexpected ValueError)."""
+    m = chain_model()
+    w = m.graph.initializer[0]
+    w.ClearField("raw_data")
+    del w.float_data[:]
+    del w.dims[:]
+    w.dims.extend([2**62] * 300)
+    w.data_location = onnx.TensorProto.EXTERNAL
+    for k, v in [("location", "w.bin"), *([("length", str(length))] if length else [])]:
+        e = w.external_data.add()
+        e.key, e.value = k, v
+    (tmp_path / "w.bin").write_bytes(b"\0" * 64)
+    p = tmp_path / "m.onnx"
+    onnx.save(m, p)
+    with pytest.raises(ExternalDataError, match=r"\(300 dims\) would take over 1 PiB") as e:
+        optimize(p, tmp_path / "out.onnx", ALL)
+    assert len(str(e.value)) < 400
+    assert not (tmp_path / "out.onnx").exists()
+
+
 @pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "a/../../x.bin"])
 def test_hostile_locations(tmp_path, location):
     m = chain_model()

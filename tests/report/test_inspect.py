@@ -59,3 +59,29 @@ def test_inspect_reads_a_length_of_the_wrong_type_as_unknown(tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(p)])
     assert r.exit_code == 0, r.output
     assert "1 transfers per run" in r.output
+
+
+ACTIVATION = """<ir_version: 9, opset_import: ["" : 17, "ai.hyperoffload" : 1]>
+g (float[4] x) => (float[4] out)
+{
+  r = Relu (x)
+  t = ai.hyperoffload.Detach (r)
+  y = ai.hyperoffload.Prefetch (t)
+  out = ai.hyperoffload.Wait (y, r)
+}"""
+
+
+def test_inspect_reads_an_absurd_activation_size_as_unknown(tmp_path):
+    """An activation Prefetch whose output claims 300 dims of 2**62 (found by the fuzzer:
+    its ~5,600-digit byte count was an unexpected ValueError in --json and the table):
+    its bytes are unknown."""
+    m = onnx.parser.parse_model(ACTIVATION)
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2**62] * 300)
+    m.graph.value_info.append(y)
+    p = tmp_path / "m.onnx"
+    onnx.save(m, p)
+    (t,) = summarize(p).transfers
+    assert (t.kind, t.nbytes) == ("activation", None)
+    for args in ([str(p)], [str(p), "--json"]):
+        r = CliRunner().invoke(main, ["inspect", *args])
+        assert r.exit_code == 0, r.output
