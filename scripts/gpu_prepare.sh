@@ -20,8 +20,10 @@ tree_mib=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/n
   | awk '{s += $1} END {print int(s / 1048576) + 1}')
 export PART_MB=${PART_MB:-$((64 - tree_mib - 1))}
 
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")" && touch "$exclude"  # (a checkout may have no .git/info)
 for ign in /.ortgpu/ /.ortheaders/; do
-  grep -qx "$ign" .gitignore .git/info/exclude 2>/dev/null || echo "$ign" >> .git/info/exclude
+  grep -qx "$ign" .gitignore "$exclude" 2>/dev/null || echo "$ign" >> "$exclude"
 done
 
 # ---- 1. headers -----------------------------------------------------------------------------------
