@@ -5,8 +5,9 @@ only the standard library and onnx's C++ extension, not the onnx package: it sta
 It writes one byte (:data:`READY`) once warmed up, then serves requests on stdin: 8-byte
 LE address-space limit, 8-byte LE length, a serialized model. Each is read by a child the
 worker forked (and warmed up with a tiny inference) before the request came, so neither
-the fork nor the child's first copy-on-write faults are a request's time (~2 ms a request
-before, ~0.5 ms now for a small model); the child lowers its address-space limit
+the fork nor the child's first copy-on-write faults are a request's time (a 57-node model's
+round trip on a 2-core VM: ~2.5 ms when each child was forked for its request, ~1.2 ms
+now; ONNX's inference itself ~0.25 ms); the child lowers its address-space limit
 (RLIMIT_AS), runs ONNX's shape inference with data propagation on the request bytes
 (onnx's C++ entry: the model is never parsed into Python objects here) and pipes back the
 result; the worker answers on stdout with a 1-byte status, an 8-byte LE length and the
