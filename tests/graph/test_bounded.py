@@ -211,3 +211,28 @@ def test_a_worker_forks_each_child_before_its_request(monkeypatch):
         assert w.proc.pid != worker
     finally:
         w.stop()
+
+
+def test_concurrent_inferences_each_get_their_own_answer():
+    """An inference server analyses models from several threads: each request gets the
+    answer to its own model (one request at a time in the worker, the next child forked
+    ahead), also when some of them are cancelled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ho_onnx.graph.bounded import start_infer_shapes
+
+    def shapes(n: int) -> dict[str, list[int]]:
+        model = chain_model()
+        model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = n
+        pending = start_infer_shapes(model)
+        if n % 5 == 0:
+            pending.cancel()
+            return {}
+        out = pending.result()
+        return {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+                for vi in out.graph.value_info}
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(shapes, range(1, 41)))
+    for n, s in zip(range(1, 41), got, strict=True):
+        assert s == ({} if n % 5 == 0 else {f"h{i}": [n, 16] for i in range(1, 6)}), n
