@@ -27,7 +27,8 @@ class Machine:
     math on GPUs (fp32 models run well below it: override, or lower ``efficiency``), fp32
     on the CPU. ``h2d_bw``/``d2h_bw`` are the two directions between the slow tier (host
     memory) and the fast tier: PCIe on a GPU, ``memcpy`` between ORT buffers and the
-    library's host pool on the CPU EP.
+    library's host pool on the CPU EP. Every rate must lie in :data:`LIMITS` (any real
+    machine does; a value outside is a file in other units, refused by name).
     """
 
     name: str
@@ -53,9 +54,11 @@ class Machine:
                     raise ValueError(f"machine {self.name!r}: {f.name} must be >= 0, got {v}")
             elif v <= 0:
                 raise ValueError(f"machine {self.name!r}: {f.name} must be > 0, got {v}")
-        if self.efficiency > 1:
-            raise ValueError(f"machine {self.name!r}: efficiency must be in (0, 1], "
-                             f"got {self.efficiency}")
+            lo, hi, unit = LIMITS[f.name]
+            if not lo <= v <= hi:
+                raise ValueError(
+                    f"machine {self.name!r}: {f.name} must be between {lo:g} and {hi:g}"
+                    f"{' ' + unit if unit else ''}, got {v:g} (a value in other units?)")
 
     def with_overrides(self, **kw: Any) -> Machine:
         """A copy with some fields replaced (numbers may be given as strings)."""
@@ -108,6 +111,20 @@ class Machine:
 
 
 _NONNEG_FIELDS = {"transfer_latency_s", "launch_overhead_s"}
+# (low, high, unit) of each rate: any real machine with orders of magnitude to spare (the
+# presets, calibrations of 0.1-100 GB/s). Outside them a file is in other units or broken,
+# and the simulation's sums of times leave floating point (1e-300 B/s: inf and NaN times;
+# an efficiency times peak that underflows to 0: a division by zero).
+LIMITS: dict[str, tuple[float, float, str]] = {
+    "peak_flops": (1e6, 1e19, "FLOP/s"),
+    "mem_bw": (1e3, 1e15, "bytes/s"),
+    "h2d_bw": (1e3, 1e15, "bytes/s"),
+    "d2h_bw": (1e3, 1e15, "bytes/s"),
+    "disk_bw": (1e3, 1e15, "bytes/s"),
+    "transfer_latency_s": (0.0, 10.0, "s"),
+    "launch_overhead_s": (0.0, 10.0, "s"),
+    "efficiency": (1e-3, 1.0, ""),
+}
 
 
 class MachineError(HoOnnxError, ValueError):

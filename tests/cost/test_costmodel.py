@@ -110,6 +110,37 @@ def test_machine_errors(tmp_path: Path):
         load_machine(bad)
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("h2d_bw", 5e-324, r"h2d_bw must be between 1000 and 1e\+15 bytes/s.*units"),
+    ("h2d_bw", 25, r"h2d_bw must be between .* got 25"),  # GB/s written as bytes/s
+    ("disk_bw", 1e300, "disk_bw must be between"),
+    ("peak_flops", 5e-324, r"peak_flops must be between 1e\+06 and 1e\+19 FLOP/s"),
+    ("transfer_latency_s", 1e308, r"transfer_latency_s must be between 0 and 10 s"),
+    ("launch_overhead_s", 1e308, "launch_overhead_s must be between 0 and 10 s"),
+    ("efficiency", 5e-324, r"efficiency must be between 0.001 and 1"),
+])
+def test_machine_values_out_of_any_real_range_are_refused(tmp_path, field, value, words):
+    """Found by hand: tiny or huge rates gave plans of NaN and inf times, and a product
+    that underflowed to 0 an unexpected ZeroDivisionError; the ranges hold any real machine
+    (the presets, calibrations) with orders of magnitude to spare."""
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps({field: value}))
+    with pytest.raises(MachineError, match=words):
+        load_machine(f)
+
+
+def test_plans_stay_finite_at_the_corners_of_the_machine_ranges():
+    from ho_onnx.cost.machine import LIMITS
+
+    a = analyse(matmul_model(64, 64, 64, batch=2))
+    for corner in ("low", "high"):
+        kw = {k: (lo if corner == "low" else hi) for k, (lo, hi, _) in LIMITS.items()}
+        m = Machine(name=corner, **kw)
+        nc = analytic_costs(a, m, {})
+        assert np.isfinite(nc.seconds).all()
+        assert np.isfinite(m.transfer_time(1 << 50, "h2d"))
+
+
 # ---- analytic ------------------------------------------------------------------------
 
 
@@ -324,6 +355,28 @@ def test_profile_errors(tmp_path: Path):
     p.write_text(json.dumps({"nodes": {"n": {"op": "MatMul"}}}))
     with pytest.raises(ProfileError, match="'n' has no valid 'median_s'"):
         profile_costs(a, p)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"nodes": {"n": {"median_s": NaN}}}', "'n' has no valid 'median_s'"),
+    ('{"nodes": {"n": {"median_s": Infinity}}}', "'n' has no valid 'median_s'"),
+    ('{"nodes": {"n": {"median_s": 1e308}}}', "'n' has no valid 'median_s'"),
+    ('{"nodes": {"n": {"median_s": true}}}', "'n' has no valid 'median_s'"),
+    ('{"nodes": {}, "total_median_s": "abc"}', "'total_median_s'"),
+    ('{"nodes": {}, "total_median_s": NaN}', "'total_median_s'"),
+    ('{"nodes": {}, "total_median_s": [1]}', "'total_median_s'"),
+    ('{"nodes": {}, "dims": "ab"}', "'dims'"),
+    ('{"nodes": {}, "dims": {"batch": "x"}}', "'dims'"),
+    ('{"nodes": {}, "dims": {"batch": -1}}', "'dims'"),
+    ('{"nodes": {}, "dims": {"batch": true}}', "'dims'"),
+])
+def test_hostile_profile_values_are_one_clear_error(tmp_path, text, words):
+    """Found by hand: NaN, infinite or huge node times made plans of NaN times without a
+    word; a string run time or dims were unexpected ValueErrors."""
+    p = tmp_path / "p.json"
+    p.write_text(text)
+    with pytest.raises(ProfileError, match=words):
+        profile_costs(analyse(matmul_model(2, 2, 2)), p)
 
 
 def test_parse_trace_runs_and_nesting():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 import shutil
 import statistics
@@ -70,11 +71,30 @@ def read_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ProfileError(f"profile file {str(p)!r} is not a ho-onnx profile: "
                            "expected a JSON object with a 'nodes' object")
     for name, e in data["nodes"].items():
-        if not isinstance(e, dict) or not isinstance(e.get("median_s"), int | float) \
-                or e["median_s"] < 0:
+        if not isinstance(e, dict) or not _seconds(e.get("median_s"), MAX_NODE_S):
             raise ProfileError(f"profile file {str(p)!r}: node {name!r} has no valid "
-                               "'median_s' (seconds)")
+                               f"'median_s' (seconds, 0 to {MAX_NODE_S:g})")
+    if data.get("total_median_s") is not None and not _seconds(data["total_median_s"],
+                                                               MAX_RUN_S):
+        raise ProfileError(f"profile file {str(p)!r}: 'total_median_s' must be seconds, 0 "
+                           f"to {MAX_RUN_S:g}")
+    dims = data.get("dims")
+    if dims is not None and not (isinstance(dims, dict) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in dims.values())):
+        raise ProfileError(f"profile file {str(p)!r}: 'dims' must map dim names to sizes "
+                           "(integers >= 0)")
     return data
+
+
+# A profile's times are checked against these (a node of over ~11 days, a run of over ~30
+# years: a broken file; NaN, infinite or huge times would make every plan's times NaN).
+MAX_NODE_S = 1e6
+MAX_RUN_S = 1e9
+
+
+def _seconds(v: object, limit: float) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            and 0 <= v <= limit)
 
 
 def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLike[str] | None,
