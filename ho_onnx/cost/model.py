@@ -55,7 +55,12 @@ class CostModel:
     host_ahead: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compute_s", np.asarray(self.compute_s, dtype=np.float64))
+        compute_s = np.asarray(self.compute_s, dtype=np.float64)
+        # (every source checks its inputs; a NaN here would make every plan's times NaN)
+        if not (np.isfinite(compute_s).all() and np.isfinite(compute_s.sum())
+                and (compute_s >= 0).all()):
+            raise ValueError(f"compute times must be finite and >= 0 ({self.description})")
+        object.__setattr__(self, "compute_s", compute_s)
 
     def prefix(self) -> np.ndarray:
         """:func:`cumulative` of ``compute_s``."""

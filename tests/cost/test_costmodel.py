@@ -22,6 +22,7 @@ from ho_onnx.cost import (
     profile_costs,
     transfer_time,
 )
+from ho_onnx.cost.model import CostModel
 from ho_onnx.errors import UnboundDimError
 from ho_onnx.graph.analyse import analyse
 from ho_onnx.target.ort.profile import ProfileError, parse_trace, profile_model
@@ -403,3 +404,13 @@ def test_parse_trace_runs_and_nesting():
     assert nodes["a"]["median_s"] == pytest.approx(30e-6)  # runs: 70, 30, 20
     with pytest.raises(Exception, match="model_run"):
         parse_trace([node("a", 1, 5)])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0, 1e308])
+def test_a_cost_model_refuses_times_no_plan_can_use(bad):
+    """The planner's one entry for compute times: NaN, infinite, negative, or times whose
+    sum leaves floating point never reach a simulation."""
+    times = np.array([1e-3, bad, bad])
+    with pytest.raises(ValueError, match="compute times must be finite"):
+        CostModel(times, MACHINES["cpu"].transfer_time, "test")
+    assert CostModel(np.array([0.0, 1e-3]), MACHINES["cpu"].transfer_time).compute_s.sum() > 0
