@@ -148,6 +148,25 @@ def test_calibrate_size_zero_is_one_line(tmp_path: Path):
     assert not (tmp_path / "m.json").exists()
 
 
+@pytest.mark.parametrize("kind, words", [("empty", "has 0 bytes"), ("small", "has 4096 bytes"),
+                                         ("fifo", "is not a regular file"),
+                                         ("device", "is not a regular file")])
+def test_calibrate_file_that_is_no_file_of_data_is_one_line(tmp_path: Path, kind, words):
+    """Found by hand: an empty file or /dev/zero was an unexpected ValueError, a FIFO waited
+    for a writer forever."""
+    f = tmp_path / "f.bin"
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "device":
+        f = Path("/dev/zero")
+    else:
+        f.write_bytes(b"\0" * (0 if kind == "empty" else 4096))
+    msg = one_line_error(ho("calibrate", "--out", str(tmp_path / "m.json"), "--file", str(f),
+                            timeout=60))
+    assert words in msg and "at least 1.00 MiB" in msg
+    assert not (tmp_path / "m.json").exists()
+
+
 def test_non_utf8_strings_in_a_model_do_not_crash(tmp_path: Path):
     m = chain_model()
     raw = m.SerializeToString()

@@ -11,15 +11,18 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import tempfile
 import threading
 import time
 
 import numpy as np
 
+from ...errors import HoOnnxError
 from ...graph.save import write_atomic
+from ...units import format_bytes
 
-__all__ = ["calibrate", "measure_file_read", "measure_host_copy"]
+__all__ = ["CalibrationError", "calibrate", "measure_file_read", "measure_host_copy"]
 
 _ALIGN = 4096
 
@@ -48,14 +51,38 @@ def _drop_cache(fd: int) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+MIN_FILE_BYTES = 1 << 20  # a smaller file is read before a rate can be timed
+
+
+class CalibrationError(HoOnnxError, ValueError):
+    """A measurement that cannot be made (the file to read is not a file of data)."""
+
+
 def _open(path: str, direct: bool) -> tuple[int, bool]:
-    """(fd, opened with O_DIRECT); falls back to buffered when the file system refuses."""
-    if direct and hasattr(os, "O_DIRECT"):
+    """(fd, opened with O_DIRECT) of the regular file ``path`` of at least
+    :data:`MIN_FILE_BYTES`; falls back to buffered when the file system refuses O_DIRECT.
+    Opened without blocking (a FIFO would wait for a writer forever), then checked."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    try:
         try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+            if not (direct and hasattr(os, "O_DIRECT")):
+                raise OSError
+            fd, is_direct = os.open(path, flags | os.O_DIRECT), True
         except OSError:
-            pass
-    return os.open(path, os.O_RDONLY), False
+            fd, is_direct = os.open(path, flags), False
+    except OSError as e:
+        raise CalibrationError(f"cannot read {path!r}: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_FILE_BYTES:
+        os.close(fd)
+        what = "is not a regular file" if not stat.S_ISREG(st.st_mode) else (
+            f"has {st.st_size} bytes")
+        raise CalibrationError(f"{path!r} {what}: the disk rate needs a file of at least "
+                               f"{format_bytes(MIN_FILE_BYTES)} (a model's data file, or no "
+                               "--file: a temporary one)")
+    if hasattr(os, "O_NONBLOCK"):
+        os.set_blocking(fd, True)
+    return fd, is_direct
 
 
 def measure_file_read(path: str | os.PathLike[str] | None = None, block: int = 8 << 20,
@@ -83,7 +110,7 @@ def measure_file_read(path: str | os.PathLike[str] | None = None, block: int = 8
             if max_bytes is not None:
                 total = min(total, max_bytes)
             if total <= 0:
-                raise ValueError(f"{fpath}: nothing to read")
+                raise CalibrationError(f"{fpath!r}: nothing to read")
             counts = [0] * threads
 
             def reader(k: int) -> None:
