@@ -8,6 +8,7 @@ Lives in the top-level ``cli/`` folder and is installed as ``ho_onnx.cli`` (pypr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -88,6 +89,23 @@ class SizeType(click.ParamType):
         if size > _INT64_MAX:
             self.fail(f"{value!r} is past int64", param, ctx)
         return size
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A float in the range that is finite (click's range lets NaN through, and infinity
+    where there is no maximum)."""
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
+_SECONDS = FiniteFloatRange(min=0)
+_TOLERANCE = FiniteFloatRange(min=0)
+_SEED = click.IntRange(min=0, max=_INT64_MAX)
+_INT_HIGH = click.IntRange(min=1, max=_INT64_MAX)
 
 
 class _Interrupted(BaseException):
@@ -475,9 +493,9 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
               default="disable", show_default=True,
               help="ORT graph optimizations while profiling: 'disable' times every original "
                    "node; 'all' times what really runs (fused nodes).")
-@click.option("--int-high", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--int-high", type=_INT_HIGH, default=8, show_default=True,
               help="Integer inputs are drawn from [0, INT_HIGH).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None,
+@click.option("--timeout", "timeout_s", type=_SECONDS, default=None,
               metavar="SECONDS", help=_TIMEOUT_HELP)
 def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
             shapes: tuple[str, ...], runs: int, warmup: int, opt_level: str,
@@ -508,12 +526,14 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
 @click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...", help=_SHAPE_HELP)
 @click.option("--runs", type=click.IntRange(min=1), default=2, show_default=True,
               help="Runs, each on fresh random inputs.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--int-high", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--seed", type=_SEED, default=0, show_default=True,
+              help="Seed of the random inputs.")
+@click.option("--int-high", type=_INT_HIGH, default=8, show_default=True,
               help="Integer inputs are drawn from [0, INT_HIGH) (keeps token ids in range).")
-@click.option("--atol", type=float, default=0.0, show_default=True,
+@click.option("--atol", type=_TOLERANCE, default=0.0, show_default=True,
               help="Absolute tolerance; with --rtol 0 and --atol 0 outputs must be bit-exact.")
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance.")
+@click.option("--rtol", type=_TOLERANCE, default=0.0, show_default=True,
+              help="Relative tolerance.")
 @click.option("--execution-order", type=click.Choice(["priority", "default"]),
               default="priority", show_default=True, help="ORT execution order of both runs.")
 @click.option("--prepacking/--no-prepacking", default=False, show_default=True,
@@ -526,7 +546,7 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
                    "identical.")
 @click.option("--provider", "providers", multiple=True, default=("CPUExecutionProvider",),
               show_default=True, help="ORT execution provider (repeatable, in priority order).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None,
+@click.option("--timeout", "timeout_s", type=_SECONDS, default=None,
               metavar="SECONDS", help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[str, ...],

@@ -229,6 +229,39 @@ def test_verify_exit_codes_tell_mismatch_from_error(tmp_path: Path, model: Path)
     one_line_error(ho("verify", str(model), str(tmp_path / "missing.onnx"), "--dim", "N=2"))
 
 
+@pytest.mark.parametrize("option, value", [
+    ("--atol", "nan"), ("--atol", "-1"), ("--rtol", "inf"), ("--seed", "-1"),
+    ("--int-high", str(1 << 64)), ("--timeout", "nan"), ("--timeout", "1e400"),
+])
+def test_verify_options_no_run_can_use_are_one_line(model: Path, option: str, value: str):
+    """Found by hand: NaN or negative tolerances were taken (every difference a mismatch, or
+    none), --seed -1, an --int-high past int64 and a NaN or infinite --timeout were
+    unexpected ValueErrors."""
+    msg = one_line_error(ho("verify", str(model), str(model), "--dim", "N=2", option, value))
+    assert option in msg
+
+
+def _unavailable_providers() -> list[str]:
+    import onnxruntime as ort
+
+    return ["BogusExecutionProvider"] + [
+        p for p in ("CUDAExecutionProvider",) if p not in ort.get_available_providers()]
+
+
+@pytest.mark.parametrize("provider", _unavailable_providers())
+@pytest.mark.parametrize("cmd", ["verify", "profile"])
+def test_a_provider_onnxruntime_lacks_is_one_line_not_a_cpu_run(tmp_path: Path, model: Path,
+                                                                 cmd: str, provider: str):
+    """Found by hand: ORT falls back to the CPU with only a warning, and `verify --provider
+    CUDAExecutionProvider` on a CPU-only onnxruntime reported OK, `profile` wrote a CPU
+    profile, for a comparison or measurement that was never the GPU's."""
+    out = tmp_path / "p.json"
+    args = ([str(model), str(model)] if cmd == "verify" else [str(model), "--out", str(out)])
+    msg = one_line_error(ho(cmd, *args, "--provider", provider, "--dim", "N=2"))
+    assert f"cannot use {provider}" in msg and "would run on CPUExecutionProvider" in msg
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("cmd", ["optimize", "plan"])
 def test_shape_inference_of_a_hostile_model_is_bounded(tmp_path: Path, cmd: str):
     p = tmp_path / "hostile.onnx"

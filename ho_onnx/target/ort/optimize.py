@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ...errors import HoOnnxError
 from .isolate import run_isolated
-from .session import ort_opt_level
+from .session import ort_opt_level, require_providers
 
 LEVELS = ("basic", "extended")
 
@@ -44,12 +44,14 @@ def ort_optimize(model: str | os.PathLike[str], out: str | os.PathLike[str], lev
                                 f"{out.name}.data")
     so.add_session_config_entry(
         "session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    providers = providers or ["CPUExecutionProvider"]
     try:
-        ort.InferenceSession(os.fspath(model), so,
-                             providers=providers or ["CPUExecutionProvider"])
+        sess = ort.InferenceSession(os.fspath(model), so, providers=providers)
     except Exception as e:  # ORT's own load errors
         raise HoOnnxError(f"ONNX Runtime could not load {os.fspath(model)!r} to optimize it: "
                           f"{str(e).splitlines()[0]}") from None
+    require_providers(sess, providers, f"optimizing {os.fspath(model)!r} (for another "
+                                       "provider than asked)")
     if not out.is_file():
         raise HoOnnxError(f"ONNX Runtime did not write its optimized model to {str(out)!r}")
     return out

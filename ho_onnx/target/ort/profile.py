@@ -38,7 +38,7 @@ from typing import Any
 from ...errors import HoOnnxError
 from ...graph.save import write_atomic
 from .isolate import run_isolated
-from .session import OPT_LEVELS, model_for_ort, ort_opt_level, random_inputs
+from .session import OPT_LEVELS, model_for_ort, ort_opt_level, random_inputs, require_providers
 
 _KERNEL_SUFFIX = "_kernel_time"
 
@@ -177,6 +177,7 @@ def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
         so.profile_file_prefix = os.path.join(tmp, "ort")
         sess = ort.InferenceSession(os.fspath(model_path), sess_options=so,
                                     providers=list(providers))
+        require_providers(sess, providers, f"profiling {os.fspath(model_path)!r}")
         try:
             for _ in range(runs):
                 sess.run(None, dict(feeds))

@@ -7,13 +7,14 @@ for a model's inputs.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 
-from ...errors import UnsupportedModelError
+from ...errors import HoOnnxError, UnsupportedModelError
 from ...graph.dims import input_shapes, is_mask_input, shape_text
 from ...graph.load import check_text, read_proto, validate_external_data
 from ...units import format_bytes
@@ -97,13 +98,15 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
             arr = rng.random(shape) < 0.5
         elif np.issubdtype(np_type, np.floating):
             arr = rng.standard_normal(shape).astype(np_type)
-        else:
-            arr = rng.integers(0, int_high, size=shape).astype(np_type)
+        else:  # (high never past the type: values wrapped around were negative token ids)
+            high = min(int_high, int(np.iinfo(np_type).max) + 1, _INT64_END)
+            arr = rng.integers(0, high, size=shape).astype(np_type)
         feeds[vi.name] = np.asarray(arr)
     return feeds
 
 
 OPT_LEVELS = ("disable", "basic", "extended", "all")
+_INT64_END = 1 << 63  # numpy's integers() draws int64: its exclusive high at most this
 
 
 def ort_opt_level(name: str):  # type: ignore[no-untyped-def]
@@ -119,6 +122,22 @@ def ort_opt_level(name: str):  # type: ignore[no-untyped-def]
     if name not in levels:
         raise ValueError(f"optimization level must be one of {OPT_LEVELS}, not {name!r}")
     return levels[name]
+
+
+def require_providers(session: Any, requested: Sequence[str], what: str) -> None:
+    """Raise :class:`~ho_onnx.errors.HoOnnxError` when ``session`` (ORT's) left out a
+    provider of ``requested``: ORT then runs on the others (the CPU) with only a warning,
+    and a GPU's comparison or measurement would silently be the CPU's. ``what`` names the
+    work ("verifying", "profiling", ...)."""
+    used = list(session.get_providers())
+    missing = [p for p in requested if p not in used]
+    if missing:
+        import onnxruntime as ort
+
+        raise HoOnnxError(
+            f"ONNX Runtime cannot use {', '.join(missing)} here (this onnxruntime has "
+            f"{', '.join(ort.get_available_providers())}): {what} would run on "
+            f"{', '.join(used)} instead")
 
 
 def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: list[str],
@@ -140,6 +159,8 @@ def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: li
         so = session_options(path, base=so, execution_order=execution_order)
     elif execution_order == "priority":
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    return ort.InferenceSession(str(path), sess_options=so, providers=providers)
+    sess = ort.InferenceSession(str(path), sess_options=so, providers=providers)
+    require_providers(sess, providers, f"running {os.fspath(path)!r}")
+    return sess
 
 

@@ -8,6 +8,7 @@ outputs are expected to be bit-exact.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -88,6 +89,9 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     a child process can be ended, so not with ``isolate=False``)."""
     if timeout_s and not isolate:
         raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
+    for name, tol in (("atol", atol), ("rtol", rtol)):
+        if not (math.isfinite(tol) and tol >= 0):  # (NaN: every difference a mismatch)
+            raise ValueError(f"{name} must be a finite number >= 0, not {tol!r}")
     if isolate:  # (the checks below run there, once)
         return run_isolated(
             verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,

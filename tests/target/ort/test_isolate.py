@@ -192,3 +192,12 @@ def test_ort_check_runs_in_a_child(monkeypatch, tmp_path: Path):
                         lambda fn, *a, **kw: calls.append((fn, a, kw)))
     ort_check(tmp_path / "m.onnx")
     assert calls and calls[0][0] is ort_check and calls[0][2]["isolate"] is False
+
+
+@pytest.mark.parametrize("atol, rtol", [(float("nan"), 0.0), (-1.0, 0.0), (0.0, float("inf"))])
+def test_verify_refuses_tolerances_no_comparison_can_use(tmp_path: Path, atol, rtol):
+    """Before any process starts (the library API; the CLI's options refuse them too)."""
+    m = tmp_path / "forever.onnx"
+    onnx.save(text_model(FOREVER_LOOP), m)
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        verify(m, m, atol=atol, rtol=rtol)

@@ -36,3 +36,16 @@ def test_a_feed_larger_than_memory_is_refused_before_allocating():
     with pytest.raises(UnsupportedModelError, match=r"\(302 dims\) needs at least 2\^") as e:
         random_inputs(m, {"N": 2})
     assert len(str(e.value)) < 400
+
+
+def test_integer_feeds_never_wrap_past_their_type():
+    """--int-high past a type's range (found by hand: int8 ids drawn from [0, 1000) wrapped to
+    negative values; uint64 with a high past int64 was an unexpected ValueError): each type
+    is drawn from [0, min(int_high, its end))."""
+    m = text_model("g (int8[64] a, uint8[64] b, int32[64] c, uint64[64] d) => (int8[64] y) "
+                   "{ y = Identity (a) }")
+    feeds = random_inputs(m, {}, int_high=(1 << 63) - 1)
+    for name, end in (("a", 128), ("b", 256), ("c", 1 << 31), ("d", 1 << 63)):
+        v = feeds[name].astype(np.float64)
+        assert v.min() >= 0 and v.max() < end, name
+    assert feeds["a"].max() > 64  # drawn over the type's whole range, not clipped at 0
