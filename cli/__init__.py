@@ -484,7 +484,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), required=True,
               help="Where to write the per-node times (JSON).")
 @click.option("--provider", default="CPUExecutionProvider", show_default=True,
-              help="ORT execution provider to profile on.")
+              help="ORT execution provider to profile on; one this onnxruntime lacks is an "
+                   "error (ORT itself would run on the CPU instead).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP)
 @click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...", help=_SHAPE_HELP)
 @click.option("--runs", type=click.IntRange(min=1), default=10, show_default=True)
@@ -545,7 +546,9 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
                    "weights do not apply to offloaded ones; 'disable' makes the paths "
                    "identical.")
 @click.option("--provider", "providers", multiple=True, default=("CPUExecutionProvider",),
-              show_default=True, help="ORT execution provider (repeatable, in priority order).")
+              show_default=True, help="ORT execution provider (repeatable, in priority order); "
+                                      "one this onnxruntime lacks is an error (ORT itself "
+                                      "would run on the CPU instead).")
 @click.option("--timeout", "timeout_s", type=_SECONDS, default=None,
               metavar="SECONDS", help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
