@@ -26,3 +26,11 @@ def test_parse_size_round_trips_and_refuses_words():
     assert parse_size(format_bytes(3 << 20, "MiB", 0).replace(" ", "")) == 3 << 20
     with pytest.raises(ValueError, match="is not a size"):
         parse_size("lots")
+
+
+def test_parse_size_is_exact_for_big_and_fractional_sizes():
+    """Found by hand: through a float, '9223372036854775807B' (int64's largest) became one
+    past it and was refused as past int64; fractions round down to whole bytes."""
+    assert parse_size("9223372036854775807B") == (1 << 63) - 1
+    assert parse_size("123456789012345678901") == 123456789012345678901
+    assert parse_size("0.1KiB") == 102 and parse_size("1.5KiB") == 1536
