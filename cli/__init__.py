@@ -186,8 +186,10 @@ def _errors() -> Iterator[None]:
 def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str | None]
                                ) -> None:
     """Refuse before any work an output (option -> path) that is one of the inputs, one of
-    an input model's data files, or an existing file that is not JSON where JSON is
-    written."""
+    an input model's data files, a directory, or a device, FIFO or socket (checked again
+    when written)."""
+    from ho_onnx.graph.save import refuse_special
+
     files: list[Path] = []
     for path in filter(None, inputs):
         files.append(Path(path))
@@ -195,6 +197,10 @@ def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str 
     for option, out in outputs.items():
         if out is None:
             continue
+        try:
+            refuse_special(out, option)
+        except HoOnnxError as e:
+            raise click.UsageError(str(e)) from None
         o = Path(out)
         for f in files:
             if _same(o, f):

@@ -270,9 +270,27 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
+def refuse_special(path: str | os.PathLike[str], what: str = "output") -> None:
+    """Refuse to write ``path`` when it exists and is neither a regular file nor a symbolic
+    link: a device (``/dev/null``), a FIFO or a socket. Outputs are written by renaming a
+    finished file over the name, which would replace such an entry (as root, /dev/null
+    itself: found by hand, a FIFO given as the output was replaced by a file)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (OSError, ValueError):  # missing (or unreadable: the write says why)
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)):
+        raise OutputPathError(
+            f"{what} {os.fspath(path)!r} exists and is not a regular file (a device, FIFO or "
+            "socket): outputs are written by replacing the file at that name; choose a file "
+            "path")
+
+
 def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> Path:
-    """Refuse an output that is the input (or one of its data files)."""
+    """Refuse an output that is the input (or one of its data files), or a device, FIFO or
+    socket."""
     out = Path(out_path)
+    refuse_special(out)
     out_abs = out.resolve()
     if out_abs == loaded.path.resolve() or _same_file(out, loaded.path):
         raise OutputPathError(f"output {str(out)!r} is the input model: choose another path")
@@ -356,6 +374,7 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
         os.chmod(model_tmp, mode)
         if sidecar_tmp is not None:
             sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
+            refuse_special(sidecar, "the sidecar")
             os.chmod(sidecar_tmp, mode)
             os.replace(sidecar_tmp, sidecar)
             temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
@@ -375,6 +394,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file in its folder (made if missing)
     renamed into place: a failure or an interruption leaves no partial file or new folder."""
     out = Path(path)
+    refuse_special(out)
     with new_folders(out.absolute().parent):
         temps: list[Path] = []
         try:

@@ -241,6 +241,42 @@ def test_verify_options_no_run_can_use_are_one_line(model: Path, option: str, va
     assert option in msg
 
 
+def _special_file(path: Path, kind: str) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:  # a character device like /dev/null (1, 3): root only
+        try:
+            os.mknod(path, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("cmd", ["optimize", "optimize-sidecar", "profile", "calibrate", "plot"])
+def test_an_output_that_is_a_device_or_fifo_is_refused_and_kept(tmp_path: Path, model: Path,
+                                                                  cmd: str, kind: str):
+    """Found by hand: outputs are renamed into place, so a FIFO given as the output was
+    replaced by a file; as root, `--out /dev/null` would have replaced /dev/null itself."""
+    out = tmp_path / ("m.ho.onnx.data" if cmd == "optimize-sidecar" else "out")
+    _special_file(out, kind)
+    before = os.lstat(out)
+    if cmd.startswith("optimize"):
+        name = tmp_path / "m.ho.onnx" if cmd == "optimize-sidecar" else out
+        args = ["optimize", str(model), str(name), "--offload", "weights", "--min-bytes", "0",
+                "--dim", "N=2"]
+    elif cmd == "profile":
+        args = ["profile", str(model), "--out", str(out), "--runs", "1", "--dim", "N=2"]
+    elif cmd == "calibrate":
+        args = ["calibrate", "--out", str(out), "--size", "1MiB", "--dir", str(tmp_path)]
+    else:
+        args = ["plan", str(model), "--budget", "1MiB", "--plot", str(out), "--dim", "N=2"]
+    msg = one_line_error(ho(*args, timeout=120))
+    assert "is not a regular file" in msg
+    after = os.lstat(out)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino,
+                                                           before.st_rdev)
+
+
 def _unavailable_providers() -> list[str]:
     import onnxruntime as ort
 
