@@ -256,7 +256,7 @@ def _place_data_file(src: Path, dst: Path, report: SaveReport, progress: Progres
         )
     dst.parent.mkdir(parents=True, exist_ok=True)
     # Not a hard or symbolic link: onnx.checker refuses both as a possible attack.
-    tmp = dst.with_name(f".{dst.name}.ho-tmp-{os.getpid()}")
+    tmp = dst.with_name(f"{_temp_prefix(dst.name)}ho-tmp-{os.getpid()}")
     temps.append(tmp)
     copy_sparse(src, tmp, progress)
     os.replace(tmp, dst)
@@ -356,14 +356,15 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
                 _place_data_file(src, out_dir / loc, report, progress, temps)
         sidecar_tmp = None
         if files.sidecar is not None and files.sidecar.tensors:
-            sidecar_tmp = _write_temp(out_dir, f".{files.sidecar.name}.", temps,
+            sidecar_tmp = _write_temp(out_dir, _temp_prefix(files.sidecar.name), temps,
                                       lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
         sidecar_name = files.sidecar.name if files.sidecar is not None else None
         stamp_data_files(files.model, files.stamps,
                          lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
                          else out_dir / loc)
         blob = _serialise(files.model)
-        model_tmp = _write_temp(out_dir, f".{out.name}.", temps, lambda f: f.write(blob))
+        model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
+                                lambda f: f.write(blob))
         if validate is None:
             try:  # by path, so external data is checked where the output will find it
                 onnx.checker.check_model(str(model_tmp))
@@ -398,7 +399,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     with new_folders(out.absolute().parent):
         temps: list[Path] = []
         try:
-            tmp = _write_temp(out.absolute().parent, f".{out.name}.", temps,
+            tmp = _write_temp(out.absolute().parent, _temp_prefix(out.name), temps,
                               lambda f: f.write(data))
             os.chmod(tmp, _umask_mode())
             os.replace(tmp, out)
@@ -415,6 +416,13 @@ def _serialise(model: onnx.ModelProto) -> bytes:
         return model.SerializeToString()
     except ValueError as e:  # > 2 GiB protobuf
         raise OutputPathError(f"the rewritten model cannot be serialised: {e}") from e
+
+
+def _temp_prefix(name: str) -> str:
+    """The start of a temporary file's name for the output ``name``: hidden, and short
+    enough that the random end fits a file name (255 bytes) whatever ``name``'s length
+    (found by hand: a legal 250-character output name was refused as too long)."""
+    return f".{name[:32]}."  # (32 characters: at most 128 bytes of UTF-8)
 
 
 def _write_temp(out_dir: Path, prefix: str, temps: list[Path],

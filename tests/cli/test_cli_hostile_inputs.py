@@ -434,3 +434,17 @@ def test_a_model_that_runs_forever_ends_at_the_time_limit(tmp_path: Path, cmd: s
     assert time.monotonic() - t0 < 60 and not (tmp_path / "p.json").exists()
     r = ho(*args[cmd], env={**os.environ, "HO_ONNX_ORT_TIMEOUT": "2"})
     assert "within 2 s" in one_line_error(r)
+
+
+@pytest.mark.parametrize("cmd", ["optimize", "profile"])
+def test_a_long_legal_output_name_is_written(tmp_path: Path, model: Path, cmd: str):
+    """Found by hand: the temporary file beside a 245-character output name (255 bytes is
+    the limit) was too long, and the error named a file the user never gave."""
+    out = tmp_path / ("é" * 120 + ("x.onnx" if cmd == "optimize" else "x.json"))
+    assert len(os.fsencode(out.name)) == 246
+    args = (["optimize", str(model), str(out), "--dim", "N=2"] if cmd == "optimize"
+            else ["profile", str(model), "--out", str(out), "--runs", "1", "--dim", "N=2"])
+    r = ho(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert out.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([model.name, out.name])
