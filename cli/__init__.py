@@ -46,6 +46,9 @@ def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
         if int(value) > _INT64_MAX:
             raise click.BadParameter(f"{item!r}: {value.strip()} is past int64",
                                      param_hint="--dim")
+        if dims.get(name.strip(), int(value)) != int(value):
+            raise click.BadParameter(f"{name.strip()!r} given twice, as {dims[name.strip()]} "
+                                     f"and {int(value)}", param_hint="--dim")
         dims[name.strip()] = int(value)
     return dims
 

@@ -16,7 +16,8 @@ class ExternalDataError(HoOnnxError):
 
 
 class UnboundDimError(HoOnnxError):
-    """A symbolic dimension that a decision depends on has no value."""
+    """A symbolic dimension that a decision depends on has no value (or a value that is no
+    size)."""
 
 
 class UnsupportedModelError(HoOnnxError):

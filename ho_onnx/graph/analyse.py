@@ -24,7 +24,7 @@ from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
 from .bounded import start_infer_shapes
-from .dims import MAX_DIM_EXPRESSION, dim_text, parse_dim, shape_text
+from .dims import MAX_DIM_EXPRESSION, check_bindings, dim_text, parse_dim, shape_text
 from .dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from .gcpause import gc_paused
 
@@ -445,6 +445,7 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
     model as loaded (weights external or inline), read by shape inference instead of a
     serialisation of ``model``. ``more_types`` is asked when onnx's inference leaves a node
     output unknown or partly known (contrib ops): its types win where they tell more."""
+    check_bindings(dims, shapes)
     if isinstance(model, onnx.ModelProto):
         proto, model = model, ir.from_proto(model)
     dims = dict(dims or {})

@@ -11,6 +11,8 @@ input's whole shape is given instead, as ``trtexec --shapes`` does.
 from __future__ import annotations
 
 import ast
+import numbers
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import onnx
@@ -30,11 +32,20 @@ def parse_shapes(items: Iterable[str]) -> dict[str, list[int]]:
     for item in items:
         name, sep, spec = item.rpartition("=")
         parts = [p.strip() for p in spec.replace("x", ",").split(",")] if sep else []
-        if not name or not parts or not all(p.isdigit() for p in parts):
+        # (ASCII digits only: str.isdigit() takes '²', which int() refuses)
+        if not name or not parts or not all(re.fullmatch(r"[0-9]+", p) for p in parts):
             raise ValueError(f"{item!r}: expected INPUT=D0,D1,... with integer dims, "
                              "e.g. x=1,3,48,320")
-        shapes[name] = [int(p) for p in parts]
+        shape = [int(p) for p in parts]
+        if any(d > _INT64_MAX for d in shape):
+            raise ValueError(f"{item!r}: a dim is past int64")
+        if shapes.get(name, shape) != shape:
+            raise ValueError(f"{name!r} given twice, as {shapes[name]} and {shape}")
+        shapes[name] = shape
     return shapes
+
+
+_INT64_MAX = (1 << 63) - 1
 
 
 # Exporters' dim expressions are short (``past_sequence_length + sequence_length``,
@@ -103,6 +114,21 @@ def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [vi for vi in model.graph.input if vi.name not in inits]
 
 
+def check_bindings(dims: Mapping[str, int] | None,
+                   shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+    """Raise :class:`UnboundDimError` unless every value of ``dims`` and every dim of
+    ``shapes`` is a size: an integer from 0 to int64's largest (found by hand: a library
+    caller's ``batch=-1`` planned without a word, ``2**64``, ``True`` or ``1.5`` were
+    unexpected errors from protobuf; the command line's parsers check their own)."""
+    items = [(f"dim {k!r}", v) for k, v in (dims or {}).items()]
+    items += [(f"shape of {k!r}", d) for k, shape in (shapes or {}).items() for d in shape]
+    for what, v in items:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not (
+                0 <= v <= _INT64_MAX):  # (numpy's integers are Integral)
+            raise UnboundDimError(f"{what}: {v!r} is not a size (an integer from 0 to "
+                                  f"{_INT64_MAX})")
+
+
 def dims_from_shapes(model: onnx.ModelProto, shapes: Mapping[str, list[int]],
                      dims: Mapping[str, int] | None = None) -> dict[str, int]:
     """``dims`` plus every plain dim name a whole input shape binds (``--shape ids=1,8`` on
@@ -111,6 +137,7 @@ def dims_from_shapes(model: onnx.ModelProto, shapes: Mapping[str, list[int]],
     Raises :class:`UnboundDimError` for an unknown input, a rank or fixed-dim mismatch, or a
     name bound to two values.
     """
+    check_bindings(dims, shapes)
     out = dict(dims or {})
     by_name = {vi.name: vi for vi in graph_inputs(model)}
     for name, shape in shapes.items():

@@ -3,12 +3,13 @@ missing."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx.parser
 import pytest
 
 from ho_onnx.errors import UnboundDimError
-from ho_onnx.graph.analyse import eval_dim
+from ho_onnx.graph.analyse import analyse, eval_dim
 from ho_onnx.graph.dims import (
     MAX_DIM_EXPRESSION,
     dims_from_shapes,
@@ -18,6 +19,7 @@ from ho_onnx.graph.dims import (
     parse_dim,
     parse_shapes,
 )
+from tests.graphs import text_model
 
 # The inputs of an Optimum text-generation-with-past export.
 WITH_PAST = """<ir_version: 8, opset_import: ["" : 18]>
@@ -142,3 +144,15 @@ def test_mask_inputs():
 
     assert is_mask_input("attention_mask") and is_mask_input("encoder_attention_mask")
     assert not is_mask_input("input_ids") and not is_mask_input("mask_token")
+
+
+@pytest.mark.parametrize("value", [-1, 2**64, True, 1.5, "8", None])
+def test_library_callers_bindings_must_be_sizes(value):
+    """Found by hand: ``optimize(..., dims={"batch": -1})`` planned without a word; 2**64,
+    True, 1.5 or a string were unexpected errors from protobuf or int()."""
+    m = text_model("g (float[batch,4] x) => (float[batch,4] y) { y = Relu (x) }")
+    with pytest.raises(UnboundDimError, match=r"'batch'.*is not a size"):
+        analyse(m, {"batch": value})
+    with pytest.raises(UnboundDimError, match=r"shape of 'x'.*is not a size"):
+        analyse(m, shapes={"x": [value, 4]})
+    assert analyse(m, {"batch": np.int64(3)}).tensors["y"].shape == (3, 4)
