@@ -29,10 +29,9 @@ from ho_onnx.schedule.options import (
     OffloadOptions,
     offload_kinds,
 )
-from ho_onnx.units import format_bytes, parse_size
+from ho_onnx.units import INT64_MAX, format_bytes, parse_size
 
 _DEFAULTS = OffloadOptions()
-_INT64_MAX = (1 << 63) - 1
 
 
 def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
@@ -43,7 +42,7 @@ def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
         if not sep or not name.strip() or not re.fullmatch(r"\s*[0-9]+\s*", value):
             raise click.BadParameter(f"{item!r}: expected NAME=INTEGER, e.g. seq=2048",
                                      param_hint="--dim")
-        if int(value) > _INT64_MAX:
+        if int(value) > INT64_MAX:
             raise click.BadParameter(f"{item!r}: {value.strip()} is past int64",
                                      param_hint="--dim")
         if dims.get(name.strip(), int(value)) != int(value):
@@ -89,7 +88,7 @@ class SizeType(click.ParamType):
             self.fail(str(e), param, ctx)
         if size < self.minimum:
             self.fail(f"{value!r} is less than {format_bytes(self.minimum)}", param, ctx)
-        if size > _INT64_MAX:
+        if size > INT64_MAX:
             self.fail(f"{value!r} is past int64", param, ctx)
         return size
 
@@ -105,10 +104,9 @@ class FiniteFloatRange(click.FloatRange):
         return v
 
 
-_SECONDS = FiniteFloatRange(min=0)
-_TOLERANCE = FiniteFloatRange(min=0)
-_SEED = click.IntRange(min=0, max=_INT64_MAX)
-_INT_HIGH = click.IntRange(min=1, max=_INT64_MAX)
+_NON_NEGATIVE = FiniteFloatRange(min=0)  # seconds, tolerances
+_SEED = click.IntRange(min=0, max=INT64_MAX)
+_INT_HIGH = click.IntRange(min=1, max=INT64_MAX)
 
 
 class _Interrupted(BaseException):
@@ -505,7 +503,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                    "node; 'all' times what really runs (fused nodes).")
 @click.option("--int-high", type=_INT_HIGH, default=8, show_default=True,
               help="Integer inputs are drawn from [0, INT_HIGH).")
-@click.option("--timeout", "timeout_s", type=_SECONDS, default=None,
+@click.option("--timeout", "timeout_s", type=_NON_NEGATIVE, default=None,
               metavar="SECONDS", help=_TIMEOUT_HELP)
 def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
             shapes: tuple[str, ...], runs: int, warmup: int, opt_level: str,
@@ -540,9 +538,9 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
               help="Seed of the random inputs.")
 @click.option("--int-high", type=_INT_HIGH, default=8, show_default=True,
               help="Integer inputs are drawn from [0, INT_HIGH) (keeps token ids in range).")
-@click.option("--atol", type=_TOLERANCE, default=0.0, show_default=True,
+@click.option("--atol", type=_NON_NEGATIVE, default=0.0, show_default=True,
               help="Absolute tolerance; with --rtol 0 and --atol 0 outputs must be bit-exact.")
-@click.option("--rtol", type=_TOLERANCE, default=0.0, show_default=True,
+@click.option("--rtol", type=_NON_NEGATIVE, default=0.0, show_default=True,
               help="Relative tolerance.")
 @click.option("--execution-order", type=click.Choice(["priority", "default"]),
               default="priority", show_default=True, help="ORT execution order of both runs.")
@@ -558,7 +556,7 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
               show_default=True, help="ORT execution provider (repeatable, in priority order); "
                                       "one this onnxruntime lacks is an error (ORT itself "
                                       "would run on the CPU instead).")
-@click.option("--timeout", "timeout_s", type=_SECONDS, default=None,
+@click.option("--timeout", "timeout_s", type=_NON_NEGATIVE, default=None,
               metavar="SECONDS", help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[str, ...],

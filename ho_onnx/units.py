@@ -10,6 +10,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "tib": 2**40}
 _BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 _HUGE = 1 << 60
+INT64_MAX = (1 << 63) - 1  # the largest size, dim or seed ONNX and numpy hold
 
 
 def binary_unit(nbytes: float, at_least: float = 1.0) -> tuple[str, int]:

@@ -49,11 +49,6 @@ class Machine:
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 raise ValueError(f"machine {self.name!r}: {f.name} must be a finite number, "
                                  f"got {v!r}")
-            if f.name in _NONNEG_FIELDS:
-                if v < 0:
-                    raise ValueError(f"machine {self.name!r}: {f.name} must be >= 0, got {v}")
-            elif v <= 0:
-                raise ValueError(f"machine {self.name!r}: {f.name} must be > 0, got {v}")
             lo, hi, unit = LIMITS[f.name]
             if not lo <= v <= hi:
                 raise ValueError(
@@ -110,7 +105,6 @@ class Machine:
             raise MachineError(f"machine file {str(p)!r}: {e}") from None
 
 
-_NONNEG_FIELDS = {"transfer_latency_s", "launch_overhead_s"}
 # (low, high, unit) of each rate: any real machine with orders of magnitude to spare (the
 # presets, calibrations of 0.1-100 GB/s). Outside them a file is in other units or broken,
 # and the simulation's sums of times leave floating point (1e-300 B/s: inf and NaN times;

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import onnx
 
 from ..errors import UnboundDimError
+from ..units import INT64_MAX
 
 Dim = int | str | None
 
@@ -37,15 +38,13 @@ def parse_shapes(items: Iterable[str]) -> dict[str, list[int]]:
             raise ValueError(f"{item!r}: expected INPUT=D0,D1,... with integer dims, "
                              "e.g. x=1,3,48,320")
         shape = [int(p) for p in parts]
-        if any(d > _INT64_MAX for d in shape):
+        if any(d > INT64_MAX for d in shape):
             raise ValueError(f"{item!r}: a dim is past int64")
         if shapes.get(name, shape) != shape:
             raise ValueError(f"{name!r} given twice, as {shapes[name]} and {shape}")
         shapes[name] = shape
     return shapes
 
-
-_INT64_MAX = (1 << 63) - 1
 
 
 # Exporters' dim expressions are short (``past_sequence_length + sequence_length``,
@@ -124,9 +123,9 @@ def check_bindings(dims: Mapping[str, int] | None,
     items += [(f"shape of {k!r}", d) for k, shape in (shapes or {}).items() for d in shape]
     for what, v in items:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not (
-                0 <= v <= _INT64_MAX):  # (numpy's integers are Integral)
+                0 <= v <= INT64_MAX):  # (numpy's integers are Integral)
             raise UnboundDimError(f"{what}: {v!r} is not a size (an integer from 0 to "
-                                  f"{_INT64_MAX})")
+                                  f"{INT64_MAX})")
 
 
 def dims_from_shapes(model: onnx.ModelProto, shapes: Mapping[str, list[int]],

@@ -46,10 +46,12 @@ MAX_TENSOR_BYTES = 1 << 50  # 1 PiB
 
 
 def capped_nbytes(elem_type: int, dims: Iterable[int]) -> int | None:
-    """:func:`dense_nbytes` of non-negative ``dims``, or None when that is over
+    """:func:`dense_nbytes` of ``dims``, or None when a dim is negative or the size is over
     :data:`MAX_TENSOR_BYTES` (the product stops growing there; a zero dim anywhere is an
     empty tensor)."""
     sizes = list(dims)
+    if any(d < 0 for d in sizes):
+        return None
     numel = 0 if 0 in sizes else 1
     for d in sizes if numel else ():
         numel *= d

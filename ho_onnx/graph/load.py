@@ -147,9 +147,11 @@ def validate_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
                 sizes[path] = path.stat().st_size
             want = expected_nbytes(tensor)
             if want is None and tensor.data_type in ELEMENT_BITS:
+                size = ("has a negative dim" if any(d < 0 for d in tensor.dims)
+                        else "would take over 1 PiB")
                 raise ExternalDataError(
-                    f"{what}: its type and shape {shape_text(list(tensor.dims))} would take "
-                    "over 1 PiB (a malformed model?)")
+                    f"{what}: its type and shape {shape_text(list(tensor.dims))} {size} (a "
+                    "malformed model?)")
             if ref.length is not None and want is not None and ref.length != want:
                 raise ExternalDataError(
                     f"{what}: external data length {ref.length} does not match its type and "

@@ -87,6 +87,11 @@ def test_an_external_initializer_of_absurd_shape_is_one_clear_error(tmp_path, le
         optimize(p, tmp_path / "out.onnx", ALL)
     assert len(str(e.value)) < 400
     assert not (tmp_path / "out.onnx").exists()
+    del w.dims[:]
+    w.dims.extend([4, -4])  # (a negative product was "negative bytes" before)
+    onnx.save(m, p)
+    with pytest.raises(ExternalDataError, match=r"\[4, -4\] has a negative dim"):
+        optimize(p, tmp_path / "out.onnx", ALL)
 
 
 @pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "a/../../x.bin"])

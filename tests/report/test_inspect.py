@@ -85,3 +85,4 @@ def test_inspect_reads_an_absurd_activation_size_as_unknown(tmp_path):
     for args in ([str(p)], [str(p), "--json"]):
         r = CliRunner().invoke(main, ["inspect", *args])
         assert r.exit_code == 0, r.output
+

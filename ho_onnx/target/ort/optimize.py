@@ -50,8 +50,7 @@ def ort_optimize(model: str | os.PathLike[str], out: str | os.PathLike[str], lev
     except Exception as e:  # ORT's own load errors
         raise HoOnnxError(f"ONNX Runtime could not load {os.fspath(model)!r} to optimize it: "
                           f"{str(e).splitlines()[0]}") from None
-    require_providers(sess, providers, f"optimizing {os.fspath(model)!r} (for another "
-                                       "provider than asked)")
+    require_providers(sess, providers, f"optimizing {os.fspath(model)!r}")
     if not out.is_file():
         raise HoOnnxError(f"ONNX Runtime did not write its optimized model to {str(out)!r}")
     return out

@@ -35,7 +35,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import HoOnnxError
+from ...errors import HoOnnxError, UnboundDimError
+from ...graph.dims import check_bindings
 from ...graph.save import write_atomic
 from .isolate import run_isolated
 from .session import OPT_LEVELS, model_for_ort, ort_opt_level, random_inputs, require_providers
@@ -79,10 +80,12 @@ def read_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ProfileError(f"profile file {str(p)!r}: 'total_median_s' must be seconds, 0 "
                            f"to {MAX_RUN_S:g}")
     dims = data.get("dims")
-    if dims is not None and not (isinstance(dims, dict) and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in dims.values())):
-        raise ProfileError(f"profile file {str(p)!r}: 'dims' must map dim names to sizes "
-                           "(integers >= 0)")
+    try:
+        if dims is not None and not isinstance(dims, dict):
+            raise UnboundDimError("not an object of dim names and sizes")
+        check_bindings(dims)
+    except UnboundDimError as e:
+        raise ProfileError(f"profile file {str(p)!r}: 'dims': {e}") from None
     return data
 
 

@@ -17,7 +17,7 @@ import onnx
 from ...errors import HoOnnxError, UnsupportedModelError
 from ...graph.dims import input_shapes, is_mask_input, shape_text
 from ...graph.load import check_text, read_proto, validate_external_data
-from ...units import format_bytes
+from ...units import INT64_MAX, format_bytes
 
 _NP_TYPES: dict[int, type] = {
     onnx.TensorProto.FLOAT: np.float32,
@@ -99,14 +99,14 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
         elif np.issubdtype(np_type, np.floating):
             arr = rng.standard_normal(shape).astype(np_type)
         else:  # (high never past the type: values wrapped around were negative token ids)
-            high = min(int_high, int(np.iinfo(np_type).max) + 1, _INT64_END)
+            # (and never past int64: numpy draws them as int64)
+            high = min(int_high, int(np.iinfo(np_type).max) + 1, INT64_MAX + 1)
             arr = rng.integers(0, high, size=shape).astype(np_type)
         feeds[vi.name] = np.asarray(arr)
     return feeds
 
 
 OPT_LEVELS = ("disable", "basic", "extended", "all")
-_INT64_END = 1 << 63  # numpy's integers() draws int64: its exclusive high at most this
 
 
 def ort_opt_level(name: str):  # type: ignore[no-untyped-def]
