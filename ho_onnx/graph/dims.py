@@ -11,6 +11,7 @@ input's whole shape is given instead, as ``trtexec --shapes`` does.
 from __future__ import annotations
 
 import ast
+import difflib
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,6 +20,7 @@ import onnx
 
 from ..errors import UnboundDimError
 from ..units import INT64_MAX
+from .protos import iter_graphs
 
 Dim = int | str | None
 
@@ -107,6 +109,16 @@ def _dims_of(vi: onnx.ValueInfoProto) -> list[Dim] | None:
     return out
 
 
+def declared_dims(model: onnx.ModelProto) -> list[str]:
+    """Every dim name the model declares (inputs, outputs and value_info of every graph),
+    each once: what a ``--dim`` can bind."""
+    out: dict[str, None] = {}
+    for g in iter_graphs(model.graph):
+        for vi in (*g.input, *g.output, *g.value_info):
+            out.update((d, None) for d in _dims_of(vi) or () if isinstance(d, str))
+    return list(out)
+
+
 def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     """Graph inputs that are not initializers (what a caller feeds)."""
     inits = {t.name for t in model.graph.initializer}
@@ -179,12 +191,38 @@ def missing_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]
     return names, odd
 
 
-def require_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]) -> None:
+def unused_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]) -> list[str]:
+    """Names bound in ``dims`` that none of ``dim_exprs`` uses: a misspelt ``--dim``, or one
+    meant for another model (found by hand: ``--dim btach=4`` was ignored without a word)."""
+    used: set[str] = set()
+    for dim in dim_exprs:
+        used.add(dim)  # (a dim that is no expression is bound by its whole text)
+        used.update(free_names(dim) or ())
+    return [name for name in dims if name not in used]
+
+
+def unused_note(unused: Sequence[str], known: Iterable[str], where: str = "the model") -> str:
+    """``--dim btach names no dim of the model (did you mean 'batch'?)``, one clause per
+    name of ``unused``; ``known``: the names the model does use (the suggestions)."""
+    known = sorted(set(known))
+    parts = []
+    for name in unused:
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"--dim {dim_text(name)} names no dim of {where}"
+                     + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return "; ".join(parts)
+
+
+def require_dims(dim_exprs: Iterable[str], dims: Mapping[str, int], *,
+                 declared: Iterable[str] = ()) -> None:
     """Raise one :class:`UnboundDimError` naming every name ``dim_exprs`` need that ``dims``
-    lacks (dims that are no expression are left to the caller: unknown sizes)."""
-    names, _ = missing_dims(dim_exprs, dims)
+    lacks (dims that are no expression are left to the caller: unknown sizes), and every
+    name of ``dims`` that neither they nor ``declared`` (:func:`declared_dims`) use: likely
+    the misspelling of a missing one."""
+    exprs = list(dim_exprs)
+    names, _ = missing_dims(exprs, dims)
     if names:
-        raise unbound_error(names)
+        raise unbound_error(names, unused=unused_dims([*exprs, *declared], dims))
 
 
 def is_mask_input(name: str) -> bool:
@@ -193,9 +231,11 @@ def is_mask_input(name: str) -> bool:
     return name.lower().endswith("attention_mask")
 
 
-def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None = None
-                  ) -> UnboundDimError:
-    """One error naming every missing dim and every input that needs a whole shape."""
+def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None = None, *,
+                  unused: Sequence[str] = (), where: str = "the model") -> UnboundDimError:
+    """One error naming every missing dim and every input that needs a whole shape, and
+    the given dims that name nothing in ``where`` (each with the missing name it is
+    closest to)."""
     parts = []
     if names:
         parts.append("symbolic dimensions without a value: " + ", ".join(map(repr, names))
@@ -205,6 +245,8 @@ def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None =
         parts.append(f"input {inp!r} [{spec}] has dims --dim cannot name: pass its whole "
                      f"shape, --shape {inp}=" + ",".join(
                          str(d) if isinstance(d, int) else "N" for d in shape))
+    if unused:
+        parts.append(unused_note(unused, names, where))
     return UnboundDimError("; ".join(parts))
 
 
@@ -225,11 +267,13 @@ def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
     out: dict[str, list[int]] = {}
     exprs: list[str] = []
     odd: dict[str, list[Dim]] = {}
+    named: list[str] = []  # every input's dim names (what a --dim can be meant for)
     for vi in graph_inputs(model):
+        declared = _dims_of(vi)
+        named.extend(d for d in declared or () if isinstance(d, str))
         if vi.name in shapes:
             out[vi.name] = list(shapes[vi.name])
             continue
-        declared = _dims_of(vi)
         if declared is None:
             continue  # not a tensor, or unknown rank: callers decide
         for d in declared:
@@ -241,7 +285,8 @@ def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
                 exprs.append(d)
     names, _ = missing_dims(exprs, dims)
     if names or odd:
-        raise unbound_error(names, odd)
+        raise unbound_error(names, odd, unused=unused_dims(named, dims),
+                            where="the model's inputs")
     for vi in graph_inputs(model):
         declared = _dims_of(vi)
         if vi.name in out or declared is None:

@@ -139,6 +139,41 @@ def test_require_dims_names_all_at_once():
         require_dims(["a + b", "c", "2*a"], {"b": 1})
 
 
+def test_unused_dims_are_named_with_the_closest_missing_one():
+    """A misspelt ``--dim`` (found by hand: ``--dim btach=4`` was ignored without a word) is
+    named beside the missing dim it resembles; a dim an expression uses, one only declared
+    (``declared``), and a dim that is no expression but bound by its text are used."""
+    from ho_onnx.graph.dims import require_dims, unused_dims, unused_note
+
+    assert unused_dims(["a + b", "?", "batch"], {"a": 1, "b": 2, "?": 3, "btach": 4}) == ["btach"]
+    assert unused_note(["btach", "zzz"], ["batch", "seq"]) == (
+        "--dim btach names no dim of the model (did you mean 'batch'?); "
+        "--dim zzz names no dim of the model")
+    with pytest.raises(UnboundDimError, match=r"--dim batch=N\); --dim btach names no dim of "
+                                              r"the model \(did you mean 'batch'\?\)$"):
+        require_dims(["batch", "seq"], {"btach": 1, "seq": 2})
+    with pytest.raises(UnboundDimError) as e:  # bound dims leave the expressions: declared
+        require_dims(["batch"], {"seq": 2}, declared=["batch", "seq"])
+    assert "seq" not in str(e.value)
+
+
+def test_declared_dims_and_inputs_hint():
+    """Every graph's inputs, outputs and value_info declare dims; ``input_shapes`` (verify,
+    profile) names a --dim none of the inputs use, and not those a --shape bound."""
+    from ho_onnx.graph.dims import declared_dims
+
+    model = with_past()
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info(
+        "v", onnx.TensorProto.FLOAT, ["hidden_len"]))
+    assert declared_dims(model) == ["batch_size", "sequence_length",
+                                    "past_sequence_length + sequence_length",
+                                    "past_sequence_length", "hidden_len"]
+    with pytest.raises(UnboundDimError, match=r"'past_sequence_length' .*; --dim "
+                       r"past_seqlen names no dim of the model's inputs \(did you mean "
+                       r"'past_sequence_length'\?\)$"):
+        input_shapes(model, {"past_seqlen": 3}, {"input_ids": [1, 4]})
+
+
 def test_mask_inputs():
     from ho_onnx.graph.dims import is_mask_input
 
