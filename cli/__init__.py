@@ -259,7 +259,7 @@ def _log(msg: str) -> None:
 
 
 _DIM_HELP = ("Value of a symbolic dimension, NAME=N (repeatable), e.g. --dim seq=2048; a "
-             "NAME the model does not use is named on stderr (with the closest dim).")
+             "NAME the model does not use is named (a note, or beside a missing dim).")
 _SHAPE_HELP = ("Whole shape of an input, NAME=D0,D1,... (repeatable), for dims without a name "
                "or with an odd one, e.g. --shape x=1,3,48,320; also binds the dims it names.")
 _TIMEOUT_HELP = ("End ONNX Runtime's child process after SECONDS (a model can make it run "
