@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import onnx
@@ -215,6 +216,28 @@ class Worker:
         self.args, self.what = args, what
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
+        _WORKERS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child (a process pool, a server's preforked workers): the worker
+        process and a request another thread had in flight are the parent's. The child
+        starts its own worker on first use, with a lock of its own (the inherited one may
+        be held forever); the inherited pipes are pointed at /dev/null, so nothing of the
+        child's (a buffer flushed when they are collected) can reach the parent's worker,
+        and kept, so that they are never closed twice."""
+        self.lock = threading.Lock()
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                for f in (proc.stdin, proc.stdout):
+                    if f is not None and not f.closed:
+                        os.dup2(null, f.fileno())
+            finally:
+                os.close(null)
+        _INHERITED.append(proc)
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
@@ -339,5 +362,15 @@ def _read_exactly(fd: int, n: int, deadline: float) -> bytes | None:
     return bytes(buf)
 
 
+_WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
+_INHERITED: list[subprocess.Popen[bytes]] = []  # (a forked child's view of its parent's)
+
+
+def _after_fork_in_child() -> None:
+    for worker in list(_WORKERS):
+        worker._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _worker = Worker([_WORKER], "shape inference")
 atexit.register(_worker.stop)

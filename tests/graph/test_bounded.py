@@ -236,3 +236,55 @@ def test_concurrent_inferences_each_get_their_own_answer():
         got = list(pool.map(shapes, range(1, 41)))
     for n, s in zip(range(1, 41), got, strict=True):
         assert s == ({} if n % 5 == 0 else {f"h{i}": [n, 16] for i in range(1, 6)}), n
+
+
+def _chain_shapes(n: int) -> dict[str, list[int]]:
+    from ho_onnx.graph.bounded import infer_shapes
+
+    model = chain_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = n
+    return {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+            for vi in infer_shapes(model).graph.value_info}
+
+
+def test_a_forked_process_has_its_own_worker():
+    """A server that forks after using ho-onnx (``ProcessPoolExecutor``/``multiprocessing``
+    on Linux, gunicorn's preload): parent and child infer side by side and each gets the
+    answers to its own models, also when a request of another thread was in flight at the
+    fork (found by hand: the child inherited the held lock and waited forever)."""
+    _chain_shapes(1)  # the worker runs before the fork
+    parent_worker = bounded._worker.proc.pid
+    r, w = os.pipe()
+    done = (0, 0)
+    bounded._worker.lock.acquire()  # (what a request in flight in another thread holds)
+    pid = os.fork()
+    if pid == 0:  # the child: its own answers, reported through the pipe
+        code = 1
+        try:
+            os.close(r)
+            ok = all(_chain_shapes(n) == {f"h{i}": [n, 16] for i in range(1, 6)}
+                     for n in range(100, 160))
+            ok = ok and bounded._worker.proc.pid != parent_worker
+            os.write(w, b"ok" if ok else b"wrong")
+            code = 0
+        finally:
+            os._exit(code)
+    bounded._worker.lock.release()  # (the parent's request ends; the child's copy is held)
+    os.close(w)
+    try:
+        for n in range(200, 260):
+            assert _chain_shapes(n) == {f"h{i}": [n, 16] for i in range(1, 6)}, n
+        deadline, done = time.monotonic() + 60, (0, 0)
+        while done == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = os.waitpid(pid, os.WNOHANG)
+    finally:
+        if done == (0, 0):  # (a child still waiting after a minute, or a failure above)
+            os.kill(pid, signal.SIGKILL)
+            done = os.waitpid(pid, 0)
+        status = done[1]
+        answer = os.read(r, 16)
+        os.close(r)
+    assert os.waitstatus_to_exitcode(status) == 0 and answer == b"ok", answer
+    assert bounded._worker.proc.pid == parent_worker  # the parent's worker is still its own
+    assert _chain_shapes(3) == {f"h{i}": [3, 16] for i in range(1, 6)}
