@@ -523,7 +523,7 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
         _log(f"profiling {model}: {warmup} warm-up + {runs} measured runs on {provider}")
         r = profile_model(_model_in(model), out_json, providers=[provider], dims=parse_dims(dims),
                           runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high,
-                          shapes=parse_shape_options(shapes), timeout_s=timeout_s)
+                          shapes=parse_shape_options(shapes), timeout_s=timeout_s, log=_log)
     click.echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
                f"{r['total_median_s'] * 1e3:.3f} ms")
 
@@ -579,7 +579,7 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
                      runs=runs, seed=seed, int_high=int_high, providers=list(providers),
                      execution_order=execution_order, prepacking=prepacking, atol=atol,
                      rtol=rtol, opt_level=opt_level, shapes=parse_shape_options(shapes),
-                     timeout_s=timeout_s)
+                     timeout_s=timeout_s, log=_log)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
                                "seconds_original": report.seconds_original,

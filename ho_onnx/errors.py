@@ -1,6 +1,12 @@
-"""Errors raised by ho_onnx: each names the problem in words a user can act on."""
+"""Errors raised by ho_onnx: each names the problem in words a user can act on; and
+:data:`Log`, how a long step tells its caller how it goes."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+Log = Callable[[str], None]
+"""Takes a step's progress messages, one line each (``log=`` of the long steps)."""
 
 
 class HoOnnxError(Exception):

@@ -197,7 +197,8 @@ def unused_dims(dim_exprs: Iterable[str], dims: Mapping[str, int]) -> list[str]:
     used: set[str] = set()
     for dim in dim_exprs:
         used.add(dim)  # (a dim that is no expression is bound by its whole text)
-        used.update(free_names(dim) or ())
+        names = free_names(dim)  # (no expression: every word in it counts as used)
+        used.update(names if names is not None else re.findall(r"[A-Za-z_]\w*", dim))
     return [name for name in dims if name not in used]
 
 

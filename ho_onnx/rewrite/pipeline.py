@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ..contract import DOMAIN
 from ..cost.source import CostSource
-from ..errors import HoOnnxError, OutputPathError
+from ..errors import HoOnnxError, Log, OutputPathError
 from ..graph.analyse import GraphAnalysis
 from ..graph.check import contrib_ops
 from ..graph.dims import (
@@ -53,8 +53,6 @@ from .passes import (
     InsertPass,
     PlaceDataPass,
 )
-
-Log = Callable[[str], None]
 
 
 @dataclass

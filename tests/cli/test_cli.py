@@ -83,3 +83,18 @@ def test_a_misspelt_dim_is_named(tmp_path):
     assert r.exit_code == 0 and "note: --dim seq names no dim of the model\n" in r.output
     r = runner.invoke(main, ["plan", str(src), "--budget", "1MiB", "--dim", "batch=4"])
     assert r.exit_code == 0 and "note:" not in r.output, r.output
+
+
+def test_verify_and_profile_progress_goes_to_stderr(tmp_path):
+    """Progress lines (sessions, each run) are on stderr: a --json report on stdout stays
+    one JSON document."""
+    import json
+
+    src = save(chain_model(), tmp_path / "m.onnx")
+    r = CliRunner().invoke(main, ["verify", str(src), str(src), "--dim", "N=2", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["exact"], r.output
+    assert "sessions ready (" in r.stderr and "run 2/2: original" in r.stderr
+    r = CliRunner().invoke(main, ["profile", str(src), "--out", str(tmp_path / "p.json"),
+                                  "--dim", "N=2", "--runs", "2", "--warmup", "1"])
+    assert r.exit_code == 0 and "warm-up run 1/1: " in r.stderr and "run 2/2: " in r.stderr
+    assert "warm-up" not in r.stdout and "run 1/2" not in r.stdout

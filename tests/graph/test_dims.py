@@ -145,7 +145,8 @@ def test_unused_dims_are_named_with_the_closest_missing_one():
     (``declared``), and a dim that is no expression but bound by its text are used."""
     from ho_onnx.graph.dims import require_dims, unused_dims, unused_note
 
-    assert unused_dims(["a + b", "?", "batch"], {"a": 1, "b": 2, "?": 3, "btach": 4}) == ["btach"]
+    assert unused_dims(["a + b", "?", "batch", "c*" * 300 + "c"],
+                       {"a": 1, "b": 2, "?": 3, "btach": 4, "c": 5}) == ["btach"]
     assert unused_note(["btach", "zzz"], ["batch", "seq"]) == (
         "--dim btach names no dim of the model (did you mean 'batch'?); "
         "--dim zzz names no dim of the model")

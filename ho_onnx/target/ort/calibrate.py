@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from ...errors import HoOnnxError
+from ...errors import HoOnnxError, Log
 from ...graph.save import write_atomic
 from ...units import format_bytes
 
@@ -166,7 +166,7 @@ def measure_host_copy(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cpu",
               file: str | os.PathLike[str] | None = None, size: int = 1 << 30,
               directory: str | None = None, threads: int = 2,
-              log=None) -> dict[str, object]:  # type: ignore[no-untyped-def]
+              log: Log | None = None) -> dict[str, object]:
     """Measure this machine's transfer rates and write a machine file for the planner.
 
     ``h2d_bw``/``d2h_bw``: pinned host<->device copies when the library has CUDA and a GPU is

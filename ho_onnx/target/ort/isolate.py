@@ -27,6 +27,7 @@ is reached, an :class:`UnsupportedModelError` saying so.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
@@ -70,34 +71,46 @@ def _signal_name(returncode: int) -> str:
 
 
 def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
-                 timeout_s: float | None = None, **kwargs: Any) -> T:
+                 timeout_s: float | None = None, log: Callable[[str], None] | None = None,
+                 **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a child process: its result, or the exception it raised.
 
     ``fn`` must be a module-level function; ``what`` completes "ONNX Runtime crashed while
     ..." (e.g. ``"verifying 'a.onnx'"``). A child that dies by a signal, or is still running
     after ``timeout_s`` seconds (None: :func:`default_timeout`; 0: no limit), raises
     :class:`UnsupportedModelError`; one that cannot start or answer, :class:`HoOnnxError`.
-    Off POSIX systems (no inherited pipe descriptors) ``fn`` runs in this process, unbounded.
+    ``log``: ``fn`` is called with ``log=`` a function that sends each message here, where
+    ``log`` gets it as it comes (progress of a long step). Off POSIX systems (no inherited
+    pipe descriptors) ``fn`` runs in this process, unbounded.
     """
     if timeout_s is None:
         timeout_s = default_timeout()
     elif timeout_s < 0 or not math.isfinite(timeout_s):
         raise ValueError(f"timeout_s must be >= 0 (0: no limit), not {timeout_s!r}")
     if os.name != "posix":
-        return fn(*args, **kwargs)
+        return fn(*args, **kwargs) if log is None else fn(*args, log=log, **kwargs)
     request = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs, __file__))
     r, w = os.pipe()
+    mr, mw = os.pipe() if log is not None else (-1, -1)
     try:
         # stdout to this process's stderr: a --json report on stdout stays clean
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(w)], stdin=subprocess.PIPE,
-                                stdout=2, pass_fds=(w,))
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(w), str(mw)],
+                                stdin=subprocess.PIPE, stdout=2,
+                                pass_fds=(w,) if mw < 0 else (w, mw))
     except OSError as e:
         os.close(r)
+        if mr >= 0:
+            os.close(mr)
         raise HoOnnxError(f"cannot start a child process to run ONNX Runtime ({e})") from None
     finally:
         os.close(w)
+        if mw >= 0:
+            os.close(mw)
     deadline = time.monotonic() + timeout_s if timeout_s else None
-    with os.fdopen(r, "rb", buffering=0) as reader:  # (closed whatever happens)
+    with os.fdopen(r, "rb", buffering=0) as reader, \
+            contextlib.ExitStack() as stack:  # (both closed whatever happens)
+        if mr >= 0:
+            stack.callback(os.close, mr)
         try:
             assert proc.stdin is not None
             try:
@@ -105,7 +118,7 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
                 proc.stdin.close()
             except BrokenPipeError:  # it died before reading: its exit status says why
                 pass
-            answer = _read_answer(reader.fileno(), deadline)
+            answer = _read_answer(reader.fileno(), deadline, mr, log)
             if answer is None:
                 raise UnsupportedModelError(
                     f"ONNX Runtime did not finish {what} within {timeout_s:g} s (a model that "
@@ -142,26 +155,55 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
     raise HoOnnxError(str(value))
 
 
-def _read_answer(fd: int, deadline: float | None) -> bytes | None:
+def _read_answer(fd: int, deadline: float | None, messages: int = -1,
+                 log: Callable[[str], None] | None = None) -> bytes | None:
     """Everything the child writes to ``fd`` until it closes its end, or None when
-    ``deadline`` (``time.monotonic()``) passes first."""
+    ``deadline`` (``time.monotonic()``) passes first; meanwhile each line the child writes
+    to ``messages`` (when >= 0) goes to ``log`` as it comes, the last ones once it exits."""
     chunks: list[bytes] = []
+    pending = b""
+    open_fds = {fd} | ({messages} if messages >= 0 else set())
     with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    return None
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
+        for f in open_fds:
+            sel.register(f, selectors.EVENT_READ)
+        while fd in open_fds or messages in open_fds:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 1 << 20)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    open_fds.discard(key.fd)
+                elif key.fd == fd:
+                    chunks.append(chunk)
+                else:
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        log(line.decode(errors="replace"))  # type: ignore[misc]
+    if pending:
+        log(pending.decode(errors="replace"))  # type: ignore[misc]
+    return b"".join(chunks)
 
 
-def _answer(request: bytes) -> bytes:
-    """The pickled answer to a pickled request (run in the child)."""
+class _Messages:
+    """The child's ``log``: each message one line on the parent's message pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __call__(self, message: str) -> None:
+        data = (" ".join(str(message).splitlines()) + "\n").encode(errors="replace")
+        while data:
+            data = data[os.write(self.fd, data):]
+
+
+def _answer(request: bytes, messages: int = -1) -> bytes:
+    """The pickled answer to a pickled request (run in the child); with a ``messages``
+    pipe, the function gets ``log=`` a :class:`_Messages` writing to it."""
     module, qualname, args, kwargs, expected = pickle.loads(request)
+    if messages >= 0:
+        kwargs = {**kwargs, "log": _Messages(messages)}
     try:
         if os.path.realpath(__file__) != os.path.realpath(expected):
             raise HoOnnxError(f"the child process runs ho_onnx from {__file__!r}, not "
@@ -179,13 +221,16 @@ def _answer(request: bytes) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fd = int((argv if argv is not None else sys.argv[1:])[0])
+    argv = argv if argv is not None else sys.argv[1:]
+    fd, messages = int(argv[0]), int(argv[1]) if len(argv) > 1 else -1
     try:  # out of memory, the kernel ends this child first, not its parent (a server)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
     except OSError:  # not Linux, or not allowed: the kernel's default choice
         pass
-    answer = _answer(sys.stdin.buffer.read())
+    answer = _answer(sys.stdin.buffer.read(), messages)
+    if messages >= 0:
+        os.close(messages)  # (every message is out before the answer)
     with os.fdopen(fd, "wb") as f:
         f.write(answer)
     return 0

@@ -31,11 +31,12 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import HoOnnxError, UnboundDimError
+from ...errors import HoOnnxError, Log, UnboundDimError
 from ...graph.dims import check_bindings
 from ...graph.save import write_atomic
 from .isolate import run_isolated
@@ -106,14 +107,16 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
                   opt_level: str = "all", seed: int = 0, int_high: int = 8,
                   intra_op_threads: int | None = None,
                   shapes: Mapping[str, list[int]] | None = None,
-                  isolate: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
+                  isolate: bool = True, timeout_s: float | None = None,
+                  log: Log | None = None) -> dict[str, Any]:
     """Profile ``model_path`` with ORT and write per-node median times to ``out_json``.
 
     ``opt_level`` is ORT's graph optimization level (``disable`` keeps every original node,
     so every node gets its own time; ``all`` measures what really runs, fused). Returns the
     dict that is written (``out_json=None`` writes nothing). ORT runs in a child process
     unless ``isolate`` is false (:mod:`.isolate`), ended after ``timeout_s`` seconds (None:
-    ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit).
+    ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit). ``log`` gets a line as the
+    session is ready and after each run (from the child as it runs).
     """
     if runs < 1 or warmup < 0:
         raise ValueError(f"runs must be >= 1 and warmup >= 0 (got {runs}, {warmup})")
@@ -126,7 +129,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
             profile_model, model_path, out_json, providers=providers, dims=dims, runs=runs,
             warmup=warmup, opt_level=opt_level, seed=seed, int_high=int_high,
             intra_op_threads=intra_op_threads, shapes=shapes, isolate=False,
-            timeout_s=timeout_s, what=f"profiling {os.fspath(model_path)!r}")
+            timeout_s=timeout_s, log=log, what=f"profiling {os.fspath(model_path)!r}")
     import onnxruntime as ort
 
     dims = dict(dims or {})
@@ -134,7 +137,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
 
     trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup + runs,
-                                intra_op_threads)
+                                intra_op_threads, log or (lambda _msg: None), warmup)
     nodes, totals, basis = parse_trace(trace, warmup=warmup)
     result: dict[str, Any] = {
         "format": PROFILE_FORMAT,
@@ -165,9 +168,11 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
 
 def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
                   providers: Sequence[str], opt_level: str, runs: int,
-                  intra_op_threads: int | None) -> tuple[Any, list[str]]:
+                  intra_op_threads: int | None, say: Log, warmup: int = 0
+                  ) -> tuple[Any, list[str]]:
     """ORT's chrome trace of ``runs`` runs (written in a temporary folder, then removed) and
-    the providers the session used."""
+    the providers the session used; ``say`` hears of the session and each run (the first
+    ``warmup`` of them named so)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -178,12 +183,18 @@ def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
     try:
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(tmp, "ort")
+        t = time.perf_counter()
         sess = ort.InferenceSession(os.fspath(model_path), sess_options=so,
                                     providers=list(providers))
         require_providers(sess, providers, f"profiling {os.fspath(model_path)!r}")
+        say(f"session ready ({time.perf_counter() - t:.2f} s, {sess.get_providers()[0]})")
         try:
-            for _ in range(runs):
+            for i in range(runs):
+                t = time.perf_counter()
                 sess.run(None, dict(feeds))
+                which = (f"warm-up run {i + 1}/{warmup}" if i < warmup
+                         else f"run {i - warmup + 1}/{runs - warmup}")
+                say(f"{which}: {(time.perf_counter() - t) * 1e3:.1f} ms")
         finally:
             trace_path = sess.end_profiling()
         with open(trace_path) as f:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import UnsupportedModelError
+from ...errors import Log, UnsupportedModelError
 from .isolate import run_isolated
 from .session import make_session, model_for_ort, random_inputs
 
@@ -79,14 +79,15 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
            execution_order: str = "priority", prepacking: bool = False, atol: float = 0.0,
            rtol: float = 0.0, opt_level: str = "all",
            shapes: Mapping[str, list[int]] | None = None, isolate: bool = True,
-           timeout_s: float | None = None) -> VerifyReport:
+           timeout_s: float | None = None, log: Log | None = None) -> VerifyReport:
     """Run both models ``runs`` times on fresh random inputs; worst differences per output.
 
     Input shapes come from ``dims`` and whole ``shapes`` as for ``plan`` (expression dims
     evaluated, every missing dim named in one error, before any session is made). ORT runs
     in a child process unless ``isolate`` is false (:mod:`.isolate`), ended after ``timeout_s``
     seconds (None: ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit; only
-    a child process can be ended, so not with ``isolate=False``)."""
+    a child process can be ended, so not with ``isolate=False``). ``log`` gets a line as
+    the sessions are ready and after each run (from the child as it runs)."""
     if timeout_s and not isolate:
         raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
     for name, tol in (("atol", atol), ("rtol", rtol)):
@@ -97,16 +98,19 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
             verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,
             providers=providers, execution_order=execution_order, prepacking=prepacking,
             atol=atol, rtol=rtol, opt_level=opt_level, shapes=shapes, isolate=False,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, log=log,
             what=f"running {os.fspath(original)!r} and {os.fspath(optimized)!r}")
+    say = log or (lambda _msg: None)
     providers = providers or ["CPUExecutionProvider"]
     model = model_for_ort(original)
     model_for_ort(optimized)
     random_inputs(model, dims, shapes=shapes)  # unbound dims fail here, not after loading
     kw = {"providers": providers, "execution_order": execution_order,
           "prepacking": prepacking, "opt_level": opt_level}
+    t = time.perf_counter()
     s_orig = make_session(original, optimized=False, **kw)  # type: ignore[arg-type]
     s_opt = make_session(optimized, optimized=True, **kw)  # type: ignore[arg-type]
+    say(f"sessions ready ({time.perf_counter() - t:.2f} s, {s_opt.get_providers()[0]})")
     names = [o.name for o in s_orig.get_outputs()]
     if names != [o.name for o in s_opt.get_outputs()]:
         raise UnsupportedModelError("the two models have different outputs")
@@ -128,5 +132,9 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
             ):
                 worst[name] = d
         report.runs += 1
+        say(f"run {r + 1}/{runs}: original {(t1 - t0) * 1e3:.1f} ms, optimized "
+            f"{report.seconds_optimized[-1] * 1e3:.1f} ms"
+            + ("" if all(worst[n].exact for n in names) else
+               f", max_abs so far {max(worst[n].max_abs for n in names):.3g}"))
     report.outputs = [worst[n] for n in names]
     return report

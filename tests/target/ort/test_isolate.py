@@ -201,3 +201,59 @@ def test_verify_refuses_tolerances_no_comparison_can_use(tmp_path: Path, atol, r
     onnx.save(text_model(FOREVER_LOOP), m)
     with pytest.raises(ValueError, match="must be a finite number >= 0"):
         verify(m, m, atol=atol, rtol=rtol)
+
+
+def say_then_die(*, log) -> None:
+    """(Run in the child.) Three messages, then a death no answer follows."""
+    log("first")
+    log("two\nlines")
+    log("x" * 100000)
+    signal.raise_signal(signal.SIGKILL)
+
+
+def test_messages_come_as_the_child_sends_them(monkeypatch):
+    """``log=``: each message the child sends is one line here, also the last ones of a
+    child that then dies; a message's own line breaks are spaces."""
+    here = Path(__file__).parent  # (the child imports this module by name)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(here), str(here.parents[1])]))
+    got: list[str] = []
+    with pytest.raises(UnsupportedModelError, match=r"killed \(SIGKILL\) while talking"):
+        isolate.run_isolated(say_then_die, what="talking", log=got.append)
+    assert got == ["first", "two lines", "x" * 100000]
+    # without log=, the function gets no log argument and there is no message pipe
+    assert isolate.run_isolated(len, [1, 2], what="counting") == 2
+
+
+@pytest.mark.parametrize("step", ["verify", "profile"])
+def test_progress_arrives_while_the_model_still_runs(tmp_path: Path, step: str):
+    """A long verify/profile says how it goes (found by hand: a big model's verify was
+    silent for minutes): the session's line arrives while the first run is still going
+    (a model that runs forever, ended by the time limit), not with the answer."""
+    m = tmp_path / "forever.onnx"
+    onnx.save(text_model(FOREVER_LOOP), m)
+    got: list[str] = []
+    with pytest.raises(UnsupportedModelError, match=r"within 3 s"):
+        if step == "verify":
+            verify(m, m, timeout_s=3, log=got.append)
+        else:
+            profile_model(m, None, runs=1, warmup=1, timeout_s=3, log=got.append)
+    assert len(got) == 1 and got[0].startswith(("sessions ready (", "session ready (")), got
+
+
+def test_verify_and_profile_say_each_run(tmp_path: Path):
+    import re
+
+    from graphs import chain_model, save
+
+    m = save(chain_model(), tmp_path / "m.onnx")
+    got: list[str] = []
+    assert verify(m, m, runs=2, dims={"N": 2}, log=got.append).ok
+    ms = r"[0-9.]+ ms"
+    want = [r"sessions ready \([0-9.]+ s, CPUExecutionProvider\)",
+            f"run 1/2: original {ms}, optimized {ms}", f"run 2/2: original {ms}, optimized {ms}"]
+    assert len(got) == 3 and all(map(re.fullmatch, want, got)), got
+    got.clear()
+    profile_model(m, None, runs=2, warmup=1, dims={"N": 2}, log=got.append, isolate=False)
+    want = [r"session ready \([0-9.]+ s, CPUExecutionProvider\)", f"warm-up run 1/1: {ms}",
+            f"run 1/2: {ms}", f"run 2/2: {ms}"]
+    assert len(got) == 4 and all(map(re.fullmatch, want, got)), got
