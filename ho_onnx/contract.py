@@ -11,6 +11,10 @@ WAIT = "Wait"
 STORE = "Store"
 DETACH = "Detach"
 ALL_OPS = (PREFETCH, WAIT, STORE, DETACH)
+# The inputs each op requires first (ordering inputs may follow); every op has its first
+# output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
+# output_count.)
+REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2}
 
 # Attributes of a weight Prefetch.
 ATTR_LOCATION = "location"

@@ -11,7 +11,7 @@ from .. import contract
 from ..graph.analyse import attribute_values, input_names
 from ..graph.dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from ..graph.load import load_model
-from ..target.ort.placement import split_chains
+from ..target.ort.placement import cache_op_defect, split_chains
 
 
 @dataclass
@@ -40,6 +40,8 @@ class ModelSummary:
     # provider, and every chain whose ops would not all run on CUDA.
     cuda_placement: dict[str, int] = field(default_factory=dict)
     split_chains: list[str] = field(default_factory=list)
+    # Cache ops ONNX Runtime would refuse (a damaged model): "name (op): why".
+    defects: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -61,11 +63,15 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
     step = {n: i for i, n in enumerate(g)}
     summary = ModelSummary(len(step), n_compute, counts, metadata={
         k: v for k, v in model.metadata_props.items() if k.startswith(contract.META_PREFIX)})
+    summary.defects = [f"{node.name or '?'!r} ({node.op_type}): {why}" for node in g
+                       if node.domain == contract.DOMAIN
+                       and (why := cache_op_defect(node)) is not None]
     for node in g:
         if node.domain != contract.DOMAIN or node.op_type != contract.WAIT:
             continue
         pf = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
-        if pf is None or pf.op_type != contract.PREFETCH:
+        if pf is None or pf.op_type != contract.PREFETCH or pf.domain != contract.DOMAIN or \
+                cache_op_defect(pf) is not None or cache_op_defect(node) is not None:
             continue
         tensor, kind, nbytes, source = _source(pf)
         i, j = step[pf], step[node]
@@ -87,7 +93,7 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str]:
         nbytes = length if isinstance(length, int) and length >= 0 else None
         return str(a.get(contract.ATTR_NAME, "")), "weight", nbytes, source
     det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
-    tensor = input_names(det)[0] if det is not None else "?"
+    tensor = (input_names(det)[:1] or ["?"])[0] or "?" if det is not None else "?"
     source = (det.name or "") if det is not None else "?"
     y = pf.outputs[0]
     nbytes = None
@@ -111,6 +117,10 @@ def format_summary(s: ModelSummary) -> str:
         lines.append(f"under the CUDA EP (ORT's CPU fallback replayed): cache ops {per}; "
                      f"{verdict}")
         lines += [f"  split: {c}" for c in s.split_chains[:20]]
+    if s.defects:
+        lines.append(f"{len(s.defects)} cache op(s) ONNX Runtime would refuse (a damaged "
+                     "model?):")
+        lines += [f"  {d}" for d in s.defects[:20]]
     if not s.transfers:
         lines.append("no transfers: nothing is offloaded")
         return "\n".join(lines)

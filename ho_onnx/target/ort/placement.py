@@ -269,19 +269,34 @@ def predict_cuda_placement(model: Model, types: Mapping[str, int] | None = None
     return Placement(providers, frozenset(host), tuple(n.name or "" for n in nodes))
 
 
+def cache_op_defect(node: ir.Node) -> str | None:
+    """Why ONNX Runtime would refuse this cache op against the library's schema (a damaged
+    model), or None: an unknown op, a required input or the first output missing."""
+    need = contract.REQUIRED_INPUTS.get(node.op_type)
+    if need is None:
+        return f"{node.op_type!r} is no {contract.DOMAIN} operator"
+    if sum(1 for name in input_names(node)[:need] if name) < need:
+        return f"has {len(input_names(node))} input(s), needs {need} (a damaged model?)"
+    if not output_names(node)[:1] or not output_names(node)[0]:
+        return "has no output (a damaged model?)"
+    return None
+
+
 def _chains(nodes: list[ir.Node]) -> list[tuple[str, list[int]]]:
-    """Every transfer's cache ops: Store -> Detach -> Prefetch -> Wait, or Prefetch -> Wait."""
+    """Every transfer's cache ops: Store -> Detach -> Prefetch -> Wait, or Prefetch -> Wait
+    (cache ops with a :func:`cache_op_defect` take no part)."""
+    nodes_ok = [n.domain == contract.DOMAIN and cache_op_defect(n) is None for n in nodes]
     by_input: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         names = input_names(n)
-        if n.domain == contract.DOMAIN and names:
+        if nodes_ok[i]:
             by_input.setdefault(names[0], []).append(i)
             if n.op_type == contract.DETACH and len(names) > 1:
                 by_input.setdefault(names[1], []).append(i)
     seen: set[int] = set()
     chains: list[tuple[str, list[int]]] = []
     for i, n in enumerate(nodes):
-        if n.domain != contract.DOMAIN or i in seen:
+        if not nodes_ok[i] or i in seen:
             continue
         attrs = attribute_values(n)
         if n.op_type == contract.STORE:
@@ -294,7 +309,7 @@ def _chains(nodes: list[ir.Node]) -> list[tuple[str, list[int]]]:
         while frontier:
             name = frontier.pop()
             for j in by_input.get(name, ()):
-                if j not in chain and nodes[j].domain == contract.DOMAIN:
+                if j not in chain:
                     chain.append(j)
                     frontier.extend(output_names(nodes[j]))
         seen.update(chain)

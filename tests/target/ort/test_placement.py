@@ -97,6 +97,34 @@ def test_store_of_a_shape_output_goes_to_the_cpu_and_its_device_ordered_detach_d
     assert [s.tensor for s in split_chains(m).split] == ["s"]
 
 
+def test_a_damaged_cache_op_is_named_and_ends_no_chain():
+    """A Store without its output, a Detach without its second input, an op our domain lacks
+    (fuzzer, seed 130: ``inspect`` of such a model was an unexpected IndexError)."""
+    import onnx_ir as ir
+
+    from ho_onnx.target.ort.placement import cache_op_defect
+
+    m = parse(f"""
+    g (float[4, 4] x) => (float[4, 4] out)
+    <float[0] src0 = {{}}> {{
+      r = Relu (x)
+      t = ai.hyperoffload.Store (r)
+      t2 = ai.hyperoffload.Detach (r, "")
+      q = ai.hyperoffload.Relu (r)
+      y = ai.hyperoffload.Prefetch {WEIGHT} (src0, r)
+      z = ai.hyperoffload.Wait (y, r)
+      out = MatMul (r, z)
+    }}""")
+    del m.graph.node[1].output[:]  # (ONNX text cannot write a node without outputs)
+    defects = {n.name: cache_op_defect(n) for n in ir.from_proto(m).graph
+               if n.domain == "ai.hyperoffload"}
+    assert defects == {"n1": "has no output (a damaged model?)",
+                       "n2": "has 2 input(s), needs 2 (a damaged model?)",
+                       "n3": "'Relu' is no ai.hyperoffload operator", "n4": None, "n5": None}
+    report = split_chains(m)  # the weight's chain is whole and on CUDA
+    assert report.ok and not report.split, report
+
+
 def test_shape_arithmetic_runs_on_the_cpu_but_reshape_takes_its_shape_in_host_memory():
     m = parse("""
     g (float[4, 4] x) => (float[16] out)
