@@ -33,6 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import contract
 from ..errors import ModelLoadError, OutputPathError
+from ..units import format_bytes
 from .analyse import all_graphs
 from .fingerprint import data_fingerprint
 from .load import LoadedModel, resolve_data_path
@@ -221,9 +222,38 @@ def copy_sparse(src: Path, dst: Path, progress: Progress | None = None, *,
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged write can still take in ``folder``'s filesystem (None when it
+    does not say)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(e: OSError, folder: Path) -> OutputPathError | None:
+    """The error to raise for ``e`` when it says a filesystem is full (or a quota reached)
+    while writing in ``folder``, with the space left; None for other errors."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    free = free_bytes(folder)
+    return OutputPathError(
+        f"cannot write the output in {str(folder)!r}: {e.strerror or e}"
+        + (f" ({format_bytes(free)} free)" if free is not None else "")
+        + "; free some space or choose another output folder")
+
+
 def _copy_regions(fd: int, fo: Any, src: Path, total: int, progress: Progress | None) -> None:
     segs = _data_segments(fd, total)
     todo = sum(e - s for s, e in segs) or 1
+    folder = Path(fo.name).parent
+    free = free_bytes(folder)
+    if free is not None and free < todo:  # (found by hand: a full disk was a bare
+        raise OutputPathError(  # "No space left on device" after copying what fit)
+            f"cannot copy {src.name} ({format_bytes(todo)} of data) into {str(folder)!r}: "
+            f"only {format_bytes(free)} free; free some space or choose another output "
+            "folder")
     done = 0
     for start, end in segs:
         pos = start
@@ -385,6 +415,11 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
         os.replace(model_tmp, out)
         temps.clear()  # everything is in place
         return report
+    except OSError as e:  # (a filesystem full while writing: say where, and what is left)
+        full = no_space(e, out_dir)
+        if full is None:
+            raise
+        raise full from None
     finally:
         for t in temps:
             with contextlib.suppress(OSError):
@@ -404,6 +439,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
             os.chmod(tmp, _umask_mode())
             os.replace(tmp, out)
             temps.clear()
+        except OSError as e:
+            full = no_space(e, out.absolute().parent)
+            if full is None:
+                raise
+            raise full from None
         finally:
             for t in temps:
                 with contextlib.suppress(OSError):

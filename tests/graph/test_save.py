@@ -136,9 +136,64 @@ def test_failure_while_saving_leaves_nothing(tmp_path, monkeypatch, fail_at):
         return real(a, b)
 
     monkeypatch.setattr(os, "replace", flaky)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(OutputPathError, match=r"cannot write the output in .*: No space left "
+                       r"on device \(simulated\) \(.* free\); free some space"):
         optimize(src, tmp_path / "out.onnx", ALL)
     assert folder_digest(tmp_path) == before
+    calls.clear()
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied (simulated)")))
+    with pytest.raises(PermissionError):  # (other errors pass as they are)
+        optimize(src, tmp_path / "out.onnx", ALL)
+    assert folder_digest(tmp_path) == before
+
+
+def test_a_data_file_that_cannot_fit_is_refused_before_copying(tmp_path, monkeypatch):
+    """Found by hand: an output folder on a nearly full disk got a bare "No space left on
+    device" once the copy had filled it; now the copy is refused first, saying how much
+    it needs and what is free, and nothing is left behind."""
+    from ho_onnx.graph import save as save_mod
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    (tmp_path / "o").mkdir()
+    before = folder_digest(tmp_path)
+    monkeypatch.setattr(save_mod, "free_bytes", lambda folder: 1000)
+    with pytest.raises(OutputPathError, match=r"cannot copy m\.onnx\.data \(2\.00 KiB of "
+                       r"data\) into .*/o': only 1000 B free; free some space"):
+        optimize(src, tmp_path / "o" / "m.ho.onnx", ALL)
+    assert folder_digest(tmp_path) == before
+
+
+def test_a_full_filesystem_is_one_clear_error(tmp_path):
+    """The same on a real full filesystem (a 256 KiB tmpfs; as root where mounting works)."""
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+            capture_output=True, check=False).returncode != 0:
+        pytest.skip("needs root and a tmpfs mount")
+    try:
+        src = save(text_model_big(), tmp_path / "m.onnx", external=True)
+        with pytest.raises(OutputPathError, match=r"cannot copy m\.onnx\.data \(1\.00 MiB "
+                           r"of data\) into .*: only .* free"):
+            optimize(src, mnt / "m.ho.onnx", ALL)
+        src = save(text_model_big(), tmp_path / "inline.onnx")  # the sidecar does not fit
+        with pytest.raises(OutputPathError, match=r"cannot write the output in .*: No space "
+                           r"left on device \(.* free\)"):
+            optimize(src, mnt / "m.ho.onnx", ALL)
+        assert not list(mnt.iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def text_model_big():
+    """A MatMul whose weight is 1 MiB."""
+    from graphs import text_model
+
+    return text_model("g (float[2, 512] x) => (float[2, 512] y) { y = MatMul(x, w) }",
+                      w=(512, 512))
 
 
 def test_no_value_info_for_what_an_initializer_says_itself(tmp_path):
