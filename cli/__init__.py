@@ -189,7 +189,7 @@ def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str 
     """Refuse before any work an output (option -> path) that is one of the inputs, one of
     an input model's data files, a directory, or a device, FIFO or socket (checked again
     when written)."""
-    from ho_onnx.graph.save import refuse_special
+    from ho_onnx.graph.save import check_writable, refuse_special
 
     files: list[Path] = []
     for path in filter(None, inputs):
@@ -200,6 +200,7 @@ def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str 
             continue
         try:
             refuse_special(out, option)
+            check_writable(out, option)
         except HoOnnxError as e:
             raise click.UsageError(str(e)) from None
         o = Path(out)

@@ -232,16 +232,22 @@ def free_bytes(folder: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def no_space(e: OSError, folder: Path) -> OutputPathError | None:
-    """The error to raise for ``e`` when it says a filesystem is full (or a quota reached)
-    while writing in ``folder``, with the space left; None for other errors."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def write_error(e: OSError, folder: Path) -> OutputPathError | None:
+    """The error to raise for ``e`` when it says the output folder cannot take the output
+    (a full filesystem or quota, with the space left; read-only; no permission), naming
+    the folder, not a temporary file in it; None for other errors."""
+    if e.errno not in _WRITE_ERRNOS:
         return None
-    free = free_bytes(folder)
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    free = free_bytes(folder) if full else None
     return OutputPathError(
         f"cannot write the output in {str(folder)!r}: {e.strerror or e}"
         + (f" ({format_bytes(free)} free)" if free is not None else "")
-        + "; free some space or choose another output folder")
+        + ("; free some space or choose another output folder" if full
+           else "; choose another output folder"))
 
 
 def _copy_regions(fd: int, fo: Any, src: Path, total: int, progress: Progress | None) -> None:
@@ -316,6 +322,22 @@ def refuse_special(path: str | os.PathLike[str], what: str = "output") -> None:
             "path")
 
 
+def check_writable(path: str | os.PathLike[str], what: str = "output") -> None:
+    """Refuse, before any work, an output ``path`` whose folder (or the nearest one that
+    exists, where the missing ones will be made) is no folder or cannot be written (found by
+    hand: a read-only folder failed after planning, naming a hidden temporary file)."""
+    folder = Path(path).absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputPathError(f"cannot write the {what} {os.fspath(path)!r}: {str(folder)!r} "
+                              "is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(
+            f"cannot write the {what} {os.fspath(path)!r}: {str(folder)!r} is not writable (a "
+            "read-only filesystem, or no permission); choose another output folder")
+
+
 def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> Path:
     """Refuse an output that is the input (or one of its data files), or a device, FIFO or
     socket."""
@@ -326,11 +348,7 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
         raise OutputPathError(f"output {str(out)!r} is the input model: choose another path")
     if out.exists() and out.is_dir():
         raise OutputPathError(f"output {str(out)!r} is a directory")
-    folder = out.absolute().parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise OutputPathError(f"cannot write {str(out)!r}: {str(folder)!r} is not a folder")
+    check_writable(out)
     for location, name in loaded.data_locations.items():
         data = resolve_data_path(loaded.base_dir, location, f"initializer {name!r}")
         if out_abs == data or _same_file(out, data):
@@ -415,11 +433,11 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
         os.replace(model_tmp, out)
         temps.clear()  # everything is in place
         return report
-    except OSError as e:  # (a filesystem full while writing: say where, and what is left)
-        full = no_space(e, out_dir)
-        if full is None:
+    except OSError as e:  # (a full or read-only folder: say which, not a temporary file)
+        why = write_error(e, out_dir)
+        if why is None:
             raise
-        raise full from None
+        raise why from None
     finally:
         for t in temps:
             with contextlib.suppress(OSError):
@@ -440,10 +458,10 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
             os.replace(tmp, out)
             temps.clear()
         except OSError as e:
-            full = no_space(e, out.absolute().parent)
-            if full is None:
+            why = write_error(e, out.absolute().parent)
+            if why is None:
                 raise
-            raise full from None
+            raise why from None
         finally:
             for t in temps:
                 with contextlib.suppress(OSError):

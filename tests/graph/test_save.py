@@ -141,11 +141,15 @@ def test_failure_while_saving_leaves_nothing(tmp_path, monkeypatch, fail_at):
         optimize(src, tmp_path / "out.onnx", ALL)
     assert folder_digest(tmp_path) == before
     calls.clear()
-    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(
-        PermissionError(13, "Permission denied (simulated)")))
-    with pytest.raises(PermissionError):  # (other errors pass as they are)
-        optimize(src, tmp_path / "out.onnx", ALL)
-    assert folder_digest(tmp_path) == before
+    for err, want in [(PermissionError(13, "Permission denied (simulated)"),
+                       r"in .*: Permission denied \(simulated\); choose another output"),
+                      (OSError(5, "Input/output error (simulated)"), None)]:
+        monkeypatch.setattr(os, "replace", lambda a, b, err=err: (_ for _ in ()).throw(err))
+        with pytest.raises(OutputPathError if want else OSError, match=want or "simulated") \
+                as e:  # (other errors pass as they are)
+            optimize(src, tmp_path / "out.onnx", ALL)
+        assert want or e.value is err
+        assert folder_digest(tmp_path) == before
 
 
 def test_a_data_file_that_cannot_fit_is_refused_before_copying(tmp_path, monkeypatch):
@@ -186,6 +190,42 @@ def test_a_full_filesystem_is_one_clear_error(tmp_path):
         assert not list(mnt.iterdir())
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_read_only_output_folder_is_refused_before_any_work(tmp_path):
+    """Found by hand: a read-only output folder failed only after planning, naming a hidden
+    temporary file ("Read-only file system: '/out/.o.onnx.data.ho-tmp-29460'"). Now the
+    folder (or the nearest one that exists) is checked first, for the model and the CLI's
+    other outputs (--out of profile)."""
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() == 0:  # (root writes through permission bits: a read-only mount)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(ro)],
+                          capture_output=True, check=False).returncode != 0:
+            pytest.skip("needs a tmpfs mount as root")
+    else:
+        ro.chmod(0o555)
+    try:
+        for out in (ro / "o.onnx", ro / "sub" / "o.onnx"):
+            with pytest.raises(OutputPathError, match=r"is not writable \(a read-only "
+                               r"filesystem, or no permission\); choose another"):
+                optimize(src, out, ALL)
+        r = CliRunner().invoke(main, ["profile", str(src), "--out", str(ro / "p.json"),
+                                      "--dim", "N=2"])
+        assert r.exit_code == 2 and "is not writable" in r.stderr and "--out" in r.stderr
+        assert ".p.json." not in r.stderr, r.stderr  # (no temporary name)
+        assert not list(ro.iterdir())
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(ro)], check=False)
+        ro.chmod(0o755)
 
 
 def text_model_big():
