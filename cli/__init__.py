@@ -604,7 +604,13 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
 @click.argument("model", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(model: str, as_json: bool) -> None:
-    """Show what MODEL offloads: each transfer, its bytes, its prefetch window, the plan."""
+    """Show what MODEL offloads: each transfer, its bytes, its prefetch window, the plan.
+
+    Also checks what would fail at run time: ORT's CUDA placement is replayed (every
+    transfer's cache ops must run on one provider, else SPLIT chains are named), and cache
+    ops ONNX Runtime would refuse (a damaged model) are listed. MODEL may be a genai or
+    Optimum folder. Reads no weight bytes.
+    """
     from ho_onnx.report.inspect import format_summary, summarize
 
     with _errors():
