@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <pthread.h>
+
 #include <limits>
 
 namespace ho {
@@ -59,6 +61,22 @@ Counters& counters() {
 Debug& debug() {
   static Debug d;
   return d;
+}
+
+namespace {
+
+std::atomic<uint64_t> g_fork_generation{0};
+
+void on_fork_child() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+
+// Registered when the library is loaded (glibc unregisters it when the library is
+// unloaded: pthread_atfork records the registering object's __dso_handle).
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, on_fork_child);
+
+}  // namespace
+
+uint64_t fork_generation() {
+  return g_fork_generation.load(std::memory_order_relaxed);
 }
 
 }  // namespace ho

@@ -241,6 +241,11 @@ ExecContext Kernel::gpu_context(OrtKernelContext* ctx) const {
 }
 
 void Kernel::compute(OrtKernelContext* ctx) {
+  if (generation != fork_generation()) {  // (waited forever on the parent's threads)
+    fail(ORT_FAIL, "this session was created before the process forked; its transfers "
+                   "ran on threads (and a CUDA context) of the parent process: create the "
+                   "session in the forked process");
+  }
   ExecContext ec = gpu ? gpu_context(ctx) : cpu_context(ctx);
   switch (kind) {
     case OpKind::kPrefetch:

@@ -11,6 +11,7 @@
 // engine per registration, each created by the first kernel that needs it.
 #include "registration.h"
 
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -63,11 +64,27 @@ std::string Registration::fingerprint(const WeightFile& f) {
   return fp;
 }
 
+namespace {
+std::mutex g_abandoned_mu;
+std::vector<std::shared_ptr<Engine>>* g_abandoned = new std::vector<std::shared_ptr<Engine>>();
+}  // namespace
+
+void abandon_engine(std::shared_ptr<Engine> engine) {
+  std::lock_guard<std::mutex> lock(g_abandoned_mu);
+  g_abandoned->push_back(std::move(engine));  // never freed
+}
+
 std::shared_ptr<Engine> Registration::acquire_engine(bool on_cuda) {
   std::lock_guard<std::mutex> lock(mu);
   std::weak_ptr<Engine>& slot = on_cuda ? cuda_engine : engine;
+  uint64_t& generation = on_cuda ? cuda_engine_generation : engine_generation;
   std::shared_ptr<Engine> e = slot.lock();
+  if (e && generation != fork_generation()) {  // the parent's: a new one for this process
+    abandon_engine(std::move(e));
+    e.reset();
+  }
   if (!e) {
+    generation = fork_generation();
 #if HO_ONNX_WITH_CUDA
     e = on_cuda ? make_cuda_engine() : make_cpu_engine(limits);
 #else
@@ -84,6 +101,23 @@ namespace {
 std::mutex g_regs_mu;
 // configuration key -> registration; never freed (one entry per distinct configuration)
 std::map<std::string, Registration*>* g_regs = new std::map<std::string, Registration*>();
+
+// A fork while another thread holds one of the library's registration locks (a session
+// being created) would leave it locked for good in the child: every lock is taken around
+// the fork (the forking thread waits for such a thread to finish) and let go on both sides.
+void lock_for_fork() {
+  g_regs_mu.lock();
+  for (auto& entry : *g_regs) entry.second->mu.lock();
+  g_abandoned_mu.lock();
+}
+
+void unlock_after_fork() {
+  g_abandoned_mu.unlock();
+  for (auto it = g_regs->rbegin(); it != g_regs->rend(); ++it) it->second->mu.unlock();
+  g_regs_mu.unlock();
+}
+
+[[maybe_unused]] const int g_regs_atfork = pthread_atfork(lock_for_fork, unlock_after_fork, unlock_after_fork);
 
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 constexpr const char* kCpuEp = "CPUExecutionProvider";

@@ -57,15 +57,24 @@ struct Registration {
   bool cuda = false;
   std::weak_ptr<Engine> engine;       // CPU EP kernels
   std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
+  uint64_t engine_generation = 0;      // fork_generation() when each was made: one of an
+  uint64_t cuda_engine_generation = 0;  // earlier generation is the parent's, never reused
   StatsApi stats;                     // ORT allocator statistics (runtime >= 1.23)
   std::vector<std::unique_ptr<OpDef>> ops;
 
   // The data_fingerprint of an open data file, computed once per file and registration.
   // Keyed by the file's identity and version (size, mtime, ctime: any write changes ctime).
   std::string fingerprint(const WeightFile& f);
-  // The registration's engine of the CPU EP or the CUDA EP, created when none is alive.
+  // The registration's engine of the CPU EP or the CUDA EP, created when none is alive
+  // (or when the live one was made before this process was forked: see abandon_engine).
   std::shared_ptr<Engine> acquire_engine(bool on_cuda);
 };
+
+// Keeps `engine` alive for good: an engine made before a fork, in a forked child, must
+// never be destroyed there (its destructor would join transfer threads that exist only in
+// the parent: found by hand, a child that dropped an inherited session crashed, and one
+// that made a new session with disk-tier weights waited forever on the parent's threads).
+void abandon_engine(std::shared_ptr<Engine> engine);
 
 // One OrtCustomOp: an op for one element type and execution provider.
 struct OpDef : OrtCustomOp {
