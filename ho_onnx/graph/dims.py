@@ -109,14 +109,31 @@ def _dims_of(vi: onnx.ValueInfoProto) -> list[Dim] | None:
     return out
 
 
-def declared_dims(model: onnx.ModelProto) -> list[str]:
-    """Every dim name the model declares (inputs, outputs and value_info of every graph),
-    each once: what a ``--dim`` can bind."""
+def declared_dims(model: onnx.ModelProto, *, everywhere: bool = True) -> list[str]:
+    """Every dim name the model declares, each once: what a ``--dim`` can bind. The inputs
+    and outputs of the main graph, and with ``everywhere`` those of every subgraph and every
+    graph's value_info (~12 µs an entry: an export's value_info can have tens of
+    thousands)."""
     out: dict[str, None] = {}
-    for g in iter_graphs(model.graph):
-        for vi in (*g.input, *g.output, *g.value_info):
+    graphs = iter_graphs(model.graph) if everywhere else (model.graph,)
+    for g in graphs:
+        infos = (*g.input, *g.output, *g.value_info) if everywhere else (*g.input, *g.output)
+        for vi in infos:
             out.update((d, None) for d in _dims_of(vi) or () if isinstance(d, str))
     return list(out)
+
+
+def unused_in_model(model: onnx.ModelProto, dims: Mapping[str, int],
+                    dim_exprs: Iterable[str] = ()) -> tuple[list[str], list[str]]:
+    """``(unused, used)``: names of ``dims`` that no dim of the model uses (nor one of
+    ``dim_exprs``), and the names the model's dims use. The main graph's inputs and outputs
+    are looked at first; the whole model only when a name is not found there."""
+    exprs = [*dim_exprs, *declared_dims(model, everywhere=False)]
+    unused = unused_dims(exprs, dims)
+    if unused:  # (rare: a misspelt name, or one the main graph's signature does not show)
+        exprs += declared_dims(model)
+        unused = unused_dims(exprs, dims)
+    return unused, list(dict.fromkeys(n for d in exprs for n in free_names(d) or ()))
 
 
 def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -215,15 +232,17 @@ def unused_note(unused: Sequence[str], known: Iterable[str], where: str = "the m
 
 
 def require_dims(dim_exprs: Iterable[str], dims: Mapping[str, int], *,
-                 declared: Iterable[str] = ()) -> None:
+                 model: onnx.ModelProto | None = None) -> None:
     """Raise one :class:`UnboundDimError` naming every name ``dim_exprs`` need that ``dims``
     lacks (dims that are no expression are left to the caller: unknown sizes), and every
-    name of ``dims`` that neither they nor ``declared`` (:func:`declared_dims`) use: likely
-    the misspelling of a missing one."""
+    name of ``dims`` that neither they nor ``model``'s declared dims use: likely the
+    misspelling of a missing one."""
     exprs = list(dim_exprs)
     names, _ = missing_dims(exprs, dims)
     if names:
-        raise unbound_error(names, unused=unused_dims([*exprs, *declared], dims))
+        unused = (unused_in_model(model, dims, exprs)[0] if model is not None
+                  else unused_dims(exprs, dims))
+        raise unbound_error(names, unused=unused)
 
 
 def is_mask_input(name: str) -> bool:

@@ -19,14 +19,7 @@ from ..cost.source import CostSource
 from ..errors import HoOnnxError, Log, OutputPathError
 from ..graph.analyse import GraphAnalysis
 from ..graph.check import contrib_ops
-from ..graph.dims import (
-    declared_dims,
-    dims_from_shapes,
-    free_names,
-    require_dims,
-    unused_dims,
-    unused_note,
-)
+from ..graph.dims import dims_from_shapes, require_dims, unused_in_model, unused_note
 from ..graph.load import LoadedModel, load_model
 from ..graph.save import (
     OutputFiles,
@@ -170,23 +163,22 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         AnalysePass(dims, shapes=shapes, more_types=contrib_value_types if contrib else None,
                     proto=loaded.proto)(loaded.model)
         analysis: GraphAnalysis = loaded.model.meta[ANALYSIS]
-        declared = declared_dims(loaded.proto)
         if isinstance(decider, BudgetPlanner):  # every size matters: name all missing dims
             require_dims((d for t in analysis.tensors.values() for d in t.symbolic_dims()),
-                         dims, declared=declared)
+                         dims, model=loaded.proto)
         elif (isinstance(decider, ExplicitPolicy) and decider.options.activations
               and decider.options.min_bytes_or_default):  # activations' sizes matter
             require_dims((d for t in analysis.tensors.values() if not t.is_initializer
-                          for d in t.symbolic_dims()), dims, declared=declared)
+                          for d in t.symbolic_dims()), dims, model=loaded.proto)
     steps.say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors "
               f"({steps.seconds['analyse']:.2f} s)"
               + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
                  if contrib else ""))
-    model_dims = [*declared, *(d for t in analysis.tensors.values() for d in t.symbolic_dims())]
-    unused = unused_dims(model_dims, dims)
-    if unused:  # (not an error: a script may pass one set of dims to several models)
-        steps.say("note: " + unused_note(unused, (n for d in model_dims
-                                                   for n in free_names(d) or ())))
+    if dims:  # (not an error: a script may pass one set of dims to several models)
+        unused, used = unused_in_model(loaded.proto, dims, (
+            d for t in analysis.tensors.values() for d in t.symbolic_dims()))
+        if unused:
+            steps.say("note: " + unused_note(unused, used))
     with steps.step("decide"):
         DecidePass(decider, dims)(loaded.model)
         decision: Decision = loaded.model.meta[DECISION]

@@ -142,7 +142,7 @@ def test_require_dims_names_all_at_once():
 def test_unused_dims_are_named_with_the_closest_missing_one():
     """A misspelt ``--dim`` (found by hand: ``--dim btach=4`` was ignored without a word) is
     named beside the missing dim it resembles; a dim an expression uses, one only declared
-    (``declared``), and a dim that is no expression but bound by its text are used."""
+    (``model``), and a dim that is no expression but bound by its text are used."""
     from ho_onnx.graph.dims import require_dims, unused_dims, unused_note
 
     assert unused_dims(["a + b", "?", "batch", "c*" * 300 + "c"],
@@ -153,9 +153,9 @@ def test_unused_dims_are_named_with_the_closest_missing_one():
     with pytest.raises(UnboundDimError, match=r"--dim batch=N\); --dim btach names no dim of "
                                               r"the model \(did you mean 'batch'\?\)$"):
         require_dims(["batch", "seq"], {"btach": 1, "seq": 2})
-    with pytest.raises(UnboundDimError) as e:  # bound dims leave the expressions: declared
-        require_dims(["batch"], {"seq": 2}, declared=["batch", "seq"])
-    assert "seq" not in str(e.value)
+    with pytest.raises(UnboundDimError) as e:  # bound dims leave the expressions: the model
+        require_dims(["sequence_length"], {"batch_size": 2}, model=with_past())
+    assert "batch_size" not in str(e.value)
 
 
 def test_declared_dims_and_inputs_hint():
@@ -169,6 +169,12 @@ def test_declared_dims_and_inputs_hint():
     assert declared_dims(model) == ["batch_size", "sequence_length",
                                     "past_sequence_length + sequence_length",
                                     "past_sequence_length", "hidden_len"]
+    from ho_onnx.graph.dims import unused_in_model
+
+    assert declared_dims(model, everywhere=False) == declared_dims(model)[:-1]
+    # the main graph's signature first, the value_info only for a name not found there
+    assert unused_in_model(model, {"batch_size": 1, "hidden_len": 2, "hiden": 3}) == (
+        ["hiden"], ["batch_size", "sequence_length", "past_sequence_length", "hidden_len"])
     with pytest.raises(UnboundDimError, match=r"'past_sequence_length' .*; --dim "
                        r"past_seqlen names no dim of the model's inputs \(did you mean "
                        r"'past_sequence_length'\?\)$"):
