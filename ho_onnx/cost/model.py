@@ -57,8 +57,9 @@ class CostModel:
     def __post_init__(self) -> None:
         compute_s = np.asarray(self.compute_s, dtype=np.float64)
         # (every source checks its inputs; a NaN here would make every plan's times NaN)
-        if not (np.isfinite(compute_s).all() and np.isfinite(compute_s.sum())
-                and (compute_s >= 0).all()):
+        with np.errstate(over="ignore"):  # (a sum past float's range is the inf checked)
+            total = compute_s.sum()
+        if not (np.isfinite(compute_s).all() and np.isfinite(total) and (compute_s >= 0).all()):
             raise ValueError(f"compute times must be finite and >= 0 ({self.description})")
         object.__setattr__(self, "compute_s", compute_s)
 
