@@ -467,6 +467,10 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                                                        machine if os.path.isfile(machine)
                                                        else None])
     with _errors():
+        if plot_path:  # (before planning: a format matplotlib cannot write, or no matplotlib)
+            from ho_onnx.report.plot import image_format
+
+            image_format(plot_path)
         _, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,

@@ -55,6 +55,23 @@ def _pyplot() -> Any:
     return plt
 
 
+def image_format(path: str | os.PathLike[str]) -> str:
+    """The image format ``path``'s suffix names (``png`` without one), or a
+    :class:`HoOnnxError` when matplotlib cannot write it (or is missing): checked before any
+    work (found by hand: ``--plot t.txt`` was an unexpected ValueError after planning)."""
+    plt = _pyplot()
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    fig = plt.figure()
+    try:
+        formats = fig.canvas.get_supported_filetypes()
+    finally:
+        plt.close(fig)
+    if fmt not in formats:
+        raise HoOnnxError(f"cannot plot to {os.fspath(path)!r}: {fmt!r} is no image format "
+                          f"matplotlib writes ({', '.join(sorted(formats))})")
+    return fmt
+
+
 def _steps(sim: Simulation) -> tuple[np.ndarray, np.ndarray]:
     """x (ms) and y (bytes) of the memory step line, closed at the run's end."""
     x = np.append(sim.step_start_s, sim.total_s) * 1e3
@@ -114,7 +131,7 @@ def plot_timeline(plan: Plan, names: list[str], path: str | os.PathLike[str]) ->
                   fontsize=9, color="#444444")
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format=Path(path).suffix.lstrip(".").lower() or "png")
+    fig.savefig(buf, dpi=110, format=image_format(path))
     plt.close(fig)
     write_atomic(path, buf.getvalue())
 

@@ -103,3 +103,24 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(HoOnnxError, match="pip install matplotlib"):
         plot_timeline(p, [n.name for n in a.nodes], tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_format_matplotlib_cannot_write_is_refused_before_planning(tmp_path):
+    """Found by hand: ``plan --plot t.txt`` planned, then failed with an unexpected
+    ValueError from matplotlib; now one error line before any work, and any format
+    matplotlib writes (SVG here) is written."""
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+    from ho_onnx.report.plot import image_format
+
+    assert image_format("a.PNG") == "png" and image_format("noext") == "png"
+    src = tmp_path / "d.onnx"
+    build_decoder(src, layers=1, hidden=32, heads=2, vocab=64, external_data=True)
+    args = ["plan", str(src), "--budget", "256KiB", "--dim", "batch=1", "--dim", "seq=8"]
+    r = CliRunner().invoke(main, [*args, "--plot", str(tmp_path / "t.txt")])
+    assert r.exit_code == 2 and "'txt' is no image format matplotlib writes (" in r.stderr
+    assert "analysed" not in r.stderr and not (tmp_path / "t.txt").exists(), r.stderr
+    r = CliRunner().invoke(main, [*args, "--plot", str(tmp_path / "t.svg")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t.svg").read_bytes().lstrip().startswith((b"<?xml", b"<svg"))
