@@ -22,6 +22,8 @@
 
 #include <onnxruntime_c_api.h>
 
+#include "common.h"
+
 namespace ho {
 
 class WeightFile;
@@ -80,6 +82,12 @@ class StoredTensor {
 class Engine {
  public:
   virtual ~Engine() = default;
+
+  // fork_generation() when it was made: an engine of an earlier generation, in a forked
+  // child, is the parent's (its transfer threads and CUDA context stayed there): its kernels
+  // refuse to run, it is never destroyed (abandon_engine) and new sessions get a new one.
+  const uint64_t generation = fork_generation();
+  bool forked_away() const { return generation != fork_generation(); }
 
   // Host store: the `length` bytes at `offset` of the open file `file` (already validated),
   // read at most once per engine and shared by every caller asking for the same range.

@@ -241,7 +241,7 @@ ExecContext Kernel::gpu_context(OrtKernelContext* ctx) const {
 }
 
 void Kernel::compute(OrtKernelContext* ctx) {
-  if (generation != fork_generation()) {  // (waited forever on the parent's threads)
+  if (engine->forked_away()) {  // (a parent's session: waited forever on its threads)
     fail(ORT_FAIL, "this session was created before the process forked; its transfers "
                    "ran on threads (and a CUDA context) of the parent process: create the "
                    "session in the forked process");

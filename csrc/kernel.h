@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
 #include "engine.h"
 #include "ort_abi.h"
 #include "registration.h"
@@ -24,7 +23,7 @@ struct Kernel {
                                         const OrtKernelInfo* info, const std::string& node);
   ~Kernel() {
     if (alloc != nullptr) api->ReleaseAllocator(alloc);
-    if (generation != fork_generation()) abandon_engine(std::move(engine));  // (a fork's)
+    if (engine && engine->forked_away()) abandon_engine(std::move(engine));
   }
   const OrtApi* api;
   OpKind kind;
@@ -34,9 +33,6 @@ struct Kernel {
   int device = 0;
   std::string node;  // the node's name, for messages
   std::shared_ptr<Engine> engine;
-  // fork_generation() at creation: a kernel of the parent's session in a forked child
-  // refuses to run (its engine's threads are the parent's) and never frees that engine.
-  uint64_t generation = fork_generation();
   // The kernel's identity for the engine's run tracking (ExecContext::kernel): a serial
   // number, never an address. A freed kernel's address can come back as a later session's
   // kernel while the thread's run epoch still lists it, which made the CPU engine take a

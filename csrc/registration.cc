@@ -77,14 +77,12 @@ void abandon_engine(std::shared_ptr<Engine> engine) {
 std::shared_ptr<Engine> Registration::acquire_engine(bool on_cuda) {
   std::lock_guard<std::mutex> lock(mu);
   std::weak_ptr<Engine>& slot = on_cuda ? cuda_engine : engine;
-  uint64_t& generation = on_cuda ? cuda_engine_generation : engine_generation;
   std::shared_ptr<Engine> e = slot.lock();
-  if (e && generation != fork_generation()) {  // the parent's: a new one for this process
+  if (e && e->forked_away()) {  // the parent's: a new one for this process
     abandon_engine(std::move(e));
     e.reset();
   }
   if (!e) {
-    generation = fork_generation();
 #if HO_ONNX_WITH_CUDA
     e = on_cuda ? make_cuda_engine() : make_cpu_engine(limits);
 #else
@@ -117,7 +115,8 @@ void unlock_after_fork() {
   g_regs_mu.unlock();
 }
 
-[[maybe_unused]] const int g_regs_atfork = pthread_atfork(lock_for_fork, unlock_after_fork, unlock_after_fork);
+[[maybe_unused]] const int g_regs_atfork =
+    pthread_atfork(lock_for_fork, unlock_after_fork, unlock_after_fork);
 
 constexpr const char* kCudaEp = "CUDAExecutionProvider";
 constexpr const char* kCpuEp = "CPUExecutionProvider";

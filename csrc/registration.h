@@ -57,8 +57,6 @@ struct Registration {
   bool cuda = false;
   std::weak_ptr<Engine> engine;       // CPU EP kernels
   std::weak_ptr<Engine> cuda_engine;  // CUDA EP kernels
-  uint64_t engine_generation = 0;      // fork_generation() when each was made: one of an
-  uint64_t cuda_engine_generation = 0;  // earlier generation is the parent's, never reused
   StatsApi stats;                     // ORT allocator statistics (runtime >= 1.23)
   std::vector<std::unique_ptr<OpDef>> ops;
 
@@ -66,7 +64,7 @@ struct Registration {
   // Keyed by the file's identity and version (size, mtime, ctime: any write changes ctime).
   std::string fingerprint(const WeightFile& f);
   // The registration's engine of the CPU EP or the CUDA EP, created when none is alive
-  // (or when the live one was made before this process was forked: see abandon_engine).
+  // (or when the live one is the parent's, Engine::forked_away: see abandon_engine).
   std::shared_ptr<Engine> acquire_engine(bool on_cuda);
 };
 

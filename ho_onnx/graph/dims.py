@@ -48,7 +48,6 @@ def parse_shapes(items: Iterable[str]) -> dict[str, list[int]]:
     return shapes
 
 
-
 # Exporters' dim expressions are short (``past_sequence_length + sequence_length``,
 # ``((s0 + 1)//2)``); a model's longer ones are taken as no expression, so their parse and
 # evaluation never run out of stack (measured: ``b*b*...*b`` of 3,000 factors was

@@ -232,16 +232,18 @@ def free_bytes(folder: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-
-
 def write_error(e: OSError, folder: Path) -> OutputPathError | None:
     """The error to raise for ``e`` when it says the output folder cannot take the output
-    (a full filesystem or quota, with the space left; read-only; no permission), naming
-    the folder, not a temporary file in it; None for other errors."""
-    if e.errno not in _WRITE_ERRNOS:
-        return None
+    (a full filesystem or quota, with the space left; read-only; no permission to a file
+    in it), naming the folder, not a temporary file in it; None for other errors (and for
+    a file elsewhere that could not be read: an input data file's own error says more)."""
     full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    name = e.filename
+    in_folder = not isinstance(name, str | bytes) or Path(os.fsdecode(name)).absolute().parent \
+        == folder.absolute()
+    if not (full or e.errno == errno.EROFS
+            or (e.errno in (errno.EACCES, errno.EPERM) and in_folder)):
+        return None
     free = free_bytes(folder) if full else None
     return OutputPathError(
         f"cannot write the output in {str(folder)!r}: {e.strerror or e}"

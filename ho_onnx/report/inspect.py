@@ -63,15 +63,15 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
     step = {n: i for i, n in enumerate(g)}
     summary = ModelSummary(len(step), n_compute, counts, metadata={
         k: v for k, v in model.metadata_props.items() if k.startswith(contract.META_PREFIX)})
-    summary.defects = [f"{node.name or '?'!r} ({node.op_type}): {why}" for node in g
-                       if node.domain == contract.DOMAIN
-                       and (why := cache_op_defect(node)) is not None]
+    damaged = {node: why for node in g if node.domain == contract.DOMAIN
+               and (why := cache_op_defect(node)) is not None}
+    summary.defects = [f"{n.name or '?'!r} ({n.op_type}): {why}" for n, why in damaged.items()]
     for node in g:
-        if node.domain != contract.DOMAIN or node.op_type != contract.WAIT:
+        if node.domain != contract.DOMAIN or node.op_type != contract.WAIT or node in damaged:
             continue
-        pf = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+        pf = node.inputs[0].producer()
         if pf is None or pf.op_type != contract.PREFETCH or pf.domain != contract.DOMAIN or \
-                cache_op_defect(pf) is not None or cache_op_defect(node) is not None:
+                pf in damaged:
             continue
         tensor, kind, nbytes, source = _source(pf)
         i, j = step[pf], step[node]
@@ -93,7 +93,8 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str]:
         nbytes = length if isinstance(length, int) and length >= 0 else None
         return str(a.get(contract.ATTR_NAME, "")), "weight", nbytes, source
     det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
-    tensor = (input_names(det)[:1] or ["?"])[0] or "?" if det is not None else "?"
+    names = input_names(det) if det is not None else []
+    tensor = names[0] if names and names[0] else "?"
     source = (det.name or "") if det is not None else "?"
     y = pf.outputs[0]
     nbytes = None

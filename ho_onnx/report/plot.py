@@ -59,13 +59,11 @@ def image_format(path: str | os.PathLike[str]) -> str:
     """The image format ``path``'s suffix names (``png`` without one), or a
     :class:`HoOnnxError` when matplotlib cannot write it (or is missing): checked before any
     work (found by hand: ``--plot t.txt`` was an unexpected ValueError after planning)."""
-    plt = _pyplot()
+    _pyplot()  # (matplotlib missing: its error)
+    from matplotlib.backend_bases import FigureCanvasBase
+
     fmt = Path(path).suffix.lstrip(".").lower() or "png"
-    fig = plt.figure()
-    try:
-        formats = fig.canvas.get_supported_filetypes()
-    finally:
-        plt.close(fig)
+    formats = FigureCanvasBase.get_supported_filetypes()
     if fmt not in formats:
         raise HoOnnxError(f"cannot plot to {os.fspath(path)!r}: {fmt!r} is no image format "
                           f"matplotlib writes ({', '.join(sorted(formats))})")

@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,15 +49,41 @@ def _build(folder: Path) -> Path:
     return path
 
 
+# Runs ``python -m MODULE ARGS`` or ``python -c CODE ARGS`` and writes its own peak RSS
+# (VmHWM: this process's memory since exec) to $HO_TEST_PEAK at exit. wait4's ru_maxrss also
+# counts the memory the child inherited at the fork (the test process's own peak, over 1 GiB
+# when the engine tests ran first in the same pytest process: a false failure).
+_PEAK_WRAPPER = r"""
+import atexit, os, runpy, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    with open(os.environ["HO_TEST_PEAK"], "w") as f:
+        f.write(str(kib * 1024))
+atexit.register(_peak)
+mode, target, *rest = sys.argv[1:]
+sys.argv = [target if mode == "-m" else "-c", *rest]
+if mode == "-m":
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+"""
+
+
 def _run_measured(args: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS bytes and output of a child process."""
-    t = time.perf_counter()
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = p.stdout.read() if p.stdout else ""
-    _, status, usage = os.wait4(p.pid, 0)
-    seconds = time.perf_counter() - t
-    assert os.waitstatus_to_exitcode(status) == 0, out
-    return seconds, usage.ru_maxrss * 1024, out
+    """Wall seconds, peak RSS bytes and output of ``python -m ...`` / ``python -c ...``."""
+    assert args[0] == sys.executable and args[1] in ("-m", "-c"), args
+    with tempfile.TemporaryDirectory() as tmp:
+        peak = Path(tmp) / "peak"
+        t = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-c", _PEAK_WRAPPER, *args[1:]],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, HO_TEST_PEAK=str(peak)))
+        out = p.stdout.read() if p.stdout else ""
+        status = p.wait()
+        seconds = time.perf_counter() - t
+        assert status == 0, out
+        return seconds, int(peak.read_text()), out
 
 
 @pytest.mark.slow

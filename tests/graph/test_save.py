@@ -152,6 +152,26 @@ def test_failure_while_saving_leaves_nothing(tmp_path, monkeypatch, fail_at):
         assert folder_digest(tmp_path) == before
 
 
+def test_an_unreadable_input_data_file_is_not_blamed_on_the_output_folder(tmp_path,
+                                                                          monkeypatch):
+    """A permission error reading the input's data file (copied to another folder) keeps its
+    own words and path; only errors of files in the output folder name the folder."""
+    from ho_onnx.graph import save as save_mod
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    (tmp_path / "o").mkdir()
+    data = tmp_path / "m.onnx.data"
+
+    def unreadable(path, expect=None):
+        raise PermissionError(13, "Permission denied (simulated)", str(path))
+
+    monkeypatch.setattr(save_mod, "open_regular", unreadable)
+    with pytest.raises(PermissionError) as e:
+        optimize(src, tmp_path / "o" / "m.ho.onnx", ALL)
+    assert e.value.filename == str(data)
+    assert list((tmp_path / "o").iterdir()) == []
+
+
 def test_a_data_file_that_cannot_fit_is_refused_before_copying(tmp_path, monkeypatch):
     """Found by hand: an output folder on a nearly full disk got a bare "No space left on
     device" once the copy had filled it; now the copy is refused first, saying how much

@@ -275,9 +275,10 @@ def cache_op_defect(node: ir.Node) -> str | None:
     need = contract.REQUIRED_INPUTS.get(node.op_type)
     if need is None:
         return f"{node.op_type!r} is no {contract.DOMAIN} operator"
-    if sum(1 for name in input_names(node)[:need] if name) < need:
-        return f"has {len(input_names(node))} input(s), needs {need} (a damaged model?)"
-    if not output_names(node)[:1] or not output_names(node)[0]:
+    ins, outs = input_names(node), output_names(node)
+    if sum(1 for name in ins[:need] if name) < need:
+        return f"has {len(ins)} input(s), needs {need} (a damaged model?)"
+    if not outs or not outs[0]:
         return "has no output (a damaged model?)"
     return None
 

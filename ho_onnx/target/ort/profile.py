@@ -136,8 +136,8 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     model = model_for_ort(model_path)
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
 
-    trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup + runs,
-                                intra_op_threads, log or (lambda _msg: None), warmup)
+    trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup, runs,
+                                intra_op_threads, log or (lambda _msg: None))
     nodes, totals, basis = parse_trace(trace, warmup=warmup)
     result: dict[str, Any] = {
         "format": PROFILE_FORMAT,
@@ -167,12 +167,11 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
 
 
 def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
-                  providers: Sequence[str], opt_level: str, runs: int,
-                  intra_op_threads: int | None, say: Log, warmup: int = 0
-                  ) -> tuple[Any, list[str]]:
-    """ORT's chrome trace of ``runs`` runs (written in a temporary folder, then removed) and
-    the providers the session used; ``say`` hears of the session and each run (the first
-    ``warmup`` of them named so)."""
+                  providers: Sequence[str], opt_level: str, warmup: int, runs: int,
+                  intra_op_threads: int | None, say: Log) -> tuple[Any, list[str]]:
+    """ORT's chrome trace of ``warmup`` then ``runs`` runs (written in a temporary folder,
+    then removed) and the providers the session used; ``say`` hears of the session and
+    each run."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -189,11 +188,11 @@ def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
         require_providers(sess, providers, f"profiling {os.fspath(model_path)!r}")
         say(f"session ready ({time.perf_counter() - t:.2f} s, {sess.get_providers()[0]})")
         try:
-            for i in range(runs):
+            for i in range(warmup + runs):
                 t = time.perf_counter()
                 sess.run(None, dict(feeds))
                 which = (f"warm-up run {i + 1}/{warmup}" if i < warmup
-                         else f"run {i - warmup + 1}/{runs - warmup}")
+                         else f"run {i - warmup + 1}/{runs}")
                 say(f"{which}: {(time.perf_counter() - t) * 1e3:.1f} ms")
         finally:
             trace_path = sess.end_profiling()
