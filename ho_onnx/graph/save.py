@@ -399,8 +399,7 @@ def new_folders(folder: Path) -> Iterator[Path]:
 def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
           progress: Progress | None, validate: Callable[[Path], None] | None) -> SaveReport:
     report = SaveReport(model_path=out)
-    temps: list[Path] = []
-    try:
+    with temporary_files(out_dir) as temps:
         if out_dir != loaded.base_dir:
             for loc, src in files.data_files.items():
                 _place_data_file(src, out_dir / loc, report, progress, temps)
@@ -435,15 +434,6 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
         os.replace(model_tmp, out)
         temps.clear()  # everything is in place
         return report
-    except OSError as e:  # (a full or read-only folder: say which, not a temporary file)
-        why = write_error(e, out_dir)
-        if why is None:
-            raise
-        raise why from None
-    finally:
-        for t in temps:
-            with contextlib.suppress(OSError):
-                t.unlink()
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
@@ -451,24 +441,33 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     renamed into place: a failure or an interruption leaves no partial file or new folder."""
     out = Path(path)
     refuse_special(out)
-    with new_folders(out.absolute().parent):
-        temps: list[Path] = []
-        try:
-            tmp = _write_temp(out.absolute().parent, _temp_prefix(out.name), temps,
-                              lambda f: f.write(data))
-            os.chmod(tmp, _umask_mode())
-            os.replace(tmp, out)
-            temps.clear()
-        except OSError as e:
-            why = write_error(e, out.absolute().parent)
-            if why is None:
-                raise
-            raise why from None
-        finally:
-            for t in temps:
-                with contextlib.suppress(OSError):
-                    t.unlink()
+    folder = out.absolute().parent
+    with new_folders(folder), temporary_files(folder) as temps:
+        tmp = _write_temp(folder, _temp_prefix(out.name), temps, lambda f: f.write(data))
+        os.chmod(tmp, _umask_mode())
+        os.replace(tmp, out)
+        temps.clear()
     return out
+
+
+@contextlib.contextmanager
+def temporary_files(folder: Path) -> Iterator[list[Path]]:
+    """A list for the temporary files a block writes in ``folder``: those still in it when
+    the block ends are removed (clear it once everything is in place), and an OSError of a
+    full or read-only ``folder`` becomes an :class:`OutputPathError` naming the folder, not a
+    temporary file (:func:`write_error`)."""
+    temps: list[Path] = []
+    try:
+        yield temps
+    except OSError as e:
+        why = write_error(e, folder)
+        if why is None:
+            raise
+        raise why from None
+    finally:
+        for t in temps:
+            with contextlib.suppress(OSError):
+                t.unlink()
 
 
 def _serialise(model: onnx.ModelProto) -> bytes:

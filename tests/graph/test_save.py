@@ -13,7 +13,7 @@ from graphs import chain_model, folder_digest, save
 
 from ho_onnx import contract
 from ho_onnx.errors import ModelLoadError, OutputPathError
-from ho_onnx.graph.save import copy_sparse
+from ho_onnx.graph.save import copy_sparse, write_atomic
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 
@@ -207,6 +207,9 @@ def test_a_full_filesystem_is_one_clear_error(tmp_path):
         with pytest.raises(OutputPathError, match=r"cannot write the output in .*: No space "
                            r"left on device \(.* free\)"):
             optimize(src, mnt / "m.ho.onnx", ALL)
+        with pytest.raises(OutputPathError, match=r"cannot write the output in .*: No space "
+                           r"left on device"):
+            write_atomic(mnt / "p.json", b"x" * (512 << 10))  # (profile's, calibrate's JSON)
         assert not list(mnt.iterdir())
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
@@ -302,3 +305,28 @@ def test_no_value_info_for_what_an_initializer_says_itself(tmp_path):
     got = ort.InferenceSession(str(tmp_path / "out.onnx")).run(None, {"x": x})[0]
     np.testing.assert_array_equal(got, (x + np.arange(1, 7, dtype=np.float32).reshape(2, 3)) - 2)
     assert ir.load(str(tmp_path / "out.onnx")).graph.initializers["a"].shape == [2, 3]
+
+
+def test_temporary_files_are_removed_and_a_full_folder_is_named(tmp_path):
+    """The block's temporary files go when it fails (or is interrupted), a full folder is
+    one error naming the folder, other errors pass unchanged; cleared files stay."""
+    import errno
+
+    from ho_onnx.graph.save import temporary_files
+
+    full = pytest.raises(OutputPathError, match=r"cannot write the output in .*No space left")
+    with full, temporary_files(tmp_path) as temps:
+        temps.append(tmp_path / ".t1")
+        temps[0].write_bytes(b"1")
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".t1"))
+    with pytest.raises(KeyboardInterrupt), temporary_files(tmp_path) as temps:
+        temps.append(tmp_path / ".t2")
+        temps[0].write_bytes(b"2")
+        raise KeyboardInterrupt
+    with pytest.raises(FileNotFoundError), temporary_files(tmp_path) as temps:
+        raise FileNotFoundError(errno.ENOENT, "gone", "/elsewhere/x")
+    with temporary_files(tmp_path) as temps:
+        temps.append(tmp_path / "kept")
+        temps[0].write_bytes(b"3")
+        temps.clear()
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["kept"]
