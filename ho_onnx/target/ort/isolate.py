@@ -130,6 +130,12 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
             proc.kill()
             proc.wait()
             raise
+    return _result(answer, returncode, what)
+
+
+def _result(answer: bytes, returncode: int, what: str) -> Any:
+    """The value the child answered, or the exception it raised (with its traceback as a
+    note), or why it gave no answer (a signal, memory, or an exit without one)."""
     try:
         status, value, *rest = pickle.loads(answer) if answer else (None, None)
     except Exception:  # cut short (killed while writing it): its exit status says why
