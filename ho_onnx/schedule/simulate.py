@@ -71,22 +71,17 @@ class Simulation:
         return int(self.memory.argmax()) if len(self.memory) else 0
 
 
-def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
-             transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
-             residency: Residency | None = None, base_memory: np.ndarray | None = None,
-             *, host_ahead: bool = False) -> Simulation:
-    """Predict time (with FIFO channels) and memory of the schedule of ``choice``
-    (``residency``: the unmodified schedule's, when the caller already has it;
-    ``base_memory``: that schedule's bytes per step, when known too; ``host_ahead``: loads
-    timed as the CUDA engine issues them, module docstring)."""
-    n = len(analysis.order)
-    events = _events(choice)
-    # position -> its transfers (few positions have any: no list per position)
-    loads_at: dict[int, list[TransferEvent]] = {}
-    waits_at: dict[int, list[TransferEvent]] = {}
-    stores_after: dict[int, list[TransferEvent]] = {}
-    detach_after: dict[int, list[TransferEvent]] = {}
-    stored = {ev.tensor: ev for ev in events if ev.kind == "store"}
+_AtPosition = dict[int, list[TransferEvent]]  # position -> its transfers (few have any)
+
+
+def _by_position(events: list[TransferEvent], n: int
+                 ) -> tuple[_AtPosition, _AtPosition, _AtPosition, _AtPosition]:
+    """The reloads' issues and waits, and the stores' issues and detaches, by position in
+    the ``n`` steps of the schedule (an :class:`IndexError` names an event outside them)."""
+    loads_at: _AtPosition = {}
+    waits_at: _AtPosition = {}
+    stores_after: _AtPosition = {}
+    detach_after: _AtPosition = {}
     for ev in events:
         if not (0 <= ev.issue_pos < n and 0 <= ev.wait_pos < n):
             raise IndexError(f"{ev.tensor}: {ev.kind} at ({ev.issue_pos}, {ev.wait_pos}), "
@@ -97,6 +92,21 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
         else:
             stores_after.setdefault(ev.issue_pos, []).append(ev)
             detach_after.setdefault(ev.wait_pos, []).append(ev)
+    return loads_at, waits_at, stores_after, detach_after
+
+
+def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
+             transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
+             residency: Residency | None = None, base_memory: np.ndarray | None = None,
+             *, host_ahead: bool = False) -> Simulation:
+    """Predict time (with FIFO channels) and memory of the schedule of ``choice``
+    (``residency``: the unmodified schedule's, when the caller already has it;
+    ``base_memory``: that schedule's bytes per step, when known too; ``host_ahead``: loads
+    timed as the CUDA engine issues them, module docstring)."""
+    n = len(analysis.order)
+    events = _events(choice)
+    loads_at, waits_at, stores_after, detach_after = _by_position(events, n)
+    stored = {ev.tensor: ev for ev in events if ev.kind == "store"}
     staging = _staging_pool(n, loads_at, waits_at) if host_ahead else None
     free = {"h2d": 0.0, "d2h": 0.0, "disk": 0.0}
     now = 0.0

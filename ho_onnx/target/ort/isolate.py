@@ -93,9 +93,8 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
     r, w = os.pipe()
     mr, mw = os.pipe() if log is not None else (-1, -1)
     try:
-        # stdout to this process's stderr: a --json report on stdout stays clean
         proc = subprocess.Popen([sys.executable, "-m", __name__, str(w), str(mw)],
-                                stdin=subprocess.PIPE, stdout=2,
+                                stdin=subprocess.PIPE, stdout=2,  # (--json's stdout clean)
                                 pass_fds=(w,) if mw < 0 else (w, mw))
     except OSError as e:
         os.close(r)

@@ -101,6 +101,12 @@ def _seconds(v: object, limit: float) -> bool:
             and 0 <= v <= limit)
 
 
+def _host_times_warning(provider: str) -> str:
+    return (f"{provider}: node times are host-side launch times (this ORT build records no "
+            "device kernels): the planner uses its analytic estimates scaled to this "
+            "profile's run time, and times loads as the CUDA engine issues them")
+
+
 def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLike[str] | None,
                   *, providers: Sequence[str] = ("CPUExecutionProvider",),
                   dims: Mapping[str, int] | None = None, runs: int = 10, warmup: int = 2,
@@ -157,10 +163,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
         "nodes_sum_s": sum(e["median_s"] for e in nodes.values()),
     }
     if basis == "host" and any(not p.startswith("CPU") for p in used[:1]):
-        result["warning"] = (
-            f"{used[0]}: node times are host-side launch times (this ORT build records no "
-            "device kernels): the planner uses its analytic estimates scaled to this "
-            "profile's run time, and times loads as the CUDA engine issues them")
+        result["warning"] = _host_times_warning(used[0])
     if out_json is not None:
         write_atomic(out_json, (json.dumps(result, indent=1) + "\n").encode())
     return result

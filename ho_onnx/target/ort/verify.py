@@ -73,6 +73,20 @@ def compare_arrays(name: str, a: np.ndarray, b: np.ndarray, *, atol: float = 0.0
     return OutputDiff(name, tuple(a.shape), max_abs, float(rel.max()), False, close)
 
 
+def _check_args(*, atol: float, rtol: float, timeout_s: float | None, isolate: bool) -> None:
+    if timeout_s and not isolate:
+        raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
+    for name, tol in (("atol", atol), ("rtol", rtol)):
+        if not (math.isfinite(tol) and tol >= 0):  # (NaN: every difference a mismatch)
+            raise ValueError(f"{name} must be a finite number >= 0, not {tol!r}")
+
+
+def _worse(d: OutputDiff, than: OutputDiff | None) -> bool:
+    """Whether ``d`` is the worse difference: not close where ``than`` is, or farther."""
+    return than is None or (than.close and not d.close) or (
+        than.close == d.close and d.max_abs > than.max_abs)
+
+
 def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], *,
            dims: Mapping[str, int] | None = None, runs: int = 1, seed: int = 0,
            int_high: int = 8, providers: list[str] | None = None,
@@ -88,11 +102,7 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     seconds (None: ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit; only
     a child process can be ended, so not with ``isolate=False``). ``log`` gets a line as
     the sessions are ready and after each run (from the child as it runs)."""
-    if timeout_s and not isolate:
-        raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
-    for name, tol in (("atol", atol), ("rtol", rtol)):
-        if not (math.isfinite(tol) and tol >= 0):  # (NaN: every difference a mismatch)
-            raise ValueError(f"{name} must be a finite number >= 0, not {tol!r}")
+    _check_args(atol=atol, rtol=rtol, timeout_s=timeout_s, isolate=isolate)
     if isolate:  # (the checks below run there, once)
         return run_isolated(
             verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,
@@ -126,10 +136,7 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
         report.seconds_original.append(t1 - t0)
         for name, x, y in zip(names, a, b, strict=True):
             d = compare_arrays(name, x, y, atol=atol, rtol=rtol)
-            w = worst.get(name)
-            if w is None or (w.close and not d.close) or (
-                w.close == d.close and d.max_abs > w.max_abs
-            ):
+            if _worse(d, worst.get(name)):
                 worst[name] = d
         report.runs += 1
         say(f"run {r + 1}/{runs}: original {(t1 - t0) * 1e3:.1f} ms, optimized "
