@@ -63,6 +63,12 @@ def default_timeout() -> float | None:
     return seconds or None
 
 
+def check_timeout(timeout_s: float | None, isolate: bool) -> None:
+    """Refuse a time limit for a run in this process (only a child process can be ended)."""
+    if timeout_s and not isolate:
+        raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
+
+
 def _signal_name(returncode: int) -> str:
     try:
         return signal.Signals(-returncode).name

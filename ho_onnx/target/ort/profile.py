@@ -39,7 +39,7 @@ from typing import Any
 from ...errors import HoOnnxError, Log, UnboundDimError
 from ...graph.dims import check_bindings
 from ...graph.save import write_atomic
-from .isolate import run_isolated
+from .isolate import check_timeout, run_isolated
 from .session import OPT_LEVELS, model_for_ort, ort_opt_level, random_inputs, require_providers
 
 _KERNEL_SUFFIX = "_kernel_time"
@@ -128,8 +128,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
         raise ValueError(f"runs must be >= 1 and warmup >= 0 (got {runs}, {warmup})")
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
-    if timeout_s and not isolate:
-        raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
+    check_timeout(timeout_s, isolate)
     if isolate:
         return run_isolated(
             profile_model, model_path, out_json, providers=providers, dims=dims, runs=runs,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import Log, UnsupportedModelError
-from .isolate import run_isolated
+from .isolate import check_timeout, run_isolated
 from .session import make_session, model_for_ort, random_inputs
 
 
@@ -73,9 +73,7 @@ def compare_arrays(name: str, a: np.ndarray, b: np.ndarray, *, atol: float = 0.0
     return OutputDiff(name, tuple(a.shape), max_abs, float(rel.max()), False, close)
 
 
-def _check_args(*, atol: float, rtol: float, timeout_s: float | None, isolate: bool) -> None:
-    if timeout_s and not isolate:
-        raise ValueError("timeout_s needs isolate=True (a run in this process cannot be ended)")
+def _check_tolerances(atol: float, rtol: float) -> None:
     for name, tol in (("atol", atol), ("rtol", rtol)):
         if not (math.isfinite(tol) and tol >= 0):  # (NaN: every difference a mismatch)
             raise ValueError(f"{name} must be a finite number >= 0, not {tol!r}")
@@ -102,7 +100,8 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     seconds (None: ``HO_ONNX_ORT_TIMEOUT``, unset: no limit; 0: no limit; only
     a child process can be ended, so not with ``isolate=False``). ``log`` gets a line as
     the sessions are ready and after each run (from the child as it runs)."""
-    _check_args(atol=atol, rtol=rtol, timeout_s=timeout_s, isolate=isolate)
+    check_timeout(timeout_s, isolate)
+    _check_tolerances(atol, rtol)
     if isolate:  # (the checks below run there, once)
         return run_isolated(
             verify, original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,
