@@ -21,6 +21,7 @@ import functools
 import os
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,31 +281,113 @@ def _copy_regions(fd: int, fo: Any, src: Path, total: int, progress: Progress | 
         progress(f"copying {src.name}", todo, todo)
 
 
-def _place_data_file(src: Path, dst: Path, report: SaveReport, progress: Progress | None,
+class _Placing:
+    """A data file one save of this process is copying into an output folder (until that
+    save ends): later saves wanting the same file wait for it and use it, and a failed
+    placer leaves it for them."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.placed = False  # the copy is in place
+        self.users = 0  # other saves using it (in flight or finished)
+
+
+# Output data file -> its placing, while the save that copies it is in flight. Found with
+# threads optimizing one model into one folder (a server): all but one failed with a bare
+# FileNotFoundError (one temporary name per process), and a failed save would remove a
+# data file another one's output had just been written beside.
+_PLACING: dict[Path, _Placing] = {}
+_PLACING_LOCK = threading.Lock()
+
+
+class _DataFiles:
+    """The data files one save places (or uses) in its output folder; :meth:`end` keeps
+    them or, when the save failed, removes those it copied that no other save uses."""
+
+    def __init__(self, temps: list[Path]) -> None:
+        self.temps = temps
+        self.mine: list[tuple[Path, _Placing]] = []
+        self.used: list[_Placing] = []
+
+    def place(self, src: Path, dst: Path, report: SaveReport, progress: Progress | None
+              ) -> None:
+        while True:
+            with _PLACING_LOCK:
+                placing = _PLACING.get(dst)
+                if placing is None:
+                    if _same_file(src, dst) or _earlier_copy(src, dst):
+                        return
+                    placing = _PLACING[dst] = _Placing()
+                    break
+            placing.done.wait()
+            with _PLACING_LOCK:
+                if _PLACING.get(dst) is placing and placing.placed:
+                    placing.users += 1
+                    self.used.append(placing)
+                    return
+            # (its save failed and took it away, or ended: look again)
+        try:
+            _copy_into_place(src, dst, progress, self.temps)
+        except BaseException:
+            with _PLACING_LOCK:
+                del _PLACING[dst]
+            placing.done.set()
+            raise
+        placing.placed = True
+        self.mine.append((dst, placing))
+        report.copied.append(dst)
+        placing.done.set()
+
+    def end(self, ok: bool) -> None:
+        with _PLACING_LOCK:
+            for placing in self.used:
+                placing.users -= 0 if ok else 1
+            for dst, placing in self.mine:
+                del _PLACING[dst]
+                if not ok and placing.users == 0:
+                    with contextlib.suppress(OSError):
+                        dst.unlink()
+
+
+def _earlier_copy(src: Path, dst: Path) -> bool:
+    """Whether ``dst`` is an earlier copy of ``src`` (same size and modification time, as
+    copies keep them); False when there is none; an error when it is another file."""
+    if not dst.exists():
+        return False
+    s, d = src.stat(), dst.stat()
+    if s.st_size == d.st_size and s.st_mtime_ns == d.st_mtime_ns:
+        return True
+    raise OutputPathError(
+        f"{str(dst)!r} already exists and is not the model's data file {str(src)!r}; "
+        "choose another output folder or remove it"
+    )
+
+
+def _copy_into_place(src: Path, dst: Path, progress: Progress | None,
                      temps: list[Path]) -> None:
-    if _same_file(src, dst):
-        return
-    if dst.exists():
-        s, d = src.stat(), dst.stat()
-        if s.st_size == d.st_size and s.st_mtime_ns == d.st_mtime_ns:
-            return  # an earlier copy of the same file
-        raise OutputPathError(
-            f"{str(dst)!r} already exists and is not the model's data file {str(src)!r}; "
-            "choose another output folder or remove it"
-        )
+    """Copy ``src`` to ``dst`` through a temporary file of its own in ``dst``'s folder.
+    Not a hard or symbolic link: onnx.checker refuses both as a possible attack."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    # Not a hard or symbolic link: onnx.checker refuses both as a possible attack.
-    tmp = dst.with_name(f"{_temp_prefix(dst.name)}ho-tmp-{os.getpid()}")
+    fd, name = tempfile.mkstemp(prefix=f"{_temp_prefix(dst.name)}ho-tmp-", dir=dst.parent)
+    os.close(fd)
+    tmp = Path(name)
     temps.append(tmp)
     copy_sparse(src, tmp, progress)
     os.replace(tmp, dst)
-    temps[temps.index(tmp)] = dst  # removed again if the model is not written
-    report.copied.append(dst)
+    temps.remove(tmp)
 
 
 def _umask_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+    """0666 less the process's umask, read without changing it where Linux shows it (a
+    umask(0)-and-back, as elsewhere, could leave another thread's files, or the process,
+    with no umask at all)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    with _PLACING_LOCK:  # (at least this module's threads do not race)
+        mask = os.umask(0)
+        os.umask(mask)
     return 0o666 & ~mask
 
 
@@ -400,40 +483,53 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
           progress: Progress | None, validate: Callable[[Path], None] | None) -> SaveReport:
     report = SaveReport(model_path=out)
     with temporary_files(out_dir) as temps:
-        if out_dir != loaded.base_dir:
-            for loc, src in files.data_files.items():
-                _place_data_file(src, out_dir / loc, report, progress, temps)
-        sidecar_tmp = None
-        if files.sidecar is not None and files.sidecar.tensors:
-            sidecar_tmp = _write_temp(out_dir, _temp_prefix(files.sidecar.name), temps,
-                                      lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
-        sidecar_name = files.sidecar.name if files.sidecar is not None else None
-        stamp_data_files(files.model, files.stamps,
-                         lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
-                         else out_dir / loc)
-        blob = _serialise(files.model)
-        model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
-                                lambda f: f.write(blob))
-        if validate is None:
-            try:  # by path, so external data is checked where the output will find it
-                onnx.checker.check_model(str(model_tmp))
-            except onnx.checker.ValidationError as e:
-                raise OutputPathError(
-                    f"the rewritten model does not pass onnx.checker: {e}") from e
-        mode = _umask_mode()
-        os.chmod(model_tmp, mode)
-        if sidecar_tmp is not None:
-            sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
-            refuse_special(sidecar, "the sidecar")
-            os.chmod(sidecar_tmp, mode)
-            os.replace(sidecar_tmp, sidecar)
-            temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
-            report.sidecar = sidecar
-        if validate is not None:
-            validate(model_tmp)
-        os.replace(model_tmp, out)
-        temps.clear()  # everything is in place
+        data = _DataFiles(temps)
+        try:
+            _write_all(files, loaded, out, out_dir, progress, validate, report, temps, data)
+        except BaseException:
+            data.end(ok=False)
+            raise
+        data.end(ok=True)
         return report
+
+
+def _write_all(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
+               progress: Progress | None, validate: Callable[[Path], None] | None,
+               report: SaveReport, temps: list[Path], data: _DataFiles) -> None:
+    """The data files, the sidecar and the model, each renamed into place last."""
+    if out_dir != loaded.base_dir:
+        for loc, src in files.data_files.items():
+            data.place(src, out_dir / loc, report, progress)
+    sidecar_tmp = None
+    if files.sidecar is not None and files.sidecar.tensors:
+        sidecar_tmp = _write_temp(out_dir, _temp_prefix(files.sidecar.name), temps,
+                                  lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
+    sidecar_name = files.sidecar.name if files.sidecar is not None else None
+    stamp_data_files(files.model, files.stamps,
+                     lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
+                     else out_dir / loc)
+    blob = _serialise(files.model)
+    model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
+                            lambda f: f.write(blob))
+    if validate is None:
+        try:  # by path, so external data is checked where the output will find it
+            onnx.checker.check_model(str(model_tmp))
+        except onnx.checker.ValidationError as e:
+            raise OutputPathError(
+                f"the rewritten model does not pass onnx.checker: {e}") from e
+    mode = _umask_mode()
+    os.chmod(model_tmp, mode)
+    if sidecar_tmp is not None:
+        sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
+        refuse_special(sidecar, "the sidecar")
+        os.chmod(sidecar_tmp, mode)
+        os.replace(sidecar_tmp, sidecar)
+        temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
+        report.sidecar = sidecar
+    if validate is not None:
+        validate(model_tmp)
+    os.replace(model_tmp, out)
+    temps.clear()  # everything is in place
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:

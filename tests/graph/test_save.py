@@ -330,3 +330,91 @@ def test_temporary_files_are_removed_and_a_full_folder_is_named(tmp_path):
         temps[0].write_bytes(b"3")
         temps.clear()
     assert sorted(f.name for f in tmp_path.iterdir()) == ["kept"]
+
+
+def test_saves_from_several_threads_copy_a_shared_data_file_once(tmp_path, monkeypatch):
+    """Threads optimizing one model into one other folder at the same moment (a slow copy,
+    so that they overlap): every output is written, the data file is copied once and the
+    others use it, no temporary file is left. Failed before: all but one thread with a bare
+    FileNotFoundError (the copy's temporary file had one name per process)."""
+    import threading
+    import time
+
+    from ho_onnx.graph import save as save_mod
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    copies = []
+    real_copy = save_mod.copy_sparse
+
+    def slow_copy(*args, **kwargs):
+        copies.append(args[1])
+        time.sleep(0.3)
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(save_mod, "copy_sparse", slow_copy)
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def one(t: int) -> None:
+        try:
+            start.wait()
+            optimize(src, tmp_path / "out" / f"m{t}.onnx", ALL, dims={"N": 2})
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert len(copies) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "m.onnx.data", "m0.onnx", "m1.onnx", "m2.onnx", "m3.onnx"]
+
+
+def test_a_failed_save_leaves_a_data_file_another_save_uses(tmp_path):
+    """The save that copied a data file fails: the copy goes, unless another save of this
+    process is using it (its output is, or will be, written beside it)."""
+    from ho_onnx.graph.save import SaveReport, _DataFiles
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    data, dst = tmp_path / "m.onnx.data", tmp_path / "out" / "m.onnx.data"
+    report = SaveReport(model_path=tmp_path / "out" / "x.onnx")
+
+    def placed(*saves: _DataFiles) -> None:
+        for s in saves:
+            s.place(data, dst, report, None)
+
+    first, second = _DataFiles([]), _DataFiles([])
+    placed(first, second)  # the second waits for the first's copy and uses it
+    first.end(ok=False)
+    assert dst.read_bytes() == data.read_bytes()  # kept: the second uses it
+    second.end(ok=True)
+    assert dst.exists()
+
+    dst.unlink()
+    first, second = _DataFiles([]), _DataFiles([])
+    placed(first, second)
+    second.end(ok=False)  # the user failed too: nobody needs the copy
+    first.end(ok=False)
+    assert not dst.exists() and src.exists()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []
+
+
+def test_the_umask_is_read_without_being_changed(monkeypatch):
+    """Files get 0666 less the umask; reading it by setting it (umask(0), then back) left
+    other threads a window with no umask, and two saves at once could leave the process
+    without one for good."""
+    from ho_onnx.graph import save as save_mod
+
+    mask = os.umask(0o027)
+    try:
+        def no_umask(_mask):
+            raise AssertionError("os.umask called")
+
+        monkeypatch.setattr(save_mod.os, "umask", no_umask)
+        assert save_mod._umask_mode() == 0o640
+    finally:
+        monkeypatch.undo()
+        os.umask(mask)

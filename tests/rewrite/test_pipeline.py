@@ -212,3 +212,65 @@ def test_calibrate_cli_writes_a_machine_file(tmp_path):
     m = load_machine(out)
     assert m.h2d_bw == data["h2d_bw"] and m.disk_bw == data["disk_bw"]
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # the temporary file is gone
+
+
+def test_optimize_from_several_threads_writes_what_one_thread_writes(tmp_path):
+    """A server optimizing models on request calls optimize from several threads at once,
+    here each model into one output folder of its own (the data file copied there): each
+    output is byte-identical to the one written alone (the shape-inference worker, the gc
+    pause, the forked checks and the data-file copies are shared by the process), a failing
+    request is its own error only, and the cyclic collector is on again afterwards. Found
+    with it: all but one thread failed with a bare FileNotFoundError (the copy's temporary
+    file had one name per process)."""
+    import gc
+    import hashlib
+    import threading
+
+    from graphs import chain_model, save
+
+    from ho_onnx.schedule.planner import InfeasibleBudgetError
+
+    cases = []
+    for i, layers in enumerate((2, 3)):
+        (tmp_path / f"d{i}").mkdir()
+        src = tmp_path / f"d{i}" / "m.onnx"
+        build_decoder(src, layers=layers, hidden=64, heads=4, vocab=128, external_data=True)
+        cases.append((src, OffloadOptions(budget=1 << 20), {"batch": 1, "seq": 32}))
+    (tmp_path / "c").mkdir()
+    cases.append((save(chain_model(), tmp_path / "c" / "m.onnx", external=True),
+                  OffloadOptions(min_bytes=0), {"N": 4}))
+
+    def run(i: int, tag: str) -> str:
+        src, opts, dims = cases[i]
+        out = src.parent / "out" / f"m.{tag}.onnx"
+        optimize(src, out, opts, dims=dims)
+        return hashlib.sha256(out.read_bytes()).hexdigest()
+
+    alone = [run(i, "alone") for i in range(len(cases))]
+    got: dict[tuple[int, int], str] = {}
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for k in range(2):
+                for i in range(len(cases)):
+                    got[(t, i)] = run(i, f"t{t}k{k}")
+                with pytest.raises(InfeasibleBudgetError, match="below the smallest"):
+                    optimize(cases[0][0], tmp_path / f"no{t}.onnx", OffloadOptions(budget=1024),
+                             dims=cases[0][2])
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    assert not errors, errors
+    assert {i: h for (_, i), h in got.items()} == dict(enumerate(alone)) and len(got) == 9
+    assert not list(tmp_path.glob("no*.onnx")) and gc.isenabled()
+    for src, _, dims in cases:  # (one data file each, the same bytes; the outputs run)
+        assert (src.parent / "out" / "m.onnx.data").read_bytes() == \
+            (src.parent / "m.onnx.data").read_bytes()
+        assert not [p.name for p in (src.parent / "out").iterdir() if p.name.startswith(".")]
+        _check(src, src.parent / "out" / "m.t2k1.onnx", dims)
