@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from graphs import chain_model, folder_digest, save
+from threads import run_threads
 
 from ho_onnx import contract
 from ho_onnx.errors import ModelLoadError, OutputPathError
@@ -353,21 +354,12 @@ def test_saves_from_several_threads_copy_a_shared_data_file_once(tmp_path, monke
 
     monkeypatch.setattr(save_mod, "copy_sparse", slow_copy)
     start = threading.Barrier(4)
-    errors: list[BaseException] = []
 
     def one(t: int) -> None:
-        try:
-            start.wait()
-            optimize(src, tmp_path / "out" / f"m{t}.onnx", ALL, dims={"N": 2})
-        except BaseException as e:  # (reported by the main thread)
-            errors.append(e)
+        start.wait()
+        optimize(src, tmp_path / "out" / f"m{t}.onnx", ALL, dims={"N": 2})
 
-    threads = [threading.Thread(target=one, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    assert not errors, errors
+    run_threads(one, 4)
     assert len(copies) == 1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "m.onnx.data", "m0.onnx", "m1.onnx", "m2.onnx", "m3.onnx"]

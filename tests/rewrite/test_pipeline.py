@@ -224,9 +224,9 @@ def test_optimize_from_several_threads_writes_what_one_thread_writes(tmp_path):
     file had one name per process)."""
     import gc
     import hashlib
-    import threading
 
     from graphs import chain_model, save
+    from threads import run_threads
 
     from ho_onnx.schedule.planner import InfeasibleBudgetError
 
@@ -248,25 +248,16 @@ def test_optimize_from_several_threads_writes_what_one_thread_writes(tmp_path):
 
     alone = [run(i, "alone") for i in range(len(cases))]
     got: dict[tuple[int, int], str] = {}
-    errors: list[BaseException] = []
 
     def worker(t: int) -> None:
-        try:
-            for k in range(2):
-                for i in range(len(cases)):
-                    got[(t, i)] = run(i, f"t{t}k{k}")
-                with pytest.raises(InfeasibleBudgetError, match="below the smallest"):
-                    optimize(cases[0][0], tmp_path / f"no{t}.onnx", OffloadOptions(budget=1024),
-                             dims=cases[0][2])
-        except BaseException as e:  # (reported by the main thread)
-            errors.append(e)
+        for k in range(2):
+            for i in range(len(cases)):
+                got[(t, i)] = run(i, f"t{t}k{k}")
+            with pytest.raises(InfeasibleBudgetError, match="below the smallest"):
+                optimize(cases[0][0], tmp_path / f"no{t}.onnx", OffloadOptions(budget=1024),
+                         dims=cases[0][2])
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
-    assert not errors, errors
+    run_threads(worker, 3)
     assert {i: h for (_, i), h in got.items()} == dict(enumerate(alone)) and len(got) == 9
     assert not list(tmp_path.glob("no*.onnx")) and gc.isenabled()
     for src, _, dims in cases:  # (one data file each, the same bytes; the outputs run)

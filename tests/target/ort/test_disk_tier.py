@@ -303,7 +303,7 @@ def test_decoder_all_weights_on_disk_bit_exact(tmp_path, order):
 
 _CHILD = r"""
 import sys, numpy as np
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1].split(':')  # (this folder, and tests/ for threads)
 from pathlib import Path
 import test_disk_tier as t
 from ho_onnx.target.ort import runtime
@@ -327,7 +327,8 @@ print(c["disk_direct_reads"], c["disk_buffered_reads"])
 ])
 def test_chunked_and_buffered_configurations(tmp_path, env, direct):
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(Path(__file__).parent), str(tmp_path)],
+        [sys.executable, "-c", _CHILD, f"{Path(__file__).parent}:{Path(__file__).parents[2]}",
+         str(tmp_path)],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     n_direct, n_buffered = map(int, proc.stdout.split())
