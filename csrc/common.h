@@ -85,9 +85,9 @@ struct Counters {
 Counters& counters();
 
 // How many forks this process is away from the one the library was loaded in (0 there,
-// bumped in every child by a pthread_atfork handler). Engines and kernels remember the
-// generation they were made in: one of an earlier generation belongs to the parent, whose
-// transfer threads (and CUDA context) did not survive the fork.
+// bumped in every child by a pthread_atfork handler). Engines remember the generation
+// they were made in (Engine::forked_away): one of an earlier generation belongs to the
+// parent, whose transfer threads (and CUDA context) did not survive the fork.
 uint64_t fork_generation();
 
 // Test hooks (module.cc: set_debug).

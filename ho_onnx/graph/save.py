@@ -301,13 +301,19 @@ _PLACING_LOCK = threading.Lock()
 
 
 class _DataFiles:
-    """The data files one save places (or uses) in its output folder; :meth:`end` keeps
-    them or, when the save failed, removes those it copied that no other save uses."""
+    """The data files one save places (or uses) in its output folder, as a context manager:
+    when the block fails, those it copied that no other save uses are removed."""
 
     def __init__(self, temps: list[Path]) -> None:
         self.temps = temps
         self.mine: list[tuple[Path, _Placing]] = []
         self.used: list[_Placing] = []
+
+    def __enter__(self) -> _DataFiles:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.end(ok=exc_type is None)
 
     def place(self, src: Path, dst: Path, report: SaveReport, progress: Progress | None
               ) -> None:
@@ -340,8 +346,9 @@ class _DataFiles:
 
     def end(self, ok: bool) -> None:
         with _PLACING_LOCK:
-            for placing in self.used:
-                placing.users -= 0 if ok else 1
+            if not ok:
+                for placing in self.used:
+                    placing.users -= 1
             for dst, placing in self.mine:
                 del _PLACING[dst]
                 if not ok and placing.users == 0:
@@ -377,6 +384,9 @@ def _copy_into_place(src: Path, dst: Path, progress: Progress | None,
     temps.remove(tmp)
 
 
+_UMASK_LOCK = threading.Lock()
+
+
 def _umask_mode() -> int:
     """0666 less the process's umask, read without changing it where Linux shows it (a
     umask(0)-and-back, as elsewhere, could leave another thread's files, or the process,
@@ -385,7 +395,7 @@ def _umask_mode() -> int:
         for line in f:
             if line.startswith("Umask:"):
                 return 0o666 & ~int(line.split()[1], 8)
-    with _PLACING_LOCK:  # (at least this module's threads do not race)
+    with _UMASK_LOCK:  # (at least this module's threads do not race)
         mask = os.umask(0)
         os.umask(mask)
     return 0o666 & ~mask
@@ -481,55 +491,43 @@ def new_folders(folder: Path) -> Iterator[Path]:
 
 def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
           progress: Progress | None, validate: Callable[[Path], None] | None) -> SaveReport:
-    report = SaveReport(model_path=out)
-    with temporary_files(out_dir) as temps:
-        data = _DataFiles(temps)
-        try:
-            _write_all(files, loaded, out, out_dir, progress, validate, report, temps, data)
-        except BaseException:
-            data.end(ok=False)
-            raise
-        data.end(ok=True)
-        return report
-
-
-def _write_all(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
-               progress: Progress | None, validate: Callable[[Path], None] | None,
-               report: SaveReport, temps: list[Path], data: _DataFiles) -> None:
     """The data files, the sidecar and the model, each renamed into place last."""
-    if out_dir != loaded.base_dir:
-        for loc, src in files.data_files.items():
-            data.place(src, out_dir / loc, report, progress)
-    sidecar_tmp = None
-    if files.sidecar is not None and files.sidecar.tensors:
-        sidecar_tmp = _write_temp(out_dir, _temp_prefix(files.sidecar.name), temps,
-                                  lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
-    sidecar_name = files.sidecar.name if files.sidecar is not None else None
-    stamp_data_files(files.model, files.stamps,
-                     lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
-                     else out_dir / loc)
-    blob = _serialise(files.model)
-    model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
-                            lambda f: f.write(blob))
-    if validate is None:
-        try:  # by path, so external data is checked where the output will find it
-            onnx.checker.check_model(str(model_tmp))
-        except onnx.checker.ValidationError as e:
-            raise OutputPathError(
-                f"the rewritten model does not pass onnx.checker: {e}") from e
-    mode = _umask_mode()
-    os.chmod(model_tmp, mode)
-    if sidecar_tmp is not None:
-        sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
-        refuse_special(sidecar, "the sidecar")
-        os.chmod(sidecar_tmp, mode)
-        os.replace(sidecar_tmp, sidecar)
-        temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
-        report.sidecar = sidecar
-    if validate is not None:
-        validate(model_tmp)
-    os.replace(model_tmp, out)
-    temps.clear()  # everything is in place
+    report = SaveReport(model_path=out)
+    with temporary_files(out_dir) as temps, _DataFiles(temps) as data:
+        if out_dir != loaded.base_dir:
+            for loc, src in files.data_files.items():
+                data.place(src, out_dir / loc, report, progress)
+        sidecar_tmp = None
+        if files.sidecar is not None and files.sidecar.tensors:
+            sidecar_tmp = _write_temp(out_dir, _temp_prefix(files.sidecar.name), temps,
+                                      lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
+        sidecar_name = files.sidecar.name if files.sidecar is not None else None
+        stamp_data_files(files.model, files.stamps,
+                         lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
+                         else out_dir / loc)
+        blob = _serialise(files.model)
+        model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
+                                lambda f: f.write(blob))
+        if validate is None:
+            try:  # by path, so external data is checked where the output will find it
+                onnx.checker.check_model(str(model_tmp))
+            except onnx.checker.ValidationError as e:
+                raise OutputPathError(
+                    f"the rewritten model does not pass onnx.checker: {e}") from e
+        mode = _umask_mode()
+        os.chmod(model_tmp, mode)
+        if sidecar_tmp is not None:
+            sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
+            refuse_special(sidecar, "the sidecar")
+            os.chmod(sidecar_tmp, mode)
+            os.replace(sidecar_tmp, sidecar)
+            temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
+            report.sidecar = sidecar
+        if validate is not None:
+            validate(model_tmp)
+        os.replace(model_tmp, out)
+        temps.clear()  # everything is in place
+    return report
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:

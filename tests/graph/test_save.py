@@ -410,3 +410,23 @@ def test_the_umask_is_read_without_being_changed(monkeypatch):
     finally:
         monkeypatch.undo()
         os.umask(mask)
+
+
+def test_a_failed_save_into_another_folder_removes_the_data_file_it_copied(tmp_path,
+                                                                         monkeypatch):
+    """The model's rename fails after the data file was copied into the output folder: the
+    copy goes too (and the folder the save made), the input is untouched."""
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    before = folder_digest(tmp_path)
+    real = os.replace
+
+    def model_rename_fails(a, b):
+        if str(b).endswith("m.ho.onnx"):
+            raise OSError(28, "No space left on device (simulated)", str(b))
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", model_rename_fails)
+    with pytest.raises(OutputPathError, match="No space left on device"):
+        optimize(src, tmp_path / "out" / "m.ho.onnx", ALL, dims={"N": 2})
+    assert not (tmp_path / "out").exists()
+    assert folder_digest(tmp_path) == before

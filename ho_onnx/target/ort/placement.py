@@ -289,10 +289,10 @@ def _chains(nodes: list[ir.Node]) -> list[tuple[str, list[int]]]:
     nodes_ok = [n.domain == contract.DOMAIN and cache_op_defect(n) is None for n in nodes]
     by_input: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
-        names = input_names(n)
         if nodes_ok[i]:
+            names = input_names(n)
             by_input.setdefault(names[0], []).append(i)
-            if n.op_type == contract.DETACH and len(names) > 1:
+            if n.op_type == contract.DETACH:  # (its second input: the token)
                 by_input.setdefault(names[1], []).append(i)
     seen: set[int] = set()
     chains: list[tuple[str, list[int]]] = []
