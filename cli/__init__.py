@@ -291,6 +291,9 @@ def _progress_bars():  # type: ignore[no-untyped-def]
     bars: dict[str, object] = {}
 
     def progress(label: str, done: int, total: int) -> None:
+        if total == 0:  # nothing to count (a wait): a line
+            click.echo(f"{label} ...", err=True)
+            return
         bar = bars.get(label)
         if bar is None:
             bar = click.progressbar(length=total, label=label, file=sys.stderr)

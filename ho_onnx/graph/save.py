@@ -10,6 +10,9 @@ Only writes: what goes where was decided before (:class:`OutputFiles`, made by
 * The sidecar (offloaded weights that were inline) is written at the offsets laid out.
 * Everything is written to temporary files in the output folder and renamed into place
   last, so a failure leaves no partial output; the input is never opened for writing.
+* Saves into one folder at once share a data file they copy: threads of one process wait for
+  the one copying it (:class:`_DataFiles`), other processes for the process (a ``flock`` on
+  the source file, :class:`_SourceLock`); a failed save removes a copy only no other uses.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,9 @@ from .analyse import all_graphs
 from .fingerprint import data_fingerprint
 from .load import LoadedModel, resolve_data_path
 
-Progress = Callable[[str, int, int], None]  # (what, done bytes, total bytes)
+# (what, done bytes, total bytes); a total of 0: nothing to count (waiting for another
+# process), said once
+Progress = Callable[[str, int, int], None]
 
 _CHUNK = 8 << 20
 
@@ -300,14 +305,56 @@ _PLACING: dict[Path, _Placing] = {}
 _PLACING_LOCK = threading.Lock()
 
 
+class _SourceLock:
+    """An exclusive ``flock`` on a source data file, held by this process while any of its
+    saves places that file (one lock per process: its own saves share it and meet in
+    :data:`_PLACING`). Another process's saves of the same file wait for it, so none sees
+    a copy a failing save of this process is about to remove (found reading the thread fix:
+    two ``ho-onnx optimize`` into one folder, the one that copied the data file interrupted,
+    took it from under the other's finished output)."""
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()  # held while taking the flock
+        self.fd: int | None = None  # -1: the filesystem has no flock (then unlocked)
+        self.holders = 0
+
+
+_LOCKS: dict[str, _SourceLock] = {}  # resolved source path -> its lock (under _PLACING_LOCK)
+
+
+def _flock(src: Path, progress: Progress | None) -> int:
+    """An open descriptor of ``src`` holding an exclusive flock (waits for other processes,
+    saying so); -1 where the file cannot be locked (a filesystem without flock)."""
+    try:
+        fd = open_regular(src)  # (never waits on a FIFO swapped in)
+    except (OSError, ModelLoadError):
+        return -1  # (the copy will say why it cannot read it)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                progress(f"waiting for another process placing {src.name}", 0, 0)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return -1
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class _DataFiles:
     """The data files one save places (or uses) in its output folder, as a context manager:
-    when the block fails, those it copied that no other save uses are removed."""
+    when the block fails, those it copied that no other save uses are removed. Each source
+    file is locked against other processes until the save ends (:class:`_SourceLock`)."""
 
     def __init__(self, temps: list[Path]) -> None:
         self.temps = temps
         self.mine: list[tuple[Path, _Placing]] = []
         self.used: list[_Placing] = []
+        self.locked: list[str] = []
 
     def __enter__(self) -> _DataFiles:
         return self
@@ -315,8 +362,22 @@ class _DataFiles:
     def __exit__(self, exc_type: object, *_: object) -> None:
         self.end(ok=exc_type is None)
 
+    def lock(self, srcs: Iterable[Path], progress: Progress | None) -> None:
+        """Lock the source files against other processes' saves, in one global order (two
+        processes locking the same two files can then never wait for each other)."""
+        for key in sorted({os.path.realpath(src) for src in srcs} - set(self.locked)):
+            with _PLACING_LOCK:
+                lock = _LOCKS.setdefault(key, _SourceLock())
+                lock.holders += 1
+            self.locked.append(key)
+            with lock.mutex:
+                if lock.fd is None:
+                    lock.fd = _flock(Path(key), progress)
+
     def place(self, src: Path, dst: Path, report: SaveReport, progress: Progress | None
               ) -> None:
+        """Copy ``src`` to ``dst`` unless it is there already or another save of this
+        process is copying it (then wait for it and use it). Call :meth:`lock` first."""
         while True:
             with _PLACING_LOCK:
                 placing = _PLACING.get(dst)
@@ -354,6 +415,14 @@ class _DataFiles:
                 if not ok and placing.users == 0:
                     with contextlib.suppress(OSError):
                         dst.unlink()
+            for key in self.locked:  # (after the removals: then other processes look)
+                lock = _LOCKS[key]
+                lock.holders -= 1
+                if lock.holders == 0:
+                    del _LOCKS[key]
+                    if lock.fd is not None and lock.fd >= 0:
+                        os.close(lock.fd)
+            self.locked.clear()
 
 
 def _earlier_copy(src: Path, dst: Path) -> bool:
@@ -495,6 +564,7 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
     report = SaveReport(model_path=out)
     with temporary_files(out_dir) as temps, _DataFiles(temps) as data:
         if out_dir != loaded.base_dir:
+            data.lock(files.data_files.values(), progress)
             for loc, src in files.data_files.items():
                 data.place(src, out_dir / loc, report, progress)
         sidecar_tmp = None

@@ -430,3 +430,113 @@ def test_a_failed_save_into_another_folder_removes_the_data_file_it_copied(tmp_p
         optimize(src, tmp_path / "out" / "m.ho.onnx", ALL, dims={"N": 2})
     assert not (tmp_path / "out").exists()
     assert folder_digest(tmp_path) == before
+
+
+_SAVER = """
+import os, sys, time
+from pathlib import Path
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions
+src, out, ready, role = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+if role == "fails":  # copies the data file, says so, then fails while renaming its model
+    real = os.replace
+    def replace(a, b):
+        if str(b) == str(out):
+            ready.write_text("copied")
+            time.sleep(3)
+            raise OSError(28, "No space left on device (simulated)", str(b))
+        return real(a, b)
+    os.replace = replace
+else:  # starts once the other's copy is in place
+    while not ready.exists():
+        time.sleep(0.01)
+try:
+    optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1),
+             dims={"N": 2}, progress=lambda what, done, total: total or print(what))
+except Exception as e:
+    print(type(e).__name__, e)
+    sys.exit(1)
+"""
+
+
+def test_a_process_whose_save_fails_leaves_another_process_its_data_file(tmp_path):
+    """Two processes optimize one model into one folder: the first copies the data file and
+    fails (interrupted, disk full) after the second has started. The second's output still
+    finds its data file. Failed before: the second saw the first's copy, finished within
+    the first's failure and lost the file when the first removed what it had copied."""
+    import subprocess
+    import sys
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    out, ready = tmp_path / "out", tmp_path / "ready"
+    out.mkdir()
+
+    def start(name: str, role: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _SAVER, str(src), str(out / name),
+                                 str(ready), role], text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+
+    second = start("b.onnx", "second")
+    first = start("a.onnx", "fails")
+    assert first.wait(60) == 1 and "No space left" in first.stdout.read()  # type: ignore[union-attr]
+    said = second.stdout.read()  # type: ignore[union-attr]
+    assert second.wait(60) == 0, said
+    assert "waiting for another process placing m.onnx.data" in said
+    assert sorted(p.name for p in out.iterdir()) == ["b.onnx", "m.onnx.data"]
+    onnx.checker.check_model(str(out / "b.onnx"))  # by path: its data file is there
+    ref = next(iter(_weight_attrs(out / "b.onnx").values()))
+    assert (out / ref[0]).read_bytes() == (tmp_path / "m.onnx.data").read_bytes()
+
+
+def test_source_locks_are_shared_in_a_process_and_taken_in_one_order(tmp_path, monkeypatch):
+    """Saves of one process share the lock on a source file (a second save neither waits for
+    the first nor frees the lock early); another process can lock it once the last ends;
+    several files are locked sorted, whatever order a model names them in (two processes
+    could otherwise each hold one and wait for the other)."""
+    import subprocess
+    import sys
+
+    from ho_onnx.graph import save as save_mod
+    from ho_onnx.graph.save import _DataFiles
+
+    a, b = tmp_path / "a.data", tmp_path / "b.data"
+    a.write_bytes(b"a")
+    b.write_bytes(b"b")
+    probe = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "except BlockingIOError:\n    sys.exit(3)\n")
+
+    def free(path: Path) -> bool:  # another process can lock it now
+        r = subprocess.run([sys.executable, "-c", probe, str(path)], timeout=60, check=False)
+        assert r.returncode in (0, 3)
+        return r.returncode == 0
+
+    first, second = _DataFiles([]), _DataFiles([])
+    first.lock([a], None)
+    run_threads(lambda _: second.lock([a], None), 1, timeout=10)  # shared: returns at once
+    first.end(ok=True)
+    assert not free(a)  # the second still holds it
+    second.end(ok=True)
+    assert free(a) and not save_mod._LOCKS
+
+    order: list[str] = []
+    real = save_mod._flock
+    monkeypatch.setattr(save_mod, "_flock", lambda p, pr: order.append(p.name) or real(p, pr))
+    third = _DataFiles([])
+    third.lock([b, a, b], None)
+    assert order == ["a.data", "b.data"]
+    assert not free(a) and not free(b)
+    third.end(ok=False)
+    assert free(a) and free(b)
+
+
+def test_a_source_swapped_for_a_fifo_is_not_waited_on_by_the_lock(tmp_path):
+    """Locking a source data file opens it without blocking: one swapped for a FIFO after
+    the model was checked is left unlocked (the copy then refuses it), not waited on."""
+    from ho_onnx.graph.save import _DataFiles
+
+    fifo = tmp_path / "m.onnx.data"
+    os.mkfifo(fifo)
+    files = _DataFiles([])
+    run_threads(lambda _: files.lock([fifo], None), 1, timeout=10)
+    files.end(ok=False)
