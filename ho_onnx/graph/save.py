@@ -443,10 +443,8 @@ def _copy_into_place(src: Path, dst: Path, progress: Progress | None,
                      temps: list[Path]) -> None:
     """Copy ``src`` to ``dst`` through a temporary file of its own in ``dst``'s folder.
     Not a hard or symbolic link: onnx.checker refuses both as a possible attack."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f"{_temp_prefix(dst.name)}ho-tmp-", dir=dst.parent)
+    fd, tmp = _new_temp(dst.parent, f"{_temp_prefix(dst.name)}ho-tmp-")
     os.close(fd)
-    tmp = Path(name)
     temps.append(tmp)
     copy_sparse(src, tmp, progress)
     os.replace(tmp, dst)
@@ -651,14 +649,28 @@ def _temp_prefix(name: str) -> str:
 def _write_temp(out_dir: Path, prefix: str, temps: list[Path],
                 write: Callable[[Any], object]) -> Path:
     """A new temporary file in ``out_dir`` (recorded in ``temps``), written and synced."""
-    fd, name = tempfile.mkstemp(prefix=prefix, dir=out_dir)
-    path = Path(name)
+    fd, path = _new_temp(out_dir, prefix)
     temps.append(path)
     with os.fdopen(fd, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
     return path
+
+
+def _new_temp(folder: Path, prefix: str) -> tuple[int, Path]:
+    """``mkstemp`` in ``folder``, made again if it is missing: another save into it that
+    made it and failed removes it when empty, and may do so just as this one writes (found
+    with two threads: the second failed with a bare FileNotFoundError)."""
+    def make() -> tuple[int, str]:
+        folder.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(prefix=prefix, dir=folder)
+
+    try:
+        fd, name = make()
+    except FileNotFoundError:  # (removed between the two: it is removed once)
+        fd, name = make()
+    return fd, Path(name)
 
 
 def _write_sidecar(f: Any, sidecar: Sidecar) -> None:

@@ -540,3 +540,69 @@ def test_a_source_swapped_for_a_fifo_is_not_waited_on_by_the_lock(tmp_path):
     files = _DataFiles([])
     run_threads(lambda _: files.lock([fifo], None), 1, timeout=10)
     files.end(ok=False)
+
+
+def test_a_save_into_a_folder_a_failed_save_made_and_removed_still_writes(tmp_path,
+                                                                         monkeypatch):
+    """Two saves into a new folder: the first makes it, the second finds it, the first
+    fails and removes it (empty, its own), then the second writes. Failed before: the
+    second with a bare FileNotFoundError for its temporary file."""
+    import contextlib
+    import threading
+
+    from ho_onnx.graph import save as save_mod
+
+    src = save(chain_model(), tmp_path / "m.onnx")  # inline weights: a sidecar, no data file
+    out = tmp_path / "out"
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    role = threading.local()
+    real = save_mod.new_folders
+
+    @contextlib.contextmanager
+    def staged(folder):
+        with real(folder) as f:
+            if role.name == "a":  # made the folder; fails once the other has found it
+                a_in.set()
+                assert b_in.wait(30)
+                raise OSError(28, "No space left on device (simulated)", str(folder))
+            b_in.set()
+            assert a_done.wait(30)  # the folder is gone again
+            yield f
+
+    monkeypatch.setattr(save_mod, "new_folders", staged)
+
+    def one(k: int) -> None:
+        role.name = "ab"[k]
+        if k == 0:
+            with pytest.raises(OSError, match="No space left"):
+                optimize(src, out / "a.onnx", ALL, dims={"N": 2})
+            assert not out.exists()
+            a_done.set()
+        else:
+            assert a_in.wait(30)
+            optimize(src, out / "b.onnx", ALL, dims={"N": 2})
+
+    run_threads(one, 2, timeout=60)
+    assert sorted(p.name for p in out.iterdir()) == ["b.onnx", "b.onnx.data"]
+    onnx.checker.check_model(str(out / "b.onnx"))
+
+
+def test_a_temporary_file_is_made_in_a_folder_removed_just_before(tmp_path, monkeypatch):
+    """The folder goes between being made and the temporary file's creation (another save's
+    failure): it is made once more."""
+    import tempfile
+
+    from ho_onnx.graph import save as save_mod
+
+    folder, real, calls = tmp_path / "out", tempfile.mkstemp, []
+
+    def racing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            folder.rmdir()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_mod.tempfile, "mkstemp", racing)
+    fd, path = save_mod._new_temp(folder, ".x.")
+    os.close(fd)
+    assert path.parent == folder and path.exists() and len(calls) == 2
