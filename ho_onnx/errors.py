@@ -9,6 +9,10 @@ Log = Callable[[str], None]
 """Takes a step's progress messages, one line each (``log=`` of the long steps)."""
 
 
+def quiet(_msg: str) -> None:
+    """The :data:`Log` of a caller that wants no messages (``say = log or quiet``)."""
+
+
 class HoOnnxError(Exception):
     """Base class of every error ho_onnx raises on purpose."""
 

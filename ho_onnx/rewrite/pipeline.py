@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ..contract import DOMAIN
 from ..cost.source import CostSource
-from ..errors import HoOnnxError, Log, OutputPathError
+from ..errors import HoOnnxError, Log, OutputPathError, quiet
 from ..graph.analyse import GraphAnalysis
 from ..graph.check import contrib_ops
 from ..graph.dims import dims_from_shapes, require_dims, unused_in_model, unused_note
@@ -79,7 +79,7 @@ class _Steps:
     """Times and logs the steps of one run."""
 
     def __init__(self, log: Log | None) -> None:
-        self.say = log or (lambda _msg: None)
+        self.say = log or quiet
         self.seconds: dict[str, float] = {}
 
     @contextmanager

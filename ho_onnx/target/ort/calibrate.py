@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from ...errors import HoOnnxError, Log
+from ...errors import HoOnnxError, Log, quiet
 from ...graph.save import write_atomic
 from ...units import format_bytes
 
@@ -175,7 +175,7 @@ def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cp
     ``threads`` readers (as the engine's disk channel) of ``file``, or of a temporary file of
     ``size`` bytes in ``directory``. The file merges onto preset ``base`` when loaded.
     """
-    say = log or (lambda _m: None)
+    say = log or quiet
     result: dict[str, object] = {"base": base, "name": f"{base}+calibrated"}
     from . import runtime
 

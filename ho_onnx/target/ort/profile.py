@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import HoOnnxError, Log, UnboundDimError
+from ...errors import HoOnnxError, Log, UnboundDimError, quiet
 from ...graph.dims import check_bindings
 from ...graph.save import write_atomic
 from .isolate import check_timeout, run_isolated
@@ -142,7 +142,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
 
     trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup, runs,
-                                intra_op_threads, log or (lambda _msg: None))
+                                intra_op_threads, log or quiet)
     nodes, totals, basis = parse_trace(trace, warmup=warmup)
     result: dict[str, Any] = {
         "format": PROFILE_FORMAT,

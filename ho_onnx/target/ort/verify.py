@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import Log, UnsupportedModelError
+from ...errors import Log, UnsupportedModelError, quiet
 from .isolate import check_timeout, run_isolated
 from .session import make_session, model_for_ort, random_inputs
 
@@ -109,7 +109,7 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
             atol=atol, rtol=rtol, opt_level=opt_level, shapes=shapes, isolate=False,
             timeout_s=timeout_s, log=log,
             what=f"running {os.fspath(original)!r} and {os.fspath(optimized)!r}")
-    say = log or (lambda _msg: None)
+    say = log or quiet
     providers = providers or ["CPUExecutionProvider"]
     model = model_for_ort(original)
     model_for_ort(optimized)
