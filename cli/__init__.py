@@ -169,9 +169,10 @@ class _Main(click.Group):
 
 
 def _known_error(e: Exception) -> str | None:
-    """The message of an error of ONNX Runtime, onnx or protobuf about the input."""
+    """The message of an error of ONNX Runtime, onnx or protobuf about the input (not of
+    onnx_ir, which reads only what onnx checked: its error is ours, shown as unexpected)."""
     module = type(e).__module__ or ""
-    if module.startswith(("onnxruntime", "onnx", "google.protobuf")):
+    if module.split(".")[0] in ("onnx", "onnxruntime") or module.startswith("google.protobuf"):
         return str(e)
     return None
 

@@ -42,6 +42,23 @@ REWRITTEN = "ho_onnx.rewritten"
 OUTPUT_FILES = "ho_onnx.output_files"
 
 
+def run_steps(model: ir.Model, *steps: ir.passes.PassBase) -> None:
+    """Run ``steps`` in order on ``model`` (an ``onnx_ir.passes.Sequential``), failing with
+    the error a step raised, not the ``PassError`` that wraps it: its message is the one a
+    user acts on (was: "An error occurred when running the '<...PlaceDataPass object at
+    0x...>' pass", for an output whose sidecar would overwrite the input's data file), and
+    a caller catching :class:`~ho_onnx.errors.HoOnnxError` gets it."""
+    try:
+        ir.passes.Sequential(*steps)(model)
+    except ir.passes.PassError as e:
+        cause: BaseException = e
+        while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if cause is e:
+            raise
+        raise cause from None
+
+
 def _need(model: ir.Model, key: str, producer: str) -> Any:
     if key not in model.meta:
         raise ir.passes.PreconditionError(f"{key} missing: run {producer} first")
@@ -156,13 +173,13 @@ class OffloadPass(ir.passes.FunctionalPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         work = model.clone()
-        ir.passes.Sequential(AnalysePass(self.dims), DecidePass(self.decider, self.dims))(work)
+        run_steps(work, AnalysePass(self.dims), DecidePass(self.decider, self.dims))
         choice = work.meta[DECISION].choice
         if not choice.weights and not choice.activations:
             return ir.passes.PassResult(work, modified=False)
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
-        ir.passes.Sequential(InsertPass(), AnnotatePass(self.dims),
-                             PlaceDataPass(base_dir, base_dir / "model.onnx"))(work)
+        run_steps(work, InsertPass(), AnnotatePass(self.dims),
+                  PlaceDataPass(base_dir, base_dir / "model.onnx"))
         files: OutputFiles = work.meta[OUTPUT_FILES]
         assert files.sidecar is None  # every offloaded weight is external (checked above)
         nodes = list(work.graph)

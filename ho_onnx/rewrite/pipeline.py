@@ -12,8 +12,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import onnx_ir as ir
-
 from ..contract import DOMAIN
 from ..cost.source import CostSource
 from ..errors import HoOnnxError, Log, OutputPathError, quiet
@@ -45,6 +43,7 @@ from .passes import (
     DecidePass,
     InsertPass,
     PlaceDataPass,
+    run_steps,
 )
 
 
@@ -228,8 +227,8 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                   f"({steps.seconds['load']:.2f} s)")
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
-            ir.passes.Sequential(InsertPass(), AnnotatePass(dims),
-                                 PlaceDataPass(loaded.base_dir, Path(out_path)))(loaded.model)
+            run_steps(loaded.model, InsertPass(), AnnotatePass(dims),
+                      PlaceDataPass(loaded.base_dir, Path(out_path)))
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         c = decision.choice

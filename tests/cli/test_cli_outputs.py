@@ -78,3 +78,38 @@ def test_a_json_output_may_replace_an_earlier_one(files, tmp_path):
                                   "N=2", "--runs", "1", "--warmup", "0"])
     assert r.exit_code == 0, r.output
     assert "nodes" in json.loads(out.read_text())
+
+
+def test_an_output_whose_sidecar_is_the_inputs_data_file(tmp_path):
+    """``a.onnx`` keeps W2 in ``b.onnx.data`` and W1 inline; optimizing it into ``b.onnx``
+    would write W1 to the sidecar ``b.onnx.data``. Refused in one line naming the sidecar
+    (was: onnx_ir's "An error occurred when running the '<...PlaceDataPass object at
+    0x...>' pass", the step's own message wrapped away), nothing written."""
+    m = chain_model()
+    w2 = next(t for t in m.graph.initializer if t.name == "W2")
+    (tmp_path / "b.onnx.data").write_bytes(w2.raw_data)
+    w2.ClearField("raw_data")
+    for key, value in (("location", "b.onnx.data"), ("offset", "0"),
+                       ("length", str((tmp_path / "b.onnx.data").stat().st_size))):
+        w2.external_data.add(key=key, value=value)
+    w2.data_location = w2.EXTERNAL
+    src = tmp_path / "a.onnx"
+    src.write_bytes(m.SerializeToString())
+    msg = _refused(["optimize", str(src), str(tmp_path / "b.onnx"), "--dim", "N=2",
+                    "--min-bytes", "0", "--min-gap", "1"], src, tmp_path / "b.onnx.data")
+    assert "sidecar" in msg and "would overwrite external data" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx", "b.onnx.data"]
+
+
+def test_only_errors_of_onnx_onnxruntime_and_protobuf_are_shown_as_known():
+    """Their messages are about the input; onnx_ir's (it reads what onnx checked) are ours,
+    shown as unexpected (was: every module starting with "onnx", so onnx_ir's PassError
+    hid a pass's own error as if it were the model's fault)."""
+    import onnx
+    import onnx_ir as ir
+
+    from ho_onnx.cli import _known_error
+
+    assert _known_error(onnx.checker.ValidationError("bad model")) == "bad model"
+    assert _known_error(ir.passes.PassError("a pass failed")) is None
+    assert _known_error(ValueError("x")) is None

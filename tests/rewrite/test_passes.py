@@ -131,3 +131,19 @@ def test_analyse_pass_changes_nothing_in_a_sorted_graph_and_sorts_an_unsorted_on
     unsorted = ir.from_proto(m)
     assert AnalysePass({"N": 4})(unsorted).modified
     assert [n.op_type for n in unsorted.graph] == before
+
+
+def test_the_offload_pass_fails_with_its_steps_own_error(tmp_path):
+    """An unbound dimension fails the pass with the decision step's UnboundDimError (a
+    HoOnnxError naming the dim), not onnx_ir's PassError wrapping it (was: "An error
+    occurred when running the '<...AnalysePass object at 0x...>' pass")."""
+    from ho_onnx.errors import UnboundDimError
+    from ho_onnx.rewrite.passes import AnnotatePass, run_steps
+    from ho_onnx.rewrite.pipeline import decider_for
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    planner = decider_for(OffloadOptions(budget=1000, min_bytes=0))
+    with pytest.raises(UnboundDimError, match="'N'"):
+        OffloadPass(planner)(ir.load(src))
+    with pytest.raises(ir.passes.PreconditionError, match="first"):
+        run_steps(ir.load(src), AnnotatePass())  # (a precondition stays onnx_ir's own)
