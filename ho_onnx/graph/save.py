@@ -81,15 +81,16 @@ class OutputFiles:
 @contextlib.contextmanager
 def implied_types_hidden(model: ir.Model) -> Iterator[int]:
     """For the duration of the block, initializers whose type and shape say no more than
-    their tensor (no symbolic dims, no doc string or metadata; not a graph input) carry
-    none, so that ``onnx_ir`` serialises no ``value_info`` for them (it writes one for every
-    initializer: thousands of redundant entries in a big model, and ~7 µs each to write).
-    Yields how many were hidden; everything is put back afterwards."""
+    their tensor (no symbolic dims, no doc string or metadata; not a graph input or output:
+    those are written with their type) carry none, so that ``onnx_ir`` serialises no
+    ``value_info`` for them (it writes one for every initializer: thousands of redundant
+    entries in a big model, and ~7 µs each to write). Yields how many were hidden;
+    everything is put back afterwards."""
     hidden: list[tuple[ir.Value, Any, Any]] = []
     for g in all_graphs(model.graph):
-        inputs = set(g.inputs)
+        ends = {*g.inputs, *g.outputs}  # (an output without a type fails the checker)
         for v in g.initializers.values():
-            if v in inputs or not _implied_by_tensor(v):
+            if v in ends or not _implied_by_tensor(v):
                 continue
             hidden.append((v, v.type, v.shape))
             v.type, v.shape = None, None

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..cost.model import CostModel
 from ..cost.source import CostSource
-from ..errors import HoOnnxError
+from ..errors import HoOnnxError, UnsupportedModelError
 from ..graph.analyse import GraphAnalysis
 from ..graph.gcpause import gc_paused
 from ..units import format_bytes
@@ -525,7 +525,11 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring).
 
     Raises :class:`InfeasibleBudgetError` whose ``min_budget`` is a budget this planner
-    meets (the smallest from the largest-gap estimate up, :func:`_met_budget`)."""
+    meets (the smallest from the largest-gap estimate up, :func:`_met_budget`), and
+    :class:`UnsupportedModelError` for a main graph without nodes (no step to simulate)."""
+    if not analysis.order:  # (found by the fuzzer: an IndexError, also after ORT folded all)
+        raise UnsupportedModelError("the main graph has no nodes: there is nothing to plan or "
+                                    "offload under a budget")
     basis = _Basis.of(analysis, opts, costs, dims)  # shared by the plan and its refits
     first = _plan(analysis, opts, costs, dims, search=True, basis=basis)
     return _fit_arena(analysis, opts, costs, dims, first, basis)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from graphs import chain_model, folder_digest, save
+from graphs import chain_model, folder_digest, save, text_model
 from threads import run_threads
 
 from ho_onnx import contract
@@ -306,6 +306,33 @@ def test_no_value_info_for_what_an_initializer_says_itself(tmp_path):
     got = ort.InferenceSession(str(tmp_path / "out.onnx")).run(None, {"x": x})[0]
     np.testing.assert_array_equal(got, (x + np.arange(1, 7, dtype=np.float32).reshape(2, 3)) - 2)
     assert ir.load(str(tmp_path / "out.onnx")).graph.initializers["a"].shape == [2, 3]
+
+
+
+@pytest.mark.parametrize("body", [
+    "g (float[N, 16] x) => (float[N, 16] y, float[16, 16] W1, float[16, 16] W2) "
+    "{ h = MatMul(x, W1)\n y = MatMul(h, W2) }",
+    "g (float[N, 16] x) => (float[N, 16] y, float[16, 16] W2) { h = MatMul(x, W1)\n y = Relu(h) }",
+    "g (float[N, 16] x) => (float[16, 16] W2) { }",
+])
+def test_an_initializer_that_is_a_graph_output_keeps_its_type(tmp_path, body):
+    """An initializer the graph outputs is written with its type: its type was hidden from
+    the serialiser as one its tensor implies, and the output failed onnx.checker ("Field
+    'type' of 'value_info' is required but missing", found by hand with a graph whose only
+    output is a weight). The outputs equal the original's, bit for bit."""
+    import onnxruntime as ort
+
+    from ho_onnx.target.ort.runtime import InferenceSession
+
+    src = save(text_model(body, W1=(16, 16), W2=(16, 16)), tmp_path / "m.onnx")
+    optimize(src, tmp_path / "o.onnx", ALL, dims={"N": 2})
+    onnx.checker.check_model(str(tmp_path / "o.onnx"), full_check=True)
+    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+    want = ort.InferenceSession(str(src)).run(None, {"x": x})
+    got = InferenceSession(tmp_path / "o.onnx").run(None, {"x": x})
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_temporary_files_are_removed_and_a_full_folder_is_named(tmp_path):

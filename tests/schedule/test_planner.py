@@ -146,6 +146,21 @@ def test_no_offload_when_the_model_fits():
     assert p.planned.total_s == pytest.approx(base.total_s)
 
 
+
+@pytest.mark.parametrize("body", [
+    "g (float[2] x) => (float[2] x) { }",  # an input that is the output
+    "g (float[2] x) => (float[2] W) { }",  # a constant output (what ORT folding can leave)
+])
+def test_a_graph_without_nodes_is_refused_in_words(body):
+    """No step to simulate: was an IndexError (found by the fuzzer: a model whose nodes ORT's
+    extended optimizations folded away, planned with --ort-optimize)."""
+    from ho_onnx.errors import UnsupportedModelError
+
+    a = analyse(text_model(body, W=(2,)) if "W" in body else text_model(body))
+    with pytest.raises(UnsupportedModelError, match="no nodes"):
+        plan(a, OffloadOptions(budget=1 << 20, min_bytes=0), CostModel(np.zeros(0), linear()))
+
+
 # ---- random DAGs -----------------------------------------------------------------------
 
 @st.composite
