@@ -70,8 +70,8 @@ def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None =
     sizes: dict[str, int] = {}
     for name, t in analysis.tensors.items():
         if t.is_initializer:
-            if not t.consumers and not t.implicit_consumers:
-                continue  # ORT drops unused initializers
+            if not t.consumers and not t.implicit_consumers and not t.is_graph_output:
+                continue  # ORT drops unused initializers (not those the graph outputs)
             span = (0, n - 1)
         elif t.producer is not None:
             span = (t.producer, n - 1 if t.is_graph_output else _last_use(t, t.producer))
