@@ -502,8 +502,8 @@ def check_writable(path: str | os.PathLike[str], what: str = "output") -> None:
 
 
 def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> Path:
-    """Refuse an output that is the input (or one of its data files), or a device, FIFO or
-    socket."""
+    """Refuse an output that is the input (or one of its data files), one that a data file
+    copied beside it would replace, or a device, FIFO or socket."""
     out = Path(out_path)
     refuse_special(out)
     out_abs = out.resolve()
@@ -517,6 +517,11 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
         if out_abs == data or _same_file(out, data):
             raise OutputPathError(
                 f"output {str(out)!r} is the external data file of the input model")
+        if (out_abs.parent / location).resolve() == out_abs:  # (found by hand: a model
+            # whose weights are read from the model file itself, written as out/m.onnx)
+            raise OutputPathError(
+                f"output {str(out)!r} has the name of the input model's data file "
+                f"{location!r}, which is copied beside it: choose another name")
     return out
 
 

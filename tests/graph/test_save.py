@@ -633,3 +633,42 @@ def test_a_temporary_file_is_made_in_a_folder_removed_just_before(tmp_path, monk
     fd, path = save_mod._new_temp(folder, ".x.")
     os.close(fd)
     assert path.parent == folder and path.exists() and len(calls) == 2
+
+
+def _weights_read_from_the_model_file(path: Path) -> Path:
+    """chain_model whose W2 reads its bytes from the model file itself (W1's raw data)."""
+    m = chain_model()
+    w1, w2 = (next(t for t in m.graph.initializer if t.name == n) for n in ("W1", "W2"))
+    w2.ClearField("raw_data")
+    for key, value in (("location", path.name), ("offset", "0000"),
+                       ("length", str(len(w1.raw_data)))):
+        w2.external_data.add(key=key, value=value)
+    w2.data_location = w2.EXTERNAL
+    offset = m.SerializeToString().find(w1.raw_data)
+    w2.external_data[1].value = str(offset).zfill(4)  # (same length: W1 stays where it was)
+    blob = m.SerializeToString()
+    assert blob.find(w1.raw_data) == offset
+    path.write_bytes(blob)
+    return path
+
+
+def test_an_output_a_copied_data_file_would_replace_is_refused(tmp_path):
+    """A model whose weight is read from the model file itself, written into another folder
+    under its own name: the data file copied there ('m.onnx') and the output are one path.
+    Refused before any work (was: written, the copy replaced by the output, and the model
+    failed in ORT with a data file of the wrong size). Under another name it is written
+    and bit-exact."""
+    import onnxruntime as ort
+
+    from ho_onnx.target.ort.runtime import InferenceSession
+
+    src = _weights_read_from_the_model_file(tmp_path / "m.onnx")
+    before = folder_digest(tmp_path)
+    with pytest.raises(OutputPathError, match="has the name of the input model's data file"):
+        optimize(src, tmp_path / "out" / "m.onnx", ALL, dims={"N": 2})
+    assert not (tmp_path / "out").exists() and folder_digest(tmp_path) == before
+    optimize(src, tmp_path / "out" / "o.onnx", ALL, dims={"N": 2})
+    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+    want = ort.InferenceSession(str(src)).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(InferenceSession(tmp_path / "out" / "o.onnx").run(
+        None, {"x": x})[0], want)
