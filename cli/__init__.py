@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,19 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def _refuse_non_utf8(argv: Iterable[str]) -> None:
+    """Refuse an argument that is not UTF-8 (a path's bytes, as Python keeps them): onnx's
+    checker and ONNX Runtime take UTF-8 paths (was: an unexpected TypeError from their
+    bindings, after the work, for an output or a model to verify or profile)."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise click.UsageError(
+                f"{os.fsencode(arg)!r} is not valid UTF-8: onnx and ONNX Runtime take UTF-8 "
+                "paths and names; rename it") from None
+
+
 class _Main(click.Group):
     """Every failure is one ``error: ...`` line on stderr and exit 2 (no traceback, no usage
     dump); SIGINT and SIGTERM end the command through its cleanups (exit 130/143).
@@ -142,6 +155,8 @@ class _Main(click.Group):
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
         try:
+            argv = kw.get("args", args[0] if args else None)
+            _refuse_non_utf8(sys.argv[1:] if argv is None else argv)
             code = super().main(*args, standalone_mode=False, **kw)
         except click.exceptions.Exit as e:
             code = e.exit_code

@@ -507,6 +507,11 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
     out = Path(out_path)
     refuse_special(out)
     out_abs = out.resolve()
+    try:  # (onnx's checker and ORT take UTF-8 paths: was a TypeError after the work)
+        str(out_abs).encode("utf-8")
+    except UnicodeEncodeError:
+        raise OutputPathError(f"output {os.fsencode(out)!r} is not a UTF-8 path, which onnx "
+                              "and ONNX Runtime need: choose another name") from None
     if out_abs == loaded.path.resolve() or _same_file(out, loaded.path):
         raise OutputPathError(f"output {str(out)!r} is the input model: choose another path")
     if out.exists() and out.is_dir():

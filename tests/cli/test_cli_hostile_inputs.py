@@ -448,3 +448,32 @@ def test_a_long_legal_output_name_is_written(tmp_path: Path, model: Path, cmd: s
     assert r.returncode == 0, r.stderr[-2000:]
     assert out.is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([model.name, out.name])
+
+
+@pytest.mark.parametrize("cmd", [
+    ["optimize", "{model}", "{bad}/o.onnx", "--dim", "N=2", "--min-bytes", "0"],
+    ["verify", "{bad}/m.onnx", "{model}", "--dim", "N=2"],
+    ["profile", "{bad}/m.onnx", "--out", "p.json", "--dim", "N=2"],
+])
+def test_a_path_that_is_not_utf8_is_refused_in_words(model: Path, tmp_path: Path, cmd):
+    """onnx's checker and ORT take UTF-8 paths: a folder named with other bytes was an
+    unexpected TypeError from their bindings (after the work, for an output)."""
+    bad = os.fsdecode(os.fsencode(str(tmp_path)) + b"/d\xfd")
+    os.mkdir(bad)
+    onnx.save(chain_model(), os.path.join(bad, "m.onnx"))
+    before = {p: digest(p) for p in tmp_path.rglob("*") if p.is_file()}
+    r = ho(*(a.format(model=model, bad=bad) for a in cmd), cwd=tmp_path)
+    msg = one_line_error(r)
+    assert "is not valid UTF-8" in msg and "\\xfd" in msg, msg
+    assert {p: digest(p) for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_the_library_refuses_an_output_path_that_is_not_utf8(model: Path, tmp_path: Path):
+    from ho_onnx.errors import OutputPathError
+    from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.options import OffloadOptions
+
+    out = os.fsdecode(os.fsencode(str(tmp_path)) + b"/o\xfd.onnx")
+    with pytest.raises(OutputPathError, match="not a UTF-8 path"):
+        optimize(model, out, OffloadOptions(min_bytes=0), dims={"N": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
