@@ -351,11 +351,11 @@ class _DataFiles:
     when the block fails, those it copied that no other save uses are removed. Each source
     file is locked against other processes until the save ends (:class:`_SourceLock`)."""
 
-    def __init__(self, temps: list[Path]) -> None:
-        self.temps = temps
+    def __init__(self) -> None:
         self.mine: list[tuple[Path, _Placing]] = []
         self.used: list[_Placing] = []
         self.locked: list[str] = []
+        self.folders: list[Path] = []  # made for the copies (removed again, when empty)
 
     def __enter__(self) -> _DataFiles:
         return self
@@ -394,8 +394,9 @@ class _DataFiles:
                     self.used.append(placing)
                     return
             # (its save failed and took it away, or ended: look again)
+        self.folders.extend(_missing_folders(dst.parent))
         try:
-            _copy_into_place(src, dst, progress, self.temps)
+            _copy_into_place(src, dst, progress)
         except BaseException:
             with _PLACING_LOCK:
                 del _PLACING[dst]
@@ -416,6 +417,9 @@ class _DataFiles:
                 if not ok and placing.users == 0:
                     with contextlib.suppress(OSError):
                         dst.unlink()
+            for folder in sorted(self.folders, key=lambda f: -len(f.parts)) if not ok else ():
+                with contextlib.suppress(OSError):  # (one another save uses is not empty)
+                    folder.rmdir()
             for key in self.locked:  # (after the removals: then other processes look)
                 lock = _LOCKS[key]
                 lock.holders -= 1
@@ -440,16 +444,19 @@ def _earlier_copy(src: Path, dst: Path) -> bool:
     )
 
 
-def _copy_into_place(src: Path, dst: Path, progress: Progress | None,
-                     temps: list[Path]) -> None:
-    """Copy ``src`` to ``dst`` through a temporary file of its own in ``dst``'s folder.
+def _copy_into_place(src: Path, dst: Path, progress: Progress | None) -> None:
+    """Copy ``src`` to ``dst`` through a temporary file of its own in ``dst``'s folder,
+    removed if the copy fails or is interrupted (before the caller removes the folder).
     Not a hard or symbolic link: onnx.checker refuses both as a possible attack."""
     fd, tmp = _new_temp(dst.parent, f"{_temp_prefix(dst.name)}ho-tmp-")
     os.close(fd)
-    temps.append(tmp)
-    copy_sparse(src, tmp, progress)
-    os.replace(tmp, dst)
-    temps.remove(tmp)
+    try:
+        copy_sparse(src, tmp, progress)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 _UMASK_LOCK = threading.Lock()
@@ -548,11 +555,7 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
 def new_folders(folder: Path) -> Iterator[Path]:
     """Make ``folder`` and its missing parents; those it made are removed again (when
     empty) if the block fails or is interrupted."""
-    made: list[Path] = []
-    p = folder.absolute()
-    while not p.exists() and p != p.parent:
-        made.append(p)
-        p = p.parent
+    made = _missing_folders(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -567,11 +570,21 @@ def new_folders(folder: Path) -> Iterator[Path]:
         raise
 
 
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and its parents that do not exist yet, deepest first."""
+    made: list[Path] = []
+    p = folder.absolute()
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made
+
+
 def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
           progress: Progress | None, validate: Callable[[Path], None] | None) -> SaveReport:
     """The data files, the sidecar and the model, each renamed into place last."""
     report = SaveReport(model_path=out)
-    with temporary_files(out_dir) as temps, _DataFiles(temps) as data:
+    with temporary_files(out_dir) as temps, _DataFiles() as data:
         if out_dir != loaded.base_dir:
             data.lock(files.data_files.values(), progress)
             for loc, src in files.data_files.items():

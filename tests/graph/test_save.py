@@ -405,7 +405,7 @@ def test_a_failed_save_leaves_a_data_file_another_save_uses(tmp_path):
         for s in saves:
             s.place(data, dst, report, None)
 
-    first, second = _DataFiles([]), _DataFiles([])
+    first, second = _DataFiles(), _DataFiles()
     placed(first, second)  # the second waits for the first's copy and uses it
     first.end(ok=False)
     assert dst.read_bytes() == data.read_bytes()  # kept: the second uses it
@@ -413,7 +413,7 @@ def test_a_failed_save_leaves_a_data_file_another_save_uses(tmp_path):
     assert dst.exists()
 
     dst.unlink()
-    first, second = _DataFiles([]), _DataFiles([])
+    first, second = _DataFiles(), _DataFiles()
     placed(first, second)
     second.end(ok=False)  # the user failed too: nobody needs the copy
     first.end(ok=False)
@@ -538,7 +538,7 @@ def test_source_locks_are_shared_in_a_process_and_taken_in_one_order(tmp_path, m
         assert r.returncode in (0, 3)
         return r.returncode == 0
 
-    first, second = _DataFiles([]), _DataFiles([])
+    first, second = _DataFiles(), _DataFiles()
     first.lock([a], None)
     run_threads(lambda _: second.lock([a], None), 1, timeout=10)  # shared: returns at once
     first.end(ok=True)
@@ -549,7 +549,7 @@ def test_source_locks_are_shared_in_a_process_and_taken_in_one_order(tmp_path, m
     order: list[str] = []
     real = save_mod._flock
     monkeypatch.setattr(save_mod, "_flock", lambda p, pr: order.append(p.name) or real(p, pr))
-    third = _DataFiles([])
+    third = _DataFiles()
     third.lock([b, a, b], None)
     assert order == ["a.data", "b.data"]
     assert not free(a) and not free(b)
@@ -564,7 +564,7 @@ def test_a_source_swapped_for_a_fifo_is_not_waited_on_by_the_lock(tmp_path):
 
     fifo = tmp_path / "m.onnx.data"
     os.mkfifo(fifo)
-    files = _DataFiles([])
+    files = _DataFiles()
     run_threads(lambda _: files.lock([fifo], None), 1, timeout=10)
     files.end(ok=False)
 
@@ -672,3 +672,44 @@ def test_an_output_a_copied_data_file_would_replace_is_refused(tmp_path):
     want = ort.InferenceSession(str(src)).run(None, {"x": x})[0]
     np.testing.assert_array_equal(InferenceSession(tmp_path / "out" / "o.onnx").run(
         None, {"x": x})[0], want)
+
+
+def test_a_failed_save_removes_the_folders_it_made_for_data_files(tmp_path, monkeypatch):
+    """The data file lives in a subfolder ('weights/m.data'), copied into the output folder
+    under the same subfolder; the model's rename, or the copy, fails: the copy, its
+    subfolder and the output folder all go (the subfolder stayed, and so the output folder
+    with it)."""
+    m = chain_model()
+    (tmp_path / "weights").mkdir()
+    onnx.save_model(m, str(tmp_path / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights/m.data", size_threshold=0)
+    real = os.replace
+
+    def model_rename_fails(a, b):
+        if str(b).endswith("o.onnx"):
+            raise OSError(28, "No space left on device (simulated)", str(b))
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", model_rename_fails)
+    with pytest.raises(OutputPathError, match="No space left on device"):
+        optimize(tmp_path / "m.onnx", tmp_path / "out" / "o.onnx", ALL, dims={"N": 2})
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()  # an existing output folder stays, without the subfolder
+    with pytest.raises(OutputPathError, match="No space left on device"):
+        optimize(tmp_path / "m.onnx", tmp_path / "out" / "o.onnx", ALL, dims={"N": 2})
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.undo()
+    from ho_onnx.graph import save as save_mod
+
+    def copy_fails(src, dst, *args, **kwargs):  # a full disk halfway through the copy
+        Path(dst).write_bytes(b"partial")
+        raise OSError(28, "No space left on device (simulated)", str(dst))
+
+    monkeypatch.setattr(save_mod, "copy_sparse", copy_fails)
+    with pytest.raises(OutputPathError, match="No space left on device"):
+        optimize(tmp_path / "m.onnx", tmp_path / "out" / "o.onnx", ALL, dims={"N": 2})
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.undo()
+    optimize(tmp_path / "m.onnx", tmp_path / "out" / "o.onnx", ALL, dims={"N": 2})
+    assert sorted(p.relative_to(tmp_path / "out").as_posix()
+                  for p in (tmp_path / "out").rglob("*")) == ["o.onnx", "weights", "weights/m.data"]
