@@ -439,20 +439,25 @@ def test_the_umask_is_read_without_being_changed(monkeypatch):
         os.umask(mask)
 
 
+def _fail_renames_onto(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """``os.replace`` onto a path ending in ``name`` fails as on a full disk."""
+    real = os.replace
+
+    def rename(a, b):
+        if str(b).endswith(name):
+            raise OSError(28, "No space left on device (simulated)", str(b))
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", rename)
+
+
 def test_a_failed_save_into_another_folder_removes_the_data_file_it_copied(tmp_path,
                                                                          monkeypatch):
     """The model's rename fails after the data file was copied into the output folder: the
     copy goes too (and the folder the save made), the input is untouched."""
     src = save(chain_model(), tmp_path / "m.onnx", external=True)
     before = folder_digest(tmp_path)
-    real = os.replace
-
-    def model_rename_fails(a, b):
-        if str(b).endswith("m.ho.onnx"):
-            raise OSError(28, "No space left on device (simulated)", str(b))
-        return real(a, b)
-
-    monkeypatch.setattr(os, "replace", model_rename_fails)
+    _fail_renames_onto(monkeypatch, "m.ho.onnx")
     with pytest.raises(OutputPathError, match="No space left on device"):
         optimize(src, tmp_path / "out" / "m.ho.onnx", ALL, dims={"N": 2})
     assert not (tmp_path / "out").exists()
@@ -683,14 +688,7 @@ def test_a_failed_save_removes_the_folders_it_made_for_data_files(tmp_path, monk
     (tmp_path / "weights").mkdir()
     onnx.save_model(m, str(tmp_path / "m.onnx"), save_as_external_data=True,
                     all_tensors_to_one_file=True, location="weights/m.data", size_threshold=0)
-    real = os.replace
-
-    def model_rename_fails(a, b):
-        if str(b).endswith("o.onnx"):
-            raise OSError(28, "No space left on device (simulated)", str(b))
-        return real(a, b)
-
-    monkeypatch.setattr(os, "replace", model_rename_fails)
+    _fail_renames_onto(monkeypatch, "o.onnx")
     with pytest.raises(OutputPathError, match="No space left on device"):
         optimize(tmp_path / "m.onnx", tmp_path / "out" / "o.onnx", ALL, dims={"N": 2})
     assert not (tmp_path / "out").exists()
