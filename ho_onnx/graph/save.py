@@ -320,14 +320,17 @@ class _SourceLock:
         self.holders = 0
 
 
-_LOCKS: dict[str, _SourceLock] = {}  # resolved source path -> its lock (under _PLACING_LOCK)
+# (st_dev, st_ino) of a source file -> its lock (under _PLACING_LOCK). By file, not by path:
+# two paths of one file (hard links) locked apart would wait for each other in one process.
+_LOCKS: dict[tuple[int, int], _SourceLock] = {}
 
 
-def _flock(src: Path, progress: Progress | None) -> int:
+def _flock(src: Path, key: tuple[int, int], progress: Progress | None) -> int:
     """An open descriptor of ``src`` holding an exclusive flock (waits for other processes,
-    saying so); -1 where the file cannot be locked (a filesystem without flock)."""
+    saying so); -1 where the file cannot be locked (a filesystem without flock, or ``src``
+    is no longer the file ``key``)."""
     try:
-        fd = open_regular(src)  # (never waits on a FIFO swapped in)
+        fd = open_regular(src, key)  # (never waits on a FIFO swapped in)
     except (OSError, ModelLoadError):
         return -1  # (the copy will say why it cannot read it)
     try:
@@ -354,7 +357,7 @@ class _DataFiles:
     def __init__(self) -> None:
         self.mine: list[tuple[Path, _Placing]] = []
         self.used: list[_Placing] = []
-        self.locked: list[str] = []
+        self.locked: list[tuple[int, int]] = []
         self.folders: list[Path] = []  # made for the copies (removed again, when empty)
 
     def __enter__(self) -> _DataFiles:
@@ -366,14 +369,19 @@ class _DataFiles:
     def lock(self, srcs: Iterable[Path], progress: Progress | None) -> None:
         """Lock the source files against other processes' saves, in one global order (two
         processes locking the same two files can then never wait for each other)."""
-        for key in sorted({os.path.realpath(src) for src in srcs} - set(self.locked)):
+        files: dict[tuple[int, int], Path] = {}
+        for src in srcs:
+            with contextlib.suppress(OSError):  # (the copy will say why it cannot read it)
+                st = os.stat(src)
+                files.setdefault((st.st_dev, st.st_ino), src)
+        for key in sorted(files.keys() - set(self.locked)):
             with _PLACING_LOCK:
                 lock = _LOCKS.setdefault(key, _SourceLock())
                 lock.holders += 1
             self.locked.append(key)
             with lock.mutex:
                 if lock.fd is None:
-                    lock.fd = _flock(Path(key), progress)
+                    lock.fd = _flock(files[key], key, progress)
 
     def place(self, src: Path, dst: Path, report: SaveReport, progress: Progress | None
               ) -> None:

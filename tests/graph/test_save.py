@@ -553,10 +553,12 @@ def test_source_locks_are_shared_in_a_process_and_taken_in_one_order(tmp_path, m
 
     order: list[str] = []
     real = save_mod._flock
-    monkeypatch.setattr(save_mod, "_flock", lambda p, pr: order.append(p.name) or real(p, pr))
+    monkeypatch.setattr(save_mod, "_flock",
+                        lambda p, key, pr: order.append(p.name) or real(p, key, pr))
+    first_file, last_file = sorted((a, b), key=lambda f: (f.stat().st_dev, f.stat().st_ino))
     third = _DataFiles()
-    third.lock([b, a, b], None)
-    assert order == ["a.data", "b.data"]
+    third.lock([last_file, first_file, last_file], None)
+    assert order == [first_file.name, last_file.name]  # by (device, inode), each once
     assert not free(a) and not free(b)
     third.end(ok=False)
     assert free(a) and free(b)
@@ -711,3 +713,28 @@ def test_a_failed_save_removes_the_folders_it_made_for_data_files(tmp_path, monk
     optimize(tmp_path / "m.onnx", tmp_path / "out" / "o.onnx", ALL, dims={"N": 2})
     assert sorted(p.relative_to(tmp_path / "out").as_posix()
                   for p in (tmp_path / "out").rglob("*")) == ["o.onnx", "weights", "weights/m.data"]
+
+
+def test_two_names_of_one_data_file_do_not_wait_for_each_other(tmp_path):
+    """A model whose two weights name two hard links of one data file: the file is locked
+    once (locked by path, the second lock waited forever for the first, in one process:
+    optimize hung)."""
+    import subprocess
+    import sys
+
+    m = chain_model()
+    w1, w2 = (next(t for t in m.graph.initializer if t.name == n) for n in ("W1", "W2"))
+    (tmp_path / "a.data").write_bytes(w1.raw_data + w2.raw_data)
+    os.link(tmp_path / "a.data", tmp_path / "b.data")
+    for t, loc, offset in ((w1, "a.data", 0), (w2, "b.data", len(w1.raw_data))):
+        size = len(t.raw_data)
+        t.ClearField("raw_data")
+        for key, value in (("location", loc), ("offset", str(offset)), ("length", str(size))):
+            t.external_data.add(key=key, value=value)
+        t.data_location = t.EXTERNAL
+    (tmp_path / "m.onnx").write_bytes(m.SerializeToString())
+    r = subprocess.run([sys.executable, "-m", "ho_onnx", "optimize", "m.onnx", "out/o.onnx",
+                        "--dim", "N=2", "--min-bytes", "0", "--min-gap", "1"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.data", "b.data", "o.onnx"]
