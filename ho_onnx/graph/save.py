@@ -22,8 +22,8 @@ import errno
 import fcntl
 import functools
 import os
+import secrets
 import stat
-import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -456,15 +456,12 @@ def _copy_into_place(src: Path, dst: Path, progress: Progress | None) -> None:
     """Copy ``src`` to ``dst`` through a temporary file of its own in ``dst``'s folder,
     removed if the copy fails or is interrupted (before the caller removes the folder).
     Not a hard or symbolic link: onnx.checker refuses both as a possible attack."""
-    fd, tmp = _new_temp(dst.parent, f"{_temp_prefix(dst.name)}ho-tmp-")
-    os.close(fd)
-    try:
+    with temporary_files(dst.parent) as temps:
+        fd, tmp = _new_temp(dst.parent, f"{_temp_prefix(dst.name)}ho-tmp-", temps)
+        os.close(fd)
         copy_sparse(src, tmp, progress)
         os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+        temps.clear()
 
 
 _UMASK_LOCK = threading.Lock()
@@ -681,8 +678,7 @@ def _temp_prefix(name: str) -> str:
 def _write_temp(out_dir: Path, prefix: str, temps: list[Path],
                 write: Callable[[Any], object]) -> Path:
     """A new temporary file in ``out_dir`` (recorded in ``temps``), written and synced."""
-    fd, path = _new_temp(out_dir, prefix)
-    temps.append(path)
+    fd, path = _new_temp(out_dir, prefix, temps)
     with os.fdopen(fd, "wb") as f:
         write(f)
         f.flush()
@@ -690,19 +686,24 @@ def _write_temp(out_dir: Path, prefix: str, temps: list[Path],
     return path
 
 
-def _new_temp(folder: Path, prefix: str) -> tuple[int, Path]:
-    """``mkstemp`` in ``folder``, made again if it is missing: another save into it that
-    made it and failed removes it when empty, and may do so just as this one writes (found
-    with two threads: the second failed with a bare FileNotFoundError)."""
-    def make() -> tuple[int, str]:
-        folder.mkdir(parents=True, exist_ok=True)
-        return tempfile.mkstemp(prefix=prefix, dir=folder)
-
-    try:
-        fd, name = make()
-    except FileNotFoundError:  # (removed between the two: it is removed once)
-        fd, name = make()
-    return fd, Path(name)
+def _new_temp(folder: Path, prefix: str, temps: list[Path]) -> tuple[int, Path]:
+    """A new file ``prefix`` + random in ``folder``, open for writing, whose path is in
+    ``temps`` before the file exists: an interruption at any point leaves nothing the
+    caller's clean-up misses (was: mkstemp, then the path recorded; a SIGTERM in between,
+    sent as the file appeared, left it). ``folder`` is made again if missing: another save
+    into it that made it and failed removes it when empty, and may do so just as this one
+    writes (found with two threads: the second failed with a bare FileNotFoundError)."""
+    for _ in range(100):
+        path = folder / f"{prefix}{secrets.token_hex(4)}"
+        temps.append(path)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), path
+        except FileNotFoundError:
+            folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass
+        temps.remove(path)
+    raise OutputPathError(f"cannot make a temporary file in {str(folder)!r}")
 
 
 def _write_sidecar(f: Any, sidecar: Sidecar) -> None:

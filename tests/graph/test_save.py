@@ -622,13 +622,11 @@ def test_a_save_into_a_folder_a_failed_save_made_and_removed_still_writes(tmp_pa
 
 
 def test_a_temporary_file_is_made_in_a_folder_removed_just_before(tmp_path, monkeypatch):
-    """The folder goes between being made and the temporary file's creation (another save's
-    failure): it is made once more."""
-    import tempfile
-
+    """The folder goes just before the temporary file's creation (another save's failure):
+    it is made once more."""
     from ho_onnx.graph import save as save_mod
 
-    folder, real, calls = tmp_path / "out", tempfile.mkstemp, []
+    folder, real, calls = tmp_path / "out", os.open, []
 
     def racing(*args, **kwargs):
         calls.append(1)
@@ -636,10 +634,30 @@ def test_a_temporary_file_is_made_in_a_folder_removed_just_before(tmp_path, monk
             folder.rmdir()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(save_mod.tempfile, "mkstemp", racing)
-    fd, path = save_mod._new_temp(folder, ".x.")
+    folder.mkdir()
+    monkeypatch.setattr(save_mod.os, "open", racing)
+    temps: list[Path] = []
+    fd, path = save_mod._new_temp(folder, ".x.", temps)
     os.close(fd)
-    assert path.parent == folder and path.exists() and len(calls) == 2
+    assert path.parent == folder and path.exists() and len(calls) == 2 and path in temps
+
+
+def test_an_interruption_as_a_temporary_file_appears_leaves_nothing(tmp_path, monkeypatch):
+    """A SIGTERM (here KeyboardInterrupt) right after the file was created: its path is
+    already recorded, so the clean-up removes it (was: created by mkstemp, recorded after:
+    found by CI, a signal sent as the copy's temporary file appeared left it behind)."""
+    from ho_onnx.graph import save as save_mod
+
+    real = os.open
+
+    def interrupted(*args, **kwargs):
+        os.close(real(*args, **kwargs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(save_mod.os, "open", interrupted)
+    with pytest.raises(KeyboardInterrupt), save_mod.temporary_files(tmp_path) as temps:
+        save_mod._new_temp(tmp_path, ".x.", temps)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _weights_read_from_the_model_file(path: Path) -> Path:
