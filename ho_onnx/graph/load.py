@@ -21,7 +21,7 @@ from onnx import TensorProto
 from ..contract import DOMAIN
 from ..errors import ExternalDataError, HoOnnxError, ModelLoadError, UnsupportedModelError
 from .analyse import all_graphs
-from .check import check_standard
+from .check import check_attribute_types, check_standard
 from .dims import shape_text
 from .dtypes import ELEMENT_BITS, capped_nbytes
 from .forked import MIN_NODES as FORK_MIN_NODES
@@ -285,12 +285,14 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
         check_text(model, str(p))
         check_opsets(model, allow_cache_ops)
         validate_external_data(model, base_dir)
-        if check:
-            try:  # (external data was checked above; contrib and custom-domain ops pass here)
+        try:  # (external data was checked above; contrib and custom-domain ops pass here)
+            if check:
                 check_standard(model)
-            except onnx.checker.ValidationError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-                raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
+            else:  # (what onnx_ir could not write again)
+                check_attribute_types(n for g in iter_graphs(model.graph) for n in g.node)
+        except onnx.checker.ValidationError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None
 
     # in a forked child while the onnx_ir model is built (big graphs: forked.MIN_NODES)
     checking = start_check(validate, worth_forking=len(model.graph.node) >= FORK_MIN_NODES)

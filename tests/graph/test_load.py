@@ -219,3 +219,24 @@ def test_utf8_check_without_a_verifying_protobuf_walks(monkeypatch):
     bad = onnx.ModelProto.FromString(m.SerializeToString().replace(b"@MARK@", b"a\xff\xfeb\xc0z"))
     with pytest.raises(ModelLoadError, match=r"onnx\.NodeProto\.name string is not valid"):
         load.check_text(bad, "bad.onnx")
+
+
+@pytest.mark.parametrize("domain", ["custom.x", ""])
+@pytest.mark.parametrize("check", [True, False])
+def test_an_attribute_without_a_type_is_refused_at_load(tmp_path, domain, check):
+    """onnx.checker does not look at a custom-domain node's attributes, and ``inspect``
+    loads without the checker: an attribute of type UNDEFINED passed, and onnx_ir, which
+    reads it, failed to write the model again (fuzzer: ``inspect`` of such a model was an
+    unexpected SerdeError)."""
+    from ho_onnx.graph.load import load_model
+
+    m = chain_model()
+    node = m.graph.node[0]
+    if domain:
+        node.domain = domain
+        m.opset_import.add(domain=domain, version=1)
+    node.attribute.add(name="k")  # (type left UNDEFINED)
+    src = save(m, tmp_path / "m.onnx")
+    with pytest.raises(ModelLoadError, match="attribute 'k' of node 'MatMul' has no type"
+                       if domain or not check else "not a valid ONNX model"):
+        load_model(src, check=check, allow_cache_ops=True)
