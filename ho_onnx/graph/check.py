@@ -101,8 +101,9 @@ def weights_as_inputs(model: onnx.ModelProto,
 
 def check_attribute_types(nodes: Iterable[onnx.NodeProto]) -> None:
     """Raise ``onnx.checker.ValidationError`` for a node attribute without a type: onnx's
-    checker does not look at the attributes of custom-domain nodes, and onnx_ir reads such a
-    model but cannot write it (found by the fuzzer: ``inspect`` failed with a SerdeError)."""
+    checker does not look at the attributes of custom-domain nodes (and does not run for
+    ``inspect``), and onnx_ir reads such a model but cannot write it (found by the fuzzer:
+    ``inspect`` failed with a SerdeError; also in a model function's body)."""
     for node in nodes:
         for a in node.attribute:
             if a.type == onnx.AttributeProto.UNDEFINED:
@@ -130,7 +131,6 @@ def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | 
         for node in graph.node:
             if is_onnx_op(node, opsets, funcs):
                 continue
-            check_attribute_types((node,))
             key = (domain_name(node.domain), node.op_type)
             if key[0] in STANDARD_DOMAINS:
                 if key[0] not in opsets:

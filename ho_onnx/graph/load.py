@@ -27,7 +27,7 @@ from .dtypes import ELEMENT_BITS, capped_nbytes
 from .forked import MIN_NODES as FORK_MIN_NODES
 from .forked import start_check
 from .gcpause import gc_paused
-from .protos import iter_graphs
+from .protos import iter_graphs, iter_nodes
 
 
 @dataclass(frozen=True)
@@ -286,10 +286,9 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
         check_opsets(model, allow_cache_ops)
         validate_external_data(model, base_dir)
         try:  # (external data was checked above; contrib and custom-domain ops pass here)
+            check_attribute_types(iter_nodes(model))  # (what onnx_ir could not write again)
             if check:
                 check_standard(model)
-            else:  # (what onnx_ir could not write again)
-                check_attribute_types(n for g in iter_graphs(model.graph) for n in g.node)
         except onnx.checker.ValidationError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None

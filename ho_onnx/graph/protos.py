@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import onnx
 
@@ -17,6 +17,24 @@ def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     yield from iter_graphs(g)
+
+
+def iter_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``model``: its graph's and the model functions' bodies', with their
+    subgraphs'."""
+    def walk(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+        for node in nodes:
+            yield node
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(attr.g.node)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for g in attr.graphs:
+                        yield from walk(g.node)
+
+    yield from walk(model.graph.node)
+    for f in model.functions:
+        yield from walk(f.node)
 
 
 def graph_shell(graph: onnx.GraphProto) -> onnx.GraphProto:

@@ -374,7 +374,7 @@ class _DataFiles:
             with contextlib.suppress(OSError):  # (the copy will say why it cannot read it)
                 st = os.stat(src)
                 files.setdefault((st.st_dev, st.st_ino), src)
-        for key in sorted(files.keys() - set(self.locked)):
+        for key in sorted(files):
             with _PLACING_LOCK:
                 lock = _LOCKS.setdefault(key, _SourceLock())
                 lock.holders += 1

@@ -240,3 +240,18 @@ def test_an_attribute_without_a_type_is_refused_at_load(tmp_path, domain, check)
     with pytest.raises(ModelLoadError, match="attribute 'k' of node 'MatMul' has no type"
                        if domain or not check else "not a valid ONNX model"):
         load_model(src, check=check, allow_cache_ops=True)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_an_attribute_without_a_type_in_a_function_body_is_refused(tmp_path, check):
+    """The same in a model function's body (inspect: was an unexpected SerdeError)."""
+    from ho_onnx.graph.load import load_model
+
+    m = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+        g (float[2] x) => (float[2] y) { y = local.F(x) }
+        <domain: "local", opset_import: ["" : 17]>
+        F (a) => (b) { b = Relu(a) }""")
+    m.functions[0].node[0].attribute.add(name="k")  # (type left UNDEFINED)
+    src = save(m, tmp_path / "m.onnx")
+    with pytest.raises(ModelLoadError, match="attribute 'k' of node 'Relu' has no type"):
+        load_model(src, check=check, allow_cache_ops=True)
