@@ -457,7 +457,7 @@ def _copy_into_place(src: Path, dst: Path, progress: Progress | None) -> None:
     removed if the copy fails or is interrupted (before the caller removes the folder).
     Not a hard or symbolic link: onnx.checker refuses both as a possible attack."""
     with temporary_files(dst.parent) as temps:
-        fd, tmp = _new_temp(dst.parent, f"{_temp_prefix(dst.name)}ho-tmp-", temps)
+        fd, tmp = new_temp(dst.parent, f"{_temp_prefix(dst.name)}ho-tmp-", temps)
         os.close(fd)
         copy_sparse(src, tmp, progress)
         os.replace(tmp, dst)
@@ -678,7 +678,7 @@ def _temp_prefix(name: str) -> str:
 def _write_temp(out_dir: Path, prefix: str, temps: list[Path],
                 write: Callable[[Any], object]) -> Path:
     """A new temporary file in ``out_dir`` (recorded in ``temps``), written and synced."""
-    fd, path = _new_temp(out_dir, prefix, temps)
+    fd, path = new_temp(out_dir, prefix, temps)
     with os.fdopen(fd, "wb") as f:
         write(f)
         f.flush()
@@ -686,7 +686,7 @@ def _write_temp(out_dir: Path, prefix: str, temps: list[Path],
     return path
 
 
-def _new_temp(folder: Path, prefix: str, temps: list[Path]) -> tuple[int, Path]:
+def new_temp(folder: Path, prefix: str, temps: list[Path]) -> tuple[int, Path]:
     """A new file ``prefix`` + random in ``folder``, open for writing, whose path is in
     ``temps`` before the file exists: an interruption at any point leaves nothing the
     caller's clean-up misses (was: mkstemp, then the path recorded; a SIGTERM in between,

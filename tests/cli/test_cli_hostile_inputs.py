@@ -148,6 +148,24 @@ def test_calibrate_size_zero_is_one_line(tmp_path: Path):
     assert not (tmp_path / "m.json").exists()
 
 
+
+def test_calibrate_test_file_past_the_file_size_limit_is_one_line_and_removed(tmp_path: Path):
+    """Found by hand (``ulimit -f 4096``): the disk measurement's test file, written past the
+    limit, stayed behind half-written and the error said only "File too large"."""
+    import resource
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past it fails with EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    msg = one_line_error(ho("calibrate", "--out", str(tmp_path / "m.json"), "--size", "8MiB",
+                            "--dir", str(folder), preexec_fn=limit))
+    assert msg == (f"error: cannot write the 8.00 MiB test file in {str(folder)!r}: File too "
+                   "large; pass a smaller --size or another --dir")
+    assert list(folder.iterdir()) == [] and not (tmp_path / "m.json").exists()
+
 @pytest.mark.parametrize("kind, words", [("empty", "has 0 bytes"), ("small", "has 4096 bytes"),
                                          ("fifo", "is not a regular file"),
                                          ("device", "is not a regular file")])

@@ -637,7 +637,7 @@ def test_a_temporary_file_is_made_in_a_folder_removed_just_before(tmp_path, monk
     folder.mkdir()
     monkeypatch.setattr(save_mod.os, "open", racing)
     temps: list[Path] = []
-    fd, path = save_mod._new_temp(folder, ".x.", temps)
+    fd, path = save_mod.new_temp(folder, ".x.", temps)
     os.close(fd)
     assert path.parent == folder and path.exists() and len(calls) == 2 and path in temps
 
@@ -656,7 +656,7 @@ def test_an_interruption_as_a_temporary_file_appears_leaves_nothing(tmp_path, mo
 
     monkeypatch.setattr(save_mod.os, "open", interrupted)
     with pytest.raises(KeyboardInterrupt), save_mod.temporary_files(tmp_path) as temps:
-        save_mod._new_temp(tmp_path, ".x.", temps)
+        save_mod.new_temp(tmp_path, ".x.", temps)
     assert list(tmp_path.iterdir()) == []
 
 

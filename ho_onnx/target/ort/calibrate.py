@@ -15,11 +15,12 @@ import stat
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ...errors import HoOnnxError, Log, quiet
-from ...graph.save import write_atomic
+from ...graph.save import free_bytes, new_temp, temporary_files, write_atomic
 from ...units import format_bytes
 
 __all__ = ["CalibrationError", "calibrate", "measure_file_read", "measure_host_copy"]
@@ -27,8 +28,25 @@ __all__ = ["CalibrationError", "calibrate", "measure_file_read", "measure_host_c
 _ALIGN = 4096
 
 
-def _write_temp_file(directory: str | None, size: int) -> str:
-    fd, path = tempfile.mkstemp(prefix="ho_onnx_calibrate_", suffix=".bin", dir=directory)
+def _write_temp_file(folder: Path, size: int, temps: list[Path]) -> str:
+    """A new file of ``size`` bytes in ``folder``, synced and out of the page cache. Its path
+    is in ``temps`` before it exists (the caller's :func:`temporary_files` removes it, also
+    after a failure or an interruption; found by hand: a write that failed or was
+    interrupted left the partial file, and said only "File too large")."""
+    if not folder.is_dir():
+        raise CalibrationError(f"{str(folder)!r} is not a folder")
+    free = free_bytes(folder)
+
+    def refused(why: str) -> CalibrationError:
+        return CalibrationError(f"cannot write the {format_bytes(size)} test file in "
+                                f"{str(folder)!r}: {why}; pass a smaller --size or another --dir")
+
+    if free is not None and free < size:
+        raise refused(f"only {format_bytes(free)} free")
+    try:
+        fd, path = new_temp(folder, ".ho_onnx_calibrate.", temps)
+    except OSError as e:
+        raise refused(e.strerror or str(e)) from None
     try:
         chunk = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
         left = size
@@ -40,9 +58,11 @@ def _write_temp_file(directory: str | None, size: int) -> str:
             left -= n
         os.fsync(fd)
         _drop_cache(fd)
+    except OSError as e:
+        raise refused(e.strerror or str(e)) from None
     finally:
         os.close(fd)
-    return path
+    return os.fspath(path)
 
 
 def _drop_cache(fd: int) -> None:
@@ -99,50 +119,55 @@ def measure_file_read(path: str | os.PathLike[str] | None = None, block: int = 8
     """
     block = max(_ALIGN, (block + _ALIGN - 1) // _ALIGN * _ALIGN)
     threads = max(1, threads)
-    temp = path is None
-    fpath = _write_temp_file(directory, size) if temp else os.fspath(path)  # type: ignore[arg-type]
+    if path is not None:
+        return _read_rate(os.fspath(path), block, direct, threads, max_bytes)
+    folder = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    with temporary_files(folder) as temps:  # the test file is removed whatever happens
+        return _read_rate(_write_temp_file(folder, size, temps), block, direct, threads,
+                          max_bytes)
+
+
+def _read_rate(fpath: str, block: int, direct: bool, threads: int,
+               max_bytes: int | None) -> float:
+    """Bytes/s of ``threads`` readers taking ``fpath``'s ``block``-byte blocks in turn."""
+    fd, is_direct = _open(fpath, direct)
     try:
-        fd, is_direct = _open(fpath, direct)
-        try:
-            if not is_direct:
-                _drop_cache(fd)
-            total = os.fstat(fd).st_size
-            if max_bytes is not None:
-                total = min(total, max_bytes)
-            if total <= 0:
-                raise CalibrationError(f"{fpath!r}: nothing to read")
-            counts = [0] * threads
+        if not is_direct:
+            _drop_cache(fd)
+        total = os.fstat(fd).st_size
+        if max_bytes is not None:
+            total = min(total, max_bytes)
+        if total <= 0:
+            raise CalibrationError(f"{fpath!r}: nothing to read")
+        counts = [0] * threads
 
-            def reader(k: int) -> None:
-                buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT needs
-                view = memoryview(buf)
-                try:
-                    off = k * block
-                    while off < total:
-                        n = os.preadv(fd, [view[:min(block, _round_up(total - off))]], off)
-                        if n <= 0:
-                            break
-                        counts[k] += min(n, total - off)
-                        off += threads * block
-                finally:
-                    view.release()
-                    buf.close()
+        def reader(k: int) -> None:
+            buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT needs
+            view = memoryview(buf)
+            try:
+                off = k * block
+                while off < total:
+                    n = os.preadv(fd, [view[:min(block, _round_up(total - off))]], off)
+                    if n <= 0:
+                        break
+                    counts[k] += min(n, total - off)
+                    off += threads * block
+            finally:
+                view.release()
+                buf.close()
 
-            t0 = time.perf_counter()
-            if threads == 1:
-                reader(0)
-            else:
-                pool = [threading.Thread(target=reader, args=(k,)) for k in range(threads)]
-                for t in pool:
-                    t.start()
-                for t in pool:
-                    t.join()
-            seconds = time.perf_counter() - t0
-        finally:
-            os.close(fd)
+        t0 = time.perf_counter()
+        if threads == 1:
+            reader(0)
+        else:
+            pool = [threading.Thread(target=reader, args=(k,)) for k in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+        seconds = time.perf_counter() - t0
     finally:
-        if temp:
-            os.unlink(fpath)
+        os.close(fd)
     return sum(counts) / seconds
 
 

@@ -1,0 +1,74 @@
+"""The disk measurement's test file (``calibrate.measure_file_read`` without a file): written
+in the folder asked for, measured, and removed whatever happens (found by hand: a write that
+failed, e.g. past ``ulimit -f``, or was interrupted, left the partial file behind and said
+only "File too large"); refused in words before writing when it cannot fit."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from ho_onnx.target.ort import calibrate
+
+
+class _Terminated(BaseException):
+    """As the CLI's SIGTERM: a BaseException of its own, so that clean-ups run."""
+
+
+def test_the_test_file_is_measured_and_removed(tmp_path: Path, monkeypatch):
+    seen: list[tuple[str, int]] = []
+    real = calibrate._read_rate
+
+    def read_rate(fpath: str, *args) -> float:
+        seen.append((fpath, os.stat(fpath).st_size))
+        return real(fpath, *args)
+
+    monkeypatch.setattr(calibrate, "_read_rate", read_rate)
+    rate = calibrate.measure_file_read(size=2 << 20, directory=str(tmp_path), direct=False)
+    assert rate > 0
+    assert len(seen) == 1 and Path(seen[0][0]).parent == tmp_path  # in the folder asked
+    assert seen[0][1] == 2 << 20
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", ["full", "interrupt", "sigterm"])
+def test_a_failed_or_interrupted_write_leaves_nothing(tmp_path: Path, monkeypatch, failure):
+    """The write fails (a full disk) or is interrupted (Ctrl-C; the CLI's SIGTERM is an
+    exception of its own) after the first chunk: the partial file is removed."""
+    real_write, writes = os.write, []
+
+    def write(fd: int, data) -> int:
+        if writes:
+            raise {"full": OSError(errno.ENOSPC, "No space left on device"),
+                   "interrupt": KeyboardInterrupt(), "sigterm": _Terminated()}[failure]
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(calibrate.os, "write", write)
+    expected = calibrate.CalibrationError if failure == "full" else (KeyboardInterrupt,
+                                                                     _Terminated)
+    with pytest.raises(expected) as e:
+        calibrate.measure_file_read(size=64 << 20, directory=str(tmp_path))
+    assert writes  # (the file existed and had bytes when the failure came)
+    assert list(tmp_path.iterdir()) == []
+    if failure == "full":
+        assert str(e.value) == (f"cannot write the 64.00 MiB test file in {str(tmp_path)!r}: "
+                                "No space left on device; pass a smaller --size or another "
+                                "--dir")
+
+
+def test_a_file_that_cannot_fit_is_refused_before_writing(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(calibrate, "free_bytes", lambda folder: 1 << 20)
+    with pytest.raises(calibrate.CalibrationError) as e:
+        calibrate.measure_file_read(size=2 << 20, directory=str(tmp_path))
+    assert "only 1.00 MiB free; pass a smaller --size or another --dir" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_folder_is_refused_not_made(tmp_path: Path):
+    with pytest.raises(calibrate.CalibrationError, match="is not a folder"):
+        calibrate.measure_file_read(size=1 << 20, directory=str(tmp_path / "no" / "such"))
+    assert list(tmp_path.iterdir()) == []
