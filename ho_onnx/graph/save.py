@@ -241,22 +241,35 @@ def free_bytes(folder: Path) -> int | None:
 
 def write_error(e: OSError, folder: Path) -> OutputPathError | None:
     """The error to raise for ``e`` when it says the output folder cannot take the output
-    (a full filesystem or quota, with the space left; read-only; no permission to a file
-    in it), naming the folder, not a temporary file in it; None for other errors (and for
-    a file elsewhere that could not be read: an input data file's own error says more)."""
+    (a full filesystem or quota, with the space left; a file past the size limit of the
+    process or of the filesystem; read-only; no permission to a file in it), naming the
+    folder, not a temporary file in it; None for other errors (and for a file elsewhere
+    that could not be read: an input data file's own error says more)."""
     full = e.errno in (errno.ENOSPC, errno.EDQUOT)
     name = e.filename
     in_folder = not isinstance(name, str | bytes) or Path(os.fsdecode(name)).absolute().parent \
         == folder.absolute()
-    if not (full or e.errno == errno.EROFS
+    if not (full or e.errno in (errno.EROFS, errno.EFBIG)
             or (e.errno in (errno.EACCES, errno.EPERM) and in_folder)):
         return None
     free = free_bytes(folder) if full else None
     return OutputPathError(
         f"cannot write the output in {str(folder)!r}: {e.strerror or e}"
         + (f" ({format_bytes(free)} free)" if free is not None else "")
+        + (f" ({_file_size_limit()})" if e.errno == errno.EFBIG else "")
         + ("; free some space or choose another output folder" if full
            else "; choose another output folder"))
+
+
+def _file_size_limit() -> str:
+    """What limits a file's size when a write failed with EFBIG: this process's limit when it
+    has one (found by hand: ``ulimit -f``), else the filesystem's (FAT32: 4 GiB)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        return f"this process may write files of at most {format_bytes(soft)}: ulimit -f"
+    return "larger than the filesystem's largest file"
 
 
 def _copy_regions(fd: int, fo: Any, src: Path, total: int, progress: Progress | None) -> None:

@@ -166,6 +166,31 @@ def test_calibrate_test_file_past_the_file_size_limit_is_one_line_and_removed(tm
                    "large; pass a smaller --size or another --dir")
     assert list(folder.iterdir()) == [] and not (tmp_path / "m.json").exists()
 
+
+@pytest.mark.parametrize("data", ["copied", "sidecar"])
+def test_optimize_past_the_file_size_limit_is_one_line_naming_the_folder(tmp_path: Path,
+                                                                        data: str):
+    """Found by hand (``ulimit -f``; a FAT32 drive's 4 GiB is the same EFBIG): the data
+    file's copy into another folder, or the sidecar, failed with only "File too large"."""
+    import resource
+
+    from tests.graphs import folder_digest, save, two_weights_model
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past it fails with EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 19, 3 << 19))
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    model = save(two_weights_model(), src / "m.onnx", external=data == "copied")  # 2 MiB
+    before = folder_digest(src)
+    msg = one_line_error(ho("optimize", str(model), str(out / "m.ho.onnx"), "--offload",
+                            "weights", "--min-bytes", "0", preexec_fn=limit))
+    assert msg == (f"error: cannot write the output in {str(out)!r}: File too large (this "
+                   "process may write files of at most 1.50 MiB: ulimit -f); choose another "
+                   "output folder")
+    assert not out.exists() and folder_digest(src) == before
+
 @pytest.mark.parametrize("kind, words", [("empty", "has 0 bytes"), ("small", "has 4096 bytes"),
                                          ("fifo", "is not a regular file"),
                                          ("device", "is not a regular file")])

@@ -335,6 +335,27 @@ def test_an_initializer_that_is_a_graph_output_keeps_its_type(tmp_path, body):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("ulimit", [None, 1 << 20])
+def test_a_file_past_the_size_limit_names_the_folder_and_the_limit(tmp_path, monkeypatch,
+                                                                  ulimit):
+    """EFBIG: the process's ``ulimit -f`` when it has one (the CLI test hits it for real),
+    else the filesystem's largest file (FAT32's 4 GiB)."""
+    import errno
+    import resource
+
+    from ho_onnx.graph import save as save_mod
+
+    soft = resource.RLIM_INFINITY if ulimit is None else ulimit
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (soft, resource.RLIM_INFINITY))
+    e = save_mod.write_error(OSError(errno.EFBIG, "File too large", str(tmp_path / ".t")),
+                             tmp_path)
+    assert isinstance(e, OutputPathError)
+    assert str(e) == (f"cannot write the output in {str(tmp_path)!r}: File too large ("
+                      + ("larger than the filesystem's largest file" if ulimit is None else
+                         "this process may write files of at most 1.00 MiB: ulimit -f")
+                      + "); choose another output folder")
+
+
 def test_temporary_files_are_removed_and_a_full_folder_is_named(tmp_path):
     """The block's temporary files go when it fails (or is interrupted), a full folder is
     one error naming the folder, other errors pass unchanged; cleared files stay."""
