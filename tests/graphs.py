@@ -61,6 +61,17 @@ def folder_digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+
+def nested_if_model(depth: int) -> onnx.ModelProto:
+    """``depth`` Ifs nested in each other's then-branch; the innermost reads ``a``, a value of
+    the main graph: y = Neg(Relu(x)) when ``c``, else Abs(x)."""
+    body = "u = Neg(a)"
+    for d in range(depth, 0, -1):
+        body = (f"{'y' if d == 1 else 'u'} = If(c) <then_branch = t{d} () => (float[4] u) "
+                f"{{ {body} }}, else_branch = e{d} () => (float[4] v{d}) {{ v{d} = Abs(x) }}>")
+    return text_model(f"deep (float[4] x, bool c) => (float[4] y) {{ a = Relu(x)\n {body} }}")
+
+
 def tile_model(w1: tuple[int, int], w2: tuple[int, int]) -> onnx.ModelProto:
     """x[1,64] → a 1 MiB Tile (the early peak) → ReduceMean → Mul → MatMul W1 → MatMul W2."""
     return text_model(f"""

@@ -179,7 +179,9 @@ def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
 
 def subgraph_owners(graph: ir.Graph) -> dict[ir.Graph, ir.Node]:
     """Every graph nested in ``graph``'s nodes (at any depth) -> the node of ``graph`` that
-    holds it."""
+    holds it. Each graph is walked once: its own nodes' subgraphs go on the stack (found by
+    hand: walking each popped graph recursively visited a graph at depth d 2^d times, and a
+    4 KB model of 30 nested Ifs kept ``inspect`` and ``optimize`` busy for hours)."""
     owners: dict[ir.Graph, ir.Node] = {}
     for node in graph:
         if not node.attributes.data:
@@ -188,8 +190,7 @@ def subgraph_owners(graph: ir.Graph) -> dict[ir.Graph, ir.Node]:
         while stack:
             g = stack.pop()
             owners[g] = node
-            stack.extend(s for n in ir.traversal.RecursiveGraphIterator(g)
-                         for s in subgraphs(n))
+            stack.extend(s for n in g for s in subgraphs(n))
     return owners
 
 

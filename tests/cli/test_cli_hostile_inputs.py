@@ -355,6 +355,30 @@ def test_shape_inference_of_a_hostile_model_is_bounded(tmp_path: Path, cmd: str)
     assert not (tmp_path / "o.onnx").exists()
 
 
+
+def test_deeply_nested_subgraphs_are_read_in_linear_time(tmp_path: Path):
+    """Found by hand: 30 nested Ifs (a 4 KB model; protobuf's depth limit is near 32) kept
+    ``inspect`` and ``optimize`` busy for hours, each graph walked 2^depth times. Now both
+    finish, and the output computes what the input does (bit-exact: nothing is offloaded,
+    the path is ORT's own)."""
+    import onnxruntime as ort
+
+    from tests.graphs import nested_if_model
+
+    p, out = tmp_path / "deep.onnx", tmp_path / "deep.ho.onnx"
+    onnx.save(nested_if_model(30), p)
+    assert p.stat().st_size < 8 << 10
+    for args in (["inspect", str(p)], ["optimize", str(p), str(out), "--offload", "all",
+                                        "--min-bytes", "0"]):
+        r = ho(*args, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+    x = np.array([1, -2, 3, -4], np.float32)
+    for c in (True, False):
+        feed = {"x": x, "c": np.array(c)}
+        want = ort.InferenceSession(str(p)).run(None, feed)
+        got = ort.InferenceSession(str(out)).run(None, feed)
+        np.testing.assert_array_equal(got[0], want[0])
+
 def test_ort_shape_inference_of_a_hostile_contrib_model_is_bounded(tmp_path: Path):
     """CONTRIB_BLOWUP passes ONNX's inference; ORT's (asked for its Gelu) would take gigabytes
     in this process: its child's limit stops it, one line."""

@@ -106,6 +106,29 @@ def test_reads_from_nested_subgraphs_reach_the_main_graph_node():
     assert a.tensors["x"].consumers == [0]
 
 
+
+def test_nested_subgraphs_are_each_walked_once(monkeypatch):
+    """Found by hand: each graph at depth d was walked 2^d times (30 nested Ifs, a 4 KB model,
+    kept inspect and optimize busy for hours). Each node's subgraphs are now read once, and
+    a read at depth 16 still reaches the main graph's If."""
+    from graphs import nested_if_model
+
+    import ho_onnx.graph.analyse as analyse_mod
+
+    depth = 16
+    model = ir.from_proto(nested_if_model(depth))
+    calls = []
+    real = analyse_mod.subgraphs
+    monkeypatch.setattr(analyse_mod, "subgraphs", lambda n: (calls.append(n), real(n))[1])
+    owners = analyse_mod.subgraph_owners(model.graph)
+    top_if = model.graph.node(1)
+    assert len(owners) == 2 * depth and set(owners.values()) == {top_if}
+    nested_nodes = 2 * depth  # an If (or the innermost Neg) and an Abs in each level
+    assert len(calls) == 1 + nested_nodes  # (was 2^17 - 1 + ...)
+    assert len(calls) == len(set(calls))
+    a = analyse(nested_if_model(depth))
+    assert a.tensors["a"].implicit_consumers == [1] and a.last_use("a") == 1
+
 def test_a_subgraph_read_orders_the_graph():
     m = text_model(IF_MODEL)
     nodes = list(m.graph.node)  # the If first: it reads a and b from its branches
