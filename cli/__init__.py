@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from google.protobuf.message import EncodeError
 
 from ho_onnx import __version__
 from ho_onnx.errors import HoOnnxError
@@ -172,6 +173,12 @@ class _Main(click.Group):
             _fail(f"{e.strerror or e}" + (f": {e.filename!r}" if e.filename else ""))
         except MemoryError:
             _fail("out of memory")
+        except EncodeError:
+            # Found by hand (ulimit -v): protobuf's "Failed to serialize proto". For a message
+            # read from a file that is memory running out: ONNX's messages have no required
+            # fields, and what was decoded is within the encoder's depth limit (both 100); a
+            # message over 2 GiB is a ValueError of its own.
+            _fail("out of memory: protobuf could not serialise the model")
         except Exception as e:
             if os.environ.get("HO_ONNX_TRACEBACK"):
                 raise

@@ -98,3 +98,23 @@ def test_verify_and_profile_progress_goes_to_stderr(tmp_path):
                                   "--dim", "N=2", "--runs", "2", "--warmup", "1"])
     assert r.exit_code == 0 and "warm-up run 1/1: " in r.stderr and "run 2/2: " in r.stderr
     assert "warm-up" not in r.stdout and "run 1/2" not in r.stdout
+
+
+def test_protobuf_failing_to_encode_is_out_of_memory(tmp_path, monkeypatch):
+    """Found by hand (``ulimit -v 400000``, a 43 MB model): protobuf could not encode the
+    model for shape inference and the one line was its "Failed to serialize proto"."""
+    from google.protobuf.message import EncodeError
+
+    import ho_onnx.graph.analyse as analyse_mod
+
+    def no_memory(*args, **kw):
+        raise EncodeError("Failed to serialize proto")
+
+    monkeypatch.setattr(analyse_mod, "_skeleton", no_memory)
+    src = save(chain_model(), tmp_path / "m.onnx")
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"), "--dim",
+                                  "N=2"])
+    assert r.exit_code == 2
+    assert r.output.splitlines()[-1] == ("error: out of memory: protobuf could not serialise "
+                                         "the model")
+    assert not (tmp_path / "o.onnx").exists()
