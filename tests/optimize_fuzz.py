@@ -2,7 +2,7 @@
 (issue 9).
 
 Seeds: small models (inline and external weights, a Shape/Reshape chain, a Tile peak, a
-contrib op beside a ConstantOfShape).
+contrib op beside a ConstantOfShape, weights read in nested If branches).
 Mutations (seeded, one to four per case; shared with the session fuzzer, tests/native_fuzz.py,
 where they apply): bytes of the serialized model, node attributes, dims of inputs, outputs
 and initializers, element types, external-data references (location, offset, length), the
@@ -92,12 +92,24 @@ def make_seeds(work: Path) -> list[Path]:
       y = Reshape(h, t)
     }
     """, W=(16, 16), zero=np.array([0], np.int64), four=np.array([4], np.int64))
+    # weights read inside nested subgraphs (implicit uses; a weight offloaded for a branch)
+    branchy = text_model("""
+    g (float[N, 16] x, bool c) => (float[N, 16] y) {
+      h = MatMul(x, W1)
+      y = If(c) <then_branch = t () => (float[N, 16] u) {
+                   u = If(c) <then_branch = t2 () => (float[N, 16] p) { p = MatMul(h, W2) },
+                              else_branch = e2 () => (float[N, 16] q) { q = Relu(h) }>
+                 },
+                 else_branch = e () => (float[N, 16] v) { v = Add(h, W3) }>
+    }
+    """, W1=(16, 16), W2=(16, 16), W3=(16,))
     seeds = []
     for name, model, external in (("chain", chain_model(), False),
                                   ("chain-ext", chain_model(), True),
                                   ("two-ext", two_weights_model(), True),
                                   ("tile", tile_model((64, 64), (64, 64)), False),
                                   ("shaped", shaped, True),
+                                  ("branchy", branchy, True),
                                   # ORT's symbolic inference (a contrib op), a small
                                   # ConstantOfShape it computes: mutations make it big
                                   ("contrib", contrib_blowup_model(4), False)):
