@@ -404,3 +404,64 @@ def test_symlink_swapped_in_during_session_creation_is_never_read(tmp_path, tier
         swapper.kill()
         swapper.wait()
     assert leaked == 0, f"{leaked} sessions read the symlinked secret ({ok} read the model)"
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("kind", ["loop", "if"])
+def test_cache_ops_inside_loop_and_if_bodies(tmp_path, kind, tier):
+    """A hand-edited model (the rewriter never writes one): an optimized graph's nodes, cache
+    ops and all, moved into a Loop body run three times per run (each Store, Prefetch and
+    Detach again) or into an If branch; two threads run it at once. Each iteration's output
+    is the original model's, bit-exact (the same CPU kernels), and nothing crashes (also
+    under ASan, scripts/test_native.sh)."""
+    import onnxruntime as ort
+    from graphs import chain_model
+    from graphs import save as save_model
+    from threads import run_threads
+
+    from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.options import OffloadOptions
+
+    src = save_model(chain_model(), tmp_path / "src.onnx", external=True)
+    opt = tmp_path / "opt.onnx"
+    optimize(src, opt, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1,
+                                      weight_tier=tier), {"N": 4})
+    m = onnx.load(str(opt), load_external_data=False)
+    g = m.graph
+    assert {n.op_type for n in g.node if n.domain == "ai.hyperoffload"} == {
+        "Prefetch", "Wait", "Store", "Detach"}
+    nodes, y = list(g.node), g.output[0].name
+    any_float = helper.make_tensor_value_info
+    if kind == "loop":
+        body = helper.make_graph(
+            [*nodes, helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+            [any_float("i", TensorProto.INT64, []), any_float("cond_in", TensorProto.BOOL, [])],
+            [any_float("cond_out", TensorProto.BOOL, []), any_float(y, TensorProto.FLOAT, None)])
+        outer = helper.make_node("Loop", ["M", "c"], ["ys"], body=body)
+        g.initializer.append(helper.make_tensor("M", TensorProto.INT64, [], [3]))
+    else:
+        then = helper.make_graph(nodes, "then", [], [any_float(y, TensorProto.FLOAT, None)])
+        other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
+                                  [any_float("e", TensorProto.FLOAT, None)])
+        outer = helper.make_node("If", ["c"], ["ys"], then_branch=then, else_branch=other)
+    g.initializer.append(helper.make_tensor("c", TensorProto.BOOL, [], [True]))
+    del g.node[:], g.output[:]
+    g.node.append(outer)
+    g.output.append(any_float("ys", TensorProto.FLOAT, None))
+    hostile = save(m, tmp_path, "hostile.onnx")
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    s = session(hostile)
+    results: list[np.ndarray] = []
+
+    def runs(_: int) -> None:
+        for _ in range(5):
+            results.append(s.run(None, {"x": x})[0])
+
+    run_threads(runs, 2)
+    assert len(results) == 10
+    for got in results:
+        for row in (got if kind == "loop" else [got]):
+            np.testing.assert_array_equal(row, want)
+    assert results[0].shape == ((3, 4, 16) if kind == "loop" else (4, 16))
