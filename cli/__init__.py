@@ -128,8 +128,28 @@ def _one_line(text: str, limit: int = 2000) -> str:
     return f"{line[:limit * 3 // 4]} ... [{cut} characters left out] ... {line[-(limit // 4):]}"
 
 
+# What a terminal acts on: control characters but tab and newline (ESC starts colour,
+# title and clipboard sequences; CR and BS overwrite), and the bidirectional overrides
+# that reorder what is shown ("Trojan Source").
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _printable(text: str) -> str:
+    """``text`` with the characters a terminal acts on written as escapes (``\\x1b``): a
+    model's names are shown, never obeyed (found by hand: ``inspect`` and ``plan`` printed
+    a weight's name raw, with its OSC sequence that sets a terminal's title and its clear
+    screen; click strips only colour codes, and only when the output is not a terminal)."""
+    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def _echo(text: str, err: bool = False) -> None:
+    """Print a line of the command's output (stdout, or stderr with ``err``); every line
+    the CLI prints goes through here."""
+    click.echo(_printable(text), err=err)
+
+
 def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {_one_line(message)}", err=True)
+    _echo(f"error: {_one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -279,7 +299,7 @@ def _data_files(model: Path) -> list[Path]:
 
 
 def _log(msg: str) -> None:
-    click.echo(msg, err=True)
+    _echo(msg, err=True)
 
 
 _DIM_HELP = ("Value of a symbolic dimension, NAME=N (repeatable), e.g. --dim seq=2048; a "
@@ -315,7 +335,7 @@ def _progress_bars():  # type: ignore[no-untyped-def]
 
     def progress(label: str, done: int, total: int) -> None:
         if total == 0:  # nothing to count (a wait): a line
-            click.echo(f"{label} ...", err=True)
+            _echo(f"{label} ...", err=True)
             return
         bar = bars.get(label)
         if bar is None:
@@ -450,15 +470,15 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                  + (f", copied {', '.join(folder.copied)}" if folder.copied else ""))
         else:
             result = run_file(input_model, output_model)
-    click.echo(f"{output_model}: {len(result.choice.weights)} weights, "
+    _echo(f"{output_model}: {len(result.choice.weights)} weights, "
                f"{len(result.choice.activations)} activations offloaded, "
                f"{result.choice.offloaded_bytes:,} bytes")
     if result.plan is not None:
         p = result.plan
-        click.echo(f"predicted peak {format_bytes(p.planned.peak_bytes, 'MiB', 1)} (budget "
+        _echo(f"predicted peak {format_bytes(p.planned.peak_bytes, 'MiB', 1)} (budget "
                    f"{format_bytes(p.budget, 'MiB', 1)}), time x"
                    f"{p.planned.total_s / p.baseline.total_s if p.baseline.total_s else 1:.3f}")
-        click.echo(p.arena_summary())
+        _echo(p.arena_summary())
 
 
 @main.command()
@@ -513,9 +533,9 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             plot_timeline(p, names, plot_path)
             _log(f"wrote {plot_path}")
     if as_json:
-        click.echo(json.dumps(plan_to_dict(p, names, steps=True), indent=1))
+        _echo(json.dumps(plan_to_dict(p, names, steps=True), indent=1))
     else:
-        click.echo(format_plan(p, names))
+        _echo(format_plan(p, names))
 
 
 @main.command()
@@ -555,7 +575,7 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
         r = profile_model(_model_in(model), out_json, providers=[provider], dims=parse_dims(dims),
                           runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high,
                           shapes=parse_shape_options(shapes), timeout_s=timeout_s, log=_log)
-    click.echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
+    _echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
                f"{r['total_median_s'] * 1e3:.3f} ms")
 
 
@@ -612,20 +632,20 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
                      rtol=rtol, opt_level=opt_level, shapes=parse_shape_options(shapes),
                      timeout_s=timeout_s, log=_log)
     if as_json:
-        click.echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
+        _echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
                                "seconds_original": report.seconds_original,
                                "seconds_optimized": report.seconds_optimized,
                                "outputs": [vars(o) for o in report.outputs]}, indent=2))
     else:
         for o in report.outputs:
             status = "exact" if o.exact else ("close" if o.close else "MISMATCH")
-            click.echo(f"{o.name:<24} {list(o.shape)!s:<18} max_abs={o.max_abs:.3g} "
+            _echo(f"{o.name:<24} {list(o.shape)!s:<18} max_abs={o.max_abs:.3g} "
                        f"max_rel={o.max_rel:.3g}  {status}")
         med = sorted(report.seconds_original)[len(report.seconds_original) // 2]
         med_opt = sorted(report.seconds_optimized)[len(report.seconds_optimized) // 2]
-        click.echo(f"median run: original {med * 1e3:.1f} ms, optimized {med_opt * 1e3:.1f} ms "
+        _echo(f"median run: original {med * 1e3:.1f} ms, optimized {med_opt * 1e3:.1f} ms "
                    "(first runs include warm-up)")
-        click.echo(f"{report.runs} run(s): " + ("OK" if report.ok else "MISMATCH")
+        _echo(f"{report.runs} run(s): " + ("OK" if report.ok else "MISMATCH")
                    + (" (bit-exact)" if report.exact else ""))
     sys.exit(0 if report.ok else 1)
 
@@ -645,7 +665,7 @@ def inspect(model: str, as_json: bool) -> None:
 
     with _errors():
         s = summarize(_model_in(model))
-    click.echo(json.dumps(s.to_dict(), indent=2) if as_json else format_summary(s))
+    _echo(json.dumps(s.to_dict(), indent=2) if as_json else format_summary(s))
 
 
 @main.command()
@@ -670,5 +690,5 @@ def calibrate(out_json: str, base: str, data_file: str | None, size: int,
     _refuse_overwriting_non_json("--out", out_json)
     with _errors():
         r = run(out_json, base=base, file=data_file, size=size, directory=directory, log=_log)
-    click.echo(f"{out_json}: h2d {float(r['h2d_bw']) / 1e9:.2f} GB/s, d2h "  # type: ignore[arg-type]
+    _echo(f"{out_json}: h2d {float(r['h2d_bw']) / 1e9:.2f} GB/s, d2h "  # type: ignore[arg-type]
                f"{float(r['d2h_bw']) / 1e9:.2f} GB/s, disk {float(r['disk_bw']) / 1e9:.2f} GB/s")  # type: ignore[arg-type]

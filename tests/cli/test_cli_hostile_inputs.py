@@ -379,6 +379,35 @@ def test_deeply_nested_subgraphs_are_read_in_linear_time(tmp_path: Path):
         got = ort.InferenceSession(str(out)).run(None, feed)
         np.testing.assert_array_equal(got[0], want[0])
 
+
+def test_names_are_shown_never_obeyed_by_the_terminal(tmp_path: Path):
+    """Found by hand: ``inspect`` and ``plan`` printed a weight's name raw, with its OSC
+    sequence (sets a terminal's title) and its clear screen; click strips only colour codes,
+    and only when the output is not a terminal. Every control character but newline and
+    tab, and the bidirectional overrides, are printed as escapes, by every command."""
+    from tests.graphs import save
+
+    hostile = "W\x1b]0;pwned\x07\x1b[2J\r\x08\u202e\x9b"
+    m = text_model("""
+    g (float[2, 16] x) => (float[2, 16] y) {
+      h = MatMul(x, W1)
+      y = Relu(h)
+    }
+    """, W1=(16, 16))
+    m.graph.initializer[0].name = m.graph.node[0].input[1] = hostile
+    m.graph.node[0].name = "mm\x1b[31m"
+    src = save(m, tmp_path / "m.onnx", external=True)
+    out = tmp_path / "o.onnx"
+    runs = [ho("optimize", str(src), str(out), "--offload", "all", "--min-bytes", "0"),
+            ho("inspect", str(out)),
+            ho("plan", str(src), "--budget", "1KiB")]  # (an error naming the weight)
+    assert [r.returncode for r in runs] == [0, 0, 2], [r.stderr for r in runs]
+    shown = "".join(r.stdout + r.stderr for r in runs)
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e]", shown), ascii(shown)
+    assert "W\\x1b]0;pwned" in runs[1].stdout  # (inspect's table shortens long names)
+    assert "W\\x1b]0;pwned\\x07\\x1b[2J \\x08\\u202e\\x9b (1.00 KiB)" in runs[2].stderr
+    assert "mm\\x1b[31m" in runs[2].stderr  # (the error's CR is a space: one line)
+
 def test_ort_shape_inference_of_a_hostile_contrib_model_is_bounded(tmp_path: Path):
     """CONTRIB_BLOWUP passes ONNX's inference; ORT's (asked for its Gelu) would take gigabytes
     in this process: its child's limit stops it, one line."""
