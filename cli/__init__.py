@@ -8,6 +8,7 @@ Lives in the top-level ``cli/`` folder and is installed as ``ho_onnx.cli`` (pypr
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -144,8 +145,32 @@ def _printable(text: str) -> str:
 
 def _echo(text: str, err: bool = False) -> None:
     """Print a line of the command's output (stdout, or stderr with ``err``); every line
-    the CLI prints goes through here."""
+    the CLI prints goes through here (a progress bar's label through :func:`_printable`)."""
     click.echo(_printable(text), err=err)
+
+
+class _PrintableLog(logging.Handler):
+    """Python logging's warnings as the CLI's lines, through :func:`_echo` (found by hand:
+    onnx_ir's warning naming a graph output with an escape sequence reached the terminal
+    raw, through logging's last-resort handler)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            _echo(self.format(record), err=True)
+        except Exception:
+            self.handleError(record)
+
+
+@contextmanager
+def _printable_logging() -> Iterator[None]:
+    """For the block, warnings logged by the libraries are printed by :class:`_PrintableLog`."""
+    root = logging.getLogger()
+    handler = _PrintableLog(logging.WARNING)
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -178,7 +203,8 @@ class _Main(click.Group):
         try:
             argv = kw.get("args", args[0] if args else None)
             _refuse_non_utf8(sys.argv[1:] if argv is None else argv)
-            code = super().main(*args, standalone_mode=False, **kw)
+            with _printable_logging():
+                code = super().main(*args, standalone_mode=False, **kw)
         except click.exceptions.Exit as e:
             code = e.exit_code
         except click.ClickException as e:
@@ -339,7 +365,7 @@ def _progress_bars():  # type: ignore[no-untyped-def]
             return
         bar = bars.get(label)
         if bar is None:
-            bar = click.progressbar(length=total, label=label, file=sys.stderr)
+            bar = click.progressbar(length=total, label=_printable(label), file=sys.stderr)
             bar.__enter__()  # type: ignore[attr-defined]
             bars[label] = bar
         bar.update(done - bar.pos)  # type: ignore[attr-defined]

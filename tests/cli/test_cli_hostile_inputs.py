@@ -408,6 +408,38 @@ def test_names_are_shown_never_obeyed_by_the_terminal(tmp_path: Path):
     assert "W\\x1b]0;pwned\\x07\\x1b[2J \\x08\\u202e\\x9b (1.00 KiB)" in runs[2].stderr
     assert "mm\\x1b[31m" in runs[2].stderr  # (the error's CR is a space: one line)
 
+
+def test_a_data_file_name_in_the_progress_is_shown_never_obeyed(tmp_path: Path):
+    """The data file's name (the model's external-data location) labels the copy's progress
+    (found by hand: "copying d<ESC>]0;pwned<BEL>.bin" was printed raw)."""
+    from tests.graphs import two_weights_model
+
+    src = tmp_path / "in" / "m.onnx"
+    src.parent.mkdir()
+    onnx.save_model(two_weights_model(), str(src), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="d\x1b]0;pwned\x07.bin",
+                    size_threshold=0)
+    r = ho("optimize", str(src), str(tmp_path / "out" / "o.onnx"), "--offload", "weights",
+           "--min-bytes", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "copying d\\x1b]0;pwned\\x07.bin" in r.stderr
+    assert "\x1b" not in r.stdout + r.stderr
+
+
+def test_a_library_warning_naming_a_value_is_shown_never_obeyed(tmp_path: Path):
+    """onnx_ir logs a warning naming a graph output no node produces (inspect reads without
+    the checker); logging's last-resort handler printed it raw (found by hand)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    z = helper.make_tensor_value_info("z\x1b]0;pwned\x07", TensorProto.FLOAT, [4])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y, z])
+    p = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), p)
+    r = ho("inspect", str(p))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Output 'z\\x1b]0;pwned\\x07' is not produced by any node" in r.stderr
+    assert "\x1b" not in r.stdout + r.stderr
+
 def test_ort_shape_inference_of_a_hostile_contrib_model_is_bounded(tmp_path: Path):
     """CONTRIB_BLOWUP passes ONNX's inference; ORT's (asked for its Gelu) would take gigabytes
     in this process: its child's limit stops it, one line."""
