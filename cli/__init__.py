@@ -24,7 +24,7 @@ import click
 from google.protobuf.message import EncodeError
 
 from ho_onnx import __version__
-from ho_onnx.errors import HoOnnxError
+from ho_onnx.errors import HoOnnxError, printable
 from ho_onnx.schedule.options import (
     MIN_BYTES_BUDGET,
     MIN_BYTES_EXPLICIT,
@@ -129,24 +129,13 @@ def _one_line(text: str, limit: int = 2000) -> str:
     return f"{line[:limit * 3 // 4]} ... [{cut} characters left out] ... {line[-(limit // 4):]}"
 
 
-# What a terminal acts on: control characters but tab and newline (ESC starts colour,
-# title and clipboard sequences; CR and BS overwrite), and the bidirectional overrides
-# that reorder what is shown ("Trojan Source").
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def _printable(text: str) -> str:
-    """``text`` with the characters a terminal acts on written as escapes (``\\x1b``): a
-    model's names are shown, never obeyed (found by hand: ``inspect`` and ``plan`` printed
-    a weight's name raw, with its OSC sequence that sets a terminal's title and its clear
-    screen; click strips only colour codes, and only when the output is not a terminal)."""
-    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
-
-
 def _echo(text: str, err: bool = False) -> None:
     """Print a line of the command's output (stdout, or stderr with ``err``); every line
-    the CLI prints goes through here (a progress bar's label through :func:`_printable`)."""
-    click.echo(_printable(text), err=err)
+    the CLI prints goes through here (a progress bar's label through :func:`printable`), so
+    a model's names are shown, never obeyed (found by hand: ``inspect`` and ``plan`` printed
+    a weight's name raw, with its OSC sequence that sets a terminal's title and its clear
+    screen; click strips only colour codes, and only when the output is not a terminal)."""
+    click.echo(printable(text), err=err)
 
 
 class _PrintableLog(logging.Handler):
@@ -365,7 +354,7 @@ def _progress_bars():  # type: ignore[no-untyped-def]
             return
         bar = bars.get(label)
         if bar is None:
-            bar = click.progressbar(length=total, label=_printable(label), file=sys.stderr)
+            bar = click.progressbar(length=total, label=printable(label), file=sys.stderr)
             bar.__enter__()  # type: ignore[attr-defined]
             bars[label] = bar
         bar.update(done - bar.pos)  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 Log = Callable[[str], None]
@@ -11,6 +12,18 @@ Log = Callable[[str], None]
 
 def quiet(_msg: str) -> None:
     """The :data:`Log` of a caller that wants no messages (``say = log or quiet``)."""
+
+
+# What a terminal acts on: control characters but tab and newline (ESC starts colour,
+# title and clipboard sequences; CR and BS overwrite), and the bidirectional overrides
+# that reorder what is shown ("Trojan Source").
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with the characters a terminal acts on written as escapes (``\\x1b``): a
+    model's names, which messages quote, are shown, never obeyed."""
+    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 class HoOnnxError(Exception):

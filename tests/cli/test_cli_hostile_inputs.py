@@ -440,6 +440,23 @@ def test_a_library_warning_naming_a_value_is_shown_never_obeyed(tmp_path: Path):
     assert "Output 'z\\x1b]0;pwned\\x07' is not produced by any node" in r.stderr
     assert "\x1b" not in r.stdout + r.stderr
 
+
+@pytest.mark.parametrize("cmd", ["verify", "profile"])
+def test_ort_log_lines_quoting_a_name_are_shown_never_obeyed(tmp_path: Path, cmd: str):
+    """ORT warns "Removing initializer '<name>'" for an unused weight, in the child process
+    that runs it; the name's escape sequences reached the terminal (found by hand)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    unused = numpy_helper.from_array(np.ones(4, np.float32), "u\x1b]0;pwned\x07")
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y], [unused])
+    p = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), p)
+    args = [str(p), str(p)] if cmd == "verify" else [str(p), "--out", str(tmp_path / "p.json")]
+    r = ho(cmd, *args, "--runs", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Removing initializer 'u\\x1b]0;pwned\\x07'" in r.stderr
+    assert "\x1b" not in r.stdout + r.stderr
+
 def test_ort_shape_inference_of_a_hostile_contrib_model_is_bounded(tmp_path: Path):
     """CONTRIB_BLOWUP passes ONNX's inference; ORT's (asked for its Gelu) would take gigabytes
     in this process: its child's limit stops it, one line."""

@@ -11,7 +11,9 @@ process), so a crash ends only that child and becomes an
 :class:`~ho_onnx.errors.UnsupportedModelError` naming the signal.
 
 The call and its answer cross two pipes as pickles (the arguments and results are paths,
-options and reports; files are read by the child itself). The child is a crash boundary,
+options and reports; files are read by the child itself). What the child prints (ORT's own
+log lines, which quote the model's names) is shown on this process's stderr with what a
+terminal would act on escaped (:func:`~ho_onnx.errors.printable`). The child is a crash boundary,
 not a sandbox: it runs as the same user. Its ``oom_score_adj`` is 1000: when memory runs
 out (a model can make ORT allocate without bound), the kernel ends it first, reported as
 "killed (SIGKILL): out of memory?". Cost: one interpreter start and the imports, ~0.5 s
@@ -32,6 +34,7 @@ import importlib
 import math
 import os
 import pickle
+import re
 import selectors
 import signal
 import subprocess
@@ -41,7 +44,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ...errors import HoOnnxError, UnsupportedModelError
+from ...errors import HoOnnxError, UnsupportedModelError, printable
 
 T = TypeVar("T")
 _OK, _RAISED = "ok", "raised"
@@ -96,21 +99,7 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
     if os.name != "posix":
         return fn(*args, **kwargs) if log is None else fn(*args, log=log, **kwargs)
     request = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs, __file__))
-    r, w = os.pipe()
-    mr, mw = os.pipe() if log is not None else (-1, -1)
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(w), str(mw)],
-                                stdin=subprocess.PIPE, stdout=2,  # (--json's stdout clean)
-                                pass_fds=(w,) if mw < 0 else (w, mw))
-    except OSError as e:
-        os.close(r)
-        if mr >= 0:
-            os.close(mr)
-        raise HoOnnxError(f"cannot start a child process to run ONNX Runtime ({e})") from None
-    finally:
-        os.close(w)
-        if mw >= 0:
-            os.close(mw)
+    proc, r, mr = _start_child(log is not None)
     deadline = time.monotonic() + timeout_s if timeout_s else None
     with os.fdopen(r, "rb", buffering=0) as reader, \
             contextlib.ExitStack() as stack:  # (both closed whatever happens)
@@ -123,7 +112,9 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
                 proc.stdin.close()
             except BrokenPipeError:  # it died before reading: its exit status says why
                 pass
-            answer = _read_answer(reader.fileno(), deadline, mr, log)
+            assert proc.stdout is not None
+            stack.callback(proc.stdout.close)
+            answer = _read_answer(reader.fileno(), deadline, mr, log, proc.stdout.fileno())
             if answer is None:
                 raise UnsupportedModelError(
                     f"ONNX Runtime did not finish {what} within {timeout_s:g} s (a model that "
@@ -136,6 +127,28 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
             proc.wait()
             raise
     return _result(answer, returncode, what)
+
+
+def _start_child(messages: bool) -> tuple[subprocess.Popen[bytes], int, int]:
+    """The child process, the read end of its answer pipe and of its message pipe (-1
+    without ``messages``); its stdout and stderr are one pipe, shown by
+    :func:`_show_output`."""
+    r, w = os.pipe()
+    mr, mw = os.pipe() if messages else (-1, -1)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(w), str(mw)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, pass_fds=(w,) if mw < 0 else (w, mw))
+    except OSError as e:
+        os.close(r)
+        if mr >= 0:
+            os.close(mr)
+        raise HoOnnxError(f"cannot start a child process to run ONNX Runtime ({e})") from None
+    finally:
+        os.close(w)
+        if mw >= 0:
+            os.close(mw)
+    return proc, r, mr
 
 
 def _result(answer: bytes, returncode: int, what: str) -> Any:
@@ -167,17 +180,20 @@ def _result(answer: bytes, returncode: int, what: str) -> Any:
 
 
 def _read_answer(fd: int, deadline: float | None, messages: int = -1,
-                 log: Callable[[str], None] | None = None) -> bytes | None:
+                 log: Callable[[str], None] | None = None, output: int = -1) -> bytes | None:
     """Everything the child writes to ``fd`` until it closes its end, or None when
     ``deadline`` (``time.monotonic()``) passes first; meanwhile each line the child writes
-    to ``messages`` (when >= 0) goes to ``log`` as it comes, the last ones once it exits."""
+    to ``messages`` (when >= 0) goes to ``log`` as it comes, and each line of its ``output``
+    (its stdout and stderr: ORT's own log lines, a traceback) to :func:`_show_output`, the
+    last ones once it exits."""
     chunks: list[bytes] = []
-    pending = b""
-    open_fds = {fd} | ({messages} if messages >= 0 else set())
+    pending = {messages: b"", output: b""}
+    show = {messages: log, output: _show_output}
+    open_fds = {f for f in (fd, messages, output) if f >= 0}
     with selectors.DefaultSelector() as sel:
         for f in open_fds:
             sel.register(f, selectors.EVENT_READ)
-        while fd in open_fds or messages in open_fds:
+        while open_fds:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return None
@@ -189,12 +205,27 @@ def _read_answer(fd: int, deadline: float | None, messages: int = -1,
                 elif key.fd == fd:
                     chunks.append(chunk)
                 else:
-                    *lines, pending = (pending + chunk).split(b"\n")
+                    *lines, pending[key.fd] = (pending[key.fd] + chunk).split(b"\n")
                     for line in lines:
-                        log(line.decode(errors="replace"))  # type: ignore[misc]
-    if pending:
-        log(pending.decode(errors="replace"))  # type: ignore[misc]
+                        show[key.fd](line.decode(errors="replace"))  # type: ignore[misc]
+    for f, rest in pending.items():
+        if rest:
+            show[f](rest.decode(errors="replace"))  # type: ignore[misc]
     return b"".join(chunks)
+
+
+# ORT colours its log lines (SGR sequences), into a pipe too.
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _show_output(line: str) -> None:
+    """A line the child printed, on this process's stderr: without ORT's colour codes, and
+    with what a terminal would act on as escapes (found by hand: ORT's warning "Removing
+    initializer '...'" quoted a hostile model's name, escape sequences and all, straight
+    onto the terminal)."""
+    with contextlib.suppress(OSError, ValueError):  # (no stderr to show it on)
+        sys.stderr.write(printable(_COLOUR.sub("", line)) + "\n")
+        sys.stderr.flush()
 
 
 class _Messages:

@@ -67,6 +67,19 @@ def test_the_child_writes_nothing_to_stdout(capfd):
     assert out == "" and "from the child" in err
 
 
+
+def test_what_the_child_prints_is_shown_never_obeyed(capfd):
+    """ORT's log lines quote a model's names (found by hand: "Removing initializer '...'"
+    put a hostile name's escape sequences straight onto the terminal): the child's output,
+    stdout and stderr, is shown on this process's stderr with them escaped, ORT's colours
+    dropped, every line there (also one without a newline at the end)."""
+    code = ("import sys; sys.stdout.write('a\\x1b]0;t\\x07\\n'); sys.stdout.flush(); "
+            "sys.stderr.write('\\x1b[0;93mwarn \\u202eb\\x1b[m\\nlast')")
+    isolate.run_isolated(exec, code, what="printing")
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert err.splitlines() == ["a\\x1b]0;t\\x07", "warn \\u202eb", "last"]
+
 def test_an_interrupt_leaves_no_child_behind():
     before = _children()
 
