@@ -185,7 +185,8 @@ def _read_answer(fd: int, deadline: float | None, messages: int = -1,
     ``deadline`` (``time.monotonic()``) passes first; meanwhile each line the child writes
     to ``messages`` (when >= 0) goes to ``log`` as it comes, and each line of its ``output``
     (its stdout and stderr: ORT's own log lines, a traceback) to :func:`_show_output`, the
-    last ones once it exits."""
+    last ones once it exits (with the answer in, the deadline no longer applies: a child
+    tearing a big session down after answering is not a run past its limit)."""
     chunks: list[bytes] = []
     pending = {messages: b"", output: b""}
     show = {messages: log, output: _show_output}
@@ -194,7 +195,8 @@ def _read_answer(fd: int, deadline: float | None, messages: int = -1,
         for f in open_fds:
             sel.register(f, selectors.EVENT_READ)
         while open_fds:
-            left = None if deadline is None else deadline - time.monotonic()
+            answered = fd not in open_fds and messages not in open_fds
+            left = None if deadline is None or answered else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return None
             for key, _ in sel.select(left):

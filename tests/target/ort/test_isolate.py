@@ -109,6 +109,18 @@ def test_a_time_limit_ends_the_child():
     assert isolate.run_isolated(os.getpid, what="asking", timeout_s=60) != os.getpid()
 
 
+
+def test_the_time_limit_ends_with_the_answer():
+    """A child slow to exit after answering (a big session torn down) is not a run past its
+    limit: the answer counts (the child's output is read until it exits, without the
+    deadline)."""
+    import atexit
+
+    t0 = time.monotonic()
+    assert isolate.run_isolated(atexit.register, time.sleep, 2, what="registering",
+                                timeout_s=1) is time.sleep
+    assert time.monotonic() - t0 >= 2  # (it did wait for the child's exit)
+
 def test_the_time_limit_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(isolate.ENV_TIMEOUT, "0.5")
     with pytest.raises(UnsupportedModelError, match=f"within 0.5 s.*{isolate.ENV_TIMEOUT}"):
