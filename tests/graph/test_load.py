@@ -136,6 +136,49 @@ def test_a_data_file_replaced_by_a_link_out_is_refused_on_the_next_check(tmp_pat
         validate_external_data(proto, src.parent)
 
 
+
+def _sparse(name: str) -> onnx.SparseTensorProto:
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    values = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), name)
+    return helper.make_sparse_tensor(values, numpy_helper.from_array(
+        np.array([1, 5], np.int64), f"{name}_idx"), [4, 4])
+
+
+@pytest.mark.parametrize("where", ["main", "branch"])
+def test_sparse_initializers_are_refused_in_words(tmp_path, where):
+    """A valid model whose weight is a sparse initializer (ORT runs it): onnx_ir does not read
+    them, so ``plan`` planned without the weight and ``optimize`` failed on its own output's
+    check ("input 'W' ... is not output of any previous nodes"); found by hand."""
+    from onnx import TensorProto, helper
+
+    from ho_onnx.graph.load import load_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    mm = helper.make_node("MatMul", ["x", "W"], ["y"])
+    if where == "main":
+        g = helper.make_graph([mm], "g", [x], [y], sparse_initializer=[_sparse("W")])
+    else:  # the sparse weight of an If's branch
+        then = helper.make_graph([mm], "t", [], [y], sparse_initializer=[_sparse("W")])
+        other = helper.make_graph([helper.make_node("Identity", ["x"], ["y2"])], "e", [],
+                                  [helper.make_tensor_value_info("y2", TensorProto.FLOAT,
+                                                                 [2, 4])])
+        g = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then,
+                                                else_branch=other)], "g",
+                              [x, helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                              [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m)  # (valid; ORT runs it)
+    onnx.save(m, str(tmp_path / "sparse.onnx"))
+    for call in (lambda: load_model(tmp_path / "sparse.onnx"),
+                 lambda: optimize(tmp_path / "sparse.onnx", tmp_path / "o.onnx", ALL)):
+        with pytest.raises(UnsupportedModelError, match=r"1 sparse initializer\(s\) \('W'\): "
+                                                        "not supported"):
+            call()
+    assert not (tmp_path / "o.onnx").exists()
+
 def test_unsupported_opset_and_already_optimized(tmp_path):
     m = chain_model()
     m.opset_import[0].version = 99
