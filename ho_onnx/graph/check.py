@@ -103,12 +103,22 @@ def check_attribute_types(nodes: Iterable[onnx.NodeProto]) -> None:
     """Raise ``onnx.checker.ValidationError`` for a node attribute without a type: onnx's
     checker does not look at the attributes of custom-domain nodes (and does not run for
     ``inspect``), and onnx_ir reads such a model but cannot write it (found by the fuzzer:
-    ``inspect`` failed with a SerdeError; also in a model function's body)."""
+    ``inspect`` failed with a SerdeError; also in a model function's body). A sparse tensor
+    attribute (a Constant's ``sparse_value``) is valid, but onnx_ir cannot read it (found by
+    hand: "Error calling _deserialize_graph with: g"): an :class:`UnsupportedModelError`."""
     for node in nodes:
         for a in node.attribute:
             if a.type == onnx.AttributeProto.UNDEFINED:
                 raise onnx.checker.ValidationError(
                     f"attribute {a.name!r} of node {node.name or node.op_type!r} has no type")
+            if a.type in _SPARSE:
+                raise UnsupportedModelError(
+                    f"attribute {a.name!r} of node {node.name or node.op_type!r} holds a "
+                    "sparse tensor: not supported (ho-onnx cannot read it yet); store it as a "
+                    "dense tensor (a Constant's 'value')")
+
+
+_SPARSE = (onnx.AttributeProto.SPARSE_TENSOR, onnx.AttributeProto.SPARSE_TENSORS)
 
 
 def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | None = None

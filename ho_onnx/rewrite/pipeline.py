@@ -225,6 +225,10 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph)} nodes, "
                   f"{len(loaded.model.graph.initializers)} initializers "
                   f"({steps.seconds['load']:.2f} s)")
+        if loaded.proto.training_info:  # (onnx_ir does not read it; found by hand)
+            steps.say(f"note: the model's training_info ({len(loaded.proto.training_info)} "
+                      "entries) is not written to the output: the rewritten graph is for "
+                      "inference")
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
             run_steps(loaded.model, InsertPass(), AnnotatePass(dims),

@@ -179,6 +179,46 @@ def test_sparse_initializers_are_refused_in_words(tmp_path, where):
             call()
     assert not (tmp_path / "o.onnx").exists()
 
+
+@pytest.mark.parametrize("kind", ["SPARSE_TENSOR", "SPARSE_TENSORS"])
+def test_sparse_tensor_attributes_are_refused_in_words(tmp_path, kind):
+    """A Constant's ``sparse_value`` is valid ONNX (ORT runs it), but onnx_ir cannot read it:
+    the error was "cannot be read as an ONNX graph: Error calling _deserialize_graph with:
+    g" (found by hand). A custom-domain node's sparse-tensors attribute likewise."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    if kind == "SPARSE_TENSOR":
+        holder = helper.make_node("Constant", [], ["W"], sparse_value=_sparse("v"))
+    else:
+        holder = helper.make_node("Thing", [], ["W"], domain="custom.x", name="thing",
+                                  tables=[_sparse("v"), _sparse("u")])
+    g = helper.make_graph([holder, helper.make_node("MatMul", ["x", "W"], ["y"])], "g", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("custom.x", 1)])
+    assert m.graph.node[0].attribute[0].type == getattr(onnx.AttributeProto, kind)
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    what = "'sparse_value' of node 'Constant'" if kind == "SPARSE_TENSOR" else (
+        "'tables' of node 'thing'")
+    with pytest.raises(UnsupportedModelError, match=f"attribute {what} holds a sparse tensor"):
+        optimize(tmp_path / "m.onnx", tmp_path / "o.onnx", ALL)
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_training_info_is_said_to_be_left_out(tmp_path):
+    """onnx_ir does not read a model's training_info: the output lacks it, and says so."""
+    from onnx import helper
+
+    m = chain_model()
+    m.training_info.add().initialization.CopyFrom(helper.make_graph([], "init", [], []))
+    src = save(m, tmp_path / "m.onnx")
+    said: list[str] = []
+    optimize(src, tmp_path / "o.onnx", ALL, {"N": 2}, log=said.append)
+    assert not onnx.load(str(tmp_path / "o.onnx")).training_info
+    assert ("note: the model's training_info (1 entries) is not written to the output: the "
+            "rewritten graph is for inference") in said
+
 def test_unsupported_opset_and_already_optimized(tmp_path):
     m = chain_model()
     m.opset_import[0].version = 99
