@@ -486,13 +486,13 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         else:
             result = run_file(input_model, output_model)
     _echo(f"{output_model}: {len(result.choice.weights)} weights, "
-               f"{len(result.choice.activations)} activations offloaded, "
-               f"{result.choice.offloaded_bytes:,} bytes")
+          f"{len(result.choice.activations)} activations offloaded, "
+          f"{result.choice.offloaded_bytes:,} bytes")
     if result.plan is not None:
         p = result.plan
         _echo(f"predicted peak {format_bytes(p.planned.peak_bytes, 'MiB', 1)} (budget "
-                   f"{format_bytes(p.budget, 'MiB', 1)}), time x"
-                   f"{p.planned.total_s / p.baseline.total_s if p.baseline.total_s else 1:.3f}")
+              f"{format_bytes(p.budget, 'MiB', 1)}), time x"
+              f"{p.planned.total_s / p.baseline.total_s if p.baseline.total_s else 1:.3f}")
         _echo(p.arena_summary())
 
 
@@ -591,7 +591,7 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
                           runs=runs, warmup=warmup, opt_level=opt_level, int_high=int_high,
                           shapes=parse_shape_options(shapes), timeout_s=timeout_s, log=_log)
     _echo(f"{out_json}: {len(r['nodes'])} nodes, median run "
-               f"{r['total_median_s'] * 1e3:.3f} ms")
+          f"{r['total_median_s'] * 1e3:.3f} ms")
 
 
 @main.command()
@@ -648,20 +648,20 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
                      timeout_s=timeout_s, log=_log)
     if as_json:
         _echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
-                               "seconds_original": report.seconds_original,
-                               "seconds_optimized": report.seconds_optimized,
-                               "outputs": [vars(o) for o in report.outputs]}, indent=2))
+                          "seconds_original": report.seconds_original,
+                          "seconds_optimized": report.seconds_optimized,
+                          "outputs": [vars(o) for o in report.outputs]}, indent=2))
     else:
         for o in report.outputs:
             status = "exact" if o.exact else ("close" if o.close else "MISMATCH")
             _echo(f"{o.name:<24} {list(o.shape)!s:<18} max_abs={o.max_abs:.3g} "
-                       f"max_rel={o.max_rel:.3g}  {status}")
+                  f"max_rel={o.max_rel:.3g}  {status}")
         med = sorted(report.seconds_original)[len(report.seconds_original) // 2]
         med_opt = sorted(report.seconds_optimized)[len(report.seconds_optimized) // 2]
         _echo(f"median run: original {med * 1e3:.1f} ms, optimized {med_opt * 1e3:.1f} ms "
-                   "(first runs include warm-up)")
+              "(first runs include warm-up)")
         _echo(f"{report.runs} run(s): " + ("OK" if report.ok else "MISMATCH")
-                   + (" (bit-exact)" if report.exact else ""))
+              + (" (bit-exact)" if report.exact else ""))
     sys.exit(0 if report.ok else 1)
 
 
@@ -706,4 +706,4 @@ def calibrate(out_json: str, base: str, data_file: str | None, size: int,
     with _errors():
         r = run(out_json, base=base, file=data_file, size=size, directory=directory, log=_log)
     _echo(f"{out_json}: h2d {float(r['h2d_bw']) / 1e9:.2f} GB/s, d2h "  # type: ignore[arg-type]
-               f"{float(r['d2h_bw']) / 1e9:.2f} GB/s, disk {float(r['disk_bw']) / 1e9:.2f} GB/s")  # type: ignore[arg-type]
+          f"{float(r['d2h_bw']) / 1e9:.2f} GB/s, disk {float(r['disk_bw']) / 1e9:.2f} GB/s")  # type: ignore[arg-type]

@@ -413,7 +413,7 @@ def test_cache_ops_inside_loop_and_if_bodies(tmp_path, kind, tier):
     ops and all, moved into a Loop body run three times per run (each Store, Prefetch and
     Detach again) or into an If branch; two threads run it at once. Each iteration's output
     is the original model's, bit-exact (the same CPU kernels), and nothing crashes (also
-    under ASan, scripts/test_native.sh)."""
+    under ASan, scripts/test_native.sh); with the library's Waits made to skip, it is not."""
     import onnxruntime as ort
     from graphs import chain_model
     from graphs import save as save_model
@@ -459,9 +459,16 @@ def test_cache_ops_inside_loop_and_if_bodies(tmp_path, kind, tier):
         for _ in range(5):
             results.append(s.run(None, {"x": x})[0])
 
-    run_threads(runs, 2)
+    try:  # (poisoned Prefetch outputs and slow copies: a missing wait would show)
+        ops().set_debug(poison=True, delay_us=200)
+        run_threads(runs, 2)
+        ops().set_debug(poison=True, delay_us=200, skip_wait=True)
+        skipped = s.run(None, {"x": x})[0]
+    finally:
+        ops().set_debug()
     assert len(results) == 10
     for got in results:
         for row in (got if kind == "loop" else [got]):
             np.testing.assert_array_equal(row, want)
     assert results[0].shape == ((3, 4, 16) if kind == "loop" else (4, 16))
+    assert not np.array_equal(skipped, results[0])  # (the test sees a Wait that does not)

@@ -13,8 +13,8 @@ process), so a crash ends only that child and becomes an
 The call and its answer cross two pipes as pickles (the arguments and results are paths,
 options and reports; files are read by the child itself). What the child prints (ORT's own
 log lines, which quote the model's names) is shown on this process's stderr with what a
-terminal would act on escaped (:func:`~ho_onnx.errors.printable`). The child is a crash boundary,
-not a sandbox: it runs as the same user. Its ``oom_score_adj`` is 1000: when memory runs
+terminal would act on escaped (:func:`~ho_onnx.errors.printable`). The child is a crash
+boundary, not a sandbox: it runs as the same user. Its ``oom_score_adj`` is 1000: when memory runs
 out (a model can make ORT allocate without bound), the kernel ends it first, reported as
 "killed (SIGKILL): out of memory?". Cost: one interpreter start and the imports, ~0.5 s
 per call (``verify`` of a small model: 0.51 s, in-process 0.01 s), paid only by the steps
@@ -102,7 +102,9 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
     proc, r, mr = _start_child(log is not None)
     deadline = time.monotonic() + timeout_s if timeout_s else None
     with os.fdopen(r, "rb", buffering=0) as reader, \
-            contextlib.ExitStack() as stack:  # (both closed whatever happens)
+            contextlib.ExitStack() as stack:  # (all closed whatever happens)
+        assert proc.stdout is not None
+        stack.callback(proc.stdout.close)
         if mr >= 0:
             stack.callback(os.close, mr)
         try:
@@ -112,8 +114,6 @@ def run_isolated(fn: Callable[..., T], /, *args: Any, what: str,
                 proc.stdin.close()
             except BrokenPipeError:  # it died before reading: its exit status says why
                 pass
-            assert proc.stdout is not None
-            stack.callback(proc.stdout.close)
             answer = _read_answer(reader.fileno(), deadline, mr, log, proc.stdout.fileno())
             if answer is None:
                 raise UnsupportedModelError(
