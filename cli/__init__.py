@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from google.protobuf.message import EncodeError
@@ -32,6 +32,9 @@ from ho_onnx.schedule.options import (
     offload_kinds,
 )
 from ho_onnx.units import INT64_MAX, format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from ho_onnx.cost.source import CostSource
 
 _DEFAULTS = OffloadOptions()
 
@@ -270,6 +273,16 @@ def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str 
             raise click.UsageError(f"{option} {out!r} is a directory")
 
 
+def _costs(machine: str, profile_path: str | None) -> CostSource:
+    """The plan's cost source, its machine and profile files read now: a missing or bad one
+    fails before the model is read (was: after its analysis)."""
+    from ho_onnx.cost.source import CostSource
+
+    costs = CostSource(machine, profile_path)
+    costs.check()
+    return costs
+
+
 def _refuse_overwriting_non_json(option: str, out: str) -> None:
     """A JSON output may replace an earlier JSON file, never another kind of file."""
     o = Path(out)
@@ -452,7 +465,6 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
     there, with progress. The input is never modified and nothing is left behind on failure;
     a budget below the smallest feasible one fails first, naming that budget.
     """
-    from ho_onnx.cost.source import CostSource
     from ho_onnx.rewrite.pipeline import optimize as run
 
     _refuse_overwriting_inputs({"OUTPUT_MODEL": output_model},
@@ -466,9 +478,10 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits)
+        costs = _costs(machine, profile_path)
         def run_file(src: object, dst: object):  # type: ignore[no-untyped-def]
             return run(src, dst, options, parse_dims(dims),  # type: ignore[arg-type]
-                       costs=CostSource(machine, profile_path), ort_level=ort_level, log=_log,
+                       costs=costs, ort_level=ort_level, log=_log,
                        progress=_progress_bars(), shapes=parse_shape_options(shapes))
 
         from pathlib import Path
@@ -520,7 +533,6 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
     time, predicted stall), the peak and the predicted time before and after.
     """
-    from ho_onnx.cost.source import CostSource
     from ho_onnx.report.text import format_plan, plan_to_dict
     from ho_onnx.rewrite.pipeline import plan_model
 
@@ -532,12 +544,13 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             from ho_onnx.report.plot import image_format
 
             image_format(plot_path)
+        costs = _costs(machine, profile_path)
         _, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
                                              host_budget=host_budget,
                                              arena_refits=arena_refits),
-                                    parse_dims(dims), CostSource(machine, profile_path),
+                                    parse_dims(dims), costs,
                                     ort_level=ort_level, log=_log,
                                     shapes=parse_shape_options(shapes))
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type

@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HoOnnxError
+from ..graph.save import read_json
 from .model import Direction
+
+#: A machine file holds a few numbers; a device or a runaway file is refused unread.
+MAX_MACHINE_FILE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,10 @@ class Machine:
         """
         p = Path(path)
         try:
-            data = json.loads(p.read_text())
+            data = read_json(p, MAX_MACHINE_FILE_BYTES)
         except FileNotFoundError:
             raise MachineError(f"machine file {str(p)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise MachineError(f"machine file {str(p)!r} is not readable JSON: {e}") from None
         if not isinstance(data, dict):
             raise MachineError(f"machine file {str(p)!r} must hold a JSON object")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..graph.analyse import GraphAnalysis
-from ..target.ort.profile import ProfileError
+from ..target.ort.profile import ProfileError, read_profile
 from .analytic import analytic_costs
 from .machine import load_machine
 from .model import CostModel
@@ -23,6 +23,13 @@ class CostSource:
 
     machine: str | os.PathLike[str] = "cpu"
     profile: str | os.PathLike[str] | None = None
+
+    def check(self) -> None:
+        """Read the machine and the profile now, so that a missing or bad file fails before
+        a model is analysed (was: after, seconds into a large model)."""
+        load_machine(self.machine)
+        if self.profile is not None:
+            read_profile(self.profile)
 
     def cost_model(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> CostModel:
         """Compute seconds per step of ``analysis`` and transfer times, with a description."""

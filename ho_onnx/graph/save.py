@@ -21,6 +21,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import json
 import os
 import secrets
 import stat
@@ -185,6 +186,29 @@ def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
             return segs
         return [(0, size)]
     return segs
+
+
+def read_json(path: Path, limit: int, *, follow: bool = True) -> Any:
+    """The JSON value in the regular file ``path``, at most ``limit`` bytes (a link in its
+    last part followed unless ``follow`` is false). A device, FIFO or folder, or a larger
+    file, is an :class:`OSError` saying so (was: read whole, so ``/dev/zero`` ran out of
+    memory and a FIFO waited for a writer); bad JSON is a ``ValueError`` (``UnicodeError``
+    included) or a ``RecursionError`` (nested deeper than Python's parser goes)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # (before fdopen, which refuses a folder its way)
+            raise OSError("not a regular file")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        data = f.read(limit + 1)
+    if max(st.st_size, len(data)) > limit:
+        raise OSError(f"larger than {format_bytes(limit)}")
+    return json.loads(data)
 
 
 def open_regular(path: Path, expect: tuple[int, int] | None = None) -> int:

@@ -89,6 +89,32 @@ def test_bad_option_values_are_one_line(model: Path, tmp_path: Path, args: list[
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder", "huge"])
+@pytest.mark.parametrize("option", ["--machine", "--profile"])
+@pytest.mark.parametrize("cmd", ["optimize", "plan"])
+def test_a_machine_or_profile_file_that_is_no_small_file_is_refused_up_front(
+        model: Path, tmp_path: Path, kind: str, option: str, cmd: str):
+    """--machine and --profile name small JSON files: was read whole after the model's
+    analysis, so ``/dev/zero`` ran the process out of memory and a FIFO with no writer hung
+    it. Now a device, FIFO, folder or runaway file is one line before the model is read."""
+    f = {"device": Path("/dev/zero"), "folder": tmp_path}.get(kind, tmp_path / "f.json")
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "huge":
+        with open(f, "wb") as h:  # (sparse: past the limit without a byte written)
+            h.truncate(1 << 30)
+    if option == "--profile" and kind == "folder":
+        pytest.skip("click refuses a folder for --profile itself (dir_okay=False)")
+    out = tmp_path / "o" / "out.onnx"
+    args = [str(out)] if cmd == "optimize" else []
+    r = ho(cmd, str(model), *args, "--budget", "1MiB", "--dim", "N=2", option, str(f),
+           timeout=60)
+    msg = one_line_error(r)
+    assert ("not a regular file" if kind != "huge" else "larger than") in msg, msg
+    assert "analysed" not in r.stderr + r.stdout  # (refused before the model was read)
+    assert not (tmp_path / "o").exists()
+
+
 def test_output_under_a_file_is_one_line(model: Path, tmp_path: Path):
     f = tmp_path / "afile"
     f.write_text("x")

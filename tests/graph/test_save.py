@@ -14,7 +14,7 @@ from threads import run_threads
 
 from ho_onnx import contract
 from ho_onnx.errors import ModelLoadError, OutputPathError
-from ho_onnx.graph.save import copy_sparse, write_atomic
+from ho_onnx.graph.save import copy_sparse, read_json, write_atomic
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 
@@ -777,3 +777,30 @@ def test_two_names_of_one_data_file_do_not_wait_for_each_other(tmp_path):
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.data", "b.data", "o.onnx"]
+
+
+def test_read_json_reads_a_small_regular_file_and_refuses_the_rest(tmp_path: Path):
+    """``read_json`` serves every small JSON input (machine, profile, folder configs): a
+    device, FIFO or folder is refused without reading or waiting, a file past the limit
+    unread (was: ``Path.read_text``, whole)."""
+    ok = tmp_path / "ok.json"
+    ok.write_text('{"a": [1, 2]}')
+    assert read_json(ok, 100) == {"a": [1, 2]}
+    link = tmp_path / "link.json"
+    link.symlink_to(ok)
+    assert read_json(link, 100) == {"a": [1, 2]}
+    with pytest.raises(OSError):  # (O_NOFOLLOW: ELOOP)
+        read_json(link, 100, follow=False)
+    with pytest.raises(OSError, match="larger than 12 B"):
+        read_json(ok, 12)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for p in (fifo, Path("/dev/zero"), tmp_path):
+        with pytest.raises(OSError, match="not a regular file"):
+            read_json(p, 1 << 20)
+    ok.write_text("[" * 100_000)
+    with pytest.raises(RecursionError):
+        read_json(ok, 1 << 20)
+    ok.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError):
+        read_json(ok, 100)

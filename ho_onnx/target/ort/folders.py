@@ -35,8 +35,7 @@ import onnx
 from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
 from ...errors import ModelLoadError, OutputPathError
 from ...graph.load import read_proto, resolve_data_path
-from ...graph.save import copy_sparse, new_folders, open_regular
-from ...units import format_bytes
+from ...graph.save import copy_sparse, new_folders, read_json
 
 FolderKind = Literal["genai", "optimum"]
 GENAI_CONFIG = "genai_config.json"
@@ -66,12 +65,8 @@ def _read_json(folder: Path, name: str) -> dict[str, Any]:
     _inside(folder, name, repr(str(folder)), "configuration file")
     try:
         # (a link inside the folder is read as its file, like the files copied)
-        with os.fdopen(open_regular(path.resolve()), "rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_CONFIG_BYTES:
-                raise ModelLoadError(f"{str(path)!r} is larger than "
-                                     f"{format_bytes(MAX_CONFIG_BYTES)}: not a configuration")
-            data = json.loads(f.read(MAX_CONFIG_BYTES + 1).decode())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        data = read_json(path.resolve(), MAX_CONFIG_BYTES, follow=False)
+    except (OSError, ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else e
         raise ModelLoadError(f"{str(path)!r} is not readable JSON: {why}") from None
     if not isinstance(data, dict):

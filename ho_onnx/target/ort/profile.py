@@ -38,7 +38,7 @@ from typing import Any
 
 from ...errors import HoOnnxError, Log, UnboundDimError, quiet
 from ...graph.dims import check_bindings
-from ...graph.save import write_atomic
+from ...graph.save import read_json, write_atomic
 from .isolate import check_timeout, run_isolated
 from .session import OPT_LEVELS, model_for_ort, ort_opt_level, random_inputs, require_providers
 
@@ -54,17 +54,20 @@ class ProfileError(HoOnnxError):
 
 
 PROFILE_FORMAT = "ho-onnx-profile"
+#: A profile holds ~100 bytes a node: 256 MiB is millions of nodes, and a device or a
+#: runaway file is refused before it is read.
+MAX_PROFILE_BYTES = 256 << 20
 
 
 def read_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load and check a per-node times file written by :func:`profile_model`."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        data = read_json(p, MAX_PROFILE_BYTES)
     except FileNotFoundError:
         raise ProfileError(f"profile file {str(p)!r} does not exist "
                            "(make one with `ho-onnx profile MODEL`)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ProfileError(f"profile file {str(p)!r} is not readable JSON: {e}") from None
     if isinstance(data, list) or (isinstance(data, dict) and "traceEvents" in data):
         raise ProfileError(f"profile file {str(p)!r} looks like ORT's raw trace; convert it "
