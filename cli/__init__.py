@@ -667,8 +667,8 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
     else:
         for o in report.outputs:
             status = "exact" if o.exact else ("close" if o.close else "MISMATCH")
-            _echo(f"{o.name:<24} {list(o.shape)!s:<18} max_abs={o.max_abs:.3g} "
-                  f"max_rel={o.max_rel:.3g}  {status}")
+            _echo(f"{printable(o.name, cell=True):<24} {list(o.shape)!s:<18} "
+                  f"max_abs={o.max_abs:.3g} max_rel={o.max_rel:.3g}  {status}")
         med = sorted(report.seconds_original)[len(report.seconds_original) // 2]
         med_opt = sorted(report.seconds_optimized)[len(report.seconds_optimized) // 2]
         _echo(f"median run: original {med * 1e3:.1f} ms, optimized {med_opt * 1e3:.1f} ms "

@@ -18,12 +18,15 @@ def quiet(_msg: str) -> None:
 # title and clipboard sequences; CR and BS overwrite), and the bidirectional overrides
 # that reorder what is shown ("Trojan Source").
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_IN_A_CELL = re.compile(f"[\t\n{_UNSAFE.pattern[1:-1]}]")
 
 
-def printable(text: str) -> str:
+def printable(text: str, *, cell: bool = False) -> str:
     """``text`` with the characters a terminal acts on written as escapes (``\\x1b``): a
-    model's names, which messages quote, are shown, never obeyed."""
-    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
+    model's names, which messages quote, are shown, never obeyed. With ``cell``, a table's
+    cell: newline and tab too (they would break the row), and escaped before it is cut to
+    its column (was cut first, so the escapes overflowed it)."""
+    return (_UNSAFE_IN_A_CELL if cell else _UNSAFE).sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 class HoOnnxError(Exception):

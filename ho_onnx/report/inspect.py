@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import onnx_ir as ir
 
 from .. import contract
+from ..errors import printable
 from ..graph.analyse import attribute_values, input_names
 from ..graph.dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from ..graph.load import load_model
@@ -125,16 +126,16 @@ def format_summary(s: ModelSummary) -> str:
     if not s.transfers:
         lines.append("no transfers: nothing is offloaded")
         return "\n".join(lines)
-    w = max(len(t.tensor) for t in s.transfers)
-    w = min(max(w, 6), 48)
+    names = [printable(t.tensor, cell=True) for t in s.transfers]
+    w = min(max(6, *map(len, names)), 48)
     lines.append(f"{'tensor':<{w}}  {'kind':<10} {'bytes':>12}  {'prefetch':>8} {'wait':>6} "
                  f"{'window':>6}  source")
     total = 0
-    for t in s.transfers:
+    for t, name in zip(s.transfers, names, strict=True):
         total += t.nbytes or 0
         nb = "?" if t.nbytes is None else f"{t.nbytes:,}"
-        lines.append(f"{t.tensor[:w]:<{w}}  {t.kind:<10} {nb:>12}  {t.prefetch_step:>8} "
-                     f"{t.wait_step:>6} {t.window_nodes:>6}  {t.source}")
+        lines.append(f"{name[:w]:<{w}}  {t.kind:<10} {nb:>12}  {t.prefetch_step:>8} "
+                     f"{t.wait_step:>6} {t.window_nodes:>6}  {printable(t.source, cell=True)}")
     lines.append(f"{len(s.transfers)} transfers per run, {total:,} bytes reloaded per run")
     return "\n".join(lines)
 

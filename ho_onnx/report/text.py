@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import printable
 from ..schedule.planner import Plan
 from ..schedule.simulate import Simulation
 from ..units import format_bytes
@@ -87,12 +88,13 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
     ]
     rows = transfer_rows(plan, analysis_names)
     if rows:
-        w = min(max(len(r["tensor"]) for r in rows), 40)
+        names = [printable(r["tensor"], cell=True) for r in rows[:max_rows]]
+        w = min(max(len(n) for n in names), 40)
         lines.append(f"{'tensor':<{w}} {'kind':<7} {'dir':<4} {'bytes':>12} {'window':>13} "
                      f"{'window ms':>9} {'copy ms':>8} {'stall ms':>8}")
-        for r in rows[:max_rows]:
+        for r, name in zip(rows, names, strict=False):
             lines.append(
-                f"{r['tensor'][:w]:<{w}} {r['kind']:<7} {r['direction']:<4} {r['bytes']:>12,} "
+                f"{name[:w]:<{w}} {r['kind']:<7} {r['direction']:<4} {r['bytes']:>12,} "
                 f"{r['issue_step']:>6}->{r['wait_step']:<6} {r['window_s'] * 1e3:>9.3f} "
                 f"{r['transfer_s'] * 1e3:>8.3f} {r['stall_s'] * 1e3:>8.3f}")
         if len(rows) > max_rows:

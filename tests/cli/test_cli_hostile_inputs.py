@@ -435,6 +435,40 @@ def test_names_are_shown_never_obeyed_by_the_terminal(tmp_path: Path):
     assert "mm\\x1b[31m" in runs[2].stderr  # (the error's CR is a space: one line)
 
 
+def test_hostile_names_keep_their_table_row_and_column(tmp_path: Path):
+    """``inspect``'s and ``plan``'s tables cut a long name to its column: they cut it before
+    it was escaped, so fifteen ESCs (60 characters escaped) overflowed the column, and a
+    newline in a name split its row in two. Now the cell is escaped first, newline and tab
+    included, then cut: every row's ``kind`` starts under the header's."""
+    m = text_model("""
+    g (float[2, 64] x) => (float[2, 64] y) {
+      a = MatMul(x, W1)
+      b = MatMul(a, W2)
+      c = MatMul(b, W3)
+      y = MatMul(c, W4)
+    }
+    """, W1=(64, 64), W2=(64, 64), W3=(64, 64), W4=(64, 64))
+    from tests.graphs import save
+
+    for i, name in enumerate(["line\none\ttab", "\x1b" * 15 + "W", "W3", "W4"]):
+        m.graph.initializer[i].name = m.graph.node[i].input[1] = name
+    src = save(m, tmp_path / "m.onnx", external=True)
+    out = tmp_path / "o.onnx"
+    offload = ["--offload", "all", "--min-bytes", "0"]
+    assert ho("optimize", str(src), str(out), *offload).returncode == 0
+    for r, rows in ((ho("inspect", str(out)), 4), (ho("plan", str(src), "--budget", "40KiB",
+                                                      *offload), 3)):
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines = r.stdout.splitlines()
+        head = next(i for i, ln in enumerate(lines) if ln.startswith("tensor "))
+        column = lines[head].index(" kind")
+        table = lines[head + 1:head + 1 + rows]
+        assert [ln[column:column + 5] for ln in table] == [" " + ln.split()[1][:4]
+                                                            for ln in table], "\n".join(table)
+        assert {ln.split()[1] for ln in table} == {"weight" if rows == 4 else "reload"}
+        assert table[0].startswith("line\\none\\ttab "), table[0]
+
+
 def test_a_data_file_name_in_the_progress_is_shown_never_obeyed(tmp_path: Path):
     """The data file's name (the model's external-data location) labels the copy's progress
     (found by hand: "copying d<ESC>]0;pwned<BEL>.bin" was printed raw)."""
