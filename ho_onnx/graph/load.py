@@ -20,6 +20,7 @@ from onnx import TensorProto
 
 from ..contract import DOMAIN
 from ..errors import ExternalDataError, HoOnnxError, ModelLoadError, UnsupportedModelError
+from ..units import format_bytes
 from .analyse import all_graphs
 from .check import check_attribute_types, check_standard
 from .dims import shape_text
@@ -272,6 +273,32 @@ def check_text(message: Message, what: str) -> None:
     _walk_text(message, what)
 
 
+#: The largest message protobuf parses (``INT_MAX`` bytes): a bigger model file is no model.
+MAX_PROTO_BYTES = 2**31 - 1
+#: Bytes 4-8 of an ORT-format model (a FlatBuffer, ``.ort``): its file identifier.
+ORT_FORMAT_MAGIC = b"ORTM"
+
+
+def _refuse_unparsable(p: Path) -> None:
+    """Refuse, unread, what protobuf can never parse as a model: a file over
+    :data:`MAX_PROTO_BYTES` (was read whole, 3 GiB of memory for a 3 GiB file, then "Wire
+    format was corrupt") and an ORT-format model (was "Wire format was corrupt")."""
+    try:
+        with open(p, "rb") as f:
+            size, head = os.fstat(f.fileno()).st_size, f.read(8)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {str(p)!r}: {e.strerror or e}") from None
+    if size > MAX_PROTO_BYTES:
+        raise ModelLoadError(
+            f"{str(p)!r} is {format_bytes(size)}: protobuf cannot read a model file over 2 GiB, "
+            "so this is no ONNX model file; keep the weights in external data "
+            "(onnx.save_model(..., save_as_external_data=True))")
+    if head[4:8] == ORT_FORMAT_MAGIC:
+        raise ModelLoadError(
+            f"{str(p)!r} is an ORT-format model (a FlatBuffer, .ort), which ORT runs but "
+            "cannot convert back: give ho-onnx the ONNX model it was made from")
+
+
 def read_proto(p: Path) -> onnx.ModelProto:
     """The model file ``p`` parsed (weight bytes stay on disk), or a :class:`ModelLoadError`
     saying why it is not one."""
@@ -279,8 +306,11 @@ def read_proto(p: Path) -> onnx.ModelProto:
         raise ModelLoadError(f"model file {str(p)!r} does not exist")
     if not p.is_file():
         raise ModelLoadError(f"{str(p)!r} is not a file")
+    _refuse_unparsable(p)
     try:
         model = onnx.load(str(p), load_external_data=False)
+    except MemoryError:
+        raise ModelLoadError(f"out of memory reading {str(p)!r}") from None
     except Exception as e:  # protobuf's DecodeError and friends
         raise ModelLoadError(f"{str(p)!r} is not a readable ONNX model: {e}") from None
     if not model.HasField("graph") or model.ir_version == 0:

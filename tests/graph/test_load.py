@@ -53,6 +53,43 @@ def test_corrupt_file(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
+def test_an_ort_format_model_is_named_as_one(tmp_path):
+    """An ``.ort`` model (ORT's FlatBuffer, here written by ORT itself) was "Wire format was
+    corrupt": now it is named, with what to give instead."""
+    import onnxruntime as ort
+
+    src = save(chain_model(), tmp_path / "m.onnx")
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "m.ort")
+    so.add_session_config_entry("session.save_model_format", "ORT")
+    so.log_severity_level = 3
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(ModelLoadError, match=r"ORT-format model .* the ONNX model it was made"):
+        optimize(tmp_path / "m.ort", tmp_path / "out.onnx", ALL)
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_model_file_protobuf_cannot_parse_is_refused_unread(tmp_path, monkeypatch):
+    """A model file over 2 GiB (protobuf's limit) was read whole, then "Wire format was
+    corrupt"; now it is refused from its size, without a byte read. Out of memory while
+    reading a model said nothing ("not a readable ONNX model: ")."""
+    from ho_onnx.graph import load
+
+    big = tmp_path / "big.onnx"
+    with open(big, "wb") as f:  # (sparse)
+        f.truncate(load.MAX_PROTO_BYTES + 1)
+    def no_load(*_a, **_k):
+        raise AssertionError("read")
+    monkeypatch.setattr(load.onnx, "load", no_load)
+    with pytest.raises(ModelLoadError, match=r"2\.00 GiB: protobuf cannot read a model file over"):
+        load.load_model(big)
+    def no_memory(*_a, **_k):
+        raise MemoryError
+    monkeypatch.setattr(load.onnx, "load", no_memory)
+    with pytest.raises(ModelLoadError, match="out of memory reading"):
+        load.load_model(save(chain_model(), tmp_path / "m.onnx"))
+
+
 def test_missing_and_truncated_external_data(tmp_path):
     src = save(chain_model(), tmp_path / "m.onnx", external=True)
     data = tmp_path / "m.onnx.data"
