@@ -650,18 +650,39 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
                     f"the rewritten model does not pass onnx.checker: {e}") from e
         mode = _umask_mode()
         os.chmod(model_tmp, mode)
-        if sidecar_tmp is not None:
-            sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
-            refuse_special(sidecar, "the sidecar")
-            os.chmod(sidecar_tmp, mode)
-            os.replace(sidecar_tmp, sidecar)
-            temps[temps.index(sidecar_tmp)] = sidecar  # removed again if the model is not written
-            report.sidecar = sidecar
-        if validate is not None:
-            validate(model_tmp)
-        os.replace(model_tmp, out)
-        temps.clear()  # everything is in place
+        with _folder_locked(out_dir):  # (one whole model + sidecar pair at a time)
+            if sidecar_tmp is not None:
+                sidecar = out_dir / files.sidecar.name  # type: ignore[union-attr]
+                refuse_special(sidecar, "the sidecar")
+                os.chmod(sidecar_tmp, mode)
+                os.replace(sidecar_tmp, sidecar)
+                temps[temps.index(sidecar_tmp)] = sidecar  # removed if the model is not written
+                report.sidecar = sidecar
+            if validate is not None:
+                validate(model_tmp)
+            os.replace(model_tmp, out)
+            temps.clear()  # everything is in place
     return report
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` itself for the block, so that saves into one
+    folder put their model and sidecar in place one whole pair at a time (found reading the
+    save: two processes writing one output name could interleave their renames and leave
+    one's model beside the other's sidecar, refused only later, by the data fingerprint).
+    Nothing is locked where the filesystem has no flock; no lock file is made."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # (no flock here: unlocked, as before)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:

@@ -804,3 +804,68 @@ def test_read_json_reads_a_small_regular_file_and_refuses_the_rest(tmp_path: Pat
     ok.write_bytes(b"\xff\xfe{")
     with pytest.raises(ValueError):
         read_json(ok, 100)
+
+
+_PAIR_SAVER = """
+import os, sys, time
+from pathlib import Path
+from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.options import OffloadOptions
+src, out, ready, role = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+if role == "first":  # puts its sidecar in place, says so, and is slow to rename its model
+    real = os.replace
+    def replace(a, b):
+        real(a, b)
+        if str(b) != str(out):
+            ready.write_text("sidecar in place")
+            time.sleep(2)
+    os.replace = replace
+else:  # starts once the other's sidecar is in place
+    while not ready.exists():
+        time.sleep(0.01)
+optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1), dims={"N": 2})
+"""
+
+
+def test_two_processes_writing_one_output_leave_a_matching_model_and_sidecar(tmp_path):
+    """Two processes optimize different models (inline weights: each writes a sidecar) to
+    one output name. Before: the second's sidecar and model went in place while the first
+    was between its own two renames, and the first's model then replaced the second's:
+    the first's model beside the second's sidecar (refused only when a session opened it).
+    Now a save puts its pair in place under a lock on the folder: the last pair wins, whole."""
+    import subprocess
+    import sys
+
+    from ho_onnx.graph.fingerprint import data_fingerprint
+
+    srcs = []
+    for i in range(2):
+        m = chain_model()
+        for t in m.graph.initializer:
+            t.raw_data = np.full(16 * 16, i + 1, np.float32).tobytes()
+        srcs.append(save(m, tmp_path / f"m{i}.onnx"))
+    out, ready = tmp_path / "out" / "o.onnx", tmp_path / "ready"
+    out.parent.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _PAIR_SAVER, str(src), str(out),
+                               str(ready), role], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+             for src, role in zip(srcs, ["first", "second"], strict=True)]
+    for p in procs:
+        assert p.wait(60) == 0, p.stdout.read()  # type: ignore[union-attr]
+    m = onnx.load(str(out), load_external_data=False)
+    stamps = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+              for n in m.graph.node if n.op_type == contract.PREFETCH
+              and any(a.name == contract.ATTR_LOCATION for a in n.attribute)]
+    locations = {s[contract.ATTR_LOCATION].decode() for s in stamps}
+    assert len(stamps) == 2 and len(locations) == 1
+    sidecar = out.parent / locations.pop()
+    assert {s[contract.ATTR_DATA_FINGERPRINT].decode() for s in stamps} == \
+        {data_fingerprint(sidecar)}
+    import onnxruntime as ort
+
+    import ho_onnx
+
+    x = np.ones((2, 16), np.float32)
+    got = ho_onnx.InferenceSession(str(out)).run(None, {"x": x})[0]
+    want = [ort.InferenceSession(str(src)).run(None, {"x": x})[0] for src in srcs]
+    assert not np.array_equal(*want) and any(np.array_equal(got, w) for w in want)
