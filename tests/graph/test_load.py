@@ -4,6 +4,7 @@ leaves nothing behind."""
 from __future__ import annotations
 
 import os
+import re
 
 import onnx
 import pytest
@@ -88,6 +89,70 @@ def test_a_model_file_protobuf_cannot_parse_is_refused_unread(tmp_path, monkeypa
     monkeypatch.setattr(load.onnx, "load", no_memory)
     with pytest.raises(ModelLoadError, match="out of memory reading"):
         load.load_model(save(chain_model(), tmp_path / "m.onnx"))
+
+
+def _one_weight(w: onnx.TensorProto) -> onnx.ModelProto:
+    from onnx import helper
+
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", 1, [2, 64])],
+                          [helper.make_tensor_value_info("y", 1, [2, 64])], [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    ("raw", "holds 8192 bytes, its type and shape [64, 64] need 16384"),
+    ("typed", "holds 2048 values in float_data, its type and shape [64, 64] need 4096"),
+    ("negative", "its type and shape [-64, 64] has a negative dim"),
+    ("huge", "its type and shape [64, 4611686018427387904] would take over 1 PiB"),
+])
+def test_an_inline_weight_whose_data_does_not_fit_its_shape_is_refused(tmp_path, bad, words):
+    """Found by the optimize fuzzer (seed 145): onnx.checker lets an inline weight through
+    whose data does not fit its shape (ORT refuses it). A shape of ``[-1, 2**62]`` was planned
+    as an offload and failed in onnx_ir's writer ("unexpected SerdeError"), float_data half
+    the shape needs was "unexpected ValueError: cannot reshape", half the raw bytes failed
+    as a sidecar layout error."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    if bad == "typed":
+        w = helper.make_tensor("W", onnx.TensorProto.FLOAT, [64, 32], [1.0] * 2048)
+    else:
+        w = numpy_helper.from_array(np.ones((64, 32 if bad == "raw" else 64), np.float32), "W")
+    w.dims[:] = {"negative": [-64, 64], "huge": [64, 2**62]}.get(bad, [64, 64])
+    src = save(_one_weight(w), tmp_path / "m.onnx")
+    with pytest.raises(ModelLoadError, match=re.escape(f"initializer 'W': {words}")):
+        optimize(src, tmp_path / "out.onnx", ALL)
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_inline_data_of_every_type_is_counted_as_onnx_stores_it():
+    """Raw bytes and typed values (complex: two a value; 4-bit types: packed two a byte in
+    int32_data) of every fixed-size type: the right count passes, one element more fails;
+    a tensor attribute (Constant's value) too."""
+    from onnx import helper
+
+    from ho_onnx.graph.dtypes import ELEMENT_BITS, tensor_nbytes
+    from ho_onnx.graph.load import check_inline_data
+
+    cases = 0
+    for dt in ELEMENT_BITS:
+        for raw in (False, True):
+            vals: object = [True, False] * 3 if dt == onnx.TensorProto.BOOL else \
+                [1 + 2j] * 6 if dt in (onnx.TensorProto.COMPLEX64,
+                                       onnx.TensorProto.COMPLEX128) else [1, 0, 1, 1, 0, 1]
+            t = helper.make_tensor("W", dt, [2, 3], bytes(tensor_nbytes(dt, 6)) if raw else
+                                   vals, raw=raw)
+            const = helper.make_node("Constant", [], ["c"], value=t)
+            m = helper.make_model(helper.make_graph([const], "g", [], [], [t]))
+            check_inline_data(m)
+            for where in (m.graph.initializer[0], m.graph.node[0].attribute[0].t):
+                where.dims[:] = [7]
+                with pytest.raises(ModelLoadError, match="its type and shape \\[7\\] need"):
+                    check_inline_data(m)
+                where.dims[:] = [2, 3]
+                cases += 1
+    assert cases == 4 * len(ELEMENT_BITS)
 
 
 def test_missing_and_truncated_external_data(tmp_path):
