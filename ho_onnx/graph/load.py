@@ -9,7 +9,6 @@ never read while planning.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +22,7 @@ from ..contract import DOMAIN
 from ..errors import ExternalDataError, HoOnnxError, ModelLoadError, UnsupportedModelError
 from ..units import format_bytes
 from .analyse import all_graphs
-from .check import check_attribute_types, check_standard
-from .dims import shape_text
+from .check import check_attribute_types, check_standard, size_error, tensor_data_error
 from .dtypes import ELEMENT_BITS, capped_nbytes
 from .forked import MIN_NODES as FORK_MIN_NODES
 from .forked import start_check
@@ -130,58 +128,28 @@ def expected_nbytes(tensor: TensorProto) -> int | None:
 def _numeric_nbytes(tensor: TensorProto, what: str, error: type[HoOnnxError]) -> int | None:
     """:func:`expected_nbytes` of ``tensor``, refusing (``error``) a numeric tensor whose
     shape has a negative dim or claims over 1 PiB."""
-    want = expected_nbytes(tensor)
-    if want is None and tensor.data_type in ELEMENT_BITS:
-        size = ("has a negative dim" if any(d < 0 for d in tensor.dims)
-                else "would take over 1 PiB")
-        raise error(f"{what}: its type and shape {shape_text(list(tensor.dims))} {size} (a "
-                    "malformed model?)")
-    return want
+    why = size_error(tensor)
+    if why:
+        raise error(f"{what}: {why} (a malformed model?)")
+    return expected_nbytes(tensor)
 
 
-def check_inline_data(model: onnx.ModelProto) -> None:
-    """Every inline numeric tensor (initializers, tensor attributes) holds what its type and
-    shape need: as many ``raw_data`` bytes, or as many values in its typed field (two per
-    complex element, sub-byte types packed). Found by the optimize fuzzer: ``onnx.checker``
-    lets these through (ORT refuses them), and a weight of shape ``[-1, 2**62]`` or with
-    half its bytes went into the plan and failed deep in the rewrite, unexplained."""
-    tensors = [(t, f"initializer {t.name!r}") for g in iter_graphs(model.graph)
-               for t in g.initializer]
-    tensors += [(a.t, f"attribute {a.name!r} of node {n.name or n.op_type!r}")
-                for n in iter_nodes(model) for a in n.attribute
-                if a.type == onnx.AttributeProto.TENSOR]
-    for tensor, what in tensors:
-        if tensor.data_location == TensorProto.EXTERNAL:
-            continue  # (validate_external_data)
-        want = _numeric_nbytes(tensor, what, ModelLoadError)
-        if want is None:
-            continue  # (strings, types without a fixed size)
-        if tensor.HasField("raw_data"):
-            have, need, unit = len(tensor.raw_data), want, "bytes"
-        else:
-            field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
-            bits, n = ELEMENT_BITS[tensor.data_type], math.prod(tensor.dims)
-            need = 2 * n if tensor.data_type in _COMPLEX else want if bits < 8 else n
-            have, unit = len(getattr(tensor, field)), f"values in {field}"
-        if have != need:
-            raise ModelLoadError(f"{what}: holds {have} {unit}, its type and shape "
-                                 f"{shape_text(list(tensor.dims))} need {need} (a malformed "
-                                 "model?)")
-
-
-_COMPLEX = (TensorProto.COMPLEX64, TensorProto.COMPLEX128)
-
-
-def validate_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
-    """Every external reference must name a file inside ``base_dir`` that is long enough."""
+def validate_weight_data(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Every initializer's data must be what its type and shape say: an external reference
+    must name a file inside ``base_dir`` that is long enough, inline data must fit
+    (:func:`~ho_onnx.graph.check.tensor_data_error`; tensor attributes:
+    :func:`~ho_onnx.graph.check.check_attribute_types`)."""
     sizes: dict[Path, int] = {}
     paths: dict[str, Path] = {}  # one or a few data files, thousands of initializers
     for graph in iter_graphs(model.graph):
         for tensor in graph.initializer:
             ref = external_ref(tensor)
-            if ref is None:
-                continue
             what = f"initializer {tensor.name!r}"
+            if ref is None:
+                why = tensor_data_error(tensor)
+                if why:
+                    raise ModelLoadError(f"{what}: {why} (a malformed model?)")
+                continue
             path = paths.get(ref.location)
             if path is None:
                 path = paths[ref.location] = resolve_data_path(base_dir, ref.location, what)
@@ -370,8 +338,7 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
     def validate() -> None:
         check_text(model, str(p))
         check_opsets(model, allow_cache_ops)
-        validate_external_data(model, base_dir)
-        check_inline_data(model)
+        validate_weight_data(model, base_dir)
         try:  # (external data was checked above; contrib and custom-domain ops pass here)
             check_attribute_types(iter_nodes(model))  # (what onnx_ir could not write again)
             if check:

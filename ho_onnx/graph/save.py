@@ -40,6 +40,7 @@ from .. import contract
 from ..errors import ModelLoadError, OutputPathError
 from ..units import format_bytes
 from .analyse import all_graphs
+from .dims import shape_text
 from .fingerprint import data_fingerprint
 from .load import LoadedModel, resolve_data_path
 
@@ -768,9 +769,13 @@ def _write_sidecar(f: Any, sidecar: Sidecar) -> None:
     pos = 0
     for t, offset, length in sidecar.tensors:
         data = _raw_bytes(t)
-        if len(data) != length or offset < pos:
-            raise OutputPathError(f"inline initializer {t.name!r}: {len(data)} bytes do not "
-                                  f"fit the sidecar layout ({length} bytes at {offset})")
+        if len(data) != length:  # (the input's fault: checked here, where the bytes are read)
+            raise ModelLoadError(f"initializer {t.name!r}: holds {len(data)} bytes, its type "
+                                 f"and shape {shape_text(list(t.dims))} need {length} (a "
+                                 "malformed model?)")
+        if offset < pos:
+            raise OutputPathError(f"inline initializer {t.name!r}: {length} bytes do not fit "
+                                  f"the sidecar layout (at {offset}, after {pos})")
         f.write(b"\0" * (offset - pos))
         f.write(data)
         pos = offset + length

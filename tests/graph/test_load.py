@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import onnx
 import pytest
@@ -122,20 +123,26 @@ def test_an_inline_weight_whose_data_does_not_fit_its_shape_is_refused(tmp_path,
     w.dims[:] = {"negative": [-64, 64], "huge": [64, 2**62]}.get(bad, [64, 64])
     src = save(_one_weight(w), tmp_path / "m.onnx")
     with pytest.raises(ModelLoadError, match=re.escape(f"initializer 'W': {words}")):
-        optimize(src, tmp_path / "out.onnx", ALL)
+        optimize(src, tmp_path / "out.onnx", ALL)  # (raw bytes: when the sidecar reads them)
     assert not (tmp_path / "out.onnx").exists()
 
 
 def test_inline_data_of_every_type_is_counted_as_onnx_stores_it():
-    """Raw bytes and typed values (complex: two a value; 4-bit types: packed two a byte in
-    int32_data) of every fixed-size type: the right count passes, one element more fails;
-    a tensor attribute (Constant's value) too."""
+    """Typed values (complex: two a value; sub-byte types: packed, two a byte) of every
+    fixed-size type: the right count passes, a shape of one element more fails, in an
+    initializer and in a tensor attribute (Constant's value). Raw bytes are never read at
+    load (reading ``raw_data`` copies it): only a raw tensor's shape is checked there."""
     from onnx import helper
+    from onnx.checker import ValidationError
 
+    from ho_onnx.graph.check import check_attribute_types
     from ho_onnx.graph.dtypes import ELEMENT_BITS, tensor_nbytes
-    from ho_onnx.graph.load import check_inline_data
+    from ho_onnx.graph.load import validate_weight_data
 
-    cases = 0
+    def check(m: onnx.ModelProto) -> None:
+        validate_weight_data(m, Path("/nonexistent"))
+        check_attribute_types(m.graph.node)
+
     for dt in ELEMENT_BITS:
         for raw in (False, True):
             vals: object = [True, False] * 3 if dt == onnx.TensorProto.BOOL else \
@@ -145,14 +152,21 @@ def test_inline_data_of_every_type_is_counted_as_onnx_stores_it():
                                    vals, raw=raw)
             const = helper.make_node("Constant", [], ["c"], value=t)
             m = helper.make_model(helper.make_graph([const], "g", [], [], [t]))
-            check_inline_data(m)
-            for where in (m.graph.initializer[0], m.graph.node[0].attribute[0].t):
+            check(m)
+            for where, what in ((m.graph.initializer[0], "initializer 'W'"),
+                                (m.graph.node[0].attribute[0].t, "attribute 'value'")):
                 where.dims[:] = [7]
-                with pytest.raises(ModelLoadError, match="its type and shape \\[7\\] need"):
-                    check_inline_data(m)
+                if raw:
+                    check(m)
+                else:
+                    with pytest.raises((ValidationError, ModelLoadError),
+                                       match=f"{what}.*its type and shape \\[7\\] need"):
+                        check(m)
+                where.dims[:] = [-7]
+                with pytest.raises((ValidationError, ModelLoadError),
+                                   match=f"{what}.*\\[-7\\] has a negative dim"):
+                    check(m)
                 where.dims[:] = [2, 3]
-                cases += 1
-    assert cases == 4 * len(ELEMENT_BITS)
 
 
 def test_missing_and_truncated_external_data(tmp_path):
@@ -224,18 +238,18 @@ def test_a_data_file_replaced_by_a_link_out_is_refused_on_the_next_check(tmp_pat
     """Where a data file is, is looked up on every check (was: cached across calls, so a
     server that had checked the model once went on calling a link out of the folder inside:
     ``verify`` then let ORT read it)."""
-    from ho_onnx.graph.load import validate_external_data
+    from ho_onnx.graph.load import validate_weight_data
 
     (tmp_path / "models").mkdir()
     src = save(chain_model(), tmp_path / "models" / "m.onnx", external=True)
     proto = onnx.load(str(src), load_external_data=False)
-    validate_external_data(proto, src.parent)
+    validate_weight_data(proto, src.parent)
     data = src.parent / "m.onnx.data"
     (tmp_path / "elsewhere.bin").write_bytes(data.read_bytes())
     data.unlink()
     data.symlink_to(tmp_path / "elsewhere.bin")
     with pytest.raises(ExternalDataError, match="points outside the model folder"):
-        validate_external_data(proto, src.parent)
+        validate_weight_data(proto, src.parent)
 
 
 

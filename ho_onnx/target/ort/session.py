@@ -16,7 +16,7 @@ import onnx
 
 from ...errors import HoOnnxError, UnsupportedModelError
 from ...graph.dims import input_shapes, is_mask_input, shape_text
-from ...graph.load import check_text, read_proto, validate_external_data
+from ...graph.load import check_text, read_proto, validate_weight_data
 from ...units import INT64_MAX, format_bytes
 
 _NP_TYPES: dict[int, type] = {
@@ -42,7 +42,7 @@ def model_for_ort(path: str | os.PathLike[str]) -> onnx.ModelProto:
     p = Path(path)
     model = read_proto(p)
     check_text(model, os.fspath(p))
-    validate_external_data(model, p.resolve().parent)
+    validate_weight_data(model, p.resolve().parent)
     return model
 
 
