@@ -67,6 +67,8 @@ def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # a structure onnx_ir refuses (the checker let it through)
         raise ModelLoadError(f"{what!r} cannot be read as an ONNX graph: {e}") from None
+    if model.ir_version < 4:
+        _initializers_out_of_inputs(model)
     locations: dict[str, str] = {}
     for g in all_graphs(model.graph):
         for v in g.initializers.values():
@@ -74,6 +76,21 @@ def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str
                 v.const_value.base_dir = base_dir
                 locations.setdefault(v.const_value.location, v.name or "")
     return model, locations
+
+
+def _initializers_out_of_inputs(model: ir.Model) -> None:
+    """Say an IR < 4 model in IR 4's terms (in place): IR 3 lists every initializer among
+    the graph inputs, and ORT holds them constant there (``Graph::CanOverrideInitializer``
+    is ``ir_version >= 4``; feeding one is "Invalid input name"), so they leave the main
+    graph's inputs and the IR version becomes 4, whose only change is that initializers
+    need not be inputs. Found by hand with an opset-8 model: every weight was "initializer
+    that is also a graph input (overridable)", so nothing could be offloaded."""
+    g = model.graph
+    kept = [v for v in g.inputs if v.name not in g.initializers]
+    if len(kept) != len(g.inputs):
+        g.inputs.clear()
+        g.inputs.extend(kept)
+    model.ir_version = 4
 
 
 def external_ref(tensor: TensorProto) -> ExternalRef | None:

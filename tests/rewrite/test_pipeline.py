@@ -265,3 +265,51 @@ def test_optimize_from_several_threads_writes_what_one_thread_writes(tmp_path):
             (src.parent / "m.onnx.data").read_bytes()
         assert not [p.name for p in (src.parent / "out").iterdir() if p.name.startswith(".")]
         _check(src, src.parent / "out" / "m.t2k1.onnx", dims)
+
+
+def _weights_listed_as_inputs(ir_version: int, opset: int) -> onnx.ModelProto:
+    """x @ W0 @ W1 @ W2, every weight an initializer and a graph input (as IR 3 requires)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    ws = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"W{i}")
+          for i in range(3)]
+    nodes = [helper.make_node("MatMul", [a, f"W{i}"], [b])
+             for i, (a, b) in enumerate([("x", "a"), ("a", "b"), ("b", "y")])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [2, 64])]
+                          + [helper.make_tensor_value_info(f"W{i}", 1, [64, 64])
+                             for i in range(3)],
+                          [helper.make_tensor_value_info("y", 1, [2, 64])], ws)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=ir_version)
+
+
+@pytest.mark.parametrize("ir_version", [3, 4])
+def test_initializers_listed_as_inputs_are_weights_below_ir_4(tmp_path, ir_version):
+    """IR 3 lists every initializer among the graph inputs and ORT holds them constant
+    (feeding one is "Invalid input name"): found by hand with an opset-8 model, nothing was
+    offloaded ("overridable"). Now they are weights: offloaded, gone from the output's
+    inputs (IR 4), bit-exact in ORT. From IR 4 on a listed initializer is an input a caller
+    may feed, and stays resident."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import ho_onnx
+
+    src, out = tmp_path / "m.onnx", tmp_path / "m.ho.onnx"
+    onnx.save(_weights_listed_as_inputs(ir_version, 8), src)
+    r = optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1))
+    m = onnx.load(str(out), load_external_data=False)
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = ho_onnx.InferenceSession(str(out)).run(None, {"x": x})
+    np.testing.assert_array_equal(got[0], want[0])
+    if ir_version == 3:
+        assert len(r.choice.weights) == 3 and set(r.choice.skipped) == {"y"}
+        assert (m.ir_version, [i.name for i in m.graph.input]) == (4, ["x"])
+    else:
+        assert not r.choice.weights and set(r.choice.skipped) == {"W0", "W1", "W2", "y"}
+        assert "overridable" in r.choice.skipped["W0"] and m.ir_version == 4
+        feed = {"x": x, "W0": np.zeros((64, 64), np.float32)}
+        assert not ho_onnx.InferenceSession(str(out)).run(None, feed)[0].any()
