@@ -27,6 +27,7 @@ from ..graph.save import (
     new_folders,
     save_model,
 )
+from ..schedule.eligibility import OVERRIDABLE_REASON
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import BudgetPlanner, Plan
 from ..schedule.policy import ExplicitPolicy
@@ -189,7 +190,25 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
                   + (f", planned for {format_bytes(decision.planned_for, 'MiB', 1)} to leave "
                      "room for ORT's arena" if decision.planned_for < decision.budget else "")
                   + ")")  # (the arena itself: the result's plan.arena_summary())
+    note = _overridable_note(analysis, decision.choice, dims)
+    if note:
+        steps.say(note)
     return analysis, decision
+
+
+def _overridable_note(analysis: GraphAnalysis, choice: OffloadChoice,
+                     dims: Mapping[str, int]) -> str | None:
+    """What to do about weights that stayed resident because they are graph inputs too
+    (found by hand: a model exported with its weights as inputs offloaded nothing, and said
+    why only in the output's metadata)."""
+    names = [n for n, why in choice.skipped.items() if why == OVERRIDABLE_REASON]
+    if not names:
+        return None
+    size = sum(analysis.tensors[n].nbytes(dims) or 0 for n in names)
+    return (f"note: {len(names)} weights ({format_bytes(size)}) stay resident: "
+            "they are also graph inputs, which a caller may feed; if none does, take them out "
+            "of the inputs (onnxruntime's tools/python/remove_initializer_from_input.py; "
+            "torch.onnx.export(..., keep_initializers_as_inputs=False))")
 
 
 def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],

@@ -27,10 +27,13 @@ def kind_of(t: TensorInfo) -> str | None:
     return "activation" if t.producer is not None else None
 
 
+OVERRIDABLE_REASON = "initializer that is also a graph input (overridable)"
+
+
 def ineligible(t: TensorInfo) -> str | None:
     """Why ``t`` can never be offloaded, or None when it can."""
     if t.is_initializer and t.is_graph_input:
-        return "initializer that is also a graph input (overridable)"
+        return OVERRIDABLE_REASON
     if not t.fixed_size_type:
         return "not a tensor of a fixed-size element type (strings, sequences, unknown type)"
     if t.elem_type in UNSUPPORTED_TYPES:

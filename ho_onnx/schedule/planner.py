@@ -52,6 +52,7 @@ from ..graph.analyse import GraphAnalysis
 from ..graph.gcpause import gc_paused
 from ..units import format_bytes
 from .eligibility import (
+    OVERRIDABLE_REASON,
     WeightGroups,
     ineligible,
     kind_of,
@@ -332,7 +333,10 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
     alive = sorted(((sizes[k], k) for k, (s, e) in spans.items()
                     if sizes[k] and s <= pos <= e and still_resident(k)), reverse=True)
     node = ctx.analysis.node_at(pos)
-    top = ", ".join(f"{k} ({format_bytes(b)})" for b, k in alive[:4])
+    tensors = ctx.analysis.tensors
+    top = ", ".join(f"{k} ({format_bytes(b)}"  # (a weight's input: why it cannot leave)
+                    + (", also a graph input" if ineligible(tensors[k]) == OVERRIDABLE_REASON
+                       else "") + ")" for b, k in alive[:4])
     what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
             f"{format_bytes(int(mem[pos]))} must be resident: {top}")
     return int(mem.max()), what

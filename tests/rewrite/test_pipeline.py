@@ -16,6 +16,7 @@ from ho_onnx.cli import main
 from ho_onnx.cost.source import CostSource
 from ho_onnx.rewrite.pipeline import optimize, plan_model
 from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.schedule.planner import InfeasibleBudgetError
 from ho_onnx.target.ort import runtime
 from ho_onnx.target.ort.verify import random_inputs, verify
 from models.decoder import build_decoder
@@ -299,8 +300,12 @@ def test_initializers_listed_as_inputs_are_weights_below_ir_4(tmp_path, ir_versi
 
     src, out = tmp_path / "m.onnx", tmp_path / "m.ho.onnx"
     onnx.save(_weights_listed_as_inputs(ir_version, 8), src)
-    r = optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1))
+    said: list[str] = []
+    r = optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1),
+                 log=said.append)
     m = onnx.load(str(out), load_external_data=False)
+    note = "note: 3 weights (48.00 KiB) stay resident: they are also graph inputs"
+    assert any(s.startswith(note) for s in said) == (ir_version == 4), said
     x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
     want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     got = ho_onnx.InferenceSession(str(out)).run(None, {"x": x})
@@ -313,3 +318,5 @@ def test_initializers_listed_as_inputs_are_weights_below_ir_4(tmp_path, ir_versi
         assert "overridable" in r.choice.skipped["W0"] and m.ir_version == 4
         feed = {"x": x, "W0": np.zeros((64, 64), np.float32)}
         assert not ho_onnx.InferenceSession(str(out)).run(None, feed)[0].any()
+        with pytest.raises(InfeasibleBudgetError, match=r"W2 \(16.00 KiB, also a graph input\)"):
+            plan_model(src, OffloadOptions(budget=20 << 10, min_bytes=0))
