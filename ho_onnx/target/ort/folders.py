@@ -100,9 +100,14 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
     if (p / OPTIMUM_CONFIG).is_file() and (p / OPTIMUM_MODEL).is_file():
         _inside(p, OPTIMUM_MODEL, repr(str(p)), "model file")  # (not a link out of it)
         return ModelFolder("optimum", p, p / OPTIMUM_MODEL, _read_json(p, OPTIMUM_CONFIG))
+    models = sorted(f.name for f in p.glob("*.onnx") if f.is_file())[:4]
+    hint = ""
+    if models and (p / OPTIMUM_CONFIG).is_file():  # (older Optimum exports: several models)
+        hint = (f"; it holds {', '.join(models)}: optimize each model file on its own "
+                "(ho-onnx optimize FOLDER/FILE.onnx OUT.onnx) and copy the rest of the folder")
     raise ModelLoadError(
         f"{str(p)!r} is neither an onnxruntime-genai folder ({GENAI_CONFIG}) nor an Optimum "
-        f"folder ({OPTIMUM_CONFIG} + {OPTIMUM_MODEL})")
+        f"folder ({OPTIMUM_CONFIG} + {OPTIMUM_MODEL}){hint}")
 
 
 def _snapshot_hint(folder: Path) -> str:

@@ -54,8 +54,16 @@ def test_detect(tmp_path):
     o = detect_folder(optimum_folder(tmp_path / "o"))
     assert (o.kind, o.model.name) == ("optimum", "model.onnx")
     (tmp_path / "e").mkdir()
-    with pytest.raises(ModelLoadError, match="neither an onnxruntime-genai folder"):
+    with pytest.raises(ModelLoadError, match="neither an onnxruntime-genai folder") as e:
         detect_folder(tmp_path / "e")
+    assert "holds" not in str(e.value)
+    # an older Optimum export (several models, no model.onnx): what to do instead
+    older = optimum_folder(tmp_path / "older")
+    (older / "model.onnx").rename(older / "decoder_model.onnx")
+    save(chain_model(), older / "decoder_with_past_model.onnx")
+    with pytest.raises(ModelLoadError, match=r"\(config\.json \+ model\.onnx\); it holds "
+                       r"decoder_model\.onnx, decoder_with_past_model\.onnx: optimize each"):
+        detect_folder(older)
     (tmp_path / "e" / "genai_config.json").write_text('{"model": {"decoder": '
                                                       '{"filename": "nope.onnx"}}}')
     with pytest.raises(ModelLoadError, match=r"'nope\.onnx', which is not in"):
