@@ -103,8 +103,14 @@ def make_seeds(work: Path) -> list[Path]:
                  else_branch = e () => (float[N, 16] v) { v = Add(h, W3) }>
     }
     """, W1=(16, 16), W2=(16, 16), W3=(16,))
+    # IR 3: every weight also listed as a graph input (ORT holds them constant)
+    legacy = chain_model()
+    legacy.ir_version = 3
+    legacy.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                              for t in legacy.graph.initializer)
     seeds = []
     for name, model, external in (("chain", chain_model(), False),
+                                  ("legacy-ir3", legacy, True),
                                   ("chain-ext", chain_model(), True),
                                   ("two-ext", two_weights_model(), True),
                                   ("tile", tile_model((64, 64), (64, 64)), False),
