@@ -21,6 +21,7 @@ from ..graph.analyse import (
     input_names,
     output_names,
 )
+from ..graph.dtypes import capped_numel
 from ..graph.gcpause import gc_paused
 from ..target.ort.facts import never_runs
 from .contrib import CONTRIB_COST_OPS, contrib_flops_bytes
@@ -79,7 +80,10 @@ Shape = list[int] | None
 
 
 def _dims_of(t: TensorInfo | None, dims: Mapping[str, int]) -> Shape:
-    """Concrete shape of ``t`` (None if unknown); raises UnboundDimError for unbound dims."""
+    """Concrete shape of ``t`` (None if unknown, or no size: a negative dim, more elements
+    than any tensor holds); raises UnboundDimError for unbound dims. (Found by the optimize
+    fuzzer, seed 148: a MatMul input of 100 dims of 2**62 made its FLOPs an integer past
+    what a float holds, "unexpected OverflowError".)"""
     if t is None or t.shape is None:
         return None
     out: list[int] = []
@@ -90,7 +94,7 @@ def _dims_of(t: TensorInfo | None, dims: Mapping[str, int]) -> Shape:
             out.append(eval_dim(d, dims, t.name))
         else:
             return None
-    return out
+    return out if capped_numel(out) is not None else None
 
 
 def _numel(shape: Shape) -> int | None:

@@ -45,10 +45,10 @@ def dense_nbytes(elem_type: int, dims: Iterable[int]) -> int:
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB
 
 
-def capped_nbytes(elem_type: int, dims: Iterable[int]) -> int | None:
-    """:func:`dense_nbytes` of ``dims``, or None when a dim is negative or the size is over
-    :data:`MAX_TENSOR_BYTES` (the product stops growing there; a zero dim anywhere is an
-    empty tensor)."""
+def capped_numel(dims: Iterable[int]) -> int | None:
+    """The element count of shape ``dims``, or None when a dim is negative or the count is
+    over what :data:`MAX_TENSOR_BYTES` holds of 1-bit elements (the product stops growing
+    there; a zero dim anywhere is an empty tensor)."""
     sizes = list(dims)
     if any(d < 0 for d in sizes):
         return None
@@ -57,5 +57,14 @@ def capped_nbytes(elem_type: int, dims: Iterable[int]) -> int | None:
         numel *= d
         if numel > MAX_TENSOR_BYTES << 3:
             return None
+    return numel
+
+
+def capped_nbytes(elem_type: int, dims: Iterable[int]) -> int | None:
+    """:func:`dense_nbytes` of ``dims``, or None when a dim is negative or the size is over
+    :data:`MAX_TENSOR_BYTES` (:func:`capped_numel`)."""
+    numel = capped_numel(dims)
+    if numel is None:
+        return None
     nbytes = tensor_nbytes(elem_type, numel)
     return nbytes if nbytes <= MAX_TENSOR_BYTES else None

@@ -414,3 +414,25 @@ def test_a_cost_model_refuses_times_no_plan_can_use(bad):
     with pytest.raises(ValueError, match="compute times must be finite"):
         CostModel(times, MACHINES["cpu"].transfer_time, "test")
     assert CostModel(np.array([0.0, 1e-3]), MACHINES["cpu"].transfer_time).compute_s.sum() > 0
+
+
+def test_analytic_costs_of_shapes_no_tensor_has_are_unknown_not_an_overflow():
+    """Found by the optimize fuzzer (seed 148): a MatMul input of 100 dims of 2**62 made its
+    FLOPs an integer past what a float holds ("unexpected OverflowError"). A shape with more
+    elements than any tensor holds (or a negative dim) is unknown: the node costs its
+    launch, like any node of unknown shape."""
+    m = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (string[2, 16] x, float[16, 16] w) => (float[2, 16] y) {
+      y = MatMul(x, w)
+    }
+    """)  # (a string input, as the fuzzer's: a float one that big is refused by its size)
+    machine = MACHINES["cpu"]
+    fine = analytic_costs(analyse(m), machine).seconds[0]
+    for dims in ([2**62] * 100, [-2, 16], [2**40, 2**40]):
+        x = m.graph.input[0].type.tensor_type.shape
+        del x.dim[:]
+        for d in dims:
+            x.dim.add().dim_value = d
+        secs = analytic_costs(analyse(m), machine).seconds[0]
+        assert np.isfinite(secs) and secs <= fine, (dims, secs)
