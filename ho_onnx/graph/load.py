@@ -308,8 +308,8 @@ def _refuse_unparsable(p: Path) -> None:
     """Refuse, unread, what protobuf can never parse as a model: a file over
     :data:`MAX_PROTO_BYTES` (was read whole, 3 GiB of memory for a 3 GiB file, then "Wire
     format was corrupt") and an ORT-format model (was "Wire format was corrupt")."""
-    try:
-        with open(p, "rb") as f:
+    try:  # (without blocking: a FIFO swapped in after the is_file check is not waited on)
+        with os.fdopen(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
             size, head = os.fstat(f.fileno()).st_size, f.read(8)
     except OSError as e:
         raise ModelLoadError(f"cannot read {str(p)!r}: {e.strerror or e}") from None
