@@ -152,7 +152,7 @@ def _draw_memory(top: Any, plan: Plan, names: list[str], unit: str, k: float) ->
         below = sim is after  # before's label above its line, after's below its line
         top.annotate(f"{label} peak\nstep {p}" + (f": {name[:40]}" if name else ""),
                      (x[p], sim.peak_bytes / k), xytext=(6, -5 if below else 4),
-                     textcoords="offset points", fontsize=7, color=color,
+                     textcoords="offset points", fontsize=7, color=color, parse_math=False,
                      va="top" if below else "bottom",
                      bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
                            "alpha": 0.75})
@@ -236,7 +236,8 @@ def _draw_transfer_labels(bot: Any, plan: Plan, transfers: list[TransferEvent],
             label = e.tensor if len(e.tensor) <= 24 else "…" + e.tensor[-23:]
             bot.text(max((e.start_s + e.end_s) / 2, 0.0) * 1e3, lane_y[e.direction] - 0.05,
                      label, ha="center", va="center", fontsize=6,
-                     rotation=0 if wide else 90, clip_on=True)
+                     rotation=0 if wide else 90, clip_on=True,
+                     parse_math=False)  # (a name is text: "$\\bogus$" was a ValueError)
     if not transfers:
         bot.text(0.5, 0.5, "no transfers: the model fits the budget", ha="center",
                  va="center", transform=bot.transAxes, fontsize=10, color="#555555")

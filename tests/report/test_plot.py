@@ -124,3 +124,19 @@ def test_a_format_matplotlib_cannot_write_is_refused_before_planning(tmp_path):
     r = CliRunner().invoke(main, [*args, "--plot", str(tmp_path / "t.svg")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t.svg").read_bytes().lstrip().startswith((b"<?xml", b"<svg"))
+
+
+def test_names_are_drawn_as_text_never_as_math(tmp_path):
+    """Found by hand: matplotlib reads a label between two ``$`` as math, and a model's
+    name such as ``node$\\bogus$`` failed the plot ("unexpected ValueError: Unknown symbol");
+    node and tensor names are now drawn as they are."""
+    pytest.importorskip("matplotlib")
+    from ho_onnx.report.plot import plot_timeline
+
+    a, p = _decoder_plan(0.5)
+    assert p.planned.transfers and len(p.planned.transfers) <= 24  # (labelled)
+    for e in p.planned.transfers:
+        e.tensor = "w$\\bogus{$" + e.tensor
+    out = tmp_path / "names.png"
+    plot_timeline(p, [f"node$\\undefined$ {n.name}" for n in a.nodes], out)
+    _read_png(out)
