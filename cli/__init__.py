@@ -638,7 +638,9 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
                                       "would run on the CPU instead).")
 @click.option("--timeout", "timeout_s", type=_NON_NEGATIVE, default=None,
               metavar="SECONDS", help=_TIMEOUT_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON (a difference that is not finite, where one "
+                   "model gives NaN or inf and the other does not, is null).")
 def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[str, ...],
            runs: int, seed: int, int_high: int, atol: float, rtol: float,
            execution_order: str, prepacking: bool, opt_level: str,
@@ -663,7 +665,9 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
         _echo(json.dumps({"ok": report.ok, "exact": report.exact, "runs": report.runs,
                           "seconds_original": report.seconds_original,
                           "seconds_optimized": report.seconds_optimized,
-                          "outputs": [vars(o) for o in report.outputs]}, indent=2))
+                          "outputs": [{k: v if not isinstance(v, float) or math.isfinite(v)
+                                       else None for k, v in vars(o).items()}
+                                      for o in report.outputs]}, indent=2))
     else:
         for o in report.outputs:
             status = "exact" if o.exact else ("close" if o.close else "MISMATCH")

@@ -113,3 +113,23 @@ def test_only_errors_of_onnx_onnxruntime_and_protobuf_are_shown_as_known():
     assert _known_error(onnx.checker.ValidationError("bad model")) == "bad model"
     assert _known_error(ir.passes.PassError("a pass failed")) is None
     assert _known_error(ValueError("x")) is None
+
+
+def test_verify_json_is_strict_json_when_a_difference_is_not_finite(tmp_path):
+    """Found by hand: where one model gives NaN and the other a number, the difference is
+    inf, and ``verify --json`` printed ``Infinity``, which strict JSON parsers refuse. Now it
+    is null; the text report still says inf."""
+    from graphs import text_model
+
+    a = save(text_model("g (float[4] x) => (float[4] y) { y = Relu(x) }"), tmp_path / "a.onnx")
+    b = save(text_model("g (float[4] x) => (float[4] y) { y = Log(x) }"), tmp_path / "b.onnx")
+    r = CliRunner().invoke(main, ["verify", str(a), str(b), "--json"])
+    assert r.exit_code == 1, r.output
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    out = json.loads(r.stdout, parse_constant=refuse)["outputs"][0]
+    assert (out["max_abs"], out["exact"], out["close"]) == (None, False, False)
+    text = CliRunner().invoke(main, ["verify", str(a), str(b)])
+    assert "max_abs=inf" in text.output and "MISMATCH" in text.output
