@@ -245,11 +245,15 @@ def _errors() -> Iterator[None]:
         _fail(str(e))
 
 
-def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str | None]
-                               ) -> None:
+_EXAMPLE_NAME = {"OUTPUT_MODEL": "model.onnx", "--plot": "plan.png"}
+
+
+def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str | None],
+                               *, folder: bool = False) -> None:
     """Refuse before any work an output (option -> path) that is one of the inputs, one of
     an input model's data files, a directory, or a device, FIFO or socket (checked again
-    when written)."""
+    when written); and a file named ``-`` or ending in ``/`` (was written as ``-`` and, for
+    ``out/``, a file ``out``), unless the output is a ``folder``."""
     from ho_onnx.graph.save import check_writable, refuse_special
 
     files: list[Path] = []
@@ -259,6 +263,12 @@ def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str 
     for option, out in outputs.items():
         if out is None:
             continue
+        if out == "-":
+            raise click.UsageError(f"{option} '-': output to standard output is not "
+                                   "supported; name a file")
+        if out.endswith(os.sep) and not folder:
+            raise click.UsageError(f"{option} {out!r} names a folder: name the file to write "
+                                   f"(e.g. {out}{_EXAMPLE_NAME.get(option, 'out.json')})")
         try:
             refuse_special(out, option)
             check_writable(out, option)
@@ -468,7 +478,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
     from ho_onnx.rewrite.pipeline import optimize as run
 
     _refuse_overwriting_inputs({"OUTPUT_MODEL": output_model},
-                               [profile_path, machine if os.path.isfile(machine) else None])
+                               [profile_path, machine if os.path.isfile(machine) else None],
+                               folder=os.path.isdir(input_model))
     with _errors():
         if budget is not None and prefetch_distance is not None:
             raise click.UsageError("--prefetch-distance is for the explicit policy: with "
@@ -483,8 +494,6 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
             return run(src, dst, options, parse_dims(dims),  # type: ignore[arg-type]
                        costs=costs, ort_level=ort_level, log=_log,
                        progress=_progress_bars(), shapes=parse_shape_options(shapes))
-
-        from pathlib import Path
 
         if Path(input_model).is_dir():
             from ho_onnx.target.ort.folders import optimize_folder

@@ -115,6 +115,36 @@ def test_a_machine_or_profile_file_that_is_no_small_file_is_refused_up_front(
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(("cmd", "out", "words"), [
+    ("optimize", "new/", "names a folder: name the file to write (e.g. new/model.onnx)"),
+    ("optimize", "-", "output to standard output is not supported"),
+    ("profile", "new/", "names a folder"),
+    ("plot", "new/", "names a folder"),
+])
+def test_an_output_named_like_a_folder_or_stdout_is_refused(model: Path, tmp_path: Path,
+                                                            cmd: str, out: str, words: str):
+    """Found by hand: ``optimize m.onnx out/`` wrote a model file named ``out`` (pathlib
+    drops the slash) and ``-`` a file named ``-``. A folder's output (genai/Optimum) may end
+    in ``/``."""
+    args = {"optimize": ["optimize", str(model), out, "--dim", "N=2"],
+            "profile": ["profile", str(model), "--out", out, "--dim", "N=2"],
+            "plot": ["plan", str(model), "--budget", "1MiB", "--dim", "N=2", "--plot", out]}
+    before = set(os.listdir(tmp_path))
+    r = ho(*args[cmd], cwd=tmp_path)
+    assert words in one_line_error(r)
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_a_folder_output_may_end_in_a_slash(tmp_path: Path):
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save(chain_model(), src / "model.onnx")
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    r = ho("optimize", str(src), f"{tmp_path / 'out'}/", "--dim", "N=2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "out" / "model.onnx").is_file()
+
+
 def test_output_under_a_file_is_one_line(model: Path, tmp_path: Path):
     f = tmp_path / "afile"
     f.write_text("x")
