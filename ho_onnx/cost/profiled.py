@@ -22,7 +22,8 @@ DEVICE_SCALED = "profile run time"  # NodeCosts.source of :func:`device_scaled`
 _TRANSFER_OPS = frozenset(("MemcpyFromHost", "MemcpyToHost"))
 
 
-def profile_costs(analysis: GraphAnalysis, profile_json_path: str | os.PathLike[str],
+def profile_costs(analysis: GraphAnalysis,
+                  profile_json_path: str | os.PathLike[str] | Mapping[str, Any],
                   machine: Machine | None = None,
                   dims: Mapping[str, int] | None = None) -> NodeCosts:
     """Per-node seconds from a profile file, mapped onto ``analysis``'s positions.
@@ -55,7 +56,8 @@ def profile_costs(analysis: GraphAnalysis, profile_json_path: str | os.PathLike[
     ``machine`` (for the analytic weights) defaults to ``h100`` for a CUDA profile and
     ``cpu`` otherwise; ``dims`` defaults to the dims the profile was taken with.
     """
-    prof = read_profile(profile_json_path)
+    prof = profile_json_path if isinstance(profile_json_path, Mapping) else \
+        read_profile(profile_json_path)  # (a Mapping: one read_profile already checked)
     if is_launch_time_profile(prof):
         return device_scaled(analysis, prof, machine, dims)
     n = len(analysis.order)

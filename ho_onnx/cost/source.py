@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.profile import ProfileError, read_profile
 from .analytic import analytic_costs
-from .machine import load_machine
+from .machine import Machine, load_machine
 from .model import CostModel
 from .profiled import DEVICE_SCALED, profile_costs
 
@@ -24,18 +26,23 @@ class CostSource:
     machine: str | os.PathLike[str] = "cpu"
     profile: str | os.PathLike[str] | None = None
 
+    @functools.cached_property
+    def _files(self) -> tuple[Machine, dict[str, Any] | None]:
+        """The machine and the profile, each file read and checked once (a CLI run reads
+        them before the model, :meth:`check`, and plans with them after)."""
+        return (load_machine(self.machine),
+                read_profile(self.profile) if self.profile is not None else None)
+
     def check(self) -> None:
         """Read the machine and the profile now, so that a missing or bad file fails before
         a model is analysed (was: after, seconds into a large model)."""
-        load_machine(self.machine)
-        if self.profile is not None:
-            read_profile(self.profile)
+        self._files  # noqa: B018 (read for its errors; kept for cost_model)
 
     def cost_model(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> CostModel:
         """Compute seconds per step of ``analysis`` and transfer times, with a description."""
-        machine = load_machine(self.machine)
-        if self.profile is not None:
-            nc = profile_costs(analysis, self.profile, machine, dims)
+        machine, profile = self._files
+        if profile is not None and self.profile is not None:
+            nc = profile_costs(analysis, profile, machine, dims)
             if nc.gpu and machine.name.startswith("cpu"):
                 raise ProfileError(
                     f"profile {str(self.profile)!r} was taken on a GPU provider but the "

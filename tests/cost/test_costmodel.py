@@ -436,3 +436,28 @@ def test_analytic_costs_of_shapes_no_tensor_has_are_unknown_not_an_overflow():
             x.dim.add().dim_value = d
         secs = analytic_costs(analyse(m), machine).seconds[0]
         assert np.isfinite(secs) and secs <= fine, (dims, secs)
+
+
+def test_a_cost_source_reads_its_files_once(tmp_path: Path, monkeypatch):
+    """The CLI checks the machine and profile files before the model (``check``) and plans
+    with them after: each file is read once (was twice, a big model's profile too), and a
+    bad one fails at ``check``."""
+    from ho_onnx.cost import source
+    from ho_onnx.cost.source import CostSource
+
+    m = analyse(matmul_model(2, 2, 2))
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"nodes": {"mm": {"median_s": 1e-3}}}))
+    reads: list[str] = []
+    real_machine, real_profile = source.load_machine, source.read_profile
+    monkeypatch.setattr(source, "load_machine", lambda s: reads.append("m") or real_machine(s))
+    monkeypatch.setattr(source, "read_profile", lambda s: reads.append("p") or real_profile(s))
+    costs = CostSource("cpu", p)
+    costs.check()
+    a = costs.cost_model(m, {})
+    b = costs.cost_model(m, {})
+    assert reads == ["m", "p"] and list(a.compute_s) == list(b.compute_s)
+    assert list(a.compute_s) == list(CostSource("cpu", p).cost_model(m, {}).compute_s)
+    p.write_text("{oops")
+    with pytest.raises(ProfileError, match="not readable JSON"):
+        CostSource("cpu", p).check()
