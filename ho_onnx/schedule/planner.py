@@ -313,11 +313,23 @@ def _first_freeing(ctx: _Context, chosen: Container[str], step: int,
     return None
 
 
+def _why_resident(ctx: _Context, skipped: Mapping[str, str], name: str) -> str:
+    """", why"" ``name`` can never leave the fast tier (its reason in ``skipped``, or a graph
+    input), or "" for a candidate (found by hand: a weight that is also a graph output was
+    listed as "must be resident" with no word of why, the user left to guess)."""
+    if name in ctx.by_name:
+        return ""
+    reason = skipped.get(name)
+    if reason is None:
+        return ", a graph input" if kind_of(ctx.analysis.tensors[name]) is None else ""
+    return ", also a graph input" if reason == OVERRIDABLE_REASON else f", {reason}"
+
+
 def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int, int]],
-                     sizes: dict[str, int]) -> tuple[int, str]:
+                     sizes: dict[str, int], skipped: Mapping[str, str]) -> tuple[int, str]:
     """Smallest budget this planner can meet (every candidate offloaded across its largest
-    gap, reloads just in time), and what dominates it; ``base``: the baseline's bytes per
-    step."""
+    gap, reloads just in time), and what dominates it, each tensor with the reason it stays
+    (``skipped``); ``base``: the baseline's bytes per step."""
     early = {c.name: e for c in ctx.candidates
              if (e := _early_uses_at_largest_gap(c, ctx.options.min_gap)) is not None}
     change = itertools.chain.from_iterable(  # what _offload of each does to ``base``
@@ -333,10 +345,8 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
     alive = sorted(((sizes[k], k) for k, (s, e) in spans.items()
                     if sizes[k] and s <= pos <= e and still_resident(k)), reverse=True)
     node = ctx.analysis.node_at(pos)
-    tensors = ctx.analysis.tensors
-    top = ", ".join(f"{k} ({format_bytes(b)}"  # (a weight's input: why it cannot leave)
-                    + (", also a graph input" if ineligible(tensors[k]) == OVERRIDABLE_REASON
-                       else "") + ")" for b, k in alive[:4])
+    top = ", ".join(f"{k} ({format_bytes(b)}{_why_resident(ctx, skipped, k)})"
+                    for b, k in alive[:4])
     what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
             f"{format_bytes(int(mem[pos]))} must be resident: {top}")
     return int(mem.max()), what
@@ -637,7 +647,7 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
                    baseline.memory)
     mem = baseline.memory.copy()
     if baseline.peak_bytes > ctx.budget:
-        min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes)
+        min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes, skipped)
         met = functools.partial(_met_budget, analysis, opts, costs, dims, basis,
                                 ceiling=baseline.peak_bytes)
         if ctx.budget < min_budget:

@@ -137,6 +137,30 @@ def test_budget_below_largest_working_set_is_refused_with_the_minimum():
     assert p.planned.peak_bytes <= need
 
 
+def test_infeasible_budget_says_why_each_listed_tensor_stays():
+    """Each tensor the refusal lists as "must be resident" says why it cannot leave: a
+    weight that is a graph output, a graph input; an offloadable one says nothing."""
+    m = text_model("""
+    g (float[64, 256] x) => (float[64, 256] y, float[256, 256] W1) {
+      a = MatMul(x, W1)
+      b = Relu(a)
+      y = MatMul(b, W2)
+    }
+    """, W1=(256, 256), W2=(256, 256))
+    a = analyse(m)
+    cs = np.full(len(a.order), 1e-3)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan(a, OffloadOptions(budget=1 << 10, min_bytes=0), CostModel(cs, linear()))
+    said = str(e.value)
+    assert "W1 (256.00 KiB, graph output)" in said and "y (64.00 KiB, graph output)" in said
+    assert "b (64.00 KiB, largest gap 1 < min_gap)" in said, said
+    assert "W2 (256.00 KiB)" in said, said  # offloadable: resident only while read
+    a = analyse(text_model("g (float[256, 256] x) => (float[256, 256] y) { y = MatMul(x, W) }",
+                           W=(256, 256)))
+    with pytest.raises(InfeasibleBudgetError, match=r"x \(256.00 KiB, a graph input\)"):
+        plan(a, OffloadOptions(budget=1 << 10, min_bytes=0), CostModel(np.ones(1), linear()))
+
+
 def test_no_offload_when_the_model_fits():
     a = analyse(_chain())
     cs = np.full(len(a.order), 1e-3)
