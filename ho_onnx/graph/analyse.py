@@ -24,7 +24,14 @@ from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
 from .bounded import start_infer_shapes
-from .dims import MAX_DIM_EXPRESSION, check_bindings, dim_text, parse_dim, shape_text
+from .dims import (
+    MAX_DIM_EXPRESSION,
+    check_bindings,
+    dim_hint,
+    dim_text,
+    parse_dim,
+    shape_text,
+)
 from .dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from .gcpause import gc_paused
 
@@ -101,7 +108,7 @@ def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
                 raise UnboundDimError(
                     f"tensor {tensor!r} has symbolic dimension {node.id!r}"
                     + (f" (in {dim!r})" if node.id != dim else "")
-                    + f" with no value: pass --dim {node.id}=N"
+                    + f" with no value: pass {dim_hint(node.id)}"
                 )
             return int(dims[node.id])
         if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS:
@@ -119,7 +126,7 @@ def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
             f"long to be an expression of names (over {MAX_DIM_EXPRESSION} characters): pass "
             "the whole shapes of the inputs that have it with --shape")
     raise UnboundDimError(
-        f"tensor {tensor!r} has symbolic dimension {dim!r} with no value: pass --dim {dim}=N"
+        f"tensor {tensor!r} has symbolic dimension {dim!r} with no value: pass {dim_hint(dim)}"
     )
 
 

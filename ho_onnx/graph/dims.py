@@ -250,6 +250,12 @@ def is_mask_input(name: str) -> bool:
     return name.lower().endswith("attention_mask")
 
 
+def dim_hint(name: str) -> str:
+    """How to give dim ``name`` a value (found by hand: for a dim named ``N`` the hint was
+    "pass --dim N=N")."""
+    return f"--dim {name}=<value>"
+
+
 def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None = None, *,
                   unused: Sequence[str] = (), where: str = "the model") -> UnboundDimError:
     """One error naming every missing dim and every input that needs a whole shape, and
@@ -258,7 +264,7 @@ def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None =
     parts = []
     if names:
         parts.append("symbolic dimensions without a value: " + ", ".join(map(repr, names))
-                     + " (pass " + " ".join(f"--dim {n}=N" for n in names) + ")")
+                     + " (pass " + " ".join(map(dim_hint, names)) + ")")
     for inp, shape in (odd_inputs or {}).items():
         spec = ",".join("?" if d is None else dim_text(str(d)) for d in shape)
         parts.append(f"input {inp!r} [{spec}] has dims --dim cannot name: pass its whole "

@@ -76,7 +76,7 @@ def test_a_misspelt_dim_is_named(tmp_path):
     r = runner.invoke(main, [*args, "--dim", "btach=4"])
     assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines()[-1] == (
-        "error: symbolic dimensions without a value: 'batch' (pass --dim batch=N); --dim seq "
+        "error: symbolic dimensions without a value: 'batch' (pass --dim batch=<value>); --dim seq "
         "names no dim of the model; --dim btach names no dim of the model (did you mean "
         "'batch'?)")
     r = runner.invoke(main, [*args, "--dim", "batch=4"])
