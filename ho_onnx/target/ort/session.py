@@ -71,7 +71,7 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
     Shapes: :func:`~ho_onnx.graph.dims.input_shapes` (``dims``, whole ``shapes``, dims
     without a name 1; every missing dim named in one error). Floats are standard normal,
     integers uniform in ``[0, int_high)`` (keeps indices such as token ids in range),
-    booleans fair coins; attention masks are ones.
+    booleans fair coins, strings ``"s<integer>"`` of such integers; attention masks are ones.
     """
     dims = dict(dims or {})
     all_shapes = input_shapes(model, dims, shapes, unnamed=1)
@@ -84,12 +84,17 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
         if not vi.type.HasField("tensor_type"):
             raise UnsupportedModelError(f"input {vi.name!r} is not a tensor: cannot make data")
         elem = vi.type.tensor_type.elem_type
+        shape = all_shapes.get(vi.name, [])
+        if elem == onnx.TensorProto.STRING:  # (found by hand: refused, so no verify)
+            _check_feed_shape(vi.name, shape, 16)
+            words = rng.integers(0, int_high, size=shape).ravel()
+            feeds[vi.name] = np.array([f"s{w}" for w in words], dtype=object).reshape(shape)
+            continue
         if elem not in _NP_TYPES:
             raise UnsupportedModelError(
                 f"input {vi.name!r} has element type "
                 f"{onnx.TensorProto.DataType.Name(elem)}, for which no random data is made"
             )
-        shape = all_shapes.get(vi.name, [])
         np_type = _NP_TYPES[elem]
         _check_feed_shape(vi.name, shape, np.dtype(np_type).itemsize)
         if is_mask_input(vi.name):

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +72,49 @@ def compare_arrays(name: str, a: np.ndarray, b: np.ndarray, *, atol: float = 0.0
     rel = diff / np.maximum(np.abs(af), 1e-30)
     close = bool(np.all(diff <= atol + rtol * np.abs(af))) if (atol or rtol) else False
     return OutputDiff(name, tuple(a.shape), max_abs, float(rel.max()), False, close)
+
+
+def _structure(x: Any, leaves: list[np.ndarray]) -> tuple[Any, ...]:
+    """The structure of ORT output value ``x`` (a tensor; a sequence, which ORT returns as a
+    list; a map, a dict), its tensors appended to ``leaves`` in order."""
+    if isinstance(x, list):
+        return ("seq", tuple(_structure(e, leaves) for e in x))
+    if isinstance(x, dict):
+        keys = sorted(x, key=repr)
+        return ("map", tuple(keys), tuple(_structure(x[k], leaves) for k in keys))
+    a = np.asarray(x)
+    leaves.append(a)
+    return (a.dtype.str, a.shape)
+
+
+def _shape_of(x: Any) -> tuple[int, ...]:
+    """A tensor's shape; a sequence's length and its tensors' shape when they share one (else
+    its length alone); a map's number of keys."""
+    if isinstance(x, dict):
+        return (len(x),)
+    if not isinstance(x, list):
+        return tuple(np.shape(x))
+    inner = {_shape_of(e) for e in x if not isinstance(e, (list, dict))}
+    same = len(inner) == 1 and not any(isinstance(e, (list, dict)) for e in x)
+    return (len(x), *inner.pop()) if same else (len(x),)
+
+
+def compare_outputs(name: str, a: Any, b: Any, *, atol: float = 0.0,
+                    rtol: float = 0.0) -> OutputDiff:
+    """:func:`compare_arrays` of two values of output ``name`` as ORT returns them: tensors,
+    or sequences and maps, compared tensor by tensor (found by hand: a sequence of tensors of
+    different shapes was "unexpected ValueError" when made one array); a different structure
+    (length, keys, a tensor's shape or type) is a mismatch."""
+    if not isinstance(a, (list, dict)) and not isinstance(b, (list, dict)):
+        return compare_arrays(name, a, b, atol=atol, rtol=rtol)
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    if _structure(a, xs) != _structure(b, ys):
+        return OutputDiff(name, _shape_of(b), math.inf, math.inf, False, False)
+    diffs = [compare_arrays(name, x, y, atol=atol, rtol=rtol) for x, y in zip(xs, ys, strict=True)]
+    return OutputDiff(name, _shape_of(a), max((d.max_abs for d in diffs), default=0.0),
+                      max((d.max_rel for d in diffs), default=0.0),
+                      all(d.exact for d in diffs), all(d.close for d in diffs))
 
 
 def _check_tolerances(atol: float, rtol: float) -> None:
@@ -134,7 +178,7 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
         report.seconds_optimized.append(time.perf_counter() - t1)
         report.seconds_original.append(t1 - t0)
         for name, x, y in zip(names, a, b, strict=True):
-            d = compare_arrays(name, x, y, atol=atol, rtol=rtol)
+            d = compare_outputs(name, x, y, atol=atol, rtol=rtol)
             if _worse(d, worst.get(name)):
                 worst[name] = d
         report.runs += 1
