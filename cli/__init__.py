@@ -658,7 +658,8 @@ def verify(original: str, optimized: str, dims: tuple[str, ...], shapes: tuple[s
 
     Either may be a genai or Optimum model folder (its model is compared). Input shapes
     come from --dim and --shape as for `plan` (expression dims evaluated; every missing
-    dim named in one error); attention masks are ones. Exits 1 when an output differs
+    dim named in one error); attention masks are ones, strings "s<integer>". Sequence and
+    map outputs are compared tensor by tensor. Exits 1 when an output differs
     beyond the tolerances (bit-exact by default). ONNX Runtime runs in a child process:
     if it crashes on a model, that is one error line (exit 2).
     """
