@@ -224,6 +224,8 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             reason = "size unknown (shape inference gave no shape)"
         elif reason is None and nbytes is not None and nbytes < min_bytes:
             reason = f"{nbytes} bytes < min_bytes"
+        elif nbytes == 0:  # (found by hand: --dim batch=0 was a ZeroDivisionError)
+            reason = "empty (0 bytes): nothing to move"
         if reason is not None:
             skipped[name] = reason
             continue

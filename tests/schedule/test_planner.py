@@ -161,6 +161,27 @@ def test_infeasible_budget_says_why_each_listed_tensor_stays():
         plan(a, OffloadOptions(budget=1 << 10, min_bytes=0), CostModel(np.ones(1), linear()))
 
 
+def test_empty_tensors_are_never_candidates():
+    """A tensor of 0 bytes (a dim bound to 0, or an empty weight) stays resident, with its
+    reason: it was scored by dividing by its transfer time, 0 (found by hand: ``optimize
+    --dim batch=0 --min-bytes 0`` was a ZeroDivisionError)."""
+    a = analyse(text_model("""
+    g (float[N, 64] x) => (float[M, 64] y) {
+      e = Concat<axis = 0>(x, E)
+      h = MatMul(e, W1)
+      r = Relu(h)
+      s = Add(r, h)
+      y = MatMul(s, W2)
+    }
+    """, E=(0, 64), W1=(64, 64), W2=(64, 64)), {"N": 0})
+    cs = np.full(len(a.order), 1e-3)
+    opts = OffloadOptions(budget=64 * 64 * 4, min_bytes=0, min_gap=1)
+    p = plan(a, opts, CostModel(cs, linear(latency=0.0)), {"N": 0})
+    assert "W2" in {w.name for w in p.choice.weights} and not p.choice.activations
+    for name in ("E", "e", "h", "r"):
+        assert p.choice.skipped[name] == "empty (0 bytes): nothing to move"
+
+
 def test_no_offload_when_the_model_fits():
     a = analyse(_chain())
     cs = np.full(len(a.order), 1e-3)
