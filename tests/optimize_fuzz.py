@@ -281,7 +281,7 @@ def make_case(seed_dir: Path, case_dir: Path, rng: random.Random) -> list[str]:
 
 
 def _options(rng: random.Random) -> list[str]:
-    dims = ["--dim", f"N={rng.choice([1, 2, 3, 64, 2**40])}"] if rng.randrange(5) else []
+    dims = ["--dim", f"N={rng.choice([0, 1, 2, 3, 64, 2**40])}"] if rng.randrange(5) else []
     budget = rng.choice(["1", "4KiB", "64KiB", "1MiB", "1GiB"])
     level = ["--opt-level", rng.choice(["disable", "basic", "extended", "all"])]
     if rng.randrange(8) == 0:  # ORT runs the mutant (in a child process: it may crash)
@@ -293,6 +293,7 @@ def _options(rng: random.Random) -> list[str]:
             else []
         return ["plan", "in/model.onnx", "--budget", budget, *ort, *dims]
     opts = rng.choice([[], ["--budget", budget], ["--min-bytes", "0"],
+                       ["--budget", budget, "--min-bytes", "0"],
                        ["--offload", rng.choice(["weights", "activations", "none"])],
                        ["--budget", budget, "--weight-tier", "disk"]])
     out = rng.choice(["out/m.ho.onnx", "out/deeper/m.ho.onnx", "in/m.ho.onnx"])
