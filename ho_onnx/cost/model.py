@@ -53,6 +53,7 @@ class CostModel:
     transfer_time: TransferTime
     description: str = ""
     host_ahead: bool = False
+    notes: tuple[str, ...] = ()  # what the user should know of the times (a profile's gaps)
 
     def __post_init__(self) -> None:
         compute_s = np.asarray(self.compute_s, dtype=np.float64)

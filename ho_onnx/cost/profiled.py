@@ -78,9 +78,27 @@ def profile_costs(analysis: GraphAnalysis,
     for pos in range(n):  # nodes ORT never runs (Constant: made initializers) cost 0 s
         if not matched[pos] and never_runs(analysis.node_at(pos)):
             matched[pos] = True
-    notes = _fill_unmatched(analysis, prof, secs, matched, pool, pool_entries, machine, dims)
     coverage = float(matched.mean()) if n else 1.0
+    notes = coverage_notes(prof, coverage, n) + _fill_unmatched(
+        analysis, prof, secs, matched, pool, pool_entries, machine, dims)
     return NodeCosts(secs, "profile", coverage, notes, gpu=_gpu(prof))
+
+
+LOW_COVERAGE = 0.5  # below this fraction of nodes matched, the profile is likely another model's
+
+
+def coverage_notes(prof: Mapping[str, Any], coverage: float, nodes: int) -> list[str]:
+    """Say (when under :data:`LOW_COVERAGE`) that a profile times few of the model's nodes,
+    and which model it was taken of (found by hand: a profile of another model was used
+    without a word, its time spread over nodes it never timed)."""
+    if coverage >= LOW_COVERAGE:
+        return []
+    taken = prof.get("model")
+    count = prof.get("model_nodes")
+    of = (f" (taken of {str(taken)!r}" + (f", {count} nodes" if isinstance(count, int) else "")
+          + ")") if isinstance(taken, str) else ""
+    return [f"the profile times {coverage:.0%} of this model's {nodes} nodes{of}: is it this "
+            "model's? (`ho-onnx profile MODEL --out FILE` makes one)"]
 
 
 def _gpu(prof: Mapping[str, Any]) -> bool:

@@ -60,4 +60,4 @@ class CostSource:
         return CostModel(nc.seconds, machine.transfer_time,
                          f"{what}; transfers on {machine.name}"
                          + ("; loads issued ahead of the GPU" if nc.gpu else ""),
-                         host_ahead=nc.gpu)
+                         host_ahead=nc.gpu, notes=tuple(nc.notes))

@@ -190,6 +190,10 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
                   + (f", planned for {format_bytes(decision.planned_for, 'MiB', 1)} to leave "
                      "room for ORT's arena" if decision.planned_for < decision.budget else "")
                   + ")")  # (the arena itself: the result's plan.arena_summary())
+        if decision.costs is not None:  # (found by hand: a profile's gaps went unsaid)
+            steps.say(f"costs: {decision.costs.description}")
+            for line in decision.costs.notes:
+                steps.say(f"note: {line}")
     note = _overridable_note(analysis, decision.choice, dims)
     if note:
         steps.say(note)

@@ -40,7 +40,7 @@ import functools
 import itertools
 import time
 from collections.abc import Container, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -109,6 +109,7 @@ class Plan(Decision):
     host_bytes: int  # peak bytes the slow tier holds (weights + stored activations)
     arena_bytes: int = 0  # ORT's arena peak, buffer reuse replayed (module docstring, 6)
     planned_for: int = 0  # the budget the choice was made for (lower after arena refits)
+    costs: CostModel | None = field(default=None, repr=False)  # what the plan was timed by
 
     @property
     def budget(self) -> int:
@@ -682,4 +683,4 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     if planned.peak_bytes > ctx.budget:  # the planner's own invariant
         raise AssertionError(f"plan peak {planned.peak_bytes} > budget {ctx.budget}")
     return Plan(choice, opts, baseline, planned, min_budget, host_bytes(choice),
-                planned_for=ctx.budget)
+                planned_for=ctx.budget, costs=costs)

@@ -23,6 +23,7 @@ from ho_onnx.cost import (
     transfer_time,
 )
 from ho_onnx.cost.model import CostModel
+from ho_onnx.cost.source import CostSource
 from ho_onnx.errors import UnboundDimError
 from ho_onnx.graph.analyse import analyse
 from ho_onnx.target.ort.profile import ProfileError, parse_trace, profile_model
@@ -291,6 +292,35 @@ def test_profile_mapping_rules(tmp_path: Path):
     prof["opt_level"] = "disable"
     p.write_text(json.dumps(prof))
     assert profile_costs(a, p).seconds[2] > 0  # not profiled: analytic
+
+
+def test_a_profile_of_another_model_is_said(decoder: Path, tmp_path: Path):
+    """A profile that times under half of the model's nodes (another model's) is said in
+    the plan's output, with the model it was taken of; the model's own profile is not."""
+    from graphs import save, text_model
+
+    from ho_onnx.rewrite.pipeline import plan_model
+    from ho_onnx.schedule.options import OffloadOptions
+
+    out = tmp_path / "prof.json"
+    profile_model(decoder, out, dims=DIMS, runs=1, warmup=0, opt_level="disable")
+    other = save(text_model("g (float[4, 64] x) => (float[4, 64] y) "
+                            "{ h = MatMul(x, W1) \n y = MatMul(h, W2) }",
+                            W1=(64, 64), W2=(64, 64)), tmp_path / "other.onnx")
+    for model, dims, said_low, budget in ((other, {}, True, 40 << 10),
+                                          (decoder, DIMS, False, 1 << 30)):
+        said: list[str] = []
+        plan_model(model, OffloadOptions(budget=budget, min_bytes=0), dims=dims,
+                   log=said.append, costs=CostSource(profile=out))
+        assert f"costs: profile prof.json ({'0' if said_low else '100'}% of nodes by name); " \
+            "transfers on cpu" in said, said
+        low = [s for s in said if s.startswith("note: the profile times ")]
+        assert bool(low) == said_low, said
+    c = profile_costs(analyse(onnx.load(str(other))), out)
+    assert c.notes[0] == (f"the profile times 0% of this model's 2 nodes (taken of "
+                          f"{str(decoder)!r}, {len(onnx.load(str(decoder)).graph.node)} "
+                          "nodes): is it this model's? (`ho-onnx profile MODEL --out FILE` "
+                          "makes one)")
 
 
 def test_launch_time_gpu_profile_scales_analytic_times_to_its_run_time(tmp_path: Path):
