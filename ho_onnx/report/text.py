@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from typing import Any
 
 from ..errors import printable
@@ -59,6 +61,9 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                              "prefetch_at": a.prefetch_at} for a in c.activations],
         },
         "transfers": transfer_rows(plan, analysis_names),
+        "skipped": dict(c.skipped),  # why each other tensor of the chosen kinds stayed
+        "costs": None if plan.costs is None else {
+            "description": plan.costs.description, "notes": list(plan.costs.notes)},
     }
     if steps:
         d["steps"] = [{"step": i, "node": analysis_names[i],
@@ -68,6 +73,19 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                        "bytes_before": int(plan.baseline.memory[i])}
                       for i in range(len(analysis_names))]
     return d
+
+
+def _skipped_summary(skipped: dict[str, str], top: int = 3) -> list[str]:
+    """One line: how many tensors stayed resident, and the commonest reasons (each cut
+    before its first parenthesis or colon, numbers made ``N`` so alike reasons count
+    together; ``--json`` has them whole)."""
+    if not skipped:
+        return []
+    counts = Counter(re.sub(r"\d+", "N", re.split(r" \(|: ", why)[0])
+                     for why in skipped.values())
+    common = "; ".join(f"{n}x {printable(why)}" for why, n in counts.most_common(top))
+    more = f"; {len(counts) - top} other reasons" if len(counts) > top else ""
+    return [f"resident: {len(skipped)} other tensors ({common}{more}; --json: each one's)"]
 
 
 def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) -> str:
@@ -84,6 +102,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         f"{len(c.activations)} activations "
         f"({_mib(sum(x.nbytes or 0 for x in c.activations))}); host holds up to "
         f"{_mib(plan.host_bytes)}",
+        *_skipped_summary(c.skipped),
         plan.arena_summary(),
     ]
     rows = transfer_rows(plan, analysis_names)

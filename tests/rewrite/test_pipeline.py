@@ -88,6 +88,15 @@ def test_cli_plan_json_and_infeasible(decoder, tmp_path):
     assert d["fits"] and d["after"]["peak_bytes"] <= 1 << 20 < d["before"]["peak_bytes"]
     assert d["transfers"] and len(d["steps"]) == len(onnx.load(
         str(decoder), load_external_data=False).graph.node)
+    # why each other tensor stayed, and what timed the plan (found missing: only the API had
+    # the reasons); the text says how many and the commonest reasons
+    assert d["skipped"]["logits"] == "graph output" and d["costs"] == {
+        "description": "analytic roofline on cpu; transfers on cpu", "notes": []}
+    r = runner.invoke(main, ["plan", str(decoder), "--budget", "1MiB", "--dim", "batch=1",
+                             "--dim", "seq=64"])
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("resident: "))
+    assert line.startswith(f"resident: {len(d['skipped'])} other tensors (") and \
+        "x N bytes < min_bytes" in line and line.endswith("; --json: each one's)"), line
     r = runner.invoke(main, ["optimize", str(decoder), str(tmp_path / "o.onnx"), "--budget",
                              "10KiB", "--dim", "batch=1", "--dim", "seq=64"])
     assert r.exit_code == 2 and "smallest feasible budget" in r.output
