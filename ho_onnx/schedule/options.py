@@ -3,8 +3,11 @@ the pipeline and the command line; every default is defined here and nowhere els
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
+from ..units import parse_size
 from .types import Tier
 
 # Smallest tensor worth a transfer: the explicit policy offloads every eligible tensor, so it
@@ -30,7 +33,8 @@ class OffloadOptions:
       ``prefetch_distance``: compute nodes between a Prefetch and its Wait.
 
     Budget planner (``budget`` set): offloads only what the budget needs.
-      ``budget``: fast-tier bytes the simulated peak must fit.
+      ``budget``: fast-tier bytes the simulated peak must fit (``budget``, ``host_budget``
+      and ``min_bytes`` may also be written as sizes, ``"8GiB"``: kept as bytes).
       ``host_budget``: slow-tier (host) bytes; offloaded weights beyond it go to disk.
       ``preferred_overlap``, ``max_overlap``: a reload's window hides its copy with this
       margin, and opens at most this many copy-times early (XLA MSA's overlap ratios).
@@ -58,9 +62,10 @@ class OffloadOptions:
     arena_refits: int = 4
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.weight_tier not in ("host", "disk"):
             raise ValueError(f"weight_tier must be host|disk, not {self.weight_tier!r}")
-        for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits"):
+        for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.min_bytes is not None and self.min_bytes < 0:
@@ -71,6 +76,34 @@ class OffloadOptions:
             raise ValueError("host_budget needs a budget (the planner)")
         if self.preferred_overlap < 1 or self.max_overlap < self.preferred_overlap:
             raise ValueError("need 1 <= preferred_overlap <= max_overlap")
+
+    def _check_types(self) -> None:
+        """Whole numbers where counts and bytes are asked (sizes may be written ``"8GiB"``,
+        kept as bytes), numbers (not NaN) for the ratios and seconds, booleans for the kinds
+        (found by hand: ``budget=float("nan")`` and ``budget=1.5`` were accepted, ``"8GiB"``
+        was a TypeError about ``<=``)."""
+        for name in ("budget", "host_budget", "min_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                try:
+                    object.__setattr__(self, name, parse_size(v))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+        for name in ("budget", "host_budget", "min_bytes", "min_gap", "prefetch_distance",
+                     "max_extra", "arena_refits"):
+            v = getattr(self, name)
+            if v is None and name in ("budget", "host_budget", "min_bytes"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"{name} must be a whole number, not {v!r}")
+            object.__setattr__(self, name, int(v))
+        for name in ("preferred_overlap", "max_overlap", "max_extra_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
+                raise ValueError(f"{name} must be a number, not {v!r}")
+        for name in ("weights", "activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
     @property
     def min_bytes_or_default(self) -> int:
