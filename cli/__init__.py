@@ -602,7 +602,10 @@ def profile(model: str, out_json: str, provider: str, dims: tuple[str, ...],
 
     On a GPU provider ORT's release builds time kernel launches, not kernels: the planner
     then uses the profile's run time (analytic node times scaled to it) and times loads as
-    the CUDA engine issues them."""
+    the CUDA engine issues them.
+
+    An optimized MODEL runs with the ho-onnx library (its Prefetch/Wait times show where
+    transfers stall); planning from such a profile leaves those out of compute."""
     from ho_onnx.target.ort.profile import profile_model
 
     _refuse_overwriting_inputs({"--out": out_json}, [model])

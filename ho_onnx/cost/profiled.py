@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..contract import ALL_OPS
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.facts import never_runs
 from ..target.ort.profile import read_profile
@@ -20,6 +21,7 @@ from .model import NodeCosts
 _FUSION_SEPARATORS = ("/", "_", ":")
 DEVICE_SCALED = "profile run time"  # NodeCosts.source of :func:`device_scaled`
 _TRANSFER_OPS = frozenset(("MemcpyFromHost", "MemcpyToHost"))
+CACHE_OPS = frozenset(ALL_OPS)  # in the profile of an optimized model: transfers, not compute
 
 
 def profile_costs(analysis: GraphAnalysis,
@@ -46,7 +48,8 @@ def profile_costs(analysis: GraphAnalysis,
     the total equals the profile's. With no pool, unmatched nodes cost 0 when the profile
     ran with ORT optimizations (they were fused into a matched node or folded away) and
     their analytic estimate when it ran with ``opt_level="disable"``. ORT's own copy nodes
-    (``MemcpyFromHost``/``MemcpyToHost``) are transfers, not compute, and are skipped.
+    (``MemcpyFromHost``/``MemcpyToHost``) are transfers, not compute, and are skipped, as
+    are the cache operators in the profile of an optimized model (``cache_ops``).
 
     A profile of a GPU provider whose node times are host launch times (``time_basis``
     ``"host"``: ORT's release builds record no device kernels) cannot time nodes; its run
@@ -65,16 +68,15 @@ def profile_costs(analysis: GraphAnalysis,
     secs = np.zeros(n, dtype=np.float64)
     matched = np.zeros(n, dtype=bool)
     pool, pool_entries = 0.0, 0
+    skip = _TRANSFER_OPS | (CACHE_OPS if prof.get("cache_ops") is True else frozenset())
     for ename, e in prof["nodes"].items():
-        if e.get("op") in _TRANSFER_OPS:
-            continue
-        pos = locate(ename, e)
-        if pos is None:
+        pos = None if e.get("op") in skip else locate(ename, e)
+        if pos is None and e.get("op") not in skip:
             pool += float(e["median_s"])
             pool_entries += 1
-            continue
-        secs[pos] += float(e["median_s"])
-        matched[pos] = True
+        elif pos is not None:
+            secs[pos] += float(e["median_s"])
+            matched[pos] = True
     for pos in range(n):  # nodes ORT never runs (Constant: made initializers) cost 0 s
         if not matched[pos] and never_runs(analysis.node_at(pos)):
             matched[pos] = True
@@ -84,21 +86,23 @@ def profile_costs(analysis: GraphAnalysis,
     return NodeCosts(secs, "profile", coverage, notes, gpu=_gpu(prof))
 
 
-LOW_COVERAGE = 0.5  # below this fraction of nodes matched, the profile is likely another model's
+LOW_COVERAGE = 0.5  # below this fraction of nodes matched, the profile may be another model's
 
 
 def coverage_notes(prof: Mapping[str, Any], coverage: float, nodes: int) -> list[str]:
-    """Say (when under :data:`LOW_COVERAGE`) that a profile times few of the model's nodes,
-    and which model it was taken of (found by hand: a profile of another model was used
-    without a word, its time spread over nodes it never timed)."""
-    if coverage >= LOW_COVERAGE:
+    """Say that a profile times under :data:`LOW_COVERAGE` of the model's nodes and was
+    taken of a model with another node count, naming it (found by hand: a profile of another
+    model was used without a word, its time spread over nodes it never timed). The same
+    count: the model's own profile whose nodes ORT renamed (inlined functions), said by the
+    cost line's coverage alone."""
+    count = prof.get("model_nodes")
+    if coverage >= LOW_COVERAGE or not isinstance(count, int) or count == nodes:
         return []
     taken = prof.get("model")
-    count = prof.get("model_nodes")
-    of = (f" (taken of {str(taken)!r}" + (f", {count} nodes" if isinstance(count, int) else "")
-          + ")") if isinstance(taken, str) else ""
-    return [f"the profile times {coverage:.0%} of this model's {nodes} nodes{of}: is it this "
-            "model's? (`ho-onnx profile MODEL --out FILE` makes one)"]
+    of = f" ({str(taken)!r})" if isinstance(taken, str) else ""
+    return [f"the profile times {coverage:.0%} of this model's {nodes} nodes and was taken of "
+            f"a model of {count} nodes{of}: is it this model's? (`ho-onnx profile MODEL --out "
+            "FILE` makes one)"]
 
 
 def _gpu(prof: Mapping[str, Any]) -> bool:

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...contract import DOMAIN
 from ...errors import HoOnnxError, Log, UnboundDimError, quiet
 from ...graph.dims import check_bindings
 from ...graph.save import read_json, write_atomic
@@ -143,9 +144,9 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
     dims = dict(dims or {})
     model = model_for_ort(model_path)
     feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
-
+    cache_ops = any(n.domain == DOMAIN for n in model.graph.node)  # an optimized model
     trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup, runs,
-                                intra_op_threads, log or quiet)
+                                intra_op_threads, log or quiet, cache_ops)
     nodes, totals, basis = parse_trace(trace, warmup=warmup)
     result: dict[str, Any] = {
         "format": PROFILE_FORMAT,
@@ -158,6 +159,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
         "runs": len(totals),
         "warmup": warmup,
         "model_nodes": len(model.graph.node),
+        "cache_ops": cache_ops,
         "ort_version": ort.__version__,
         "time_basis": basis,
         "nodes": nodes,
@@ -173,11 +175,15 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
 
 def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
                   providers: Sequence[str], opt_level: str, warmup: int, runs: int,
-                  intra_op_threads: int | None, say: Log) -> tuple[Any, list[str]]:
+                  intra_op_threads: int | None, say: Log, cache_ops: bool = False
+                  ) -> tuple[Any, list[str]]:
     """ORT's chrome trace of ``warmup`` then ``runs`` runs (written in a temporary folder,
     then removed) and the providers the session used; ``say`` hears of the session and
-    each run."""
+    each run. ``cache_ops``: the model is an optimized one, run with the ho-onnx library
+    as ``ho_onnx.InferenceSession`` runs it (found by hand: ORT refused its ops)."""
     import onnxruntime as ort
+
+    from .runtime import session_options
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort_opt_level(opt_level)
@@ -187,6 +193,8 @@ def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
     try:
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(tmp, "ort")
+        if cache_ops:
+            so = session_options(model_path, base=so)
         t = time.perf_counter()
         sess = ort.InferenceSession(os.fspath(model_path), sess_options=so,
                                     providers=list(providers))
