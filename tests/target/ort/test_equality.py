@@ -299,3 +299,35 @@ def test_verify_compares_sequences_and_feeds_strings(tmp_path):
         assert r.exit_code == 1 and "MISMATCH" in r.output, r.output
         assert [ln.split()[-1] for ln in r.output.splitlines() if ln.startswith("q ")] != \
             ["exact"], r.output
+
+
+def test_compare_outputs_walks_sequences_and_maps():
+    """ORT returns a seq(map) (ZipMap's) as a list of dicts: compared value by value; a
+    different key set or length is a mismatch, never an error."""
+    from ho_onnx.target.ort.verify import compare_outputs
+
+    a = [{"x": np.float32(1.0), "y": np.float32(2.0)}, {"x": np.float32(3.0), "y": np.float32(0)}]
+    same = compare_outputs("p", a, [dict(d) for d in a])
+    assert same.exact and same.close and same.shape == (2,)
+    off = compare_outputs("p", a, [a[0], {"x": np.float32(3.5), "y": np.float32(0)}])
+    assert not off.exact and off.max_abs == 0.5
+    assert compare_outputs("p", a, [a[0], {"x": np.float32(3.0)}]).max_abs == np.inf
+    assert compare_outputs("p", a, a[:1]).max_abs == np.inf
+    assert compare_outputs("p", a, np.zeros(2)).max_abs == np.inf  # a tensor for a sequence
+    empty = compare_outputs("q", [], [])
+    assert empty.exact and empty.shape == (0,)
+    ragged = [np.ones((2, 3), np.float32), np.ones((1, 3), np.float32)]
+    assert compare_outputs("r", ragged, [r.copy() for r in ragged]).exact
+    near = compare_outputs("r", ragged, [ragged[0], ragged[1] + 1e-6], atol=1e-5)
+    assert near.close and not near.exact
+
+
+def test_a_scalar_output_that_differs_is_a_mismatch_not_an_error():
+    """A 0-d output (ReduceSum keepdims=0) that differs: was "unexpected TypeError: 'numpy.
+    float64' object does not support item assignment" on any mismatch."""
+    from ho_onnx.target.ort.verify import compare_outputs
+
+    d = compare_outputs("s", np.array(1.0, np.float32), np.array(1.5, np.float32))
+    assert (d.shape, d.max_abs, d.exact, d.close) == ((), 0.5, False, False)
+    assert compare_outputs("s", np.array(np.nan), np.array(np.nan)).exact
+    assert compare_outputs("s", np.array(1.0), np.array(1.0 + 1e-9), atol=1e-6).close
