@@ -26,6 +26,9 @@ class Transfer:
     wait_step: int
     window_nodes: int  # compute nodes between prefetch and wait
     source: str  # "file@offset" for weights, the Store node for activations
+    # Where it waits between uses: "host" (the library's store or pool) or "disk" (a weight
+    # read from its data file at every Prefetch); found missing: the table did not say.
+    tier: str = "host"
 
 
 @dataclass
@@ -76,8 +79,9 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
             continue
         tensor, kind, nbytes, source = _source(pf)
         i, j = step[pf], step[node]
+        tier = "disk" if attribute_values(pf).get(contract.ATTR_TIER) == "disk" else "host"
         summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
-                                          compute_before[j] - compute_before[i], source))
+                                          compute_before[j] - compute_before[i], source, tier))
     placement = split_chains(model)
     summary.cuda_placement = {k.removesuffix("ExecutionProvider"): v
                               for k, v in sorted(placement.per_provider.items())}
@@ -128,13 +132,13 @@ def format_summary(s: ModelSummary) -> str:
         return "\n".join(lines)
     names = [printable(t.tensor, cell=True) for t in s.transfers]
     w = min(max(6, *map(len, names)), 48)
-    lines.append(f"{'tensor':<{w}}  {'kind':<10} {'bytes':>12}  {'prefetch':>8} {'wait':>6} "
-                 f"{'window':>6}  source")
+    lines.append(f"{'tensor':<{w}}  {'kind':<10} {'tier':<4} {'bytes':>12}  {'prefetch':>8} "
+                 f"{'wait':>6} {'window':>6}  source")
     total = 0
     for t, name in zip(s.transfers, names, strict=True):
         total += t.nbytes or 0
         nb = "?" if t.nbytes is None else f"{t.nbytes:,}"
-        lines.append(f"{name[:w]:<{w}}  {t.kind:<10} {nb:>12}  {t.prefetch_step:>8} "
+        lines.append(f"{name[:w]:<{w}}  {t.kind:<10} {t.tier:<4} {nb:>12}  {t.prefetch_step:>8} "
                      f"{t.wait_step:>6} {t.window_nodes:>6}  {printable(t.source, cell=True)}")
     lines.append(f"{len(s.transfers)} transfers per run, {total:,} bytes reloaded per run")
     return "\n".join(lines)

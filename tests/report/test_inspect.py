@@ -86,3 +86,25 @@ def test_inspect_reads_an_absurd_activation_size_as_unknown(tmp_path):
         r = CliRunner().invoke(main, ["inspect", *args])
         assert r.exit_code == 0, r.output
 
+
+
+def test_inspect_says_each_transfer_tier(tmp_path):
+    """Weights read from disk at every Prefetch are told apart from the host store's (the
+    table did not say), in the table and the JSON."""
+    import json
+
+    src = tmp_path / "d.onnx"
+    build_decoder(src, layers=1, hidden=32, heads=2, external_data=True)
+    dims = {"batch": 1, "seq": 4}
+    for tier in ("host", "disk"):
+        out = tmp_path / f"{tier}.ho.onnx"
+        optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, weight_tier=tier), dims=dims)
+        s = summarize(out)
+        kinds = {(t.kind, t.tier) for t in s.transfers}
+        assert kinds == {("weight", tier), ("activation", "host")}, kinds
+        r = CliRunner().invoke(main, ["inspect", str(out)])
+        rows = [ln.split() for ln in r.output.splitlines() if " weight " in ln]
+        assert rows and all(row[2] == tier for row in rows), r.output
+        r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+        tiers = {t["tier"] for t in json.loads(r.stdout)["transfers"] if t["kind"] == "weight"}
+        assert tiers == {tier}
