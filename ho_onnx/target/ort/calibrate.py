@@ -202,6 +202,11 @@ def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cp
     """
     say = log or quiet
     result: dict[str, object] = {"base": base, "name": f"{base}+calibrated"}
+    # The disk first: a bad --file, --dir or --size is refused before anything else is
+    # measured (found by hand: after the copies were).
+    say(f"measuring disk reads ({threads} O_DIRECT readers)")
+    result["disk_bw"] = measure_file_read(file, threads=threads, size=size, directory=directory)
+    result["disk_source"] = os.fspath(file) if file else f"temporary file of {size} bytes"
     from . import runtime
 
     ops = runtime._ops()
@@ -215,9 +220,6 @@ def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cp
         say("measuring host memcpy (no CUDA device: the CPU EP's transfers are host copies)")
         bw = measure_host_copy()
         result.update({"h2d_bw": bw, "d2h_bw": bw, "h2d_source": "host memcpy"})
-    say(f"measuring disk reads ({threads} O_DIRECT readers)")
-    result["disk_bw"] = measure_file_read(file, threads=threads, size=size, directory=directory)
-    result["disk_source"] = os.fspath(file) if file else f"temporary file of {size} bytes"
     if out_json is not None:
         import json
 

@@ -72,3 +72,15 @@ def test_a_missing_folder_is_refused_not_made(tmp_path: Path):
     with pytest.raises(calibrate.CalibrationError, match="is not a folder"):
         calibrate.measure_file_read(size=1 << 20, directory=str(tmp_path / "no" / "such"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", ["file", "dir"])
+def test_a_bad_file_or_folder_is_refused_before_anything_is_measured(tmp_path: Path, bad):
+    """Found by hand: ``calibrate --file`` of a small file measured the copies first."""
+    said: list[str] = []
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 100)
+    kw = {"file": str(small)} if bad == "file" else {"directory": str(tmp_path / "none")}
+    with pytest.raises(calibrate.CalibrationError):
+        calibrate.calibrate(None, log=said.append, **kw)
+    assert not any("copies" in s or "memcpy" in s for s in said), said
