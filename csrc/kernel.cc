@@ -107,7 +107,7 @@ std::shared_ptr<WeightFile> weight_file(const OrtApi* api, const OrtKernelInfo* 
         std::string("the model has offloaded weights but no model directory is known: set the "
                     "session config entry '") +
             kModelDirKey +
-            "' to the folder of the model file (ho_onnx.runtime.session_options(model_path) "
+            "' to the folder of the model file (ho_onnx.session_options(model_path) "
             "does; a model given as bytes needs it set explicitly)");
   }
   std::shared_ptr<WeightFile> file;

@@ -2,7 +2,7 @@
 one error naming every dim a command still needs.
 
 Dims are names (``batch``) or arithmetic expressions of names (``past_sequence_length +
-sequence_length``, ``2*seq``), evaluated as :func:`ho_onnx.analysis.eval_dim` does. A dim
+sequence_length``, ``2*seq``), evaluated as :func:`ho_onnx.graph.analyse.eval_dim` does. A dim
 without a name (``?`` in the viewer, no ``dim_param``), or whose name is no expression
 (``?``, ``p2o.DynamicDimension.0``, ``batch-size``), cannot be given with ``--dim``: the
 input's whole shape is given instead, as ``trtexec --shapes`` does.

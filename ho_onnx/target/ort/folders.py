@@ -244,7 +244,7 @@ def optimize_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str],
 
     ``optimize_file(in_model, out_model)`` writes the optimized model (and its data) at
     ``out_model`` inside ``dst``. ``library`` is the custom-op library copied into a genai
-    folder (default: :func:`ho_onnx.runtime.library_path`). ``dst`` must not exist or be
+    folder (default: :func:`ho_onnx.library_path`). ``dst`` must not exist or be
     an empty folder, and must not be ``src``.
     """
     folder = detect_folder(src)
@@ -299,7 +299,7 @@ def _fill_folder(folder: ModelFolder, out: Path, files: list[_Entry],
 def optimum_session_options(folder: str | os.PathLike[str], **kw: Any) -> Any:
     """``onnxruntime.SessionOptions`` for ``ORTModelForCausalLM.from_pretrained(folder,
     session_options=...)`` on an optimized Optimum folder (ho-onnx's ops registered, weights
-    resolved in ``folder``); ``kw`` goes to :func:`ho_onnx.runtime.session_options`."""
+    resolved in ``folder``); ``kw`` goes to :func:`ho_onnx.session_options`."""
     from .runtime import session_options
 
     return session_options(Path(folder) / OPTIMUM_MODEL, **kw)

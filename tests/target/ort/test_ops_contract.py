@@ -324,6 +324,15 @@ def test_no_model_dir_at_all(tmp_path):
     m = _weight_model()
     with pytest.raises(Exception, match="no model directory"):
         runtime.InferenceSession(m.SerializeToString())
+    # a plain ORT session with the library: the library's error names a function that exists
+    # (found by hand: it named ho_onnx.runtime.session_options, a module since moved)
+    path = save(_weight_model(), tmp_path)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(runtime.library_path())
+    with pytest.raises(Exception, match=r"\(ho_onnx\.session_options\(model_path\) does;"):
+        ort.InferenceSession(path, so)
+    import ho_onnx
+    assert ho_onnx.session_options is runtime.session_options
 
 
 # --------------------------------------------------------------------------------------------
