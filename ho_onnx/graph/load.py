@@ -66,6 +66,9 @@ def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # a structure onnx_ir refuses (the checker let it through)
+        _refuse_map_types(proto, what)
+        while (e.__cause__ or e.__context__) is not None:  # (onnx_ir's own words)
+            e = e.__cause__ or e.__context__  # type: ignore[assignment]
         raise ModelLoadError(f"{what!r} cannot be read as an ONNX graph: {e}") from None
     if model.ir_version < 4:
         _initializers_out_of_inputs(model)
@@ -76,6 +79,30 @@ def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str
                 v.const_value.base_dir = base_dir
                 locations.setdefault(v.const_value.location, v.name or "")
     return model, locations
+
+
+def _refuse_map_types(proto: onnx.ModelProto, what: str) -> None:
+    """Refuse, naming them, values whose type holds a map (ZipMap's ``seq(map(...))``
+    output, common in scikit-learn exports), which onnx_ir cannot read (found by hand: the
+    error was onnx_ir's "Error calling _deserialize_graph with: g")."""
+    def has_map(t: onnx.TypeProto) -> bool:
+        while not t.HasField("map_type"):
+            kind = t.WhichOneof("value")
+            if kind not in ("sequence_type", "optional_type"):
+                return False
+            t = getattr(t, kind).elem_type
+        return True
+
+    names = [v.name for g in iter_graphs(proto.graph) for v in (*g.input, *g.output,
+                                                                   *g.value_info)
+             if has_map(v.type)]
+    if names:
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        raise UnsupportedModelError(
+            f"{what!r}: {shown} {'has a map type' if len(names) == 1 else 'have map types'} "
+            "(as ZipMap's output): not supported (onnx_ir, the graph library ho-onnx plans on, "
+            "cannot read map types yet); export the model without maps (skl2onnx: "
+            "options={'zipmap': False})")
 
 
 def _initializers_out_of_inputs(model: ir.Model) -> None:

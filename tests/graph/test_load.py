@@ -322,6 +322,40 @@ def test_sparse_tensor_attributes_are_refused_in_words(tmp_path, kind):
     assert not (tmp_path / "o.onnx").exists()
 
 
+def test_map_types_are_refused_in_words(tmp_path):
+    """A ZipMap output, seq(map(string, float)) (scikit-learn exports), is valid ONNX that
+    ORT runs, but onnx_ir cannot read map types: the error was "cannot be read as an ONNX
+    graph: Error calling _deserialize_graph with: g" (found by hand). Now one line naming
+    the value, exit 2, nothing written."""
+    import numpy as np
+    from click.testing import CliRunner
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ho_onnx.cli import main
+    from ho_onnx.graph.load import load_model
+
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["p"]),
+             helper.make_node("ZipMap", ["p"], ["z"], domain="ai.onnx.ml",
+                              classlabels_strings=["a", "b", "c"])]
+    zt = helper.make_sequence_type_proto(helper.make_map_type_proto(
+        TensorProto.STRING, helper.make_tensor_type_proto(TensorProto.FLOAT, [])))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [2, 4])],
+                          [helper.make_value_info("z", zt)], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("ai.onnx.ml", 3)])
+    onnx.checker.check_model(m)
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    with pytest.raises(UnsupportedModelError, match=r"'z' has a map type \(as ZipMap's "):
+        load_model(tmp_path / "m.onnx")
+    r = CliRunner().invoke(main, ["optimize", str(tmp_path / "m.onnx"),
+                                  str(tmp_path / "o.onnx"), "--offload", "weights"])
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(
+        "error: "), r.output
+    assert "options={'zipmap': False}" in r.output and not (tmp_path / "o.onnx").exists()
+
+
 def test_training_info_is_said_to_be_left_out(tmp_path):
     """onnx_ir does not read a model's training_info: the output lacks it, and says so."""
     from onnx import helper
