@@ -69,14 +69,14 @@ def profile_costs(analysis: GraphAnalysis,
     matched = np.zeros(n, dtype=bool)
     pool, pool_entries = 0.0, 0
     skip = _TRANSFER_OPS | (CACHE_OPS if prof.get("cache_ops") is True else frozenset())
-    for ename, e in prof["nodes"].items():
-        pos = None if e.get("op") in skip else locate(ename, e)
-        if pos is None and e.get("op") not in skip:
+    for ename, e in ((k, e) for k, e in prof["nodes"].items() if e.get("op") not in skip):
+        pos = locate(ename, e)
+        if pos is None:
             pool += float(e["median_s"])
             pool_entries += 1
-        elif pos is not None:
-            secs[pos] += float(e["median_s"])
-            matched[pos] = True
+            continue
+        secs[pos] += float(e["median_s"])
+        matched[pos] = True
     for pos in range(n):  # nodes ORT never runs (Constant: made initializers) cost 0 s
         if not matched[pos] and never_runs(analysis.node_at(pos)):
             matched[pos] = True

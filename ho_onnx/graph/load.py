@@ -67,8 +67,10 @@ def to_ir(proto: onnx.ModelProto, base_dir: Path, what: str
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # a structure onnx_ir refuses (the checker let it through)
         _refuse_map_types(proto, what)
-        while (e.__cause__ or e.__context__) is not None:  # (onnx_ir's own words)
-            e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        seen = {id(e)}  # the innermost cause: onnx_ir's own words (a chain may loop)
+        while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+            seen.add(id(inner))
+            e = inner  # type: ignore[assignment]
         raise ModelLoadError(f"{what!r} cannot be read as an ONNX graph: {e}") from None
     if model.ir_version < 4:
         _initializers_out_of_inputs(model)

@@ -77,9 +77,8 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
         if pf is None or pf.op_type != contract.PREFETCH or pf.domain != contract.DOMAIN or \
                 pf in damaged:
             continue
-        tensor, kind, nbytes, source = _source(pf)
+        tensor, kind, nbytes, source, tier = _source(pf)
         i, j = step[pf], step[node]
-        tier = "disk" if attribute_values(pf).get(contract.ATTR_TIER) == "disk" else "host"
         summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
                                           compute_before[j] - compute_before[i], source, tier))
     placement = split_chains(model)
@@ -89,14 +88,15 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
     return summary
 
 
-def _source(pf: ir.Node) -> tuple[str, str, int | None, str]:
-    """(tensor, kind, bytes, source) of the transfer a Prefetch starts."""
+def _source(pf: ir.Node) -> tuple[str, str, int | None, str, str]:
+    """(tensor, kind, bytes, source, tier) of the transfer a Prefetch starts."""
     a = attribute_values(pf)
     if contract.ATTR_LOCATION in a:
         source = f"{a[contract.ATTR_LOCATION]}@{a.get(contract.ATTR_OFFSET, 0)}"
         length = a.get(contract.ATTR_LENGTH)  # (a model may carry any type here: unknown)
         nbytes = length if isinstance(length, int) and length >= 0 else None
-        return str(a.get(contract.ATTR_NAME, "")), "weight", nbytes, source
+        tier = "disk" if a.get(contract.ATTR_TIER) == "disk" else "host"
+        return str(a.get(contract.ATTR_NAME, "")), "weight", nbytes, source, tier
     det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
     names = input_names(det) if det is not None else []
     tensor = names[0] if names and names[0] else "?"
@@ -106,7 +106,7 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str]:
     if isinstance(y.type, ir.TensorType) and int(y.type.dtype) in ELEMENT_BITS and (
             y.shape is not None and all(isinstance(d, int) for d in y.shape)):
         nbytes = capped_nbytes(int(y.type.dtype), [int(d) for d in y.shape])
-    return tensor, "activation", nbytes, source
+    return tensor, "activation", nbytes, source, "host"
 
 
 def format_summary(s: ModelSummary) -> str:

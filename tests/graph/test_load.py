@@ -356,6 +356,27 @@ def test_map_types_are_refused_in_words(tmp_path):
     assert "options={'zipmap': False}" in r.output and not (tmp_path / "o.onnx").exists()
 
 
+def test_an_onnx_ir_refusal_gives_its_innermost_reason(tmp_path, monkeypatch):
+    """onnx_ir wraps its reason in "Error calling ... with: g" layers: the error gives the
+    innermost one (a looping chain ends too)."""
+    from graphs import chain_model
+
+    from ho_onnx.graph import load
+
+    def refuse(proto):
+        inner = NotImplementedError("Opaque types are not supported yet")
+        middle = ValueError("Error calling deserialize_type_proto_for_shape")
+        outer = RuntimeError("Error calling _deserialize_graph with: g")
+        outer.__cause__, middle.__cause__ = middle, inner
+        inner.__context__ = outer  # (a loop: the walk must still end, at ``inner``)
+        raise outer
+
+    monkeypatch.setattr(load.ir.serde, "deserialize_model", refuse)
+    with pytest.raises(ModelLoadError, match=r"cannot be read as an ONNX graph: Opaque types "
+                                             "are not supported yet$"):
+        load.to_ir(chain_model(), tmp_path, "m.onnx")
+
+
 def test_training_info_is_said_to_be_left_out(tmp_path):
     """onnx_ir does not read a model's training_info: the output lacks it, and says so."""
     from onnx import helper
