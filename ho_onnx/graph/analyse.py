@@ -459,13 +459,14 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
     dims = dict(dims or {})
     shapes = dict(shapes or {})
     graph = model.graph
-    owners = subgraph_owners(graph)  # (sorting keeps every node in its graph)
-    order = sort_graph(graph, owners)
     if proto is None:
         proto = _weightless_proto(model)
-    # bounded (.bounded): the worker infers on a weightless skeleton while this walks the graph
+    # bounded (.bounded): the worker infers on a weightless skeleton while this sorts and
+    # walks the graph (started first: the sort and the walk are what it overlaps)
     pending = start_infer_shapes(_skeleton(proto, dims, shapes))
     try:
+        owners = subgraph_owners(graph)  # (sorting keeps every node in its graph)
+        order = sort_graph(graph, owners)
         nodes = list(graph)
         tensors, values = _tensor_infos(graph, nodes, owners)
     except BaseException:

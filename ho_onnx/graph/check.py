@@ -10,8 +10,9 @@ structure and every node onnx defines are still checked. No weight bytes are rea
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import onnx
 from onnx import TensorProto, helper
@@ -55,7 +56,14 @@ def is_onnx_op(node: onnx.NodeProto, opsets: Mapping[str, int],
     version = opsets.get(domain)
     if version is None:
         return False
-    return bool(onnx.defs.has(node.op_type, version, domain))
+    return _onnx_defines(node.op_type, version, domain)
+
+
+@functools.lru_cache(maxsize=4096)
+def _onnx_defines(op_type: str, version: int, domain: str) -> bool:
+    """``onnx.defs.has``, remembered (a schema lookup per node was a fifth of the checks of a
+    decoder; a model names few distinct operators)."""
+    return bool(onnx.defs.has(op_type, version, domain))
 
 
 def _functions(model: onnx.ModelProto) -> frozenset[tuple[str, str]]:
@@ -93,11 +101,18 @@ def weights_as_inputs(model: onnx.ModelProto,
     g.node.extend(src.node)
     g.value_info.extend(src.value_info)
     declared = {vi.name for vi in src.input}
+    types: dict[tuple[int, tuple[int, ...]], onnx.TypeProto] = {}  # (a few distinct ones)
     for t in src.initializer:
         if t.data_location != TensorProto.EXTERNAL and t.ByteSize() <= keep_bytes:
             g.initializer.append(t)
         elif t.name not in declared:
-            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            key = (t.data_type, tuple(t.dims))
+            tp = types.get(key)
+            if tp is None:
+                tp = types[key] = helper.make_tensor_type_proto(t.data_type, list(t.dims))
+            vi = g.input.add()
+            vi.name = t.name
+            vi.type.CopyFrom(tp)
     sk.ir_version = max(sk.ir_version, 4)  # initializers need not be inputs from IR 4 on
     return sk
 
@@ -158,8 +173,8 @@ def tensor_data_error(t: TensorProto) -> str | None:
                                       f"{shape_text(list(t.dims))} need {need}")
 
 
-def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | None = None
-                   ) -> list[tuple[str, str]]:
+def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | None = None,
+                   graphs: Sequence[onnx.GraphProto] | None = None) -> list[tuple[str, str]]:
     """``onnx.checker`` on everything onnx can judge; returns the ``(domain, op_type)`` it let
     through.
 
@@ -169,27 +184,29 @@ def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | 
     custom-op library may define them: the runtime judges them when it loads the model).
     Raises ``onnx.checker.ValidationError`` for what the checker refuses, and
     :class:`UnsupportedModelError` for a standard-domain op neither onnx nor ``known`` has.
-    Weight bytes are never read.
+    Weight bytes are never read. ``graphs``: ``iter_graphs(model.graph)`` when known.
     """
+    opsets, funcs = opset_versions(model), _functions(model)
+    graphs = list(iter_graphs(model.graph)) if graphs is None else graphs
+    unknown = [(i, j) for i, g in enumerate(graphs) for j, node in enumerate(g.node)
+               if not is_onnx_op(node, opsets, funcs)]
     sk = weights_as_inputs(model)
-    opsets, funcs = opset_versions(sk), _functions(sk)
+    sk_graphs = list(iter_graphs(sk.graph)) if unknown else []  # (the same graphs, copied)
     passed: set[tuple[str, str]] = set()
-    for graph in iter_graphs(sk.graph):
-        for node in graph.node:
-            if is_onnx_op(node, opsets, funcs):
-                continue
-            key = (domain_name(node.domain), node.op_type)
-            if key[0] in STANDARD_DOMAINS:
-                if key[0] not in opsets:
-                    continue  # the checker names the missing opset import
-                if known is not None and key not in known:
-                    raise UnsupportedModelError(
-                        f"node {node.name or node.op_type!r}: no operator {node.op_type!r} in "
-                        f"domain {key[0] or 'ai.onnx'!r} (opset {opsets[key[0]]}) is known "
-                        "to onnx or to the runtime"
-                    )
-                node.domain = UNCHECKED_DOMAIN
-            passed.add(key)
+    for i, j in unknown:
+        node = sk_graphs[i].node[j]
+        key = (domain_name(node.domain), node.op_type)
+        if key[0] in STANDARD_DOMAINS:
+            if key[0] not in opsets:
+                continue  # the checker names the missing opset import
+            if known is not None and key not in known:
+                raise UnsupportedModelError(
+                    f"node {node.name or node.op_type!r}: no operator {node.op_type!r} in "
+                    f"domain {key[0] or 'ai.onnx'!r} (opset {opsets[key[0]]}) is known "
+                    "to onnx or to the runtime"
+                )
+            node.domain = UNCHECKED_DOMAIN
+        passed.add(key)
     if UNCHECKED_DOMAIN not in opsets:
         sk.opset_import.append(helper.make_opsetid(UNCHECKED_DOMAIN, 1))
     onnx.checker.check_model(sk)

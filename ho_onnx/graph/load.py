@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,20 +175,24 @@ def expected_nbytes(tensor: TensorProto) -> int | None:
 def _numeric_nbytes(tensor: TensorProto, what: str, error: type[HoOnnxError]) -> int | None:
     """:func:`expected_nbytes` of ``tensor``, refusing (``error``) a numeric tensor whose
     shape has a negative dim or claims over 1 PiB."""
-    why = size_error(tensor)
-    if why:
-        raise error(f"{what}: {why} (a malformed model?)")
-    return expected_nbytes(tensor)
+    if tensor.data_type not in ELEMENT_BITS:
+        return None
+    nbytes = capped_nbytes(tensor.data_type, tensor.dims)
+    if nbytes is None:
+        raise error(f"{what}: {size_error(tensor)} (a malformed model?)")
+    return nbytes
 
 
-def validate_weight_data(model: onnx.ModelProto, base_dir: Path) -> None:
+def validate_weight_data(model: onnx.ModelProto, base_dir: Path,
+                         graphs: Sequence[onnx.GraphProto] | None = None) -> None:
     """Every initializer's data must be what its type and shape say: an external reference
     must name a file inside ``base_dir`` that is long enough, inline data must fit
     (:func:`~ho_onnx.graph.check.tensor_data_error`; tensor attributes:
-    :func:`~ho_onnx.graph.check.check_attribute_types`)."""
+    :func:`~ho_onnx.graph.check.check_attribute_types`). ``graphs``: ``iter_graphs`` of the
+    main graph, when known."""
     sizes: dict[Path, int] = {}
     paths: dict[str, Path] = {}  # one or a few data files, thousands of initializers
-    for graph in iter_graphs(model.graph):
+    for graph in iter_graphs(model.graph) if graphs is None else graphs:
         for tensor in graph.initializer:
             ref = external_ref(tensor)
             what = f"initializer {tensor.name!r}"
@@ -221,8 +226,10 @@ def validate_weight_data(model: onnx.ModelProto, base_dir: Path) -> None:
                 )
 
 
-def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False) -> None:
-    """Refuse opsets this onnx cannot interpret and (unless allowed) rewritten models."""
+def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False,
+                 graphs: Sequence[onnx.GraphProto] | None = None) -> None:
+    """Refuse opsets this onnx cannot interpret and (unless allowed) rewritten models
+    (``graphs``: ``iter_graphs`` of the main graph, when known)."""
     max_onnx = onnx.defs.onnx_opset_version()
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx") and imp.version > max_onnx:
@@ -234,7 +241,7 @@ def check_opsets(model: onnx.ModelProto, allow_cache_ops: bool = False) -> None:
             raise UnsupportedModelError(f"invalid ai.onnx opset version {imp.version}")
     # An opset import alone is harmless (ORT's saved optimized models import every domain it
     # knows, ours included once the library was loaded); cache operators are not.
-    for g in iter_graphs(model.graph):
+    for g in iter_graphs(model.graph) if graphs is None else graphs:
         check_dense(g)
         if not allow_cache_ops and any(n.domain == DOMAIN for n in g.node):
             raise UnsupportedModelError(
@@ -383,12 +390,13 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
 
     def validate() -> None:
         check_text(model, str(p))
-        check_opsets(model, allow_cache_ops)
-        validate_weight_data(model, base_dir)
+        graphs = list(iter_graphs(model.graph))  # (walked once for all the checks)
+        check_opsets(model, allow_cache_ops, graphs)
+        validate_weight_data(model, base_dir, graphs)
         try:  # (external data was checked above; contrib and custom-domain ops pass here)
-            check_attribute_types(iter_nodes(model))  # (what onnx_ir could not write again)
+            check_attribute_types(iter_nodes(model, graphs))  # (what onnx_ir could not write)
             if check:
-                check_standard(model)
+                check_standard(model, graphs=graphs)
         except onnx.checker.ValidationError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise ModelLoadError(f"{str(p)!r} is not a valid ONNX model: {first}") from None

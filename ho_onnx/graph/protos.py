@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import onnx
 
@@ -19,9 +19,11 @@ def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
                     yield from iter_graphs(g)
 
 
-def iter_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+def iter_nodes(model: onnx.ModelProto, graphs: Sequence[onnx.GraphProto] | None = None
+               ) -> Iterator[onnx.NodeProto]:
     """Every node of ``model``: its graph's and the model functions' bodies', with their
-    subgraphs'."""
+    subgraphs' (``graphs``: :func:`iter_graphs` of the main graph, when known: its nodes are
+    then not walked again, and come graph by graph)."""
     def walk(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
         for node in nodes:
             yield node
@@ -32,7 +34,11 @@ def iter_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
                     for g in attr.graphs:
                         yield from walk(g.node)
 
-    yield from walk(model.graph.node)
+    if graphs is None:
+        yield from walk(model.graph.node)
+    else:
+        for g in graphs:
+            yield from g.node
     for f in model.functions:
         yield from walk(f.node)
 

@@ -118,6 +118,41 @@ def test_custom_domains_pass():
     assert check_standard(model) == [("my.ops", "Anything")]
 
 
+def test_check_standard_finds_contrib_ops_in_subgraphs_and_checks_around_them():
+    """The ops onnx cannot judge are found on the model and moved on the checker's copy by
+    their place (graph, node): in a branch, beside a standard node the checker still judges."""
+    model = onnx.parser.parse_model(f"""{HEADER}
+    g (bool c, float[2] x) => (float[2] y) {{
+      y = If (c) <then_branch = t () => (float[2] a) {{
+                     h = com.microsoft.FastGelu (x)
+                     a = NoSuchOpAnywhere (h) }},
+                   else_branch = e () => (float[2] b) {{ b = Relu (x) }}>
+    }}""")
+    assert check_standard(model) == [("", "NoSuchOpAnywhere"), ("com.microsoft", "FastGelu")]
+    assert model.graph.node[0].attribute[0].g.node[1].domain == ""  # the input is unchanged
+    with pytest.raises(UnsupportedModelError, match="NoSuchOpAnywhere"):
+        check_standard(model, known=[("com.microsoft", "FastGelu")])
+    bad = onnx.ModelProto()
+    bad.CopyFrom(model)
+    bad.graph.node[0].attribute[1].g.node[0].input[0] = "undefined_here"  # Relu in a branch
+    with pytest.raises(onnx.checker.ValidationError, match="undefined_here"):
+        check_standard(bad)
+
+
+def test_weights_as_inputs_types_each_weight_by_its_own_shape():
+    """Weights of one shape share a type made once; each keeps its name, type and dims."""
+    model = onnx.parser.parse_model(f"""{HEADER}
+    g (float[2] x) => (float[2] y) {{ y = Add (x, a) }}""")
+    for name, dt, dims in [("a", TensorProto.FLOAT, [2]), ("b", TensorProto.FLOAT, [2]),
+                           ("c", TensorProto.FLOAT16, [2]), ("d", TensorProto.FLOAT, [3, 2])]:
+        t = onnx.helper.make_tensor(name, dt, dims, np.zeros(int(np.prod(dims))).tolist())
+        model.graph.initializer.append(t)
+    typed = {vi.name: vi.type for vi in weights_as_inputs(model, keep_bytes=0).graph.input}
+    assert typed["a"] == typed["b"] == onnx.helper.make_tensor_type_proto(TensorProto.FLOAT, [2])
+    assert typed["c"] == onnx.helper.make_tensor_type_proto(TensorProto.FLOAT16, [2])
+    assert typed["d"] == onnx.helper.make_tensor_type_proto(TensorProto.FLOAT, [3, 2])
+
+
 def test_weights_as_inputs_keeps_small_tensors_and_types_the_rest():
     sk = weights_as_inputs(external(genai_block(), "qkv_q"))
     kept = {t.name for t in sk.graph.initializer}
