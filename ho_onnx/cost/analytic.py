@@ -206,7 +206,8 @@ _FLOPS: dict[str, _Flops] = {
 
 
 def node_flops_bytes(analysis: GraphAnalysis, pos: int,
-                     dims: Mapping[str, int] | None = None) -> tuple[float, float]:
+                     dims: Mapping[str, int] | None = None,
+                     sizes: dict[str, int] | None = None) -> tuple[float, float]:
     """Analytic ``(FLOPs, bytes moved)`` of the node at schedule position ``pos``.
 
     Bytes are the node's distinct inputs plus outputs whose size is known (Gather/Slice
@@ -218,15 +219,22 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
     exports (GroupQueryAttention, MatMulNBits, ...) by :func:`~ho_onnx.cost.contrib.
     contrib_flops_bytes`. Unknown shapes count as 0
     (never an error); an unbound symbolic dim raises :class:`UnboundDimError` naming it.
+    ``sizes``: bytes of the tensors already asked for (name -> bytes, filled in here), for
+    callers that cost every node under the same ``dims`` (each tensor is read by its
+    producer and each consumer).
     """
     dims = dims or {}
     node = analysis.node_at(pos)
     op = node.op_type
     tensors = analysis.tensors
+    known = {} if sizes is None else sizes
 
     def nbytes(name: str) -> int:
-        t = tensors.get(name)
-        return 0 if t is None else t.nbytes(dims) or 0
+        b = known.get(name)
+        if b is None:
+            t = tensors.get(name)
+            b = known[name] = 0 if t is None else t.nbytes(dims) or 0
+        return b
 
     ins, outs = input_names(node), output_names(node)
     in_names = list(dict.fromkeys(n for n in ins if n))
@@ -262,7 +270,8 @@ def analytic_costs(analysis: GraphAnalysis, machine: Machine,
                    dims: Mapping[str, int] | None = None) -> NodeCosts:
     """Roofline time of every node (see :func:`node_flops_bytes`, :func:`node_time`);
     nodes ORT never runs (Constant) cost 0."""
+    sizes: dict[str, int] = {}
     secs = np.array([0.0 if never_runs(analysis.node_at(pos))
-                     else node_time(machine, *node_flops_bytes(analysis, pos, dims))
+                     else node_time(machine, *node_flops_bytes(analysis, pos, dims, sizes))
                      for pos in range(len(analysis.order))], dtype=np.float64)
     return NodeCosts(secs, "analytic", 1.0)

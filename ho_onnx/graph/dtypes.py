@@ -49,15 +49,19 @@ def capped_numel(dims: Iterable[int]) -> int | None:
     """The element count of shape ``dims``, or None when a dim is negative or the count is
     over what :data:`MAX_TENSOR_BYTES` holds of 1-bit elements (the product stops growing
     there; a zero dim anywhere is an empty tensor)."""
-    sizes = list(dims)
-    if any(d < 0 for d in sizes):
-        return None
-    numel = 0 if 0 in sizes else 1
-    for d in sizes if numel else ():
-        numel *= d
-        if numel > MAX_TENSOR_BYTES << 3:
+    numel, zero, over = 1, False, False
+    for d in dims:  # (one pass: this runs for every tensor a cost or size is asked of)
+        if d < 0:
             return None
-    return numel
+        if d == 0:
+            zero = True
+        elif not over:
+            numel *= d
+            over = numel > _MAX_NUMEL
+    return 0 if zero else None if over else numel
+
+
+_MAX_NUMEL = MAX_TENSOR_BYTES << 3
 
 
 def capped_nbytes(elem_type: int, dims: Iterable[int]) -> int | None:

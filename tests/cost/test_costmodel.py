@@ -26,6 +26,7 @@ from ho_onnx.cost.model import CostModel
 from ho_onnx.cost.source import CostSource
 from ho_onnx.errors import UnboundDimError
 from ho_onnx.graph.analyse import analyse
+from ho_onnx.target.ort.facts import never_runs
 from ho_onnx.target.ort.profile import ProfileError, parse_trace, profile_model
 
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -144,6 +145,26 @@ def test_plans_stay_finite_at_the_corners_of_the_machine_ranges():
 
 
 # ---- analytic ------------------------------------------------------------------------
+
+
+def test_analytic_costs_remember_sizes_without_changing_a_cost(tmp_path):
+    """analytic_costs asks each tensor's size once (``sizes``); every node's time is what
+    node_flops_bytes says of it alone, symbolic dims included."""
+    from ho_onnx.cost import node_time
+    from ho_onnx.graph.load import load_model
+
+    src = tmp_path / "d.onnx"
+    build_decoder(src, layers=2, hidden=32, heads=2, vocab=64, external_data=True)
+    dims = {"batch": 2, "seq": 7}
+    a = analyse(load_model(src).model, dims)
+    machine = MACHINES["cpu"]
+    sizes: dict[str, int] = {}
+    alone = [0.0 if never_runs(a.node_at(p))
+             else node_time(machine, *node_flops_bytes(a, p, dims)) for p in range(len(a.order))]
+    assert analytic_costs(a, machine, dims).seconds.tolist() == alone
+    shared = [node_flops_bytes(a, p, dims, sizes) for p in range(len(a.order))]
+    assert shared == [node_flops_bytes(a, p, dims) for p in range(len(a.order))]
+    assert sizes and all(b == (a.tensors[n].nbytes(dims) or 0) for n, b in sizes.items())
 
 
 def test_matmul_flops_exact():
