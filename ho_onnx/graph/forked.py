@@ -33,10 +33,11 @@ from ..errors import HoOnnxError
 ENV = "HO_ONNX_FORKED_CHECKS"
 TIMEOUT_S = 120.0
 # A fork costs a few milliseconds plus the copy-on-write faults both processes then take;
-# the overlap wins from ~650 nodes on (load_model of bench-style decoders on a 2-core VM:
-# 646 nodes 14.7 vs 15.6 ms in-process, 956: 22.1 vs 23.6, 1,266: 25-27 vs 31-32), so
+# the overlap breaks even at ~350 nodes (load_model of bench-style decoders on a 2-core VM,
+# forked and in-process alternated, min of 60: 88 nodes 7.4 vs 4.0 ms, 196: 8.9 vs 7.0,
+# 336: 12.4 vs 12.2, 646: 20.8 vs 22.5; of 30: 1,266: 33.8 vs 41.6, 5,017: 128 vs 172), so
 # smaller graphs are checked in-process.
-MIN_NODES = 1000
+MIN_NODES = 500
 _PASSED = b"="  # the check passed
 _FALLBACK = b"?"  # the child could not give a verdict (or died: no bytes): check here
 
