@@ -26,7 +26,7 @@ ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1)
 @pytest.fixture(autouse=True, params=["in-process", "forked"])
 def checks(request, monkeypatch):
     """Every case twice: the load's checks in this process, and in a forked child beside the
-    onnx_ir deserialisation (graph.forked; normally only for graphs of 1,000+ nodes)."""
+    onnx_ir deserialisation (graph.forked; normally only for graphs of 500+ nodes)."""
     if request.param == "forked":
         from ho_onnx.graph import forked, load
 
