@@ -6,6 +6,7 @@ for a model's inputs.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,21 +47,47 @@ def model_for_ort(path: str | os.PathLike[str]) -> onnx.ModelProto:
     return model
 
 
+@functools.cache
+def numpy_max_ndim() -> int:
+    """The most dimensions a numpy array may have here (64 from numpy 2, 32 before)."""
+    ndim = 1
+    while ndim < 1024:
+        try:
+            np.empty((0,) * (ndim + 1))
+        except ValueError:
+            break
+        ndim += 1
+    return ndim
+
+
 def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
-    """Refuse a negative dim, or a feed larger than this machine's memory."""
+    """Refuse a negative dim, more dims than numpy holds, or a feed larger than this
+    machine's memory."""
     if any(d < 0 for d in shape):
         raise UnsupportedModelError(
             f"input {name!r} declares the shape {shape_text(shape)}: a negative dim is not a "
             "valid ONNX shape (a dim is a value >= 0 or a name)")
     nbytes = int(np.prod(shape, dtype=object)) * itemsize
     try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # unknown here: numpy decides
-        return
-    if nbytes > memory:
+        memory = None
+    if memory is not None and nbytes > memory:
         raise UnsupportedModelError(
             f"input {name!r} of shape {shape_text(shape)} needs {format_bytes(nbytes)}, more "
             f"than this machine's memory ({format_bytes(memory)}): choose smaller dims")
+    # numpy, through which ORT's Python API takes inputs, refuses more dims than it holds
+    # and, even for an empty array, other dims whose bytes exceed its index type (found by
+    # the optimize fuzzer, seed 158: an empty rank-302 input was an "unexpected ValueError")
+    why = (f"has {len(shape)} dimensions; numpy holds at most {numpy_max_ndim()}"
+           if len(shape) > numpy_max_ndim()
+           else f"is of shape {shape_text(shape)}, whose other dims numpy cannot index"
+           if int(np.prod([d for d in shape if d], dtype=object)) * itemsize
+           > np.iinfo(np.intp).max else "")
+    if why:
+        raise UnsupportedModelError(
+            f"input {name!r} {why}: numpy, through which ONNX Runtime's Python API takes "
+            "inputs, cannot make data for it; choose other dims")
 
 
 def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
