@@ -22,6 +22,7 @@ import errno
 import fcntl
 import functools
 import json
+import math
 import os
 import secrets
 import stat
@@ -162,10 +163,20 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _raw_bytes(t: TensorProto) -> bytes:
-    """The little-endian bytes ORT expects for an inline initializer."""
+    """The little-endian bytes ORT expects for an inline initializer (``t``, a copy of the
+    model's, is read as one vector: its values in order are all the bytes need, and numpy
+    holds at most 64 dims; found by hand: an empty rank-70 weight offloaded was numpy's
+    "unexpected ValueError")."""
     if t.HasField("raw_data"):
         return t.raw_data
-    arr = numpy_helper.to_array(t)
+    dims = list(t.dims)
+    del t.dims[:]
+    t.dims.append(math.prod(dims))
+    try:
+        arr = numpy_helper.to_array(t)
+    finally:
+        del t.dims[:]
+        t.dims.extend(dims)
     packed = numpy_helper.from_array(np.asarray(arr), t.name)
     if packed.HasField("raw_data") and packed.data_type == t.data_type:
         return packed.raw_data

@@ -64,6 +64,36 @@ def test_inline_weights_go_to_an_aligned_sidecar(tmp_path):
                               arrays[name])
 
 
+def test_typed_weights_of_more_dims_than_numpy_holds_reach_the_sidecar(tmp_path):
+    """Inline weights in typed fields (float_data) of rank 70, empty or not, are written as
+    their values' bytes (found by hand: numpy's "maximum supported dimension" ValueError when
+    an empty rank-70 weight was offloaded); the outputs equal the original's, bit for bit."""
+    import onnxruntime as ort
+
+    from ho_onnx.target.ort.runtime import InferenceSession
+
+    full = [1] * 69 + [2]
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["" : 17]> g (float[2] x) => (float[2] y, float[0] z) '
+        "{ w1 = Reshape (w, two)  y = Add (x, w1)  z = Reshape (e, flat) }")
+    model.graph.initializer.extend([
+        onnx.helper.make_tensor("w", onnx.TensorProto.FLOAT, full, [1.5, -2.0]),
+        onnx.helper.make_tensor("e", onnx.TensorProto.FLOAT, [0, *full], []),
+        onnx.numpy_helper.from_array(np.array([2], np.int64), "two"),
+        onnx.numpy_helper.from_array(np.array([-1], np.int64), "flat")])
+    src = save(model, tmp_path / "m.onnx")
+    optimize(src, tmp_path / "out.onnx", OffloadOptions(activations=False, min_bytes=0))
+    refs = _weight_attrs(tmp_path / "out.onnx")
+    assert _read(tmp_path, refs["w"]) == np.array([1.5, -2.0], np.float32).tobytes()
+    assert refs["e"][2] == 0  # offloaded, with nothing to read
+    x = np.array([3.0, 4.0], np.float32)
+    want = ort.InferenceSession(str(src)).run(None, {"x": x})
+    got = InferenceSession(tmp_path / "out.onnx").run(None, {"x": x})
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+        assert g.shape == w.shape
+
+
 def test_output_elsewhere_copies_data_with_progress_keeping_holes(tmp_path, monkeypatch):
     src = save(chain_model(), tmp_path / "m.onnx", external=True)
     with open(tmp_path / "m.onnx.data", "ab") as f:  # a hole of 64 MiB at the end

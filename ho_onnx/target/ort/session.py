@@ -79,15 +79,16 @@ def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
     # numpy, through which ORT's Python API takes inputs, refuses more dims than it holds
     # and, even for an empty array, other dims whose bytes exceed its index type (found by
     # the optimize fuzzer, seed 158: an empty rank-302 input was an "unexpected ValueError")
-    why = (f"has {len(shape)} dimensions; numpy holds at most {numpy_max_ndim()}"
+    why = (f"has {len(shape)} dimensions, more than numpy's {numpy_max_ndim()}"
            if len(shape) > numpy_max_ndim()
-           else f"is of shape {shape_text(shape)}, whose other dims numpy cannot index"
+           else f"of shape {shape_text(shape)} is empty, but numpy cannot index its other "
+           "dims; choose other dims"
            if int(np.prod([d for d in shape if d], dtype=object)) * itemsize
            > np.iinfo(np.intp).max else "")
     if why:
         raise UnsupportedModelError(
-            f"input {name!r} {why}: numpy, through which ONNX Runtime's Python API takes "
-            "inputs, cannot make data for it; choose other dims")
+            f"input {name!r} {why} (ONNX Runtime's Python API takes inputs as numpy arrays: "
+            "no data can be made for it)")
 
 
 def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,

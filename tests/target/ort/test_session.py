@@ -47,7 +47,7 @@ def test_more_dims_than_numpy_holds_are_refused_in_words():
         dims = m.graph.input[0].type.tensor_type.shape.dim
         for _ in range(300):
             dims.add().dim_value = 2
-        with pytest.raises(UnsupportedModelError, match=r"'x' has 302 dimensions; numpy"):
+        with pytest.raises(UnsupportedModelError, match=r"'x' has 302 dimensions, more"):
             random_inputs(m, {"N": 0})
         del dims[numpy_max_ndim():]
         for d in dims[2:]:
@@ -55,7 +55,7 @@ def test_more_dims_than_numpy_holds_are_refused_in_words():
         assert random_inputs(m, {"N": 0})["x"].ndim == numpy_max_ndim()
         del dims[3:]
         dims[2].dim_value = 2**62  # empty, but numpy cannot index 3 * 2**62 of the others
-        with pytest.raises(UnsupportedModelError, match=r"whose other dims numpy cannot"):
+        with pytest.raises(UnsupportedModelError, match=r"is empty, but numpy cannot index"):
             random_inputs(m, {"N": 0})
 
 
