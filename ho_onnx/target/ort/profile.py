@@ -41,7 +41,14 @@ from ...errors import HoOnnxError, Log, UnboundDimError, quiet
 from ...graph.dims import check_bindings
 from ...graph.save import read_json, write_atomic
 from .isolate import check_timeout, run_isolated
-from .session import OPT_LEVELS, model_for_ort, ort_opt_level, random_inputs, require_providers
+from .session import (
+    OPT_LEVELS,
+    model_for_ort,
+    ort_opt_level,
+    random_inputs,
+    require_providers,
+    run_outputs,
+)
 
 _KERNEL_SUFFIX = "_kernel_time"
 
@@ -203,7 +210,7 @@ def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
         try:
             for i in range(warmup + runs):
                 t = time.perf_counter()
-                sess.run(None, dict(feeds))
+                run_outputs(sess, feeds, repr(os.fspath(model_path)))
                 which = (f"warm-up run {i + 1}/{warmup}" if i < warmup
                          else f"run {i - warmup + 1}/{runs}")
                 say(f"{which}: {(time.perf_counter() - t) * 1e3:.1f} ms")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import Log, UnsupportedModelError, quiet
 from .isolate import check_timeout, run_isolated
-from .session import make_session, model_for_ort, random_inputs
+from .session import make_session, model_for_ort, random_inputs, run_outputs
 
 
 @dataclass
@@ -174,9 +174,9 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     for r in range(runs):
         feeds = random_inputs(model, dims, seed=seed + r, int_high=int_high, shapes=shapes)
         t0 = time.perf_counter()
-        a = s_orig.run(None, feeds)
+        a = run_outputs(s_orig, feeds, "the original")
         t1 = time.perf_counter()
-        b = s_opt.run(None, feeds)
+        b = run_outputs(s_opt, feeds, "the optimized model")
         report.seconds_optimized.append(time.perf_counter() - t1)
         report.seconds_original.append(t1 - t0)
         for name, x, y in zip(names, a, b, strict=True):
