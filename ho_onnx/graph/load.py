@@ -204,12 +204,15 @@ def validate_weight_data(model: onnx.ModelProto, base_dir: Path,
             path = paths.get(ref.location)
             if path is None:
                 path = paths[ref.location] = resolve_data_path(base_dir, ref.location, what)
-            if path not in sizes:
-                if not path.is_file():
+                # as the system finds it, folder by folder (found by hand: 'sub/../w.bin'
+                # without a folder 'sub' resolves to w.bin on paper only; ORT failed with
+                # "SystemError : 2")
+                if not (path.is_file() and (base_dir / ref.location).is_file()):
                     raise ExternalDataError(
                         f"{what}: external data file {ref.location!r} not found in "
-                        f"{str(base_dir)!r}"
-                    )
+                        f"{str(base_dir)!r}" + (" (a folder it names on the way is missing)"
+                                                if path.is_file() else ""))
+            if path not in sizes:
                 sizes[path] = path.stat().st_size
             want = _numeric_nbytes(tensor, what, ExternalDataError)
             if ref.length is not None and want is not None and ref.length != want:

@@ -182,6 +182,26 @@ def test_missing_and_truncated_external_data(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
+def test_a_location_through_a_missing_folder_is_not_found(tmp_path):
+    """'sub/../m.onnx.data' without a folder 'sub' names the data file on paper only: the
+    system (and ORT: "SystemError : 2") walks through 'sub' (found by hand; it was accepted,
+    and an output beside the input failed late on a bare "No such file"). With the folder
+    there, the same location is the data file, and the output runs."""
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    m = onnx.load(str(src), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "sub/../m.onnx.data"
+    onnx.save(m, str(tmp_path / "odd.onnx"))
+    with pytest.raises(ExternalDataError, match=r"'sub/\.\./m\.onnx\.data' not found in .* "
+                                                r"\(a folder it names on the way is missing\)"):
+        optimize(tmp_path / "odd.onnx", tmp_path / "out.onnx", ALL)
+    (tmp_path / "sub").mkdir()
+    optimize(tmp_path / "odd.onnx", tmp_path / "out" / "o.onnx", ALL)
+    assert (tmp_path / "out" / "m.onnx.data").is_file() and (tmp_path / "out" / "sub").is_dir()
+
+
 @pytest.mark.parametrize("length", [None, 64])
 def test_an_external_initializer_of_absurd_shape_is_one_clear_error(tmp_path, length):
     """300 dims of 2**62 (found by the fuzzer: formatting the ~5,600-digit byte count in the
