@@ -142,7 +142,17 @@ def mutate_dims(m: onnx.ModelProto, rng: random.Random) -> None:
     vis = [*g.input, *g.output, *g.value_info]
     if rng.randrange(3) == 0 and g.initializer:
         t = rng.choice(g.initializer)
-        if rng.randrange(2):
+        if rng.randrange(4) == 0:  # empty, of more dims than numpy holds (an output of it
+            t.dims[:] = [0] + [1] * rng.choice([63, 64, 70, 300])  # too: found by hand)
+            for f in ("raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                      "uint64_data", "string_data"):
+                t.ClearField(f)
+            if t.data_location != onnx.TensorProto.EXTERNAL and rng.randrange(2):
+                t.raw_data = b""  # (else no field at all: read as typed values)
+            if rng.randrange(2):
+                g.output.add().CopyFrom(onnx.helper.make_tensor_value_info(
+                    t.name, t.data_type, list(t.dims)))
+        elif rng.randrange(2):
             t.dims[:] = [rng.choice([v for v in _INTS if isinstance(v, int)])
                          for _ in range(rng.randrange(4))]
         else:
