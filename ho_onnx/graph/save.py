@@ -565,6 +565,15 @@ def check_writable(path: str | os.PathLike[str], what: str = "output") -> None:
             "read-only filesystem, or no permission); choose another output folder")
 
 
+def output_folder(out: str | os.PathLike[str]) -> Path:
+    """The folder the output ``out`` is written in, with the data it needs: its parent's
+    real path. A link at ``out`` itself is replaced by the output, never written through, so
+    it does not move the output (found by hand: given a link to another folder, the model
+    replaced the link and its data went beside the link's target, where it could not find
+    them)."""
+    return Path(out).absolute().parent.resolve()
+
+
 def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> Path:
     """Refuse an output that is the input (or one of its data files), one that a data file
     copied beside it would replace, or a device, FIFO or socket."""
@@ -586,7 +595,8 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
         if out_abs == data or _same_file(out, data):
             raise OutputPathError(
                 f"output {str(out)!r} is the external data file of the input model")
-        if (out_abs.parent / location).resolve() == out_abs:  # (found by hand: a model
+        folder = output_folder(out)
+        if (folder / location).resolve() == folder / out.name:  # (found by hand: a model
             # whose weights are read from the model file itself, written as out/m.onnx)
             raise OutputPathError(
                 f"output {str(out)!r} has the name of the input model's data file "
@@ -603,7 +613,7 @@ def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathL
     or by ``validate(path)`` when given (a runtime loading it, for models with operators
     onnx cannot check; the sidecar is then already in place, the model not yet)."""
     out = check_output_path(loaded, out_path)
-    out_dir = out.resolve().parent
+    out_dir = output_folder(out)
     with new_folders(out_dir):
         return _save(files, loaded, out, out_dir, progress, validate)
 

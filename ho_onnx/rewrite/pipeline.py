@@ -25,6 +25,7 @@ from ..graph.save import (
     SaveReport,
     check_output_path,
     new_folders,
+    output_folder,
     save_model,
 )
 from ..schedule.eligibility import OVERRIDABLE_REASON
@@ -97,7 +98,7 @@ def _ort_optimized_beside(in_path: str | os.PathLike[str], out: Path, ort_level:
     (unless the block fails); the intermediate model is removed on exit."""
     from ..target.ort.optimize import ort_optimize
 
-    with new_folders(out.resolve().parent):
+    with new_folders(output_folder(out)):
         pre = out.with_name(f"{out.name}.ort.onnx")
         try:
             yield ort_optimize(in_path, pre, ort_level)

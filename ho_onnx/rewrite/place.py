@@ -19,7 +19,7 @@ from ..graph.analyse import all_graphs
 from ..graph.dtypes import dense_nbytes
 from ..graph.gcpause import gc_paused
 from ..graph.load import ExternalRef, resolve_data_path
-from ..graph.save import OutputFiles, Sidecar
+from ..graph.save import OutputFiles, Sidecar, output_folder
 from .insert import RewrittenModel
 
 _ALIGN_BIG = 4096  # offsets of big sidecar tensors are page aligned (O_DIRECT reads later)
@@ -36,7 +36,7 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
     to a proto only when the save writes it); the save stamps each weight Prefetch with its
     data file's final size and fingerprint (:attr:`OutputFiles.stamps`)."""
     out = Path(out_path)
-    out_dir = out.resolve().parent
+    out_dir = output_folder(out)
     referenced = _referenced_files(rewritten, base_dir)
     sidecar = Sidecar(f"{out.name}.data")
     where = _sidecar_layout(rewritten, sidecar)

@@ -94,6 +94,30 @@ def test_typed_weights_of_more_dims_than_numpy_holds_reach_the_sidecar(tmp_path)
         assert g.shape == w.shape
 
 
+def test_an_output_that_is_a_link_is_replaced_with_its_data_beside_it(tmp_path):
+    """A link at the output name is replaced by the model, never written through, and the
+    data goes beside the model, not beside the link's target (found by hand: the data went
+    to the target's folder and the output could not find it); a folder reached through a
+    link is that folder. The link's target is untouched; the outputs run bit-exact."""
+    import onnxruntime as ort
+
+    from ho_onnx.target.ort.runtime import InferenceSession
+
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "target.onnx").write_text("keep")
+    (tmp_path / "a" / "out.onnx").symlink_to("../b/target.onnx")
+    (tmp_path / "via").symlink_to("b", target_is_directory=True)
+    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+    want = ort.InferenceSession(str(src)).run(None, {"x": x})[0]
+    for out, folder in [(tmp_path / "a" / "out.onnx", "a"), (tmp_path / "via" / "o.onnx", "b")]:
+        optimize(src, out, ALL, dims={"N": 2})
+        assert not out.is_symlink() and (tmp_path / folder / "m.onnx.data").is_file()
+        np.testing.assert_array_equal(InferenceSession(out).run(None, {"x": x})[0], want)
+    assert (tmp_path / "b" / "target.onnx").read_text() == "keep"
+
+
 def test_output_elsewhere_copies_data_with_progress_keeping_holes(tmp_path, monkeypatch):
     src = save(chain_model(), tmp_path / "m.onnx", external=True)
     with open(tmp_path / "m.onnx.data", "ab") as f:  # a hole of 64 MiB at the end
