@@ -443,6 +443,7 @@ class _DataFiles:
             with _PLACING_LOCK:
                 placing = _PLACING.get(dst)
                 if placing is None:
+                    _refuse_link(dst)
                     if _same_file(src, dst) or _earlier_copy(src, dst):
                         return
                     placing = _PLACING[dst] = _Placing()
@@ -488,6 +489,24 @@ class _DataFiles:
                     if lock.fd is not None and lock.fd >= 0:
                         os.close(lock.fd)
             self.locked.clear()
+
+
+def _refuse_link(dst: Path) -> None:
+    """Refuse a link where a data file's copy goes (found by hand: a symbolic link there to
+    the input's data file was taken as the copy, and the output failed when run: the library
+    opens data files without following links; onnx.checker refuses hard links)."""
+    try:
+        st = os.lstat(dst)
+    except OSError:
+        return
+    why = ("a symbolic link (the ho-onnx library opens data files without following links)"
+           if stat.S_ISLNK(st.st_mode) else
+           "a hard link (ONNX's checker refuses hard-linked data files)" if st.st_nlink > 1
+           else "")
+    if why:
+        raise OutputPathError(
+            f"{str(dst)!r} already exists as {why}; the output needs its own copy of the data "
+            "there: remove it or choose another output folder")
 
 
 def _earlier_copy(src: Path, dst: Path) -> bool:

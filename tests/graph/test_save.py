@@ -118,6 +118,29 @@ def test_an_output_that_is_a_link_is_replaced_with_its_data_beside_it(tmp_path):
     assert (tmp_path / "b" / "target.onnx").read_text() == "keep"
 
 
+@pytest.mark.parametrize("kind", ["symbolic", "hard"])
+def test_a_link_where_the_data_copy_goes_is_refused_and_kept(tmp_path, kind):
+    """A link to the input's data file where its copy goes was taken as the copy (found by
+    hand: the output failed when run, the library refusing the symbolic link; a hard link
+    failed onnx.checker when weights stayed initializers): one clear error before anything
+    is written, the link kept; without it the output runs."""
+    src = save(chain_model(), tmp_path / "m.onnx", external=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    data = out / "m.onnx.data"
+    if kind == "symbolic":
+        data.symlink_to("../m.onnx.data")
+    else:
+        os.link(tmp_path / "m.onnx.data", data)
+    with pytest.raises(OutputPathError, match=f"already exists as a {kind} link"):
+        optimize(src, out / "o.onnx", ALL, dims={"N": 2})
+    assert sorted(p.name for p in out.iterdir()) == ["m.onnx.data"]
+    assert data.is_symlink() == (kind == "symbolic")
+    data.unlink()
+    optimize(src, out / "o.onnx", ALL, dims={"N": 2})
+    assert not data.is_symlink() and data.stat().st_nlink == 1
+
+
 def test_output_elsewhere_copies_data_with_progress_keeping_holes(tmp_path, monkeypatch):
     src = save(chain_model(), tmp_path / "m.onnx", external=True)
     with open(tmp_path / "m.onnx.data", "ab") as f:  # a hole of 64 MiB at the end
