@@ -426,6 +426,7 @@ class _DataFiles:
             with contextlib.suppress(OSError):  # (the copy will say why it cannot read it)
                 st = os.stat(src)
                 files.setdefault((st.st_dev, st.st_ino), src)
+        allow_open_files(len(files))
         for key in sorted(files):
             with _PLACING_LOCK:
                 lock = _LOCKS.setdefault(key, _SourceLock())
@@ -507,6 +508,38 @@ def _refuse_link(dst: Path) -> None:
         raise OutputPathError(
             f"{str(dst)!r} already exists as {why}; the output needs its own copy of the data "
             "there: remove it or choose another output folder")
+
+
+# Files a save opens beside the locks it holds (the copy's source and destination, the
+# model, the sidecar, the folder lock, a fingerprint), and what the process has open for
+# other reasons is counted at the time.
+_SAVE_FILES = 16
+
+
+def allow_open_files(held: int) -> None:
+    """Let this process hold ``held`` more files open (one lock per data file a save
+    copies) and still work: the soft limit of open files (RLIMIT_NOFILE) is raised toward
+    the hard one where it is lower, as Go's runtime does at start (found by hand: a model
+    saved one file per weight, 1,500 files, failed with "Too many open files" under the
+    common ``ulimit -n 1024``). A hard limit too low is an :class:`OutputPathError` saying
+    what to do."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        now = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        return
+    need = now + held + _SAVE_FILES
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise OutputPathError(
+            f"the model's data is in {held} files, each held open while it is copied; this "
+            f"process may open at most {hard} files (ulimit -Hn): raise that limit, or write "
+            "the output into the input's folder (nothing is copied then)")
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def _earlier_copy(src: Path, dst: Path) -> bool:

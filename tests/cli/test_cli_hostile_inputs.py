@@ -352,6 +352,40 @@ def test_tensors_of_more_dims_than_numpy_holds_are_one_line(tmp_path: Path):
                     else "numpy arrays, of at most") in msg, msg
 
 
+def _one_file_per_weight(path: Path, n: int) -> Path:
+    nodes, inits, prev = [], [], "x"
+    for i in range(n):
+        inits.append(numpy_helper.from_array(np.full(4, i, np.float32), f"w{i}"))
+        nodes.append(helper.make_node("Add", [prev, f"w{i}"], [f"h{i}"]))
+        prev = f"h{i}"
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [4])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path,
+              save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_more_data_files_than_open_files_allowed(tmp_path: Path, hard: bool):
+    """A model saved one file per weight (300 files) copied into another folder under a soft
+    limit of 128 open files (found by hand: 1,500 files under ulimit -n 1024 failed with "Too
+    many open files"): the soft limit is raised toward the hard one; a hard limit too low is
+    one clear line, nothing written."""
+    import resource
+
+    src = _one_file_per_weight(tmp_path / "m.onnx", 300)
+    _, cur_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = (128, 128 if hard else cur_hard)
+    r = ho("optimize", str(src), str(tmp_path / "out" / "o.onnx"), "--min-bytes", "0",
+           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit))
+    if hard:
+        assert "may open at most 128 files (ulimit -Hn)" in one_line_error(r)
+        assert not (tmp_path / "out").exists()
+    else:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert len(list((tmp_path / "out").iterdir())) == 301
+
+
 @pytest.mark.parametrize("option, value", [
     ("--atol", "nan"), ("--atol", "-1"), ("--rtol", "inf"), ("--seed", "-1"),
     ("--int-high", str(1 << 64)), ("--timeout", "nan"), ("--timeout", "1e400"),
