@@ -279,8 +279,22 @@ def _refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: list[str 
             if _same(o, f):
                 raise click.UsageError(f"{option} {out!r} is an input ({str(f)!r}): refusing "
                                        "to write over it")
-        if o.is_dir():
+        if folder:  # a new or empty folder (found by hand: an empty one was refused as "a
+            _refuse_folder_output(option, out)  # directory", as the library allows it)
+        elif o.is_dir():
             raise click.UsageError(f"{option} {out!r} is a directory")
+
+
+def _refuse_folder_output(option: str, out: str) -> None:
+    """A model folder's output must be a folder (new, or empty: the library checks that) or
+    not exist yet; a link to a folder not there yet was "cannot create the folder ...: File
+    exists" (found by hand)."""
+    if os.path.islink(out) and not os.path.exists(out):
+        raise click.UsageError(f"{option} {out!r} is a link to {os.readlink(out)!r}, which does "
+                               "not exist: create that folder or choose another path")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise click.UsageError(f"{option} {out!r} exists and is not a folder: a model folder "
+                               "is optimized into a new or empty folder")
 
 
 def _costs(machine: str, profile_path: str | None) -> CostSource:

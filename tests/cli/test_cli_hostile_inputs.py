@@ -145,6 +145,30 @@ def test_a_folder_output_may_end_in_a_slash(tmp_path: Path):
     assert (tmp_path / "out" / "model.onnx").is_file()
 
 
+def test_a_folder_output_may_be_an_empty_folder_never_a_dangling_link(tmp_path: Path):
+    """A model folder goes into a new or empty folder, as the library allows (found by hand:
+    the command line refused an empty one as "is a directory"), also one reached through a
+    link; a link to a folder not there yet, or a file, is one clear line."""
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save(chain_model(), src / "model.onnx")
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    (tmp_path / "dangling").symlink_to("target/missing")
+    (tmp_path / "afile").write_text("x")
+    for out, where in [("empty", "empty"), ("link", "target")]:
+        r = ho("optimize", str(src), str(tmp_path / out), "--dim", "N=2")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert (tmp_path / where / "model.onnx").is_file()
+    assert "which does not exist" in one_line_error(
+        ho("optimize", str(src), str(tmp_path / "dangling"), "--dim", "N=2"))
+    assert "exists and is not a folder" in one_line_error(
+        ho("optimize", str(src), str(tmp_path / "afile"), "--dim", "N=2"))
+    assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "target/missing").exists()
+
+
 def test_output_under_a_file_is_one_line(model: Path, tmp_path: Path):
     f = tmp_path / "afile"
     f.write_text("x")
