@@ -479,10 +479,10 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
-    Optimum (config.json + model.onnx); OUTPUT_MODEL is then a new (or empty) folder, ready to run:
-    the optimized model, its data, every other file, and for genai the op library copied in
-    with genai_config.json's session options set (see docs/llm.md). Only files inside the
-    folder are copied: a link out of it, a FIFO or a device is refused up front.
+    Optimum (config.json + model.onnx); OUTPUT_MODEL is then a new (or empty) folder, ready
+    to run: the optimized model, its data, every other file, and for genai the op library
+    copied in with genai_config.json's session options set (see docs/llm.md). Only files
+    inside the folder are copied: a link out of it, a FIFO or a device is refused up front.
 
     Weight bytes are never loaded while planning. External data stays where it is; when
     OUTPUT_MODEL is in another folder the data files are cloned (copy-on-write) or copied
