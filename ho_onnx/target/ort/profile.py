@@ -190,7 +190,7 @@ def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
     as ``ho_onnx.InferenceSession`` runs it (found by hand: ORT refused its ops)."""
     import onnxruntime as ort
 
-    from .runtime import real_model_path, session_options
+    from .runtime import session_options
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort_opt_level(opt_level)
@@ -203,7 +203,7 @@ def _run_profiled(model_path: str | os.PathLike[str], feeds: Mapping[str, Any],
         if cache_ops:
             so = session_options(model_path, base=so)
         t = time.perf_counter()
-        sess = ort.InferenceSession(real_model_path(model_path), sess_options=so,
+        sess = ort.InferenceSession(os.fspath(model_path), sess_options=so,
                                     providers=list(providers))
         require_providers(sess, providers, f"profiling {os.fspath(model_path)!r}")
         say(f"session ready ({time.perf_counter() - t:.2f} s, {sess.get_providers()[0]})")

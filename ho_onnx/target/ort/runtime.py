@@ -52,15 +52,6 @@ def include_dir() -> str:
     return os.path.join(os.path.dirname(library_path()), "include")
 
 
-def real_model_path(path: str | os.PathLike[str]) -> str:
-    """The model file ``path`` names, links followed: where ho-onnx reads and writes a
-    model's data files, so what ORT is given (found by hand: given a link to a model in
-    another folder, ORT 1.32 looked for external data beside the link and refused it as
-    "escapes model directory", the real file's folder, while ho-onnx had planned with the
-    data beside the real file)."""
-    return os.path.realpath(os.fspath(path))
-
-
 def session_options(
     model_path: str | os.PathLike[str] | None = None,
     base: ort.SessionOptions | None = None,
@@ -74,9 +65,8 @@ def session_options(
     ``base`` is copied (never modified). ``execution_order`` is ``"priority"`` (ORT's
     PRIORITY_BASED order, which follows the rewritten file's node order and so overlaps
     transfers with compute) or ``"default"`` (leave ORT's order alone). ``model_dir`` (else
-    the folder ``model_path`` really is in, a link to it followed: :func:`real_model_path`)
-    is the directory offloaded weights' files are resolved in (``ho_onnx.model_dir``:
-    required for a model with offloaded weights).
+    ``model_path``'s folder) is the directory offloaded weights' files are resolved in
+    (``ho_onnx.model_dir``: required for a model with offloaded weights).
     ``memory_patterns`` sets ``enable_mem_pattern`` (``base``'s value is not used): off by
     default, because with them ORT, from the third run on, packs a run's activations into a
     block allocated beside the arena's chunks, which the planner's budget does not count
@@ -88,7 +78,7 @@ def session_options(
             f"execution_order must be one of {sorted(_ORDERS)}, got {execution_order!r}"
         )
     if model_dir is None and model_path is not None:
-        model_dir = os.path.dirname(real_model_path(model_path))
+        model_dir = os.path.dirname(os.path.abspath(os.fspath(model_path)))
     so = ort.SessionOptions()
     if base is not None:
         _copy_options(base, so, skip=(CONFIG_MODEL_DIR,) if model_dir is not None else ())
@@ -239,8 +229,7 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` that runs ho-onnx's cache operators.
 
-    ``path`` is a model file (offloaded weights resolve in the folder it really is in) or
-    serialized model
+    ``path`` is a model file (offloaded weights resolve in its folder) or serialized model
     bytes; bytes with offloaded weights need ``model_dir``, the folder their data files are
     in (or ``ho_onnx.model_dir`` in ``sess_options``). Under the CUDA EP the arena grows by
     what is requested, not by powers of two, and ``device_limit`` (bytes) caps it
@@ -252,7 +241,7 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
         _refuse_offloaded_weights(path)
     so = session_options(model_path, base=sess_options, execution_order=execution_order,
                          model_dir=model_dir, memory_patterns=memory_patterns)
-    model = path if isinstance(path, bytes) else real_model_path(path)
+    model = path if isinstance(path, bytes) else os.fspath(path)
     return ort.InferenceSession(
         model, sess_options=so,
         providers=with_cuda_arena(providers or ["CPUExecutionProvider"], device_limit), **kw

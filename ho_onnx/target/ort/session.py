@@ -197,7 +197,7 @@ def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: li
     """
     import onnxruntime as ort
 
-    from .runtime import real_model_path, session_options
+    from .runtime import session_options
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort_opt_level(opt_level)
@@ -207,7 +207,7 @@ def make_session(path: str | os.PathLike[str], *, optimized: bool, providers: li
         so = session_options(path, base=so, execution_order=execution_order)
     elif execution_order == "priority":
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    sess = ort.InferenceSession(real_model_path(path), sess_options=so, providers=providers)
+    sess = ort.InferenceSession(str(path), sess_options=so, providers=providers)
     require_providers(sess, providers, f"running {os.fspath(path)!r}")
     return sess
 

@@ -70,33 +70,3 @@ def test_integer_feeds_never_wrap_past_their_type():
         v = feeds[name].astype(np.float64)
         assert v.min() >= 0 and v.max() < end, name
     assert feeds["a"].max() > 64  # drawn over the type's whole range, not clipped at 0
-
-
-def test_a_link_to_a_model_runs_where_the_model_really_is(tmp_path):
-    """ho-onnx reads and writes a model's data beside the file a link leads to; ORT is given
-    that file too (found by hand: verify and profile of a link to a model in another folder
-    failed with ORT's "escapes model directory", and a link to an optimized model looked for
-    its offloaded weights beside the link)."""
-    from graphs import chain_model, save
-
-    from ho_onnx.rewrite.pipeline import optimize
-    from ho_onnx.schedule.options import OffloadOptions
-    from ho_onnx.target.ort.profile import profile_model
-    from ho_onnx.target.ort.runtime import InferenceSession
-    from ho_onnx.target.ort.verify import verify
-
-    (tmp_path / "real").mkdir()
-    (tmp_path / "view").mkdir()
-    src = save(chain_model(), tmp_path / "real" / "m.onnx", external=True)
-    optimize(src, tmp_path / "real" / "o.onnx", OffloadOptions(min_bytes=0), dims={"N": 2})
-    for name in ("m.onnx", "o.onnx"):
-        (tmp_path / "view" / name).symlink_to(f"../real/{name}")
-    view = tmp_path / "view"
-    assert verify(view / "m.onnx", view / "o.onnx", dims={"N": 2}, isolate=False).exact
-    assert profile_model(view / "m.onnx", None, dims={"N": 2}, runs=1, warmup=0,
-                         isolate=False)["nodes"]
-    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
-    want = InferenceSession(src).run(None, {"x": x})
-    got = InferenceSession(view / "o.onnx").run(None, {"x": x})
-    np.testing.assert_array_equal(got[0], want[0])
-    assert not any(p.name.endswith(".data") for p in view.iterdir())  # nothing beside links
