@@ -493,20 +493,19 @@ class _DataFiles:
 
 
 def _refuse_link(dst: Path) -> None:
-    """Refuse a link where a data file's copy goes (found by hand: a symbolic link there to
+    """Refuse a symbolic link where a data file's copy goes (found by hand: a link there to
     the input's data file was taken as the copy, and the output failed when run: the library
-    opens data files without following links; onnx.checker refuses hard links)."""
+    opens data files without following links, ORT refuses data outside the model's folder).
+    A hard link to the input's data is a copy that shares its blocks: used as one (ONNX's
+    checker refuses it, saying so, where the output keeps initializers in it)."""
     try:
         st = os.lstat(dst)
     except OSError:
         return
-    why = ("a symbolic link (the ho-onnx library opens data files without following links)"
-           if stat.S_ISLNK(st.st_mode) else
-           "a hard link (ONNX's checker refuses hard-linked data files)" if st.st_nlink > 1
-           else "")
-    if why:
+    if stat.S_ISLNK(st.st_mode):
         raise OutputPathError(
-            f"{str(dst)!r} already exists as {why}; the output needs its own copy of the data "
+            f"{str(dst)!r} already exists as a symbolic link (the ho-onnx library opens data "
+            "files without following links); the output needs its own copy of the data "
             "there: remove it or choose another output folder")
 
 
