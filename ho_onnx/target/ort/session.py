@@ -67,7 +67,9 @@ def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
         raise UnsupportedModelError(
             f"input {name!r} declares the shape {shape_text(shape)}: a negative dim is not a "
             "valid ONNX shape (a dim is a value >= 0 or a name)")
-    nbytes = int(np.prod(shape, dtype=object)) * itemsize
+    # the bytes of the dims but the zero ones: what numpy indexes even for an empty array
+    others = int(np.prod([d for d in shape if d], dtype=object)) * itemsize
+    nbytes = 0 if 0 in shape else others
     try:
         memory: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # unknown here: numpy decides
@@ -83,8 +85,7 @@ def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
            if len(shape) > numpy_max_ndim()
            else f"of shape {shape_text(shape)} is empty, but numpy cannot index its other "
            "dims; choose other dims"
-           if int(np.prod([d for d in shape if d], dtype=object)) * itemsize
-           > np.iinfo(np.intp).max else "")
+           if others > np.iinfo(np.intp).max else "")
     if why:
         raise UnsupportedModelError(
             f"input {name!r} {why} (ONNX Runtime's Python API takes inputs as numpy arrays: "
