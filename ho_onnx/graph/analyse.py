@@ -13,6 +13,7 @@ analysis are not the model's).
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +131,9 @@ def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
     )
 
 
+_UNBOUND = "unbound_types"  # key in GraphAnalysis.derived
+
+
 @dataclass
 class GraphAnalysis:
     """Order, tensors and lifetimes of a model's main graph."""
@@ -145,9 +149,34 @@ class GraphAnalysis:
     owners: dict[ir.Graph, ir.Node] = field(default_factory=dict, repr=False)
     # Facts later passes derive from this analysis once and share (e.g. the CUDA placement).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # The value types shape inference gives with no dim bound (None: nothing was bound, so
+    # ``tensors`` already hold them); asked once, by :meth:`unbound_shape`.
+    unbound_types: Callable[[], Mapping[str, onnx.TypeProto]] | None = field(
+        default=None, repr=False, compare=False)
 
     def node_at(self, pos: int) -> ir.Node:
         return self.nodes[pos]
+
+    def unbound_shape(self, name: str) -> tuple[Dim, ...] | None:
+        """The shape of ``name`` that holds at every binding of the symbolic dims: what a
+        rewritten model may declare. ``tensors[name].shape`` is its shape at the dims bound
+        for the analysis (``seq`` = 64 gives ``64``); written into the model, ORT would take
+        it as fact (``Shape`` folded to it, reshapes baked in: wrong answers at other
+        lengths). Each dim is the bound one where shape inference without the binding
+        gives the same number, the model's own symbolic name where it gives one, else
+        unknown; None (no shape) when that inference does not know the rank."""
+        t = self.tensors[name]
+        bound = t.shape
+        if self.unbound_types is None or bound is None or t.is_initializer:
+            return bound
+        if _UNBOUND not in self.derived:
+            self.derived[_UNBOUND] = self.unbound_types()
+        tp = self.derived[_UNBOUND].get(name)
+        shape = _shape_of(tp)[1] if tp is not None else None
+        if shape is None or len(shape) != len(bound):
+            return None
+        return tuple(u if isinstance(u, str) or u == b else None
+                     for u, b in zip(shape, bound, strict=True))
 
     def last_use(self, name: str) -> int | None:
         t = self.tensors[name]
@@ -489,8 +518,18 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
                 t.elem_type = elem
             if shape is not None and t.shape is None:
                 t.shape = shape
+    unbound = None
+    if dims or shapes:  # (nothing bound: ``types`` hold at every binding already)
+        unbound = functools.partial(_unbound_types, proto, more_types)
     return GraphAnalysis(model=model, nodes=nodes, tensors=tensors, values=values, order=order,
-                         owners=owners)
+                         owners=owners, unbound_types=unbound)
+
+
+def _unbound_types(proto: onnx.ModelProto, more_types: TypeSource | None
+                   ) -> dict[str, onnx.TypeProto]:
+    """The main graph's value types with no dim bound (see :meth:`GraphAnalysis.unbound_shape`)."""
+    inferred = start_infer_shapes(_skeleton(proto, {}, {})).result()
+    return _value_types(inferred, proto, {}, {}, more_types)
 
 
 def describe(t: TensorInfo) -> str:

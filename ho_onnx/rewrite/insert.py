@@ -86,12 +86,6 @@ class _Op:
     channel: str | None = None  # a Prefetch's copy channel
 
 
-def _like(name: str, t: TensorInfo) -> _Out:
-    """``name`` declared with ``t``'s type and shape (helps ORT's shape-based fusions)."""
-    assert t.elem_type is not None
-    return name, t.elem_type, None if t.shape is None else list(t.shape)
-
-
 def _token(name: str, elem_type: int) -> _Out:
     return name, elem_type, [token_elems(elem_type)]
 
@@ -125,6 +119,15 @@ class _Emitter:
                     return [out]
         return []
 
+    def like(self, name: str, t: TensorInfo) -> _Out:
+        """``name`` declared with ``t``'s type and the shape it has at every binding of the
+        symbolic dims (it helps ORT's shape-based fusions; a bound dim written here would
+        be taken by ORT as fact at every other length: ``Shape`` folded, reshapes baked
+        in)."""
+        assert t.elem_type is not None
+        shape = self.analysis.unbound_shape(t.name)
+        return name, t.elem_type, None if shape is None else list(shape)
+
     def source(self, elem_type: int) -> str:
         if elem_type not in self.sources:
             self.sources[elem_type] = self.names.fresh(f"ho_onnx.src.{dtype_name(elem_type)}")
@@ -151,10 +154,10 @@ class _Emitter:
             # A Prefetch with only constant inputs would be folded by ORT: at the very start
             # it is ordered after a graph input.
             pf_deps = self.dep_before(s) or _first_graph_input(self.analysis)
-            pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *pf_deps], [_like(y, t)],
+            pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *pf_deps], [self.like(y, t)],
                          f"ho.prefetch.{w.name}.{k}", *attrs,
                          channel=channel_of_tier(w.tier))
-            wait = self.op(contract.WAIT, [y, *self.dep_before(c, floor=s - 1)], [_like(z, t)],
+            wait = self.op(contract.WAIT, [y, *self.dep_before(c, floor=s - 1)], [self.like(z, t)],
                            f"ho.wait.{w.name}.{k}")
             self.before_pf[s].append(pf)
             self.before_wait[c].append(wait)
@@ -175,8 +178,8 @@ class _Emitter:
                          [_token(token2, t.elem_type)], f"ho.detach.{a.name}")
         u, s = a.late[0], a.prefetch_at
         pf = self.op(contract.PREFETCH, [token2, *self.dep_before(s, floor=a.last_early)],
-                     [_like(y, t)], f"ho.prefetch.{a.name}", channel=channel_of_tier("host"))
-        wait = self.op(contract.WAIT, [y, *self.dep_before(u, floor=s - 1)], [_like(z, t)],
+                     [self.like(y, t)], f"ho.prefetch.{a.name}", channel=channel_of_tier("host"))
+        wait = self.op(contract.WAIT, [y, *self.dep_before(u, floor=s - 1)], [self.like(z, t)],
                        f"ho.wait.{a.name}")
         self.after[a.producer].append(store)
         self.after[a.last_early].append(detach)
