@@ -288,7 +288,7 @@ class CpuEngine final : public Engine {
     }
     rec->tag = key.tag;
     Released released;
-    records_.put_stored(key.id, std::move(rec), ctx.kernel, &released);
+    records_.put_stored(key.id, std::move(rec), ctx.kernel, &released, ctx.kernel);
     return key;
   }
 
@@ -323,6 +323,14 @@ class CpuEngine final : public Engine {
     p.bytes = rec->bytes();
     p.stored = std::move(rec);
     add_pending(dst, std::move(p), ctx, /*counted=*/false);  // take_stored counted this op
+  }
+
+  void forget_kernel(const void* kernel) noexcept override {
+    try {
+      Released released;  // (destroyed after the records' lock is let go)
+      records_.forget(kernel, &released);
+    } catch (...) {  // (out of memory for the list: the records go with the engine)
+    }
   }
 
   void wait(const void* dst, void* out, size_t bytes, const ExecContext& ctx) override {
@@ -373,7 +381,7 @@ class CpuEngine final : public Engine {
     }
     if (p.bytes == 0) return;  // nothing to wait for (the Wait returns at once)
     Released released;  // (a load of a failed run at the same address is dropped)
-    records_.put_load(dst, std::move(p), counted ? ctx.kernel : nullptr, &released);
+    records_.put_load(dst, std::move(p), counted ? ctx.kernel : nullptr, &released, ctx.kernel);
   }
 
 

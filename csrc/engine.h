@@ -139,6 +139,10 @@ class Engine {
   // disk staging) so that runs allocate nothing. No-op on the CPU engine.
   virtual void prepare_device(int /*device*/) {}
 
+  // The kernel `kernel` (an ExecContext::kernel) is destroyed with its session: release
+  // what its runs left (a failed run's stores and loads) and forget it. Never throws.
+  virtual void forget_kernel(const void* kernel) noexcept = 0;
+
   // Session creation: the plan stores `bytes` bytes of activations per run (a Store's
   // `host_bytes` attribute or the session config entry ho_onnx.host_bytes), so the engine
   // can size its host memory for a run up front. No-op on the CPU engine.

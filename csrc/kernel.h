@@ -23,7 +23,11 @@ struct Kernel {
                                         const OrtKernelInfo* info, const std::string& node);
   ~Kernel() {
     if (alloc != nullptr) api->ReleaseAllocator(alloc);
-    if (engine && engine->forked_away()) abandon_engine(std::move(engine));
+    if (engine && engine->forked_away()) {
+      abandon_engine(std::move(engine));
+    } else if (engine) {
+      engine->forget_kernel(identity);  // its session is gone: so are its runs
+    }
   }
   const OrtApi* api;
   OpKind kind;

@@ -459,12 +459,12 @@ class TestRunRecords {
   void end_thread(uint64_t thread) { threads_.ended.push_back(thread); }
 
   py::dict put_stored(uint64_t key, int64_t name, int64_t tag, uint64_t thread,
-                      uintptr_t kernel) {
+                      uintptr_t kernel, uintptr_t creator) {
     Records::Released r;
     auto rec = std::make_shared<Stored>();
     rec->name = name;
     rec->tag = tag;
-    records_.put_stored(key, rec, on(thread, kernel), &r);
+    records_.put_stored(key, rec, on(thread, kernel), &r, address(creator));
     return released(r);
   }
 
@@ -487,12 +487,13 @@ class TestRunRecords {
     return py::make_tuple(rec ? py::cast(rec->name) : py::none(), released(r));
   }
 
-  py::dict put_load(uintptr_t dst, int64_t name, uint64_t thread, uintptr_t kernel) {
+  py::dict put_load(uintptr_t dst, int64_t name, uint64_t thread, uintptr_t kernel,
+                    uintptr_t creator) {
     Records::Released r;
     Load load;
     load.name = name;
     load.abandoned = &abandoned_;
-    records_.put_load(address(dst), std::move(load), on(thread, kernel), &r);
+    records_.put_load(address(dst), std::move(load), on(thread, kernel), &r, address(creator));
     return released(r);
   }
 
@@ -511,6 +512,14 @@ class TestRunRecords {
   py::dict clear() {
     Records::Released r;
     records_.clear(&r);
+    return released(r);
+  }
+
+  size_t seen() { return records_.seen_count(); }
+
+  py::dict forget(uintptr_t kernel) {
+    Records::Released r;
+    records_.forget(address(kernel), &r);
     return released(r);
   }
 
@@ -634,17 +643,20 @@ PYBIND11_MODULE(_ops, m) {
       .def(py::init<>())
       .def("end_thread", &TestRunRecords::end_thread)
       .def("put_stored", &TestRunRecords::put_stored, py::arg("key"), py::arg("name"),
-           py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0)
+           py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0,
+           py::arg("creator") = 0)
       .def("find_stored", &TestRunRecords::find_stored, py::arg("key"), py::arg("tag") = 0,
            py::arg("thread") = 1, py::arg("kernel") = 0, py::arg("take") = false)
       .def("move_stored", &TestRunRecords::move_stored, py::arg("key"), py::arg("to"),
            py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0)
       .def("put_load", &TestRunRecords::put_load, py::arg("dst"), py::arg("name"),
-           py::arg("thread") = 1, py::arg("kernel") = 0)
+           py::arg("thread") = 1, py::arg("kernel") = 0, py::arg("creator") = 0)
       .def("take_load", &TestRunRecords::take_load, py::arg("dst"), py::arg("thread") = 1,
            py::arg("kernel") = 0)
       .def("drop_load", &TestRunRecords::drop_load)
       .def("clear", &TestRunRecords::clear)
+      .def("forget", &TestRunRecords::forget)
+      .def("seen", [](TestRunRecords& t) { return t.seen(); })
       .def("counts", &TestRunRecords::counts);
   m.def("_test_ring_capacity", &ho::cuda_logic::ring_capacity,
         "First ring segment for a plan storing `host_bytes` bytes of activations per run.");

@@ -33,10 +33,12 @@
 
 namespace ho {
 
-// Which run a record belongs to: the thread that ran the op and that thread's run epoch.
+// Which run a record belongs to: the thread that ran the op and that thread's run epoch,
+// and the kernel that made it (its session's: released with that kernel, see forget()).
 struct Owner {
   uint64_t thread = 0;
   uint64_t epoch = 0;
+  const void* creator = nullptr;
 };
 
 // Where runs come from: the calling thread's identity, the threads that ended (in the
@@ -83,10 +85,12 @@ class RunRecords {
     return enter_locked(kernel, out);
   }
 
-  // Record `rec` under `key`, owned by the caller's run.
-  void put_stored(uint64_t key, StoredPtr rec, const void* kernel, Released* out) {
+  // Record `rec` under `key`, owned by the caller's run; made by the kernel `creator`.
+  void put_stored(uint64_t key, StoredPtr rec, const void* kernel, Released* out,
+                  const void* creator = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     rec->owner = enter_locked(kernel, out);
+    rec->owner.creator = creator;
     StoredPtr& slot = stored_[key];
     if (slot) out->stored.push_back(std::move(slot));  // a failed run's, at a reused key
     slot = std::move(rec);
@@ -129,10 +133,12 @@ class RunRecords {
     return rec;
   }
 
-  // Record the load into `dst`, owned by the caller's run.
-  void put_load(const void* dst, L load, const void* kernel, Released* out) {
+  // Record the load into `dst`, owned by the caller's run; made by the kernel `creator`.
+  void put_load(const void* dst, L load, const void* kernel, Released* out,
+                const void* creator = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     load.owner = enter_locked(kernel, out);
+    load.owner.creator = creator;
     auto it = loads_.find(dst);
     if (it != loads_.end()) {
       release_load_locked(std::move(it->second), out);
@@ -160,6 +166,41 @@ class RunRecords {
     if (it == loads_.end()) return;
     release_load_locked(std::move(it->second), out);
     loads_.erase(it);
+  }
+
+  // The kernel `kernel` is destroyed (its session is gone, so no run of it is in progress):
+  // what it made is released, and no thread's run remembers it. Without this, a server
+  // that makes a session per request kept every failed request's records while another
+  // session kept the engine (no kernel of the dead session ever repeats on a thread), and
+  // each thread's set of seen kernels grew with every session.
+  void forget(const void* kernel, Released* out) {
+    if (kernel == nullptr) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : threads_runs_) kv.second.seen.erase(kernel);
+    for (auto it = stored_.begin(); it != stored_.end();) {
+      if (it->second->owner.creator == kernel) {
+        out->stored.push_back(std::move(it->second));
+        it = stored_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = loads_.begin(); it != loads_.end();) {
+      if (it->second.owner.creator == kernel) {
+        release_load_locked(std::move(it->second), out);
+        it = loads_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // Kernels the threads' current runs remember (bounded by the live sessions' kernels).
+  size_t seen_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    for (const auto& kv : threads_runs_) n += kv.second.seen.size();
+    return n;
   }
 
   void clear(Released* out) {

@@ -580,7 +580,7 @@ class CudaEngine final : public Engine {
     counters().bytes_loaded += bytes;
     counters().cuda_bytes_h2d += bytes;
     // The pinned source is the engine's (never freed before the streams are synchronized).
-    add_pending(dst, std::move(p), ctx.kernel);
+    add_pending(dst, std::move(p), ctx.kernel, ctx.kernel);
   }
 
   std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& wf,
@@ -617,7 +617,7 @@ class CudaEngine final : public Engine {
     const uint64_t end = w->offset + bytes;
     const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
     Device* dp = &d;
-    add_pending(dst, p, ctx.kernel);
+    add_pending(dst, p, ctx.kernel, ctx.kernel);
     auto t = std::make_shared<GpuDiskTransfer>(p, parts, dp);
     char* out = static_cast<char*>(p.stage->data());
     uint64_t pos = begin;
@@ -671,7 +671,7 @@ class CudaEngine final : public Engine {
     check(cuda::launch_write_token(ctx.out, rec->id, kTokenMagic, cs), "token kernel launch");
     const uint64_t key = reinterpret_cast<uintptr_t>(ctx.out);
     Released released;  // (a record of a failed run at the same address is dropped)
-    records_.put_stored(key, std::move(rec), ctx.kernel, &released);
+    records_.put_stored(key, std::move(rec), ctx.kernel, &released, ctx.kernel);
     return StoreKey{key, 0};
   }
 
@@ -740,7 +740,15 @@ class CudaEngine final : public Engine {
     counters().cuda_bytes_h2d += bytes;
     // The slot is reused only after this copy read it (its fence is `done`).
     rec->release_slot(p.done);
-    add_pending(dst, std::move(p), nullptr);  // take_stored entered the run for this op
+    add_pending(dst, std::move(p), nullptr, ctx.kernel);  // take_stored entered the run
+  }
+
+  void forget_kernel(const void* kernel) noexcept override {
+    try {
+      Released released;  // (destroyed after the records' lock is let go)
+      records_.forget(kernel, &released);
+    } catch (...) {  // (out of memory for the list: the records go with the engine)
+    }
   }
 
   void wait(const void* dst, void* /*out: ctx.out*/, size_t bytes,
@@ -835,10 +843,11 @@ class CudaEngine final : public Engine {
     return sb;
   }
 
-  // `kernel`: ctx.kernel when this is the op's first call into the engine, else null.
-  void add_pending(const void* dst, Pending p, const void* kernel) {
+  // `kernel`: ctx.kernel when this is the op's first call into the engine, else null;
+  // `creator`: the calling kernel (its records go with it: forget_kernel).
+  void add_pending(const void* dst, Pending p, const void* kernel, const void* creator) {
     Released released;
-    records_.put_load(dst, std::move(p), kernel, &released);
+    records_.put_load(dst, std::move(p), kernel, &released, creator);
   }
 
   static bool any_record(const GpuStored&) { return true; }  // (the key is an address)

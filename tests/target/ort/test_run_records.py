@@ -138,3 +138,24 @@ def test_clear_releases_everything():
     r.put_load(0x100, name=2, kernel=0xB, thread=2)
     assert r.clear() == {"stored": [1], "loads": [2]}
     assert r.counts() == {"stored": 0, "loads": 0, "abandoned": [2]}
+
+
+def test_a_destroyed_kernel_releases_what_it_made_and_is_forgotten():
+    """Issue 34 item 3: a server that makes a session per request never repeats a kernel
+    on a thread, so a failed request's records waited for the engine's end (another
+    session of the folder kept it) and each thread remembered every kernel it ever ran.
+    A kernel's destruction (its session's) releases the records it made, whatever their
+    thread, and no thread remembers it; records of other kernels stay."""
+    r = _records()
+    r.put_stored(10, name=1, kernel=0xA, creator=0xA)  # session 1: Store A
+    r.put_load(0x100, name=2, kernel=0xB, creator=0xB)  # session 1: Prefetch B (no Wait)
+    r.put_stored(11, name=3, kernel=0xC, creator=0xC, thread=2)  # session 2, running
+    assert r.seen() == 3
+    assert r.forget(0xA) == {"stored": [1], "loads": []}
+    assert r.forget(0xB) == {"stored": [], "loads": [2]}
+    assert r.counts() == {"stored": 1, "loads": 0, "abandoned": [2]}
+    assert r.seen() == 1
+    assert r.find_stored(11, kernel=0, thread=2) == (3, NONE)  # session 2 unaffected
+    assert r.forget(0xA) == NONE  # (twice: nothing left)
+    # a new session's kernels on thread 1 start no new run: nothing of its own released
+    assert r.put_stored(12, name=4, kernel=0xD, creator=0xD) == NONE
