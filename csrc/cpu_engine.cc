@@ -202,9 +202,9 @@ class CpuEngine final : public Engine {
     counters().engines_alive -= 1;
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, int64_t offset,
-                                              int64_t length) override {
-    return host_store_.load(file, offset, length);
+  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, const std::string& content,
+                                              int64_t offset, int64_t length) override {
+    return host_store_.load(file, content, offset, length);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,

@@ -90,8 +90,10 @@ class Engine {
   bool forked_away() const { return generation != fork_generation(); }
 
   // Host store: the `length` bytes at `offset` of the open file `file` (already validated),
-  // read at most once per engine and shared by every caller asking for the same range.
-  virtual std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, int64_t offset,
+  // read at most once per engine while a caller holds them, shared by every caller asking
+  // for the same range of the same content (`content`: Registration::content_key).
+  virtual std::shared_ptr<const HostBlob> load_weight(const WeightFile& file,
+                                                      const std::string& content, int64_t offset,
                                                       int64_t length) = 0;
 
   // Start copying `blob` into `dst` (fast tier) on the load channel; keyed by `dst`.

@@ -32,14 +32,20 @@ class HostBytes {
 
 class WeightFile;
 
-// Weights: (file identity, offset, length) -> bytes, read once from the open file.
+// Weights: (content key, offset, length) -> bytes, read once from the open file while
+// some caller holds them. Entries are weak: the bytes go with the last session that uses
+// them (a model re-optimized in place and hot-swapped keeps one version's weights, not
+// every version's), and the content key (Registration::content_key) keeps a new version of
+// a file, or a reused inode, from being served an earlier version's bytes.
 class HostStore {
  public:
-  std::shared_ptr<const HostBlob> load(const WeightFile& file, int64_t offset, int64_t length);
+  std::shared_ptr<const HostBlob> load(const WeightFile& file, const std::string& content,
+                                       int64_t offset, int64_t length);
 
  private:
   std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const HostBlob>> blobs_;
+  std::map<std::string, std::weak_ptr<const HostBlob>> blobs_;
+  size_t swept_size_ = 0;  // entries after the last sweep of expired ones
 };
 
 class HostPool;

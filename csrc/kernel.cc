@@ -204,7 +204,7 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
     if (r.tier == "disk") {
       disk = engine->open_disk_weight(file, r.offset, r.length, name);
     } else {
-      blob = engine->load_weight(*file, r.offset, r.length);
+      blob = engine->load_weight(*file, op.reg->content_key(*file), r.offset, r.length);
     }
   } catch (const Error& e) {
     bad(e.code(), e.what());

@@ -44,14 +44,19 @@ const char* op_name(OpKind k) {
   return "?";
 }
 
+namespace {
+// The identity and version of an open file: any write changes its ctime.
+std::string file_version(const WeightFile& f, struct stat* st) {
+  if (::fstat(f.fd(), st) != 0) fail(ORT_FAIL, "cannot stat '" + f.path() + "'");
+  return f.key() + ":" + std::to_string(st->st_size) + ":" +
+         std::to_string(st->st_mtim.tv_sec) + "." + std::to_string(st->st_mtim.tv_nsec) + ":" +
+         std::to_string(st->st_ctim.tv_sec) + "." + std::to_string(st->st_ctim.tv_nsec);
+}
+}  // namespace
+
 std::string Registration::fingerprint(const WeightFile& f) {
   struct stat st {};
-  if (::fstat(f.fd(), &st) != 0) fail(ORT_FAIL, "cannot stat '" + f.path() + "'");
-  const std::string key = f.key() + ":" + std::to_string(st.st_size) + ":" +
-                          std::to_string(st.st_mtim.tv_sec) + "." +
-                          std::to_string(st.st_mtim.tv_nsec) + ":" +
-                          std::to_string(st.st_ctim.tv_sec) + "." +
-                          std::to_string(st.st_ctim.tv_nsec);
+  const std::string key = file_version(f, &st);
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = fingerprints.find(key);
@@ -62,6 +67,11 @@ std::string Registration::fingerprint(const WeightFile& f) {
   if (fingerprints.size() >= 256) fingerprints.clear();  // bounded
   fingerprints.emplace(key, fp);
   return fp;
+}
+
+std::string Registration::content_key(const WeightFile& f) {
+  struct stat st {};
+  return file_version(f, &st) + "#" + fingerprint(f);
 }
 
 namespace {

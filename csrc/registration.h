@@ -63,6 +63,11 @@ struct Registration {
   // The data_fingerprint of an open data file, computed once per file and registration.
   // Keyed by the file's identity and version (size, mtime, ctime: any write changes ctime).
   std::string fingerprint(const WeightFile& f);
+  // What the engines key the bytes of a weight read from `f` by (with its range): the
+  // file's identity and version and its fingerprint, so that a file rewritten in place (a
+  // model re-optimized while a session lives; an inode reused by the next version) is
+  // never served from an earlier version's bytes.
+  std::string content_key(const WeightFile& f);
   // The registration's engine of the CPU EP or the CUDA EP, created when none is alive
   // (or when the live one is the parent's, Engine::forked_away: see abandon_engine).
   std::shared_ptr<Engine> acquire_engine(bool on_cuda);

@@ -293,6 +293,47 @@ def test_failed_requests_of_per_request_sessions_are_released(tmp_path, threads)
     assert ops().counters()["host_pool_bytes_in_use"] == base
 
 
+def test_a_data_file_rewritten_in_place_is_read_again(tmp_path):
+    """Issue 34 item 2: weights were cached by file identity (device, inode, range), so a
+    data file rewritten in place while a session of the folder lived served the new
+    session the old bytes (as an inode reused by the next version did). Keyed by content
+    now (the file's version and fingerprint)."""
+    path, w = write_failure_model(tmp_path)
+    x = np.ones(N, np.float32)
+    ok = {"x": x, "idx": np.array([1], np.int64)}
+    old = session(path)
+    np.testing.assert_array_equal(old.run(None, ok)[0], x + w)
+    time.sleep(0.05)  # (past the file system's timestamp tick)
+    w2 = w[::-1].copy()
+    with open(tmp_path / "w.bin", "r+b") as f:  # the same inode, new bytes
+        f.write(w2.tobytes())
+    np.testing.assert_array_equal(session(path).run(None, ok)[0], x + w2)
+    np.testing.assert_array_equal(old.run(None, ok)[0], x + w)  # (read at its creation)
+
+
+def test_hot_swapped_versions_release_their_weights(tmp_path):
+    """Issue 34 item 2: every version's weights stayed in the host store for the engine's
+    life (33x one model's after 40 swaps); a version goes with its last session."""
+    import gc
+
+    path, w = write_failure_model(tmp_path)
+    keeper = session(path)  # the engine stays
+    base = ops().counters()["host_store_bytes"]
+    x = np.ones(N, np.float32)
+    ok = {"x": x, "idx": np.array([1], np.int64)}
+    live = None
+    for v in range(8):
+        time.sleep(0.02)
+        wv = w + v + 1
+        (tmp_path / "w.bin").write_bytes(wv.tobytes())
+        new = session(path)  # the new version opens, then the old one is dropped
+        np.testing.assert_array_equal(new.run(None, ok)[0], x + wv)
+        live = new
+        gc.collect()
+        assert ops().counters()["host_store_bytes"] <= base + 4 * N, v
+    del keeper, live
+
+
 def test_host_pool_limit_is_a_clear_error(tmp_path):
     path, w = write_failure_model(tmp_path)
     so = session_options(tmp_path, config={"ho_onnx.host_pool_limit_bytes": str(100_000)})

@@ -337,10 +337,14 @@ class PinnedBlob final : public HostBlob {
 
 class PinnedWeights {
  public:
-  std::shared_ptr<const HostBlob> load(const WeightFile& file, int64_t offset, int64_t length) {
+  // (Held for the engine's life: a pinned block may still be read by a copy of a failed
+  // run, and only the engine's end synchronizes the copy streams. Keyed by content, so a
+  // data file rewritten in place is never served from the bytes of an earlier version.)
+  std::shared_ptr<const HostBlob> load(const WeightFile& file, const std::string& content,
+                                       int64_t offset, int64_t length) {
     if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
     const std::string key =
-        file.key() + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
+        content + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = blobs_.find(key);
     if (it != blobs_.end()) return it->second;
@@ -553,9 +557,9 @@ class CudaEngine final : public Engine {
     ring_->reserve(cap);  // one pinned segment for a whole run, at session creation
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, int64_t offset,
-                                              int64_t length) override {
-    return weights_->load(file, offset, length);
+  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, const std::string& content,
+                                              int64_t offset, int64_t length) override {
+    return weights_->load(file, content, offset, length);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
