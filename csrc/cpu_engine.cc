@@ -390,7 +390,11 @@ class CpuEngine final : public Engine {
   std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight)
   std::mutex rng_mu_;  // guards rng_
   std::mt19937_64 rng_;
-  Records records_{process_threads()};
+  // (a run's start bounds what the pools keep idle: HostPool::run_started)
+  Records records_{process_threads(), [this] {
+                     pool_->run_started();
+                     staging_->run_started();
+                   }};
   DiskFiles files_;  // open data files, shared by weights
   std::unique_ptr<Channel> disk_ = std::make_unique<Channel>("disk", disk_io_threads());
 };

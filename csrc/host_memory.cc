@@ -3,7 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <new>
@@ -68,13 +71,14 @@ std::shared_ptr<const HostBlob> HostStore::load(const WeightFile& file,
   return blob;
 }
 
-PoolBuffer::PoolBuffer(std::shared_ptr<HostPool> pool, std::unique_ptr<HostBytes> bytes)
-    : pool_(std::move(pool)), bytes_(std::move(bytes)) {
-  if (pool_->counted_) counters().host_pool_bytes_in_use += static_cast<int64_t>(bytes_->size());
+PoolBuffer::PoolBuffer(std::shared_ptr<HostPool> pool, std::unique_ptr<HostBytes> bytes,
+                       size_t asked)
+    : pool_(std::move(pool)), bytes_(std::move(bytes)), asked_(asked) {
+  if (pool_->counted_) counters().host_pool_bytes_in_use += static_cast<int64_t>(asked_);
 }
 
 PoolBuffer::~PoolBuffer() {
-  if (pool_->counted_) counters().host_pool_bytes_in_use -= static_cast<int64_t>(bytes_->size());
+  if (pool_->counted_) counters().host_pool_bytes_in_use -= static_cast<int64_t>(asked_);
   pool_->release(std::move(bytes_));
 }
 
@@ -83,9 +87,7 @@ HostPool::HostPool(uint64_t limit, std::string limit_name, size_t align, bool co
 
 HostPool::~HostPool() {
   if (!counted_) return;
-  for (auto& kv : free_) {
-    counters().host_pool_bytes_reserved -= static_cast<int64_t>(kv.first);
-  }
+  counters().host_pool_bytes_reserved -= static_cast<int64_t>(free_bytes_);
 }
 
 uint64_t HostPool::in_use() const {
@@ -93,7 +95,37 @@ uint64_t HostPool::in_use() const {
   return in_use_;
 }
 
-std::unique_ptr<PoolBuffer> HostPool::acquire(size_t size) {
+uint64_t HostPool::idle() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return free_bytes_;
+}
+
+void HostPool::run_started() {
+  std::lock_guard<std::mutex> lock(mu_);
+  taken_[window_] = taken_now_;
+  window_ = (window_ + 1) % kRunWindows;
+  taken_now_ = 0;
+}
+
+void HostPool::trim_locked(uint64_t keep, std::vector<std::unique_ptr<HostBytes>>* out) {
+  while (free_bytes_ > keep && !lru_.empty()) {
+    Free& victim = lru_.front();
+    auto range = free_.equal_range(victim.size);
+    for (auto it = range.first; it != range.second; ++it) {
+      if (it->second == lru_.begin()) {
+        free_.erase(it);
+        break;
+      }
+    }
+    free_bytes_ -= victim.size;
+    if (counted_) counters().host_pool_bytes_reserved -= static_cast<int64_t>(victim.size);
+    out->push_back(std::move(victim.bytes));
+    lru_.pop_front();
+  }
+}
+
+std::unique_ptr<PoolBuffer> HostPool::acquire(size_t asked) {
+  const size_t size = pool_size_class(asked);
   std::unique_ptr<HostBytes> bytes;
   std::vector<std::unique_ptr<HostBytes>> dropped;  // freed outside the lock
   {
@@ -104,24 +136,21 @@ std::unique_ptr<PoolBuffer> HostPool::acquire(size_t size) {
                          " requested > " + std::to_string(limit_) +
                          " bytes (raise the session config entry '" + limit_name_ +
                          "'; a failed run's stores are released when the next run on the "
-                         "same thread starts)");
+                         "same thread starts or its session is destroyed)");
     }
     auto it = free_.find(size);
     if (it != free_.end()) {
-      bytes = std::move(it->second);
+      FreeList::iterator node = it->second;
+      bytes = std::move(node->bytes);
+      lru_.erase(node);
       free_.erase(it);
       free_bytes_ -= size;
-    } else {
+    } else if (limit_ != 0 && in_use_ + free_bytes_ + size > limit_) {
       // Make room: cached buffers of other sizes go first.
-      while (limit_ != 0 && !free_.empty() && in_use_ + free_bytes_ + size > limit_) {
-        auto victim = free_.begin();
-        free_bytes_ -= victim->first;
-        if (counted_) counters().host_pool_bytes_reserved -= static_cast<int64_t>(victim->first);
-        dropped.push_back(std::move(victim->second));
-        free_.erase(victim);
-      }
+      trim_locked(limit_ - in_use_ - size, &dropped);
     }
     in_use_ += size;
+    taken_now_ += size;
   }
   if (!bytes) {
     try {
@@ -133,15 +162,20 @@ std::unique_ptr<PoolBuffer> HostPool::acquire(size_t size) {
     }
     if (counted_) counters().host_pool_bytes_reserved += static_cast<int64_t>(size);
   }
-  return std::make_unique<PoolBuffer>(shared_from_this(), std::move(bytes));
+  return std::make_unique<PoolBuffer>(shared_from_this(), std::move(bytes), asked);
 }
 
 void HostPool::release(std::unique_ptr<HostBytes> bytes) {
+  std::vector<std::unique_ptr<HostBytes>> dropped;  // freed outside the lock
   std::lock_guard<std::mutex> lock(mu_);
   const size_t size = bytes->size();
   in_use_ -= size;
+  lru_.push_back(Free{size, std::move(bytes)});
+  free_.emplace(size, std::prev(lru_.end()));
   free_bytes_ += size;
-  free_.emplace(size, std::move(bytes));
+  uint64_t keep = taken_now_;
+  for (uint64_t t : taken_) keep = std::max(keep, t);
+  trim_locked(keep, &dropped);
 }
 
 }  // namespace ho

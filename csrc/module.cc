@@ -24,6 +24,7 @@
 
 #include "cuda/host_logic.h"
 #include "fnv1a.h"
+#include "pool_class.h"
 #include "ho_onnx_c_api.h"
 #include "run_records.h"
 
@@ -658,6 +659,8 @@ PYBIND11_MODULE(_ops, m) {
       .def("forget", &TestRunRecords::forget)
       .def("seen", [](TestRunRecords& t) { return t.seen(); })
       .def("counts", &TestRunRecords::counts);
+  m.def("_test_pool_size_class", &ho::pool_size_class,
+        "The size class the host pool rounds a request of `size` bytes up to.");
   m.def("_test_ring_capacity", &ho::cuda_logic::ring_capacity,
         "First ring segment for a plan storing `host_bytes` bytes of activations per run.");
   m.def("_test_pack_weights", &pack_weights,

@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -72,8 +73,11 @@ class RunRecords {
     std::vector<L> loads;
   };
 
-  explicit RunRecords(ThreadSource& threads)
-      : threads_(threads), ended_seen_(threads.ended_count()) {}
+  // `on_run_start`: called (under the records' lock: it must not call back) whenever a run
+  // starts on some thread.
+  explicit RunRecords(ThreadSource& threads, std::function<void()> on_run_start = {})
+      : threads_(threads), ended_seen_(threads.ended_count()),
+        on_run_start_(std::move(on_run_start)) {}
   RunRecords(const RunRecords&) = delete;
   RunRecords& operator=(const RunRecords&) = delete;
 
@@ -239,6 +243,7 @@ class RunRecords {
     if (threads_.ended_count() != ended_seen_) reap_ended_locked(out);
     ThreadRun& tr = threads_runs_[tid];
     if (tr.epoch == 0 || (kernel != nullptr && !tr.seen.insert(kernel).second)) {
+      if (on_run_start_) on_run_start_();
       const uint64_t old = tr.epoch;
       tr.epoch = threads_.next_epoch();
       tr.seen.clear();
@@ -296,6 +301,7 @@ class RunRecords {
 
   ThreadSource& threads_;
   std::mutex mu_;
+  std::function<void()> on_run_start_;
   size_t ended_seen_;
   std::unordered_map<uint64_t, ThreadRun> threads_runs_;
   std::unordered_map<uint64_t, StoredPtr> stored_;

@@ -334,6 +334,44 @@ def test_hot_swapped_versions_release_their_weights(tmp_path):
     del keeper, live
 
 
+def test_pool_size_classes():
+    """At least the bytes asked, at most 1/8 more (plus 64-byte rounding), monotonic, so
+    runs of nearby lengths share buffers."""
+    cls = ops()._test_pool_size_class
+    sizes = [0, 1, 63, 64, 65, 511, 512, 513, 1000, 4096, 4097, 5000, 123_457, 1 << 20,
+             (1 << 20) + 1, 3 * (1 << 30) + 7, (1 << 62) + 5]
+    prev = 0
+    for n in sorted(sizes):
+        c = cls(n)
+        assert n <= c <= n + n // 8 + 64 and c % 64 == 0 and c >= prev, (n, c)
+        prev = c
+    assert len({cls(n) for n in range(40_000, 45_000)}) <= 2
+
+
+def test_runs_of_changing_lengths_keep_about_one_runs_buffers_idle(tmp_path):
+    """Issue 34 item 4: the pool kept a free buffer of every size it ever served (runs at
+    512 lengths left 662 MiB idle where one run stores 17 MiB); now what it keeps idle is
+    bounded by what recent runs took. A run that repeats reuses its buffers."""
+    path, w = write_moving_failure_model(tmp_path)
+    sess = session(path)
+    base = ops().counters()["host_pool_bytes_reserved"]
+    lengths = [1000 + 97 * i for i in range(120)]
+    for n in lengths:
+        x = np.linspace(-2, 2, n, dtype=np.float32)
+        z, _ = sess.run(None, {"x": x, "shp": np.array([4], np.int64)})
+        np.testing.assert_array_equal(z, np.maximum(x, 0))
+    c = ops().counters()
+    assert c["host_pool_bytes_in_use"] == ops().counters()["host_pool_bytes_in_use"]
+    one_run = ops()._test_pool_size_class(4 * max(lengths))
+    assert c["host_pool_bytes_reserved"] - base <= 2 * one_run, (
+        c["host_pool_bytes_reserved"] - base, one_run)
+    # the same length again and again: nothing more is reserved
+    x = np.ones(lengths[-1], np.float32)
+    for _ in range(5):
+        sess.run(None, {"x": x, "shp": np.array([4], np.int64)})
+    assert ops().counters()["host_pool_bytes_reserved"] == c["host_pool_bytes_reserved"]
+
+
 def test_host_pool_limit_is_a_clear_error(tmp_path):
     path, w = write_failure_model(tmp_path)
     so = session_options(tmp_path, config={"ho_onnx.host_pool_limit_bytes": str(100_000)})
