@@ -352,16 +352,17 @@ def test_runs_of_changing_lengths_keep_about_one_runs_buffers_idle(tmp_path):
     """Issue 34 item 4: the pool kept a free buffer of every size it ever served (runs at
     512 lengths left 662 MiB idle where one run stores 17 MiB); now what it keeps idle is
     bounded by what recent runs took. A run that repeats reuses its buffers."""
-    path, w = write_moving_failure_model(tmp_path)
+    path, _ = write_moving_failure_model(tmp_path)
     sess = session(path)
     base = ops().counters()["host_pool_bytes_reserved"]
+    in_use = ops().counters()["host_pool_bytes_in_use"]
     lengths = [1000 + 97 * i for i in range(120)]
     for n in lengths:
         x = np.linspace(-2, 2, n, dtype=np.float32)
         z, _ = sess.run(None, {"x": x, "shp": np.array([4], np.int64)})
         np.testing.assert_array_equal(z, np.maximum(x, 0))
     c = ops().counters()
-    assert c["host_pool_bytes_in_use"] == ops().counters()["host_pool_bytes_in_use"]
+    assert c["host_pool_bytes_in_use"] == in_use
     one_run = ops()._test_pool_size_class(4 * max(lengths))
     assert c["host_pool_bytes_reserved"] - base <= 2 * one_run, (
         c["host_pool_bytes_reserved"] - base, one_run)
