@@ -28,7 +28,10 @@ def _children() -> set[str]:
     """This process's child pids (Linux)."""
     out: set[str] = set()
     for task in Path("/proc/self/task").iterdir():
-        out |= set((task / "children").read_text().split())
+        try:
+            out |= set((task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):  # (a thread that just ended)
+            pass
     return out
 
 
