@@ -32,9 +32,11 @@ from typing import Any, Literal, NamedTuple
 
 import onnx
 
-from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
+from ... import contract
+from ...contract import CONFIG_MODEL_DIR
 from ...errors import ModelLoadError, OutputPathError
 from ...graph.load import read_proto, resolve_data_path
+from ...graph.protos import iter_nodes
 from ...graph.save import copy_sparse, new_folders, read_json
 
 FolderKind = Literal["genai", "optimum"]
@@ -214,14 +216,23 @@ def _copy_rest(dst: Path, files: list[_Entry]) -> list[str]:
     return copied
 
 
+def _stored_bytes(model: onnx.ModelProto) -> int:
+    """The planned stored peak of a rewritten ``model``: the ``host_bytes`` attribute its
+    ``Store`` nodes carry (bytes of activations stored at once per run); 0 without Stores."""
+    return max((a.i for n in iter_nodes(model)
+                if n.domain == contract.DOMAIN and n.op_type == contract.STORE
+                for a in n.attribute if a.name == contract.ATTR_HOST_BYTES), default=0)
+
+
 def _plan_entries(model: Path) -> dict[str, str]:
-    """Session config entries for a written optimized model (model dir, planned host bytes)."""
-    m = onnx.load(str(model), load_external_data=False)
-    meta = {p.key: p.value for p in m.metadata_props}
+    """Session config entries for a written optimized model: its folder and, when it stores
+    activations, :func:`_stored_bytes` (what ``ho_onnx.host_bytes`` means: the stored
+    activations that size the CUDA engine's pinned ring; was: the metadata's ``host_bytes``,
+    every offloaded weight counted, disk-tier ones included, overriding the Stores' value)."""
     entries = {CONFIG_MODEL_DIR: str(model.resolve().parent)}
-    host = meta.get(META_PREFIX + "host_bytes")
-    if host and host.isdigit() and int(host) > 0:
-        entries[CONFIG_HOST_BYTES] = host
+    stored = _stored_bytes(onnx.load(str(model), load_external_data=False))
+    if stored > 0:
+        entries[contract.CONFIG_HOST_BYTES] = str(stored)
     return entries
 
 

@@ -17,12 +17,14 @@ from graphs import chain_model, save
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ho_onnx.contract import CONFIG_MODEL_DIR
+from ho_onnx.contract import ATTR_HOST_BYTES, CONFIG_HOST_BYTES, CONFIG_MODEL_DIR
 from ho_onnx.errors import HoOnnxError, ModelLoadError, OutputPathError
 from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.lifetimes import stored_peak_bytes
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.target.ort.folders import detect_folder, optimize_folder, optimum_session_options
 from ho_onnx.target.ort.runtime import library_path, session_options
+from models.decoder import build_decoder
 
 
 def _optimize(src: Path, dst: Path) -> None:
@@ -169,6 +171,48 @@ def test_genai_folder_is_ready(tmp_path):
     so.register_custom_ops_library(library_path())
     want = _run(src / "model.onnx", ort.SessionOptions())
     np.testing.assert_array_equal(_run(out / "model.onnx", so), want)
+
+
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_genai_host_bytes_is_the_stored_activations_only(tmp_path, tier):
+    """``ho_onnx.host_bytes`` in the output's genai config sizes the CUDA pinned ring for
+    stored activations and wins over the Stores' own attribute: it must be their planned
+    stored peak, never the offloaded weights (was: the metadata's ``host_bytes``, every
+    offloaded weight counted, disk tier included: ~30x the ring, pinning what the disk tier
+    keeps out of memory). Without stored activations there is no entry."""
+    src = tmp_path / "src"
+    src.mkdir()
+    build_decoder(src / "model.onnx", layers=2, hidden=64, heads=4, external_data=True)
+    (src / "genai_config.json").write_text(json.dumps(
+        {"model": {"decoder": {"filename": "model.onnx"}}}))
+    dims = {"batch": 1, "seq": 64}
+    choices = []
+
+    def opt(activations: bool):
+        def run(a: Path, b: Path) -> None:
+            choices.append(optimize(a, b, OffloadOptions(min_bytes=0, weight_tier=tier,
+                                                         activations=activations),
+                                    dims).choice)
+        return run
+
+    for activations in (True, False):
+        out = tmp_path / f"out-{activations}"
+        optimize_folder(src, out, opt(activations), library=library_path())
+        so_cfg = json.loads((out / "genai_config.json").read_text())["model"]["decoder"][
+            "session_options"]
+        c = choices[-1]
+        weights = sum(w.nbytes for w in c.weights)
+        assert c.weights and weights > 0
+        if not activations:
+            assert CONFIG_HOST_BYTES not in so_cfg
+            continue
+        stored = stored_peak_bytes(c)
+        assert c.activations and 0 < stored < weights
+        m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        on_stores = {a.i for n in m.graph.node if n.op_type == "Store"
+                     for a in n.attribute if a.name == ATTR_HOST_BYTES}
+        assert on_stores == {stored}
+        assert so_cfg[CONFIG_HOST_BYTES] == str(stored)
 
 
 def test_optimum_folder_is_ready(tmp_path):
