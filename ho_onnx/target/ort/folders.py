@@ -265,12 +265,35 @@ def optimize_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str],
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputPathError(f"the output folder {str(out)!r} exists and is not empty")
     files = _files_to_copy(folder.path, _model_files(folder.model))
+    if folder.kind == "genai":
+        if library is None:
+            from .runtime import library_path
+
+            library = library_path()
+        _check_library_name(folder, Path(library).name, files)
     with new_folders(out):  # a failure leaves it as it was: absent, or empty
         try:
             return _fill_folder(folder, out, files, optimize_file, library)
         except BaseException:
             _empty(out)  # (empty before: everything in it is this call's)
             raise
+
+
+def _library_taken(name: str, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{what}, where the output's custom-op library {name!r} goes (genai loads it by that "
+        "name from the model folder): rename or move it in the input folder")
+
+
+def _check_library_name(folder: ModelFolder, name: str, files: list[_Entry]) -> None:
+    """Refuse a genai input whose decoder, or a folder of it, has the library's name (was:
+    the library copied into that folder, ``custom_ops_library`` naming a folder, exit 0); a
+    file of that name is replaced by the library."""
+    decoder = folder.model.relative_to(folder.path).parts
+    inside = [e.rel for e in files if len(e.rel.parts) > 1 and e.rel.parts[0] == name]
+    if decoder[0] == name or inside:
+        kind = "file" if decoder == (name,) else "folder"
+        raise _library_taken(name, f"the input holds the {kind} {str(folder.path / name)!r}")
 
 
 def _empty(folder: Path) -> None:
@@ -291,12 +314,13 @@ def _fill_folder(folder: ModelFolder, out: Path, files: list[_Entry],
     result.copied = _copy_rest(out, files)
     result.session_config = _plan_entries(out_model)
     if folder.kind == "genai":
-        if library is None:
-            from .runtime import library_path
-
-            library = library_path()
+        assert library is not None  # (optimize_folder's default, checked there)
         lib = Path(library)
         result.library = out / lib.name
+        if result.library.is_symlink() or (result.library.exists()
+                                           and lib.name not in result.copied):
+            # (written by the optimize step, say a data file of that name: never overwritten)
+            raise _library_taken(lib.name, f"the optimized model wrote {str(result.library)!r}")
         shutil.copy2(lib, result.library)
         cfg = json.loads(json.dumps(folder.config))
         so = cfg["model"]["decoder"].setdefault("session_options", {})

@@ -173,6 +173,60 @@ def test_genai_folder_is_ready(tmp_path):
     np.testing.assert_array_equal(_run(out / "model.onnx", so), want)
 
 
+@pytest.mark.parametrize("taken", ["folder", "decoder in it", "decoder", "written", "file"])
+def test_the_library_name_is_never_a_folder_or_another_file(tmp_path, taken):
+    """genai loads ``custom_ops_library`` by name from the output folder: an input holding a
+    folder of that name (or the decoder under it) is refused before anything is written (was:
+    the library copied into the folder, ``custom_ops_library`` naming a folder, no error), a
+    file the optimize step wrote there is never overwritten; a plain file of that name in
+    the input is replaced by the library."""
+    src = genai_folder(tmp_path / "src")
+    lib = tmp_path / "libfake_ops.so"
+    lib.write_bytes(Path(library_path()).read_bytes())
+    out = tmp_path / "out"
+    optimize_file = _optimize
+    if taken == "folder":
+        (src / lib.name).mkdir()
+        (src / lib.name / "readme.txt").write_text("x")
+    elif taken in ("decoder in it", "decoder"):
+        name = f"{lib.name}/model.onnx" if taken == "decoder in it" else lib.name
+        (src / name).parent.mkdir(exist_ok=True)
+        save(chain_model(), src / name)
+        cfg = json.loads((src / "genai_config.json").read_text())
+        cfg["model"]["decoder"]["filename"] = name
+        (src / "genai_config.json").write_text(json.dumps(cfg))
+    elif taken == "written":
+        def optimize_file(a: Path, b: Path) -> None:
+            _optimize(a, b)
+            (b.parent / lib.name).write_text("the optimize step's")
+    else:
+        (src / lib.name).write_text("an old library")
+    if taken == "file":
+        optimize_folder(src, out, _optimize, library=lib)
+        assert (out / lib.name).read_bytes() == lib.read_bytes()
+        return
+    with pytest.raises(ModelLoadError, match=rf"{'wrote' if taken == 'written' else 'holds'} "
+                       rf".*'{lib.name}' goes \(genai loads it by that name"):
+        optimize_folder(src, out, optimize_file, library=lib)
+    assert not out.exists()
+
+
+def test_cli_refuses_a_folder_named_like_the_library(tmp_path):
+    """The CLI: one error line, exit 2, no output folder."""
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src = genai_folder(tmp_path / "src")
+    (src / Path(library_path()).name).mkdir()
+    (src / Path(library_path()).name / "x").write_text("x")
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "out"), "--offload",
+                                  "weights", "--min-bytes", "0"])
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: the input holds the folder")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("tier", ["disk", "host"])
 def test_genai_host_bytes_is_the_stored_activations_only(tmp_path, tier):
     """``ho_onnx.host_bytes`` in the output's genai config sizes the CUDA pinned ring for
