@@ -37,7 +37,7 @@ from ...contract import CONFIG_MODEL_DIR
 from ...errors import ModelLoadError, OutputPathError
 from ...graph.load import read_proto, resolve_data_path
 from ...graph.protos import iter_nodes
-from ...graph.save import copy_sparse, new_folders, read_json
+from ...graph.save import NonStandardJSONError, copy_sparse, new_folders, read_json
 
 FolderKind = Literal["genai", "optimum"]
 GENAI_CONFIG = "genai_config.json"
@@ -58,16 +58,21 @@ class ModelFolder:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def _read_json(folder: Path, name: str) -> dict[str, Any]:
+def _read_json(folder: Path, name: str, *, standard: bool = False) -> dict[str, Any]:
     """The JSON object in file ``name`` of ``folder``: a regular file inside it (a link out
     of it is refused), at most :data:`MAX_CONFIG_BYTES`, nested no deeper than Python's
     parser goes (was: followed anywhere, read whole, and a ``[[[...`` of 200,000 levels an
-    unexpected RecursionError)."""
+    unexpected RecursionError); ``standard``: a file ho-onnx writes again, so standard JSON
+    only (was: ``NaN``, ``Infinity`` and ``1e400`` written back as ``NaN``/``Infinity``,
+    which genai's parser refuses too; no finite value would be the user's)."""
     path = folder / name
     _inside(folder, name, repr(str(folder)), "configuration file")
     try:
         # (a link inside the folder is read as its file, like the files copied)
-        data = read_json(path.resolve(), MAX_CONFIG_BYTES, follow=False)
+        data = read_json(path.resolve(), MAX_CONFIG_BYTES, follow=False, standard=standard)
+    except NonStandardJSONError as e:
+        raise ModelLoadError(f"{str(path)!r} is not standard JSON: {e} (write a finite "
+                             "number, or null)") from None
     except (OSError, ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else e
         raise ModelLoadError(f"{str(path)!r} is not readable JSON: {why}") from None
@@ -84,7 +89,7 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
     if not p.is_dir():
         raise ModelLoadError(f"{str(p)!r} is not a folder")
     if (p / GENAI_CONFIG).is_file():
-        cfg = _read_json(p, GENAI_CONFIG)
+        cfg = _read_json(p, GENAI_CONFIG, standard=True)  # (written again, extended)
         section = cfg.get("model")
         decoder = section.get("decoder") if isinstance(section, dict) else None
         if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
@@ -327,7 +332,7 @@ def _fill_folder(folder: ModelFolder, out: Path, files: list[_Entry],
         so["custom_ops_library"] = lib.name
         so["enable_mem_pattern"] = False  # as ho_onnx.InferenceSession: the budget's arena
         so.update(result.session_config)
-        (out / GENAI_CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
+        (out / GENAI_CONFIG).write_text(json.dumps(cfg, indent=4, allow_nan=False) + "\n")
     return result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import tempfile
 from pathlib import Path
@@ -133,6 +134,41 @@ def test_a_hostile_configuration_file_is_one_clear_error(tmp_path, config, bad, 
     with pytest.raises(ModelLoadError, match=message):
         optimize_folder(src, tmp_path / "out", _optimize)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400", "-1E+999"])
+def test_a_genai_config_must_be_standard_json(tmp_path, number):
+    """``genai_config.json`` is written again: a number standard JSON lacks is refused, one
+    line, exit 2, nothing written (was: copied into the output as ``NaN``/``Infinity``,
+    ``1e400`` too, which Python reads as infinity; genai's own parser refuses them, and no
+    finite stand-in would be the user's value)."""
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src = genai_folder(tmp_path / "src")
+    text = (src / "genai_config.json").read_text()
+    (src / "genai_config.json").write_text(
+        text[:-1] + f', "search": {{"temperature": {number}, "top_p": 1e-300}}}}')
+    with pytest.raises(ModelLoadError, match=r"genai_config\.json' is not standard JSON: "
+                       rf"(the number )?{re.escape(number)} is "):
+        optimize_folder(src, tmp_path / "out", _optimize, library=library_path())
+    assert not (tmp_path / "out").exists()
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "out"), "--offload",
+                                  "weights", "--min-bytes", "0"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "is not standard JSON" in r.output and not (tmp_path / "out").exists()
+    # finite numbers, however small or large, are kept as they were
+    (src / "genai_config.json").write_text(
+        text[:-1] + ', "search": {"temperature": 1.5e308, "top_p": 1e-300}}')
+    optimize_folder(src, tmp_path / "out", _optimize, library=library_path())
+    written = (tmp_path / "out" / "genai_config.json").read_text()
+    assert json.loads(written)["search"] == {"temperature": 1.5e308, "top_p": 1e-300}
+    # an Optimum folder's config.json is copied as it is (transformers reads NaN): kept
+    opt = optimum_folder(tmp_path / "o")
+    (opt / "config.json").write_text('{"model_type": "llama", "x": NaN}')
+    optimize_folder(opt, tmp_path / "o-out", _optimize)
+    assert (tmp_path / "o-out" / "config.json").read_text() == (opt / "config.json").read_text()
 
 
 def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
