@@ -203,12 +203,29 @@ def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
     return segs
 
 
-def read_json(path: Path, limit: int, *, follow: bool = True) -> Any:
+class NonStandardJSONError(ValueError):
+    """A number standard JSON (RFC 8259) does not have: ``NaN``, ``Infinity``, or one
+    beyond a double's range (Python reads ``1e400`` as infinity and writes ``Infinity``)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise NonStandardJSONError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise NonStandardJSONError(f"the number {text[:40]} is beyond a double's range")
+    return x
+
+
+def read_json(path: Path, limit: int, *, follow: bool = True, standard: bool = False) -> Any:
     """The JSON value in the regular file ``path``, at most ``limit`` bytes (a link in its
     last part followed unless ``follow`` is false). A device, FIFO or folder, or a larger
     file, is an :class:`OSError` saying so (was: read whole, so ``/dev/zero`` ran out of
     memory and a FIFO waited for a writer); bad JSON is a ``ValueError`` (``UnicodeError``
-    included) or a ``RecursionError`` (nested deeper than Python's parser goes)."""
+    included) or a ``RecursionError`` (nested deeper than Python's parser goes); with
+    ``standard``, a number standard JSON lacks is a :class:`NonStandardJSONError`."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     fd = os.open(path, flags)
     try:
@@ -223,6 +240,8 @@ def read_json(path: Path, limit: int, *, follow: bool = True) -> Any:
         data = f.read(limit + 1)
     if max(st.st_size, len(data)) > limit:
         raise OSError(f"larger than {format_bytes(limit)}")
+    if standard:
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
     return json.loads(data)
 
 

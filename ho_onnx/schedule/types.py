@@ -92,14 +92,18 @@ class Decision:
 
     def metadata(self) -> dict[str, str]:
         """The decision as recorded in the output's ``metadata_props`` (keys without the
-        ``ho_onnx.`` prefix)."""
+        ``ho_onnx.`` prefix); ``host_bytes``: the slow tier's peak, as the planner's
+        (:func:`~ho_onnx.schedule.lifetimes.host_bytes`; was every offloaded byte, disk-tier
+        weights included)."""
+        from .lifetimes import host_bytes  # (lifetimes imports this module)
+
         c = self.choice
         return {
             "policy": c.decided_by,
             "offloaded_weights": str(len(c.weights)),
             "offloaded_activations": str(len(c.activations)),
             "offloaded_bytes": str(c.offloaded_bytes),
-            "host_bytes": str(c.offloaded_bytes),
+            "host_bytes": str(host_bytes(c)),
         }
 
 

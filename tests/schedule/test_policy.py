@@ -65,6 +65,23 @@ def test_both_deciders_fit_the_decision_seam():
     assert p.metadata()["budget_bytes"] == str(1 << 30) and not p.choice.weights
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_recorded_host_bytes_mean_the_same_for_both_deciders(tier):
+    """``host_bytes`` in the metadata is the slow tier's peak (host-tier weights + stored
+    peak) for the explicit policy as for the planner (was: every offloaded byte, disk-tier
+    weights included, and activations summed, not their peak)."""
+    from ho_onnx.schedule.lifetimes import host_bytes, stored_peak_bytes
+    from ho_onnx.schedule.policy import ExplicitPolicy
+
+    a = analyse(chain_model(), {"N": 4})
+    d = ExplicitPolicy(OffloadOptions(min_bytes=0, min_gap=1, weight_tier=tier)).decide(
+        a, {"N": 4})
+    assert d.choice.weights and d.choice.activations
+    weights = 0 if tier == "disk" else sum(w.nbytes for w in d.choice.weights)
+    assert int(d.metadata()["host_bytes"]) == host_bytes(d.choice) \
+        == weights + stored_peak_bytes(d.choice) < d.choice.offloaded_bytes
+
+
 HOST_READS = """
 host_reads (float[4, 6] x) => (float[6, 2] y, float[6, 2] z) {
   r = Reshape(x, shape)

@@ -32,10 +32,12 @@ from typing import Any, Literal, NamedTuple
 
 import onnx
 
-from ...contract import CONFIG_HOST_BYTES, CONFIG_MODEL_DIR, META_PREFIX
+from ... import contract
+from ...contract import CONFIG_MODEL_DIR
 from ...errors import ModelLoadError, OutputPathError
 from ...graph.load import read_proto, resolve_data_path
-from ...graph.save import copy_sparse, new_folders, read_json
+from ...graph.protos import iter_nodes
+from ...graph.save import NonStandardJSONError, copy_sparse, new_folders, read_json
 
 FolderKind = Literal["genai", "optimum"]
 GENAI_CONFIG = "genai_config.json"
@@ -56,16 +58,21 @@ class ModelFolder:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def _read_json(folder: Path, name: str) -> dict[str, Any]:
+def _read_json(folder: Path, name: str, *, standard: bool = False) -> dict[str, Any]:
     """The JSON object in file ``name`` of ``folder``: a regular file inside it (a link out
     of it is refused), at most :data:`MAX_CONFIG_BYTES`, nested no deeper than Python's
     parser goes (was: followed anywhere, read whole, and a ``[[[...`` of 200,000 levels an
-    unexpected RecursionError)."""
+    unexpected RecursionError); ``standard``: a file ho-onnx writes again, so standard JSON
+    only (was: ``NaN``, ``Infinity`` and ``1e400`` written back as ``NaN``/``Infinity``,
+    which genai's parser refuses too; no finite value would be the user's)."""
     path = folder / name
     _inside(folder, name, repr(str(folder)), "configuration file")
     try:
         # (a link inside the folder is read as its file, like the files copied)
-        data = read_json(path.resolve(), MAX_CONFIG_BYTES, follow=False)
+        data = read_json(path.resolve(), MAX_CONFIG_BYTES, follow=False, standard=standard)
+    except NonStandardJSONError as e:
+        raise ModelLoadError(f"{str(path)!r} is not standard JSON: {e} (write a finite "
+                             "number, or null)") from None
     except (OSError, ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else e
         raise ModelLoadError(f"{str(path)!r} is not readable JSON: {why}") from None
@@ -82,7 +89,7 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
     if not p.is_dir():
         raise ModelLoadError(f"{str(p)!r} is not a folder")
     if (p / GENAI_CONFIG).is_file():
-        cfg = _read_json(p, GENAI_CONFIG)
+        cfg = _read_json(p, GENAI_CONFIG, standard=True)  # (written again, extended)
         section = cfg.get("model")
         decoder = section.get("decoder") if isinstance(section, dict) else None
         if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
@@ -214,14 +221,23 @@ def _copy_rest(dst: Path, files: list[_Entry]) -> list[str]:
     return copied
 
 
+def _stored_bytes(model: onnx.ModelProto) -> int:
+    """The planned stored peak of a rewritten ``model``: the ``host_bytes`` attribute its
+    ``Store`` nodes carry (bytes of activations stored at once per run); 0 without Stores."""
+    return max((a.i for n in iter_nodes(model)
+                if n.domain == contract.DOMAIN and n.op_type == contract.STORE
+                for a in n.attribute if a.name == contract.ATTR_HOST_BYTES), default=0)
+
+
 def _plan_entries(model: Path) -> dict[str, str]:
-    """Session config entries for a written optimized model (model dir, planned host bytes)."""
-    m = onnx.load(str(model), load_external_data=False)
-    meta = {p.key: p.value for p in m.metadata_props}
+    """Session config entries for a written optimized model: its folder and, when it stores
+    activations, :func:`_stored_bytes` (what ``ho_onnx.host_bytes`` means: the stored
+    activations that size the CUDA engine's pinned ring; was: the metadata's ``host_bytes``,
+    every offloaded weight counted, disk-tier ones included, overriding the Stores' value)."""
     entries = {CONFIG_MODEL_DIR: str(model.resolve().parent)}
-    host = meta.get(META_PREFIX + "host_bytes")
-    if host and host.isdigit() and int(host) > 0:
-        entries[CONFIG_HOST_BYTES] = host
+    stored = _stored_bytes(onnx.load(str(model), load_external_data=False))
+    if stored > 0:
+        entries[contract.CONFIG_HOST_BYTES] = str(stored)
     return entries
 
 
@@ -254,12 +270,35 @@ def optimize_folder(src: str | os.PathLike[str], dst: str | os.PathLike[str],
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputPathError(f"the output folder {str(out)!r} exists and is not empty")
     files = _files_to_copy(folder.path, _model_files(folder.model))
+    if folder.kind == "genai":
+        if library is None:
+            from .runtime import library_path
+
+            library = library_path()
+        _check_library_name(folder, Path(library).name, files)
     with new_folders(out):  # a failure leaves it as it was: absent, or empty
         try:
             return _fill_folder(folder, out, files, optimize_file, library)
         except BaseException:
             _empty(out)  # (empty before: everything in it is this call's)
             raise
+
+
+def _library_taken(name: str, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{what}, where the output's custom-op library {name!r} goes (genai loads it by that "
+        "name from the model folder): rename or move it in the input folder")
+
+
+def _check_library_name(folder: ModelFolder, name: str, files: list[_Entry]) -> None:
+    """Refuse a genai input whose decoder, or a folder of it, has the library's name (was:
+    the library copied into that folder, ``custom_ops_library`` naming a folder, exit 0); a
+    file of that name is replaced by the library."""
+    decoder = folder.model.relative_to(folder.path).parts
+    inside = [e.rel for e in files if len(e.rel.parts) > 1 and e.rel.parts[0] == name]
+    if decoder[0] == name or inside:
+        kind = "file" if decoder == (name,) else "folder"
+        raise _library_taken(name, f"the input holds the {kind} {str(folder.path / name)!r}")
 
 
 def _empty(folder: Path) -> None:
@@ -280,19 +319,20 @@ def _fill_folder(folder: ModelFolder, out: Path, files: list[_Entry],
     result.copied = _copy_rest(out, files)
     result.session_config = _plan_entries(out_model)
     if folder.kind == "genai":
-        if library is None:
-            from .runtime import library_path
-
-            library = library_path()
+        assert library is not None  # (optimize_folder's default, checked there)
         lib = Path(library)
         result.library = out / lib.name
+        if result.library.is_symlink() or (result.library.exists()
+                                           and lib.name not in result.copied):
+            # (written by the optimize step, say a data file of that name: never overwritten)
+            raise _library_taken(lib.name, f"the optimized model wrote {str(result.library)!r}")
         shutil.copy2(lib, result.library)
         cfg = json.loads(json.dumps(folder.config))
         so = cfg["model"]["decoder"].setdefault("session_options", {})
         so["custom_ops_library"] = lib.name
         so["enable_mem_pattern"] = False  # as ho_onnx.InferenceSession: the budget's arena
         so.update(result.session_config)
-        (out / GENAI_CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
+        (out / GENAI_CONFIG).write_text(json.dumps(cfg, indent=4, allow_nan=False) + "\n")
     return result
 
 

@@ -75,6 +75,84 @@ def test_decoder_with_kv_cache_bit_exact(tmp_path, past):
     assert rep.exact, rep.outputs
 
 
+# A LayerNormalization written out: ORT fuses it (one kernel) when its constants are
+# resident; offloaded, the unfused ops round differently (measured max abs 3.6e-7).
+LAYER_NORM = """
+ln (float[N, 64] x) => (float[N, 64] y) {
+  h = MatMul(x, W)
+  m = ReduceMean<axes=[-1]>(h)
+  d = Sub(h, m)
+  p = Pow(d, two)
+  v = ReduceMean<axes=[-1]>(p)
+  ve = Add(v, eps)
+  s = Sqrt(ve)
+  n = Div(d, s)
+  g = Mul(n, gamma)
+  y = Add(g, beta)
+}
+"""
+
+
+def _layer_norm(path: Path, gamma_ulps: int = 0) -> Path:
+    from graphs import save, text_model
+
+    m = text_model(LAYER_NORM, W=(64, 64), gamma=(64,), beta=(64,),
+                   two=np.array(2.0, np.float32), eps=np.array(1e-5, np.float32))
+    if gamma_ulps:  # a model that really differs, by less than the fusion tolerance
+        g = next(t for t in m.graph.initializer if t.name == "gamma")
+        a = onnx.numpy_helper.to_array(g)
+        for _ in range(gamma_ulps):
+            a = np.nextafter(a, np.float32(np.inf))
+        g.CopyFrom(onnx.numpy_helper.from_array(a, "gamma"))
+    return save(m, path, external=True)
+
+
+@pytest.mark.parametrize("model", ["layer norm", "kv decoder"])
+def test_a_fusion_offloading_prevents_is_said_not_a_mismatch(tmp_path, model):
+    """An exact rewrite whose offloaded constants keep ORT from fusing (LayerNormalization;
+    Transpose into FusedMatMul) is not bit-exact at ORT's default level: verify checks both
+    with graph optimizations off (bit-exact), then holds the difference to the fusion
+    tolerance and says why (was: MISMATCH, exit 1, for a correct rewrite; README promised
+    bit-exact by default)."""
+    from ho_onnx.target.ort.verify import FUSION_ATOL, FUSION_RTOL
+
+    if model == "layer norm":
+        src, dims = _layer_norm(tmp_path / "ln.onnx"), {"N": 32}
+    else:
+        src = _decoder(tmp_path, layers=2, hidden=32, heads=2, max_positions=16,
+                       kv_cache=True)
+        dims = {"batch": 2, "seq": 1, "past": 5}
+    opt = tmp_path / "opt.onnx"
+    optimize(src, opt, FORCE_ALL, dims)
+    rep = verify(src, opt, dims=dims, runs=2)
+    assert not rep.exact and rep.exact_unfused is True and rep.ok, rep.outputs
+    assert (rep.atol, rep.rtol) == (FUSION_ATOL, FUSION_RTOL)
+    assert 0 < max(o.max_abs for o in rep.outputs) < 1e-6
+    dim_args = [a for k, v in dims.items() for a in ("--dim", f"{k}={v}")]
+    r = CliRunner().invoke(main, ["verify", str(src), str(opt), *dim_args])
+    assert r.exit_code == 0, r.output
+    assert ("OK (bit-exact with ORT's graph optimizations off; at --opt-level all ORT fuses "
+            "kernels around constants the optimized model offloads, which round "
+            "differently: compared within atol=1e-05 rtol=0.0001)") in r.output
+    # graph optimizations off, or a tolerance given: judged as asked, no second check
+    assert verify(src, opt, dims=dims, opt_level="disable").exact
+    rep = verify(src, opt, dims=dims, atol=1e-9)
+    assert not rep.ok and rep.exact_unfused is None
+
+
+def test_a_small_real_difference_stays_a_mismatch(tmp_path):
+    """The fusion tolerance applies only to models bit-exact unfused: a model really
+    different by less than it (gamma one ulp up) is a MISMATCH, exit 1."""
+    src = _layer_norm(tmp_path / "ln.onnx")
+    other = _layer_norm(tmp_path / "other.onnx", gamma_ulps=1)
+    rep = verify(src, other, dims={"N": 32})
+    assert not rep.ok and rep.exact_unfused is False and (rep.atol, rep.rtol) == (0, 0)
+    assert max(o.max_abs for o in rep.outputs) < 1e-5  # within the fusion tolerance
+    r = CliRunner().invoke(main, ["verify", str(src), str(other), "--dim", "N=32"])
+    assert r.exit_code == 1 and "MISMATCH (not bit-exact with ORT's graph optimizations " \
+        "off either)" in r.output, r.output
+
+
 def test_decoder_with_prepacking_within_tolerance(tmp_path):
     src = _decoder(tmp_path, layers=2, hidden=64, heads=4)
     optimize(src, tmp_path / "dec.ho.onnx", FORCE_ALL, DIMS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import tempfile
 from pathlib import Path
@@ -17,12 +18,14 @@ from graphs import chain_model, save
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ho_onnx.contract import CONFIG_MODEL_DIR
+from ho_onnx.contract import ATTR_HOST_BYTES, CONFIG_HOST_BYTES, CONFIG_MODEL_DIR
 from ho_onnx.errors import HoOnnxError, ModelLoadError, OutputPathError
 from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.lifetimes import stored_peak_bytes
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.target.ort.folders import detect_folder, optimize_folder, optimum_session_options
 from ho_onnx.target.ort.runtime import library_path, session_options
+from models.decoder import build_decoder
 
 
 def _optimize(src: Path, dst: Path) -> None:
@@ -133,6 +136,41 @@ def test_a_hostile_configuration_file_is_one_clear_error(tmp_path, config, bad, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400", "-1E+999"])
+def test_a_genai_config_must_be_standard_json(tmp_path, number):
+    """``genai_config.json`` is written again: a number standard JSON lacks is refused, one
+    line, exit 2, nothing written (was: copied into the output as ``NaN``/``Infinity``,
+    ``1e400`` too, which Python reads as infinity; genai's own parser refuses them, and no
+    finite stand-in would be the user's value)."""
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src = genai_folder(tmp_path / "src")
+    text = (src / "genai_config.json").read_text()
+    (src / "genai_config.json").write_text(
+        text[:-1] + f', "search": {{"temperature": {number}, "top_p": 1e-300}}}}')
+    with pytest.raises(ModelLoadError, match=r"genai_config\.json' is not standard JSON: "
+                       rf"(the number )?{re.escape(number)} is "):
+        optimize_folder(src, tmp_path / "out", _optimize, library=library_path())
+    assert not (tmp_path / "out").exists()
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "out"), "--offload",
+                                  "weights", "--min-bytes", "0"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "is not standard JSON" in r.output and not (tmp_path / "out").exists()
+    # finite numbers, however small or large, are kept as they were
+    (src / "genai_config.json").write_text(
+        text[:-1] + ', "search": {"temperature": 1.5e308, "top_p": 1e-300}}')
+    optimize_folder(src, tmp_path / "out", _optimize, library=library_path())
+    written = (tmp_path / "out" / "genai_config.json").read_text()
+    assert json.loads(written)["search"] == {"temperature": 1.5e308, "top_p": 1e-300}
+    # an Optimum folder's config.json is copied as it is (transformers reads NaN): kept
+    opt = optimum_folder(tmp_path / "o")
+    (opt / "config.json").write_text('{"model_type": "llama", "x": NaN}')
+    optimize_folder(opt, tmp_path / "o-out", _optimize)
+    assert (tmp_path / "o-out" / "config.json").read_text() == (opt / "config.json").read_text()
+
+
 def _run(path: Path, so: ort.SessionOptions) -> np.ndarray:
     s = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
@@ -169,6 +207,102 @@ def test_genai_folder_is_ready(tmp_path):
     so.register_custom_ops_library(library_path())
     want = _run(src / "model.onnx", ort.SessionOptions())
     np.testing.assert_array_equal(_run(out / "model.onnx", so), want)
+
+
+@pytest.mark.parametrize("taken", ["folder", "decoder in it", "decoder", "written", "file"])
+def test_the_library_name_is_never_a_folder_or_another_file(tmp_path, taken):
+    """genai loads ``custom_ops_library`` by name from the output folder: an input holding a
+    folder of that name (or the decoder under it) is refused before anything is written (was:
+    the library copied into the folder, ``custom_ops_library`` naming a folder, no error), a
+    file the optimize step wrote there is never overwritten; a plain file of that name in
+    the input is replaced by the library."""
+    src = genai_folder(tmp_path / "src")
+    lib = tmp_path / "libfake_ops.so"
+    lib.write_bytes(Path(library_path()).read_bytes())
+    out = tmp_path / "out"
+    optimize_file = _optimize
+    if taken == "folder":
+        (src / lib.name).mkdir()
+        (src / lib.name / "readme.txt").write_text("x")
+    elif taken in ("decoder in it", "decoder"):
+        name = f"{lib.name}/model.onnx" if taken == "decoder in it" else lib.name
+        (src / name).parent.mkdir(exist_ok=True)
+        save(chain_model(), src / name)
+        cfg = json.loads((src / "genai_config.json").read_text())
+        cfg["model"]["decoder"]["filename"] = name
+        (src / "genai_config.json").write_text(json.dumps(cfg))
+    elif taken == "written":
+        def optimize_file(a: Path, b: Path) -> None:
+            _optimize(a, b)
+            (b.parent / lib.name).write_text("the optimize step's")
+    else:
+        (src / lib.name).write_text("an old library")
+    if taken == "file":
+        optimize_folder(src, out, _optimize, library=lib)
+        assert (out / lib.name).read_bytes() == lib.read_bytes()
+        return
+    with pytest.raises(ModelLoadError, match=rf"{'wrote' if taken == 'written' else 'holds'} "
+                       rf".*'{lib.name}' goes \(genai loads it by that name"):
+        optimize_folder(src, out, optimize_file, library=lib)
+    assert not out.exists()
+
+
+def test_cli_refuses_a_folder_named_like_the_library(tmp_path):
+    """The CLI: one error line, exit 2, no output folder."""
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src = genai_folder(tmp_path / "src")
+    (src / Path(library_path()).name).mkdir()
+    (src / Path(library_path()).name / "x").write_text("x")
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "out"), "--offload",
+                                  "weights", "--min-bytes", "0"])
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: the input holds the folder")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_genai_host_bytes_is_the_stored_activations_only(tmp_path, tier):
+    """``ho_onnx.host_bytes`` in the output's genai config sizes the CUDA pinned ring for
+    stored activations and wins over the Stores' own attribute: it must be their planned
+    stored peak, never the offloaded weights (was: the metadata's ``host_bytes``, every
+    offloaded weight counted, disk tier included: ~30x the ring, pinning what the disk tier
+    keeps out of memory). Without stored activations there is no entry."""
+    src = tmp_path / "src"
+    src.mkdir()
+    build_decoder(src / "model.onnx", layers=2, hidden=64, heads=4, external_data=True)
+    (src / "genai_config.json").write_text(json.dumps(
+        {"model": {"decoder": {"filename": "model.onnx"}}}))
+    dims = {"batch": 1, "seq": 64}
+    choices = []
+
+    def opt(activations: bool):
+        def run(a: Path, b: Path) -> None:
+            choices.append(optimize(a, b, OffloadOptions(min_bytes=0, weight_tier=tier,
+                                                         activations=activations),
+                                    dims).choice)
+        return run
+
+    for activations in (True, False):
+        out = tmp_path / f"out-{activations}"
+        optimize_folder(src, out, opt(activations), library=library_path())
+        so_cfg = json.loads((out / "genai_config.json").read_text())["model"]["decoder"][
+            "session_options"]
+        c = choices[-1]
+        weights = sum(w.nbytes for w in c.weights)
+        assert c.weights and weights > 0
+        if not activations:
+            assert CONFIG_HOST_BYTES not in so_cfg
+            continue
+        stored = stored_peak_bytes(c)
+        assert c.activations and 0 < stored < weights
+        m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        on_stores = {a.i for n in m.graph.node if n.op_type == "Store"
+                     for a in n.attribute if a.name == ATTR_HOST_BYTES}
+        assert on_stores == {stored}
+        assert so_cfg[CONFIG_HOST_BYTES] == str(stored)
 
 
 def test_optimum_folder_is_ready(tmp_path):
