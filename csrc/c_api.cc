@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common.h"
+#include "disk_io.h"
 #include "ort_abi.h"
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
@@ -98,6 +99,9 @@ const CounterDef kCounters[] = {
     HO_COUNTER(disk_read_ns),
     HO_COUNTER(disk_direct_reads),
     HO_COUNTER(disk_buffered_reads),
+    HO_COUNTER(disk_reopens),
+    // data files whose descriptors the disk tier holds now (a gauge, disk_io.h)
+    {"disk_files_open", [] { return static_cast<int64_t>(ho::disk_open_files_now()); }},
     HO_COUNTER(host_store_bytes),
     HO_COUNTER(host_pool_bytes_in_use),
     HO_COUNTER(host_pool_bytes_reserved),
@@ -205,6 +209,7 @@ void HoOnnx_ResetCounters(void) {
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;
   c.disk_buffered_reads = 0;
+  c.disk_reopens = 0;
   c.ops_cpu = 0;
   c.ops_cuda = 0;
   c.cuda_bytes_h2d = 0;
