@@ -11,6 +11,7 @@
 #include "common.h"
 #include "disk_io.h"
 #include "ort_abi.h"
+#include "registration.h"
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
 #include "cuda/probe.h"
@@ -121,6 +122,8 @@ const CounterDef kCounters[] = {
     HO_COUNTER(ort_arena_total_allocated),
     HO_COUNTER(registrations),
     HO_COUNTER(cuda_registrations),
+    // registrations the process holds (never freed; bounded: registration.h)
+    {"registrations_held", [] { return static_cast<int64_t>(ho::registrations_held()); }},
 };
 #undef HO_COUNTER
 constexpr size_t kCounterCount = sizeof(kCounters) / sizeof(kCounters[0]);
