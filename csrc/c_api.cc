@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "common.h"
+#include "disk_io.h"
 #include "ort_abi.h"
+#include "registration.h"
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
 #include "cuda/probe.h"
@@ -98,6 +100,9 @@ const CounterDef kCounters[] = {
     HO_COUNTER(disk_read_ns),
     HO_COUNTER(disk_direct_reads),
     HO_COUNTER(disk_buffered_reads),
+    HO_COUNTER(disk_reopens),
+    // data files whose descriptors the disk tier holds now (a gauge, disk_io.h)
+    {"disk_files_open", [] { return static_cast<int64_t>(ho::disk_open_files_now()); }},
     HO_COUNTER(host_store_bytes),
     HO_COUNTER(host_pool_bytes_in_use),
     HO_COUNTER(host_pool_bytes_reserved),
@@ -117,6 +122,8 @@ const CounterDef kCounters[] = {
     HO_COUNTER(ort_arena_total_allocated),
     HO_COUNTER(registrations),
     HO_COUNTER(cuda_registrations),
+    // registrations the process holds (never freed; bounded: registration.h)
+    {"registrations_held", [] { return static_cast<int64_t>(ho::registrations_held()); }},
 };
 #undef HO_COUNTER
 constexpr size_t kCounterCount = sizeof(kCounters) / sizeof(kCounters[0]);
@@ -205,6 +212,7 @@ void HoOnnx_ResetCounters(void) {
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;
   c.disk_buffered_reads = 0;
+  c.disk_reopens = 0;
   c.ops_cpu = 0;
   c.ops_cuda = 0;
   c.cuda_bytes_h2d = 0;

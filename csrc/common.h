@@ -50,6 +50,8 @@ struct Counters {
   std::atomic<uint64_t> disk_read_ns{0};
   std::atomic<uint64_t> disk_direct_reads{0};
   std::atomic<uint64_t> disk_buffered_reads{0};
+  // Disk tier: data files opened again after the bounded open-file cache closed them.
+  std::atomic<uint64_t> disk_reopens{0};
   std::atomic<int64_t> host_store_bytes{0};
   std::atomic<int64_t> host_pool_bytes_in_use{0};
   std::atomic<int64_t> host_pool_bytes_reserved{0};

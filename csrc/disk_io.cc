@@ -1,6 +1,8 @@
 #include "disk_io.h"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,9 +11,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <new>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 #include "weight_file.h"
@@ -116,62 +121,232 @@ DiskBusy::~DiskBusy() {
   }
 }
 
+// ---- the open-file cache ---------------------------------------------------------------
+
+struct DiskFile::Fds {
+  int fd = -1;         // buffered
+  int fd_direct = -1;  // O_DIRECT, -1 when refused or disabled
+  Fds() = default;
+  ~Fds() {
+    if (fd_direct >= 0) ::close(fd_direct);
+    if (fd >= 0) ::close(fd);
+  }
+  Fds(const Fds&) = delete;
+  Fds& operator=(const Fds&) = delete;
+};
+
+namespace {
+
+// Process-wide: the descriptors of at most disk_open_files() data files are kept while idle;
+// a read holds its file's descriptors (shared_ptr) until it returns, so an eviction never
+// closes a descriptor under a read. Never destroyed (DiskFiles may outlive static
+// destructors in a server that exits with sessions alive).
+class OpenFileCache {
+ public:
+  using FdsPtr = std::shared_ptr<const DiskFile::Fds>;
+
+  FdsPtr get(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(id);
+    if (it == index_.end()) return nullptr;
+    lru_.splice(lru_.begin(), lru_, it->second);  // most recently used first
+    return it->second->second;
+  }
+
+  // Keeps `fds` for `id` (or the entry another thread put meanwhile, which is returned);
+  // closes the least recently used beyond the bound. The descriptors are closed outside the
+  // lock (an eviction victim may be in use: it closes with its last reader).
+  FdsPtr put(uint64_t id, FdsPtr fds) {
+    std::vector<FdsPtr> evicted;
+    FdsPtr kept;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = index_.find(id);
+      if (it != index_.end()) {
+        lru_.splice(lru_.begin(), lru_, it->second);
+        kept = it->second->second;
+      } else {
+        lru_.emplace_front(id, std::move(fds));
+        index_[id] = lru_.begin();
+        kept = lru_.front().second;
+      }
+      const size_t cap = disk_open_files();
+      while (lru_.size() > cap) {
+        evicted.push_back(std::move(lru_.back().second));
+        index_.erase(lru_.back().first);
+        lru_.pop_back();
+      }
+    }
+    return kept;  // `evicted` (and a losing `fds`) close here, outside the lock
+  }
+
+  void erase(uint64_t id) {
+    FdsPtr gone;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(id);
+    if (it == index_.end()) return;
+    gone = std::move(it->second->second);
+    lru_.erase(it->second);
+    index_.erase(it);
+  }
+
+  // Closes every idle entry (an open refused with EMFILE: make room, then try once more).
+  void drop_all() {
+    std::list<std::pair<uint64_t, FdsPtr>> gone;
+    std::lock_guard<std::mutex> lock(mu_);
+    gone.swap(lru_);
+    index_.clear();
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return lru_.size();
+  }
+
+  // fork(): never inherit the lock held by another thread (see registration.cc).
+  void lock() { mu_.lock(); }
+  void unlock() { mu_.unlock(); }
+
+ private:
+  std::mutex mu_;
+  std::list<std::pair<uint64_t, FdsPtr>> lru_;
+  std::unordered_map<uint64_t, std::list<std::pair<uint64_t, FdsPtr>>::iterator> index_;
+};
+
+OpenFileCache& open_files() {
+  static OpenFileCache* c = new OpenFileCache();
+  return *c;
+}
+
+[[maybe_unused]] const int g_cache_atfork = pthread_atfork(
+    [] { open_files().lock(); }, [] { open_files().unlock(); }, [] { open_files().unlock(); });
+
+std::atomic<uint64_t> g_next_file_id{1};
+
+}  // namespace
+
+size_t disk_open_files() {
+  static const size_t n = [] {
+    struct rlimit rl {};
+    int64_t dflt = 64;
+    if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+      dflt = static_cast<int64_t>(rl.rlim_cur / 8);
+    }
+    dflt = std::max<int64_t>(4, std::min<int64_t>(256, dflt));
+    return static_cast<size_t>(env_int("HO_ONNX_DISK_OPEN_FILES", dflt, 1, 65536));
+  }();
+  return n;
+}
+
+size_t disk_open_files_now() { return open_files().size(); }
+
+// ---- DiskFile -----------------------------------------------------------------------------
+
 std::shared_ptr<DiskFile> DiskFile::open(const WeightFile& file) {
-  const std::string& realpath = file.path();
-  std::shared_ptr<DiskFile> f(new DiskFile(realpath));
-  f->fd_ = ::fcntl(file.fd(), F_DUPFD_CLOEXEC, 0);
-  if (f->fd_ < 0) {
-    fail(ORT_FAIL, "cannot duplicate the descriptor of '" + realpath + "': " + errno_text(errno));
+  std::shared_ptr<DiskFile> f(new DiskFile());
+  f->id_ = g_next_file_id.fetch_add(1);
+  f->path_ = file.path();
+  f->model_dir_ = file.model_dir();
+  f->location_ = file.location();
+  f->dev_ = file.dev();
+  f->ino_ = file.ino();
+  open_files().put(f->id_, f->make_fds(file.fd(), true));
+  return f;
+}
+
+std::shared_ptr<const DiskFile::Fds> DiskFile::make_fds(int from, bool first) {
+  auto f = std::make_shared<Fds>();
+  f->fd = ::fcntl(from, F_DUPFD_CLOEXEC, 0);
+  if (f->fd < 0) {
+    fail(ORT_FAIL, "cannot duplicate the descriptor of '" + path_ + "': " + errno_text(errno));
   }
   struct stat st {};
-  if (::fstat(f->fd_, &st) != 0) {
-    fail(ORT_FAIL, "cannot stat '" + realpath + "': " + errno_text(errno));
+  if (::fstat(f->fd, &st) != 0) {
+    fail(ORT_FAIL, "cannot stat '" + path_ + "': " + errno_text(errno));
   }
-  if (!S_ISREG(st.st_mode)) fail(ORT_NO_SUCHFILE, "'" + realpath + "' is not a regular file");
+  if (!S_ISREG(st.st_mode)) fail(ORT_NO_SUCHFILE, "'" + path_ + "' is not a regular file");
   if (!direct_enabled()) return f;
-
-  size_t off_align = 4096, mem_align = 4096;
+  if (first) {
+    size_t off_align = 4096, mem_align = 4096;
 #ifdef STATX_DIOALIGN
-  struct statx sx {};
-  if (::statx(f->fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
-      (sx.stx_mask & STATX_DIOALIGN) != 0) {
-    if (sx.stx_dio_offset_align == 0) return f;  // the file system has no direct I/O here
-    off_align = sx.stx_dio_offset_align;
-    mem_align = sx.stx_dio_mem_align;
-  }
+    struct statx sx {};
+    if (::statx(f->fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
+        (sx.stx_mask & STATX_DIOALIGN) != 0) {
+      if (sx.stx_dio_offset_align == 0) return f;  // the file system has no direct I/O here
+      off_align = sx.stx_dio_offset_align;
+      mem_align = sx.stx_dio_mem_align;
+    }
 #endif
-  if (!is_pow2(off_align) || !is_pow2(mem_align) || off_align > kBounceAlign ||
-      mem_align > kBounceAlign) {
-    return f;  // unusual alignment: stay buffered
+    if (!is_pow2(off_align) || !is_pow2(mem_align) || off_align > kBounceAlign ||
+        mem_align > kBounceAlign) {
+      return f;  // unusual alignment: stay buffered
+    }
+    off_align_ = off_align;
+    mem_align_ = mem_align;
+  } else if (!direct()) {
+    return f;  // refused before: stay buffered
   }
   // EINVAL: the file system refuses O_DIRECT (reads then go through the page cache).
   // A second open file description of the same file (O_DIRECT is per description): through
   // the descriptor's /proc entry, which names the open file, not a path looked up again.
   // Without /proc the file is read through the page cache.
-  const std::string self = "/proc/self/fd/" + std::to_string(f->fd_);
-  f->fd_direct_ = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (f->fd_direct_ >= 0) {
+  const std::string self = "/proc/self/fd/" + std::to_string(f->fd);
+  f->fd_direct = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (f->fd_direct >= 0) {
     struct stat st2 {};
-    if (::fstat(f->fd_direct_, &st2) != 0 || st2.st_dev != st.st_dev ||
+    if (::fstat(f->fd_direct, &st2) != 0 || st2.st_dev != st.st_dev ||
         st2.st_ino != st.st_ino) {
-      ::close(f->fd_direct_);
-      f->fd_direct_ = -1;
+      ::close(f->fd_direct);
+      f->fd_direct = -1;
     }
   }
-  f->off_align_ = off_align;
-  f->mem_align_ = mem_align;
-  f->direct_ok_ = f->fd_direct_ >= 0;
+  if (first) direct_ok_ = f->fd_direct >= 0;
   return f;
 }
 
-DiskFile::~DiskFile() {
-  if (fd_direct_ >= 0) ::close(fd_direct_);
-  if (fd_ >= 0) ::close(fd_);
+DiskFile::~DiskFile() { open_files().erase(id_); }
+
+std::shared_ptr<const DiskFile::Fds> DiskFile::fds(const std::string& who) {
+  std::shared_ptr<const Fds> f = open_files().get(id_);
+  if (f) return f;
+  counters().disk_reopens += 1;
+  try {
+    f = reopen(who);
+  } catch (const Error& e) {
+    // Out of descriptors (the process's or the system's): close every idle cached file and
+    // try once more.
+    const std::string msg = e.what();
+    if (open_files().size() == 0 || (msg.find(errno_text(EMFILE)) == std::string::npos &&
+                                     msg.find(errno_text(ENFILE)) == std::string::npos)) {
+      throw;
+    }
+    open_files().drop_all();
+    f = reopen(who);
+  }
+  return open_files().put(id_, std::move(f));
 }
 
-uint64_t DiskFile::size_now() const {
+// The rules of session creation again (resolve_weight_file: inside the model folder, no
+// symbolic link below it), and it must be the very file validated then: a file replaced
+// since (another inode at the location) is refused, never read.
+std::shared_ptr<const DiskFile::Fds> DiskFile::reopen(const std::string& who) {
+  std::shared_ptr<WeightFile> wf;
+  try {
+    wf = resolve_weight_file(model_dir_, location_);
+  } catch (const Error& e) {
+    fail(ORT_FAIL, who + ": cannot open the data file again (its descriptor was closed to "
+                         "bound open files): " + e.what());
+  }
+  if (wf->dev() != dev_ || wf->ino() != ino_) {
+    fail(ORT_FAIL, who + ": '" + path_ + "' is not the data file validated when the session "
+                         "was created (it was replaced since); create a new session");
+  }
+  return make_fds(wf->fd(), false);
+}
+
+uint64_t DiskFile::size_now(const Fds& f) const {
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) {
+  if (::fstat(f.fd, &st) != 0) {
     fail(ORT_FAIL, "cannot stat '" + path_ + "': " + errno_text(errno));
   }
   return static_cast<uint64_t>(st.st_size);
@@ -196,10 +371,11 @@ int64_t DiskFile::pread_full(int fd, char* buf, size_t n, uint64_t off, bool is_
   return static_cast<int64_t>(done);
 }
 
-void DiskFile::short_read(uint64_t off, size_t n, int64_t got, const std::string& who) {
+void DiskFile::short_read(const Fds& f, uint64_t off, size_t n, int64_t got,
+                          const std::string& who) {
   std::string now;
   try {
-    now = std::to_string(size_now()) + " bytes";
+    now = std::to_string(size_now(f)) + " bytes";
   } catch (const std::exception&) {
     now = "size unknown";
   }
@@ -209,20 +385,22 @@ void DiskFile::short_read(uint64_t off, size_t n, int64_t got, const std::string
                      "; truncated or replaced after the session was created?)");
 }
 
-bool DiskFile::read_buffered(uint64_t off, size_t n, char* out, const Guard& guard,
-                             const std::string& who) {
+bool DiskFile::read_buffered(const Fds& f, uint64_t off, size_t n, char* out,
+                             const Guard& guard, const std::string& who) {
   WriteScope w(guard);
   if (!w.ok()) return false;
-  const int64_t got = pread_full(fd_, out, n, off, false, who);
+  const int64_t got = pread_full(f.fd, out, n, off, false, who);
   counters().disk_buffered_reads += 1;
-  if (got < static_cast<int64_t>(n)) short_read(off, n, got, who);
+  if (got < static_cast<int64_t>(n)) short_read(f, off, n, got, who);
   return true;
 }
 
 bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
                     const std::string& who) {
   if (n == 0) return true;
-  if (!direct()) return read_buffered(off, n, out, guard, who);
+  const std::shared_ptr<const Fds> held = fds(who);  // open until this read returns
+  const Fds& f = *held;
+  if (!direct() || f.fd_direct < 0) return read_buffered(f, off, n, out, guard, who);
   const uint64_t A = off_align_;
   const uint64_t end = off + n;
   const uint64_t m0 = round_up(off, A);
@@ -237,13 +415,13 @@ bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
       {
         WriteScope w(guard);
         if (!w.ok()) return false;
-        got = pread_full(fd_direct_, out + (m0 - off), m1 - m0, m0, true, who);
+        got = pread_full(f.fd_direct, out + (m0 - off), m1 - m0, m0, true, who);
       }
       if (got < 0) {
         direct_ok_ = false;  // EINVAL: refused; the rest goes through the page cache
-        return read_buffered(p, end - p, out + (p - off), guard, who);
+        return read_buffered(f, p, end - p, out + (p - off), guard, who);
       }
-      if (got < static_cast<int64_t>(m1 - m0)) short_read(m0, m1 - m0, got, who);
+      if (got < static_cast<int64_t>(m1 - m0)) short_read(f, m0, m1 - m0, got, who);
       counters().disk_direct_reads += 1;
       p = m1;
       continue;
@@ -253,12 +431,14 @@ bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
     const uint64_t a0 = round_down(p, A);
     const uint64_t a1 = std::min<uint64_t>(a0 + (b.size() - b.size() % A), round_up(piece_end, A));
     const uint64_t q = std::min<uint64_t>(piece_end, a1);
-    const int64_t got = pread_full(fd_direct_, b.data(), a1 - a0, a0, true, who);
+    const int64_t got = pread_full(f.fd_direct, b.data(), a1 - a0, a0, true, who);
     if (got < 0) {
       direct_ok_ = false;
-      return read_buffered(p, end - p, out + (p - off), guard, who);
+      return read_buffered(f, p, end - p, out + (p - off), guard, who);
     }
-    if (got < static_cast<int64_t>(q - a0)) short_read(p, q - p, got - static_cast<int64_t>(p - a0), who);
+    if (got < static_cast<int64_t>(q - a0)) {
+      short_read(f, p, q - p, got - static_cast<int64_t>(p - a0), who);
+    }
     counters().disk_direct_reads += 1;
     {
       WriteScope w(guard);
@@ -277,14 +457,15 @@ std::shared_ptr<DiskFile> DiskFiles::open_range(const WeightFile& wf, int64_t of
   std::shared_ptr<DiskFile> file;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::weak_ptr<DiskFile>& slot = files_[wf.key()];
+    std::weak_ptr<DiskFile>& slot =
+        files_[wf.key() + '\n' + wf.model_dir() + '\n' + wf.location()];
     file = slot.lock();
     if (!file) {
       file = DiskFile::open(wf);
       slot = file;
     }
   }
-  const uint64_t size = file->size_now();
+  const uint64_t size = wf.size();  // fstat of the validated descriptor, just now
   const auto off = static_cast<uint64_t>(offset);
   const auto len = static_cast<uint64_t>(length);
   if (off > size || len > size - off) {

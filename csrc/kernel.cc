@@ -102,7 +102,13 @@ WeightRange weight_range(const OrtApi* api, const OrtKernelInfo* info, int bits,
 std::shared_ptr<WeightFile> weight_file(const OrtApi* api, const OrtKernelInfo* info,
                                         Registration& reg, const std::string& location,
                                         const WeightRange& r, const WeightError& bad) {
-  if (reg.model_dir.empty()) {
+  std::string model_dir;
+  try {
+    model_dir = reg.model_dir_of(api, info);
+  } catch (const Error& e) {
+    bad(e.code(), std::string("cannot read the session config: ") + e.what());
+  }
+  if (model_dir.empty()) {
     bad(ORT_INVALID_ARGUMENT,
         std::string("the model has offloaded weights but no model directory is known: set the "
                     "session config entry '") +
@@ -112,7 +118,7 @@ std::shared_ptr<WeightFile> weight_file(const OrtApi* api, const OrtKernelInfo* 
   }
   std::shared_ptr<WeightFile> file;
   try {
-    file = resolve_weight_file(reg.model_dir, location);
+    file = resolve_weight_file(model_dir, location);
   } catch (const Error& e) {
     bad(e.code(), e.what());
   }

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "common.h"
+#include "ort_tensor.h"
 
 namespace ho {
 namespace {
@@ -47,6 +48,27 @@ constexpr bool kStatsKnown = false;  // headers of API 18-20 or 22: positions no
 constexpr size_t kIdxGetKeyValuePairs = 0;
 constexpr size_t kIdxReleaseKeyValuePairs = 0;
 constexpr size_t kIdxAllocatorGetStats = 0;
+#endif
+
+// KernelInfo_GetConfigEntries came with API 24 (onnxruntime 1.24). With headers older than
+// 24 its position is that of onnxruntime_c_api.h 1.24: after AllocatorGetStats (319), API 23
+// appends CreateMemoryInfo_V2 ... GetModelCompatibilityForEpDevices (388), and API 24
+// CreateExternalInitializerInfo (389), TensorTypeAndShape_HasShape (390),
+// KernelInfo_GetConfigEntries (391). test_registrations.py runs it on the installed runtime.
+constexpr uint32_t kKernelConfigApiVersion = 24;
+#if ORT_API_VERSION >= 24
+constexpr bool kKernelConfigKnown = true;
+constexpr size_t kIdxKernelInfoGetConfigEntries =
+    offsetof(OrtApi, KernelInfo_GetConfigEntries) / sizeof(void*);
+constexpr size_t kIdxGetKeyValue = offsetof(OrtApi, GetKeyValue) / sizeof(void*);
+#elif ORT_API_VERSION == 21
+constexpr bool kKernelConfigKnown = true;  // (layout asserted above)
+constexpr size_t kIdxKernelInfoGetConfigEntries = 391;
+constexpr size_t kIdxGetKeyValue = 297;
+#else
+constexpr bool kKernelConfigKnown = false;
+constexpr size_t kIdxKernelInfoGetConfigEntries = 0;
+constexpr size_t kIdxGetKeyValue = 0;
 #endif
 
 }  // namespace
@@ -88,6 +110,32 @@ StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime) 
   s.get_pairs = reinterpret_cast<StatsApi::GetPairs>(table[kIdxGetKeyValuePairs]);
   s.release_pairs = reinterpret_cast<StatsApi::ReleasePairs>(table[kIdxReleaseKeyValuePairs]);
   return s;
+}
+
+KernelConfigApi resolve_kernel_config_api(const OrtApiBase* base, std::pair<int, int> runtime) {
+  KernelConfigApi k;
+  const char* env = std::getenv("HO_ONNX_KERNEL_CONFIG");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return k;
+  if (!kKernelConfigKnown || runtime < std::make_pair(1, 24)) return k;
+  const OrtApi* api = base->GetApi(kKernelConfigApiVersion);
+  if (api == nullptr) return k;
+  void* const* table = reinterpret_cast<void* const*>(api);
+  k.get_entries = reinterpret_cast<KernelConfigApi::GetEntries>(table[kIdxKernelInfoGetConfigEntries]);
+  k.get_value = reinterpret_cast<KernelConfigApi::GetValue>(table[kIdxGetKeyValue]);
+  k.release_pairs = reinterpret_cast<KernelConfigApi::ReleasePairs>(table[kIdxReleaseKeyValuePairs]);
+  return k;
+}
+
+bool kernel_config_entry(const KernelConfigApi& k, const OrtApi* api, const OrtKernelInfo* info,
+                         const char* key, std::string* value) {
+  OrtKeyValuePairs* kv = nullptr;
+  check(api, k.get_entries(info, &kv));
+  if (kv == nullptr) return false;
+  std::unique_ptr<OrtKeyValuePairs, KernelConfigApi::ReleasePairs> owned(kv, k.release_pairs);
+  const char* v = k.get_value(kv, key);
+  if (v == nullptr) return false;
+  *value = v;
+  return true;
 }
 
 namespace {

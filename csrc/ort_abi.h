@@ -48,6 +48,28 @@ struct StatsApi {
 // Empty (ok() false) when the runtime is older than 1.23 or the headers' layout is unknown.
 StatsApi resolve_stats_api(const OrtApiBase* base, std::pair<int, int> runtime);
 
+// A kernel's session config entries (OrtApi::KernelInfo_GetConfigEntries, API 24,
+// onnxruntime 1.24) and the OrtKeyValuePairs accessors of API 22: a kernel then reads
+// `ho_onnx.model_dir` of its own session, so one registration serves every model folder.
+struct KernelConfigApi {
+  using GetEntries = OrtStatus*(ORT_API_CALL*)(const OrtKernelInfo*, OrtKeyValuePairs**);
+  using GetValue = const char*(ORT_API_CALL*)(const OrtKeyValuePairs*, const char*);
+  using ReleasePairs = void(ORT_API_CALL*)(OrtKeyValuePairs*);
+  GetEntries get_entries = nullptr;
+  GetValue get_value = nullptr;
+  ReleasePairs release_pairs = nullptr;
+  bool ok() const { return get_entries && get_value && release_pairs; }
+};
+
+// Empty (ok() false) when the runtime is older than 1.24 or the headers' layout is unknown;
+// HO_ONNX_KERNEL_CONFIG=0 leaves it empty (tests: the path of older runtimes).
+KernelConfigApi resolve_kernel_config_api(const OrtApiBase* base, std::pair<int, int> runtime);
+
+// The value of session config entry `key` of the kernel's session: false when it is not
+// set. Throws ho::Error when ORT returns an error.
+bool kernel_config_entry(const KernelConfigApi& k, const OrtApi* api, const OrtKernelInfo* info,
+                         const char* key, std::string* value);
+
 // Records InUse / MaxInUse / TotalAllocated of `alloc` into the ort_arena_* counters, and
 // with debug().arena_trace also into the trace under `where` (the sampling node's name).
 // Never fails (a measurement, not a transfer).

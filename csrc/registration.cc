@@ -84,6 +84,12 @@ void abandon_engine(std::shared_ptr<Engine> engine) {
   g_abandoned->push_back(std::move(engine));  // never freed
 }
 
+std::string Registration::model_dir_of(const OrtApi* a, const OrtKernelInfo* info) const {
+  if (!kernel_config.ok()) return model_dir;
+  std::string v;
+  return kernel_config_entry(kernel_config, a, info, kModelDirKey, &v) ? v : std::string();
+}
+
 std::shared_ptr<Engine> Registration::acquire_engine(bool on_cuda) {
   std::lock_guard<std::mutex> lock(mu);
   std::weak_ptr<Engine>& slot = on_cuda ? cuda_engine : engine;
@@ -374,11 +380,17 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const Ort
   auto reg = std::make_unique<Registration>();
   reg->api = api;
   reg->stats = resolve_stats_api(base, rt);
+  reg->kernel_config = resolve_kernel_config_api(base, rt);
   read_config(api, options, reg.get());
+  // Each kernel reads its own session's folder: not part of the configuration (and not
+  // kept: the first caller's folder must never serve another session).
+  if (reg->kernel_config.ok()) reg->model_dir.clear();
 
   const bool cuda = want_cuda_ops(api);
   const std::string key = std::to_string(reinterpret_cast<uintptr_t>(api)) + '\n' +
-                          reg->model_dir + '\n' + std::to_string(reg->host_bytes) + '\n' +
+                          (reg->kernel_config.ok() ? std::string("\x01per-kernel")
+                                                   : "=" + reg->model_dir) +
+                          '\n' + std::to_string(reg->host_bytes) + '\n' +
                           std::to_string(reg->limits.host_pool_limit) + '\n' +
                           (reg->sample_arena ? "arena" : "") + '\n' + (cuda ? "cuda" : "cpu");
   std::lock_guard<std::mutex> lock(g_regs_mu);
@@ -386,6 +398,19 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const Ort
   if (found != g_regs->end()) {
     check(api, api->AddCustomOpDomain(options, found->second->domain));
   } else {
+    if (g_regs->size() >= max_registrations()) {
+      fail(ORT_FAIL,
+           "this process already holds " + std::to_string(g_regs->size()) +
+               " registrations of distinct library configurations (session config entries "
+               "ho_onnx.*), the most allowed (HO_ONNX_MAX_REGISTRATIONS); ORT may use each "
+               "for the process's life, so none is ever freed. " +
+               (reg->kernel_config.ok()
+                    ? std::string("Vary fewer ho_onnx.* entries per session.")
+                    : std::string("With this onnxruntime (< 1.24) every distinct ") +
+                          kModelDirKey +
+                          " is one: onnxruntime >= 1.24 serves any number of model folders "
+                          "with one registration"));
+    }
     reg->cuda = cuda;
     add_ops(api, reg.get(), rt);
     // Kept before AddCustomOpDomain: once ORT holds the domain it must never be freed.
@@ -399,6 +424,24 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const Ort
 }
 
 }  // namespace
+
+size_t registrations_held() {
+  std::lock_guard<std::mutex> lock(g_regs_mu);
+  return g_regs->size();
+}
+
+size_t max_registrations() {
+  static const size_t n = [] {
+    const char* v = std::getenv("HO_ONNX_MAX_REGISTRATIONS");
+    if (v == nullptr || *v == '\0') return size_t{1024};
+    char* end = nullptr;
+    const unsigned long long x = std::strtoull(v, &end, 10);
+    if (*end != '\0' || x == 0 || x > 1000000 || v[0] == '-') return size_t{1024};
+    return static_cast<size_t>(x);
+  }();
+  return n;
+}
+
 }  // namespace ho
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL

@@ -38,16 +38,22 @@ const char* op_name(OpKind k);
 
 struct OpDef;
 
-// Registration: the op domain for one library configuration (model directory, host bytes,
-// pool limit, arena sampling, CUDA variants). The OrtCustomOpDomain and the op structs must
-// outlive every session that uses them, and ORT gives no callback when that is over, so
-// registrations are never released; RegisterCustomOps calls with the same configuration
-// share one (and so one engine), so a server that creates and destroys sessions retains
-// nothing per session. The engine, the only large thing, lives and dies with the
-// registration's kernels.
+// Registration: the op domain for one library configuration (host bytes, pool limit, arena
+// sampling, CUDA variants, and the model directory on runtimes older than 1.24). The
+// OrtCustomOpDomain and the op structs must outlive every session options object they were
+// added to and every session made from one (ORT keeps raw pointers to them and gives no
+// callback when that is over), so registrations are never released; RegisterCustomOps calls
+// with the same configuration share one (and so one engine), so a server that creates and
+// destroys sessions retains nothing per session. The model directory, the value a server
+// varies per tenant or upload, is read by each kernel from its own session's config
+// (KernelInfo_GetConfigEntries, onnxruntime >= 1.24): it is not part of the configuration
+// there, and distinct folders cost nothing. On older runtimes it is, and the number of
+// registrations is bounded (max_registrations(): RegisterCustomOps refuses more, naming the
+// cause). The engine, the only large thing, lives and dies with the registration's kernels.
 struct Registration {
   const OrtApi* api = nullptr;
-  std::string model_dir;    // from the session config entry, "" when not set
+  std::string model_dir;    // from the session config entry, "" when not set (older runtimes)
+  KernelConfigApi kernel_config;  // ok(): each kernel reads its session's model_dir
   int64_t host_bytes = -1;  // from the session config entry, -1 when not set
   bool sample_arena = false;  // from the session config entry, off when not set
   EngineLimits limits;
@@ -71,7 +77,14 @@ struct Registration {
   // The registration's engine of the CPU EP or the CUDA EP, created when none is alive
   // (or when the live one is the parent's, Engine::forked_away: see abandon_engine).
   std::shared_ptr<Engine> acquire_engine(bool on_cuda);
+  // The model directory of the session `info` belongs to ("" when not set).
+  std::string model_dir_of(const OrtApi* api, const OrtKernelInfo* info) const;
 };
+
+// Registrations held by the process (each is never freed), and the most it may hold:
+// HO_ONNX_MAX_REGISTRATIONS (1..1000000), default 1024 (~34 KB each).
+size_t registrations_held();
+size_t max_registrations();
 
 // Keeps `engine` alive for good: an engine made before a fork, in a forked child, must
 // never be destroyed there (its destructor would join transfer threads that exist only in

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -54,8 +55,15 @@ std::string describe_open_error(const std::string& shown, int e) {
 
 }  // namespace
 
-WeightFile::WeightFile(int fd, std::string display, uint64_t size, dev_t dev, ino_t ino)
-    : fd_(fd), display_(std::move(display)), size_(size), dev_(dev), ino_(ino) {}
+WeightFile::WeightFile(int fd, std::string display, uint64_t size, dev_t dev, ino_t ino,
+                       std::string model_dir, std::string location)
+    : fd_(fd),
+      display_(std::move(display)),
+      size_(size),
+      dev_(dev),
+      ino_(ino),
+      model_dir_(std::move(model_dir)),
+      location_(std::move(location)) {}
 
 WeightFile::~WeightFile() {
   if (fd_ >= 0) ::close(fd_);
@@ -147,8 +155,10 @@ std::shared_ptr<WeightFile> resolve_weight_file(const std::string& model_dir,
   if (!S_ISREG(st.st_mode)) fail(ORT_INVALID_ARGUMENT, "'" + shown + "' is not a regular file");
   const int flags = ::fcntl(file.get(), F_GETFL);
   if (flags >= 0) (void)::fcntl(file.get(), F_SETFL, flags & ~O_NONBLOCK);
+  std::string normalized;
+  for (const std::string& p : parts) normalized += (normalized.empty() ? "" : "/") + p;
   return std::make_shared<WeightFile>(file.release(), shown, static_cast<uint64_t>(st.st_size),
-                                      st.st_dev, st.st_ino);
+                                      st.st_dev, st.st_ino, model_dir, std::move(normalized));
 }
 
 std::string data_fingerprint(int fd, uint64_t size) {

@@ -18,7 +18,8 @@ namespace ho {
 
 class WeightFile {
  public:
-  WeightFile(int fd, std::string display, uint64_t size, dev_t dev, ino_t ino);
+  WeightFile(int fd, std::string display, uint64_t size, dev_t dev, ino_t ino,
+             std::string model_dir = {}, std::string location = {});
   ~WeightFile();
   WeightFile(const WeightFile&) = delete;
   WeightFile& operator=(const WeightFile&) = delete;
@@ -28,6 +29,13 @@ class WeightFile {
   uint64_t size() const { return size_; }                // at open time
   // Identity of the file (device + inode): the key of the engines' caches.
   std::string key() const;
+  dev_t dev() const { return dev_; }
+  ino_t ino() const { return ino_; }
+  // Where it was resolved: the model folder and the normalized relative location, so that
+  // the disk tier can open it again by the same rules (resolve_weight_file) and check that
+  // it is still the same file (dev(), ino()).
+  const std::string& model_dir() const { return model_dir_; }
+  const std::string& location() const { return location_; }
 
  private:
   int fd_;
@@ -35,6 +43,8 @@ class WeightFile {
   uint64_t size_;
   dev_t dev_;
   ino_t ino_;
+  std::string model_dir_;
+  std::string location_;
 };
 
 // Opens `location` (relative, no "..", no absolute path) inside `model_dir`. Throws ho::Error
