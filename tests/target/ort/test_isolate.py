@@ -3,6 +3,7 @@ crash there is an error here, and everything else comes back as if it ran here."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -28,10 +29,8 @@ def _children() -> set[str]:
     """This process's child pids (Linux)."""
     out: set[str] = set()
     for task in Path("/proc/self/task").iterdir():
-        try:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # (a thread ended)
             out |= set((task / "children").read_text().split())
-        except (FileNotFoundError, ProcessLookupError):  # (a thread that just ended)
-            pass
     return out
 
 
