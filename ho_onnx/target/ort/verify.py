@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,16 +190,50 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     names = [o.name for o in s_orig.get_outputs()]
     if names != [o.name for o in s_opt.get_outputs()]:
         raise UnsupportedModelError("the two models have different outputs")
-    worst: dict[str, OutputDiff] = {}
-    report = VerifyReport()
     if fused:
         atol, rtol = FUSION_ATOL, FUSION_RTOL
+    report = _compare_runs(s_orig, s_opt, names, runs=runs, atol=atol, rtol=rtol,
+                           say=say, feeds=lambda r: random_inputs(
+                               model, dims, seed=seed + r, int_high=int_high, shapes=shapes))
+    if fused:
+        del s_orig, s_opt  # (before a second pair is made)
+        _judge_unfused(report, opt_level, say, lambda: verify(
+            original, optimized, dims=dims, runs=runs, seed=seed, int_high=int_high,
+            providers=providers, execution_order=execution_order, prepacking=prepacking,
+            opt_level="disable", shapes=shapes, isolate=False, log=log))
+    return report
+
+
+def _judge_unfused(report: VerifyReport, opt_level: str, say: Log,
+                   unfused: Callable[[], VerifyReport]) -> None:
+    """A strict comparison at a level that fuses: bit-exact passes; otherwise ``unfused()``
+    runs both models with ORT's graph optimizations off, and only if they are bit-exact
+    there does ``report`` keep the fusion tolerances (a fusion an offloaded constant
+    prevents rounds differently); else it is judged bit-exact."""
+    if not report.exact:
+        say(f"not bit-exact at opt level {opt_level!r}: running both again with ORT's graph "
+            "optimizations off (a fusion an offloaded constant prevents rounds differently)")
+        report.exact_unfused = unfused().exact
+        if report.exact_unfused:
+            return
+        for o in report.outputs:  # the rewrite itself differs
+            o.close = o.exact
+    report.atol = report.rtol = 0.0
+
+
+def _compare_runs(s_orig: Any, s_opt: Any, names: list[str], *, runs: int,
+                  atol: float, rtol: float, say: Log,
+                  feeds: Callable[[int], dict[str, Any]]) -> VerifyReport:
+    """Both sessions on ``feeds(r)`` for each run ``r``: the worst difference per output,
+    judged with ``atol``/``rtol``, and the times."""
+    worst: dict[str, OutputDiff] = {}
+    report = VerifyReport()
     for r in range(runs):
-        feeds = random_inputs(model, dims, seed=seed + r, int_high=int_high, shapes=shapes)
+        inputs = feeds(r)
         t0 = time.perf_counter()
-        a = run_outputs(s_orig, feeds, "the original")
+        a = run_outputs(s_orig, inputs, "the original")
         t1 = time.perf_counter()
-        b = run_outputs(s_opt, feeds, "the optimized model")
+        b = run_outputs(s_opt, inputs, "the optimized model")
         report.seconds_optimized.append(time.perf_counter() - t1)
         report.seconds_original.append(t1 - t0)
         for name, x, y in zip(names, a, b, strict=True):
@@ -213,19 +247,4 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
                f", max_abs so far {max(worst[n].max_abs for n in names):.3g}"))
     report.outputs = [worst[n] for n in names]
     report.atol, report.rtol = atol, rtol
-    if fused and not report.exact:
-        del s_orig, s_opt
-        say(f"not bit-exact at opt level {opt_level!r}: running both again with ORT's graph "
-            "optimizations off (a fusion an offloaded constant prevents rounds differently)")
-        unfused = verify(original, optimized, dims=dims, runs=runs, seed=seed,
-                         int_high=int_high, providers=providers,
-                         execution_order=execution_order, prepacking=prepacking,
-                         opt_level="disable", shapes=shapes, isolate=False, log=log)
-        report.exact_unfused = unfused.exact
-        if not unfused.exact:  # the rewrite itself differs: judged bit-exact
-            report.atol = report.rtol = 0.0
-            for o in report.outputs:
-                o.close = o.exact
-    elif fused:
-        report.atol = report.rtol = 0.0
     return report
