@@ -41,6 +41,8 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -335,11 +337,24 @@ class PinnedBlob final : public HostBlob {
   size_t size_;
 };
 
+// What must happen before a pinned weight block is unpinned: every copy that may read it
+// done (a failed run's load can still be in flight when its session goes). `sync` is the
+// engine's (it synchronizes its copy streams); empty once the engine has synchronized them
+// for good at its end.
+struct CopyDrain {
+  std::mutex mu;
+  std::function<void()> sync;
+};
+
+// Weights in pinned host memory, keyed by content (Registration::content_key: a data file
+// rewritten in place is never served from an earlier version's bytes) and held only while a
+// session's kernels hold them: a hot-swapped version's weights go with its last session.
+// Small weights are packed into shared chunks (WeightPacker); a block is unpinned when its
+// last weight goes, after the copy streams are drained.
 class PinnedWeights {
  public:
-  // (Held for the engine's life: a pinned block may still be read by a copy of a failed
-  // run, and only the engine's end synchronizes the copy streams. Keyed by content, so a
-  // data file rewritten in place is never served from the bytes of an earlier version.)
+  explicit PinnedWeights(std::shared_ptr<CopyDrain> drain) : drain_(std::move(drain)) {}
+
   std::shared_ptr<const HostBlob> load(const WeightFile& file, const std::string& content,
                                        int64_t offset, int64_t length) {
     if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
@@ -347,31 +362,54 @@ class PinnedWeights {
         content + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = blobs_.find(key);
-    if (it != blobs_.end()) return it->second;
+    if (it != blobs_.end()) {
+      if (std::shared_ptr<const HostBlob> held = it->second.lock()) return held;
+    }
+    if (blobs_.size() >= 2 * swept_size_ + 64) {  // (amortized: drop expired entries)
+      for (auto e = blobs_.begin(); e != blobs_.end();) {
+        e = e->second.expired() ? blobs_.erase(e) : std::next(e);
+      }
+      swept_size_ = blobs_.size();
+    }
     const auto n = static_cast<size_t>(length);
     const cuda_logic::WeightPacker::Placement p = packer_.place(n);
     std::shared_ptr<cuda::PinnedBlock> block;
     char* dst = nullptr;
     if (p.own_block) {
-      block = std::make_shared<cuda::PinnedBlock>(p.block_bytes);
+      block = pinned(p.block_bytes);
       dst = block->data();
     } else {
-      if (p.block_bytes != 0) chunk_ = std::make_shared<cuda::PinnedBlock>(p.block_bytes);
+      if (p.block_bytes != 0) chunk_ = pinned(p.block_bytes);
       block = chunk_;
       dst = block->data() + p.offset;
     }
     // Straight into pinned memory: no pageable copy in between.
     if (n != 0) pread_exact(file.fd(), dst, n, static_cast<uint64_t>(offset), file.path());
     auto blob = std::make_shared<PinnedBlob>(std::move(block), dst, n);
-    blobs_.emplace(key, blob);
+    blobs_[key] = blob;  // (replaces an expired entry)
     return blob;
   }
 
  private:
+  // A pinned block whose release first drains the copy streams.
+  std::shared_ptr<cuda::PinnedBlock> pinned(size_t bytes) {
+    std::shared_ptr<CopyDrain> drain = drain_;
+    return std::shared_ptr<cuda::PinnedBlock>(
+        new cuda::PinnedBlock(bytes), [drain](cuda::PinnedBlock* b) {
+          {
+            std::lock_guard<std::mutex> lock(drain->mu);
+            if (drain->sync) drain->sync();
+          }
+          delete b;
+        });
+  }
+
+  std::shared_ptr<CopyDrain> drain_;
+  size_t swept_size_ = 0;
   std::mutex mu_;
   cuda_logic::WeightPacker packer_;
   std::shared_ptr<cuda::PinnedBlock> chunk_;  // the chunk small weights are packed into
-  std::map<std::string, std::shared_ptr<const HostBlob>> blobs_;
+  std::map<std::string, std::weak_ptr<const HostBlob>> blobs_;
 };
 
 // ---- records -------------------------------------------------------------------------
@@ -522,6 +560,7 @@ class CudaEngine final : public Engine {
     int n = 0;
     check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
     if (n == 0) fail(ORT_FAIL, "no CUDA device");
+    drain_->sync = [this] { sync_loads(); };
     counters().engines_alive += 1;
   }
 
@@ -542,12 +581,23 @@ class CudaEngine final : public Engine {
       records_.clear(&released);
     }
     ring_.reset();
+    {
+      std::lock_guard<std::mutex> lock(drain_->mu);
+      drain_->sync = nullptr;  // the streams are synchronized: no copy reads a block now
+    }
     weights_.reset();
     devices_.clear();
     counters().engines_alive -= 1;
   }
 
   void prepare_device(int device) override { (void)dev(device); }
+
+  // Every weight copy issued so far is done (they are on the devices' h2d streams): what a
+  // pinned weight block waits for before it is unpinned (CopyDrain).
+  void sync_loads() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : devices_) cuda::ignore(cudaStreamSynchronize(kv.second->h2d.get()));
+  }
 
   void plan_host_bytes(size_t bytes) override {
     const size_t cap = cuda_logic::ring_capacity(bytes);
@@ -892,7 +942,8 @@ class CudaEngine final : public Engine {
   std::shared_ptr<Ring> ring_ = std::make_shared<Ring>(
       [](size_t bytes) { return std::make_unique<PinnedRingMemory>(bytes); },
       cuda_logic::kRingAlign, cuda_logic::kRingGrowth);
-  std::unique_ptr<PinnedWeights> weights_ = std::make_unique<PinnedWeights>();
+  std::shared_ptr<CopyDrain> drain_ = std::make_shared<CopyDrain>();
+  std::unique_ptr<PinnedWeights> weights_ = std::make_unique<PinnedWeights>(drain_);
   std::mutex disk_mu_;  // guards disk_ / has_disk_
   DiskFiles files_;
   std::atomic<bool> has_disk_{false};  // set at session creation by a disk-tier weight

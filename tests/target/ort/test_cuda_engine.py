@@ -577,6 +577,30 @@ def test_pinned_weights_within_1_1x(decoder):
     del s
 
 
+def test_pinned_weights_of_a_dropped_version_are_unpinned(decoder, decoder_weights):
+    """Issue 34 item 2 on the CUDA engine: a version's pinned weights go with its last
+    session (after the copy streams are drained), while another session keeps the engine;
+    before, every version stayed pinned for the engine's life."""
+    _src, opt, _ = decoder
+    _src2, opt2, _ = decoder_weights
+    keeper = _session(opt, optimized=True)
+    keeper.run(None, _feeds(0))
+    gc.collect()
+    c0 = _ops.counters()
+    for _ in range(3):
+        s = _session(opt2, optimized=True)
+        with _OnCuda(opt2, runs=1):
+            s.run(None, _feeds(1))
+        assert _ops.counters()["host_store_bytes"] > c0["host_store_bytes"]
+        del s
+        gc.collect()
+        c = _ops.counters()
+        assert c["host_store_bytes"] == c0["host_store_bytes"]
+        assert c["pinned_bytes"] <= c0["pinned_bytes"] + (4 << 20)  # (a current chunk)
+    keeper.run(None, _feeds(2))  # the keeper's own weights are untouched
+    del keeper
+
+
 # ---- calibration and timing --------------------------------------------------------------------
 
 def test_calibrate():
