@@ -39,11 +39,32 @@ if TYPE_CHECKING:
 _DEFAULTS = OffloadOptions()
 
 
-def parse_dims(items: tuple[str, ...]) -> dict[str, int]:
-    """``('batch=1', 'seq=128')`` → ``{'batch': 1, 'seq': 128}``."""
+def parse_dims(items: tuple[str, ...],
+               ranges: dict[str, tuple[int, int]] | None = None) -> dict[str, int]:
+    """``('batch=1', 'seq=128')`` → ``{'batch': 1, 'seq': 128}``. With ``ranges``, also
+    ``seq=1..2048``: into ``ranges`` (``{'seq': (1, 2048)}``); the dim is then planned at the
+    range's top."""
     dims: dict[str, int] = {}
     for item in items:
         name, sep, value = item.partition("=")
+        lo, dots, hi = value.partition("..")
+        if dots and sep and name.strip():
+            if ranges is None:
+                raise click.BadParameter(f"{item!r}: a range is for optimize and plan; this "
+                                         "command runs at one point: NAME=INTEGER",
+                                         param_hint="--dim")
+            if not all(re.fullmatch(r"\s*[0-9]+\s*", x) for x in (lo, hi)):
+                raise click.BadParameter(f"{item!r}: expected NAME=LO..HI with integers, e.g. "
+                                         "seq=1..2048", param_hint="--dim")
+            if int(lo) > int(hi) or int(hi) > INT64_MAX:
+                raise click.BadParameter(f"{item!r}: {lo.strip()}..{hi.strip()} is not a range "
+                                         "(LO <= HI, within int64)", param_hint="--dim")
+            if name.strip() in ranges or name.strip() in dims:
+                raise click.BadParameter(f"{name.strip()!r} given twice", param_hint="--dim")
+            ranges[name.strip()] = (int(lo), int(hi))
+            continue
+        if name.strip() in (ranges or {}):
+            raise click.BadParameter(f"{name.strip()!r} given twice", param_hint="--dim")
         if not sep or not name.strip() or not re.fullmatch(r"\s*[0-9]+\s*", value):
             raise click.BadParameter(f"{item!r}: expected NAME=INTEGER, e.g. seq=2048",
                                      param_hint="--dim")
@@ -356,6 +377,9 @@ def _log(msg: str) -> None:
 
 _DIM_HELP = ("Value of a symbolic dimension, NAME=N (repeatable), e.g. --dim seq=2048; a "
              "NAME the model does not use is named (a note, or beside a missing dim).")
+_DIM_RANGE_HELP = (_DIM_HELP[:-1] + ". Or a range, NAME=LO..HI, e.g. --dim seq=1..2048: one "
+                   "plan for every value, made at the top (memory's worst case), recorded in "
+                   "the model and enforced by the library (a run outside is refused).")
 _SHAPE_HELP = ("Whole shape of an input, NAME=D0,D1,... (repeatable), for dims without a name "
                "or with an odd one, e.g. --shape x=1,3,48,320; also binds the dims it names.")
 _TIMEOUT_HELP = ("End ONNX Runtime's child process after SECONDS (a model can make it run "
@@ -428,7 +452,8 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      help="ORT's arena holds more than the live tensors (it keeps reused "
                           "buffers): while its replayed peak exceeds --budget, plan again for "
                           "a lower budget, at most this many times; 0 fits the tensors only."),
-        click.option("--dim", "dims", multiple=True, metavar="NAME=N", help=_DIM_HELP),
+        click.option("--dim", "dims", multiple=True, metavar="NAME=N|NAME=LO..HI",
+                     help=_DIM_RANGE_HELP),
         click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...",
                      help=_SHAPE_HELP),
         click.option("--ort-optimize", "ort_level", type=click.Choice(["basic", "extended"]),
@@ -504,10 +529,14 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits)
         costs = _costs(machine, profile_path)
+        ranges: dict[str, tuple[int, int]] = {}
+        points = parse_dims(dims, ranges)
+
         def run_file(src: object, dst: object):  # type: ignore[no-untyped-def]
-            return run(src, dst, options, parse_dims(dims),  # type: ignore[arg-type]
+            return run(src, dst, options, points,  # type: ignore[arg-type]
                        costs=costs, ort_level=ort_level, log=_log,
-                       progress=_progress_bars(), shapes=parse_shape_options(shapes))
+                       progress=_progress_bars(), shapes=parse_shape_options(shapes),
+                       dim_ranges=ranges)
 
         if Path(input_model).is_dir():
             from ho_onnx.target.ort.folders import optimize_folder
@@ -521,6 +550,11 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                  + (f", copied {', '.join(folder.copied)}" if folder.copied else ""))
         else:
             result = run_file(input_model, output_model)
+    _say_result(output_model, result)
+
+
+def _say_result(output_model: str, result: Any) -> None:
+    """What optimize wrote, and the plan's prediction."""
     _echo(f"{output_model}: {len(result.choice.weights)} weights, "
           f"{len(result.choice.activations)} activations offloaded, "
           f"{result.choice.offloaded_bytes:,} bytes")
@@ -556,6 +590,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
     time, predicted stall), the peak and the predicted time before and after.
     """
+    from ho_onnx.graph.dims import format_ranges
     from ho_onnx.report.text import format_plan, plan_to_dict
     from ho_onnx.rewrite.pipeline import plan_model
 
@@ -568,14 +603,16 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
 
             image_format(plot_path)
         costs = _costs(machine, profile_path)
+        ranges: dict[str, tuple[int, int]] = {}
+        points = parse_dims(dims, ranges)
         _, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
                                              host_budget=host_budget,
                                              arena_refits=arena_refits),
-                                    parse_dims(dims), costs,
+                                    points, costs,
                                     ort_level=ort_level, log=_log,
-                                    shapes=parse_shape_options(shapes))
+                                    shapes=parse_shape_options(shapes), dim_ranges=ranges)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type
                  for i in range(len(analysis.order))]
         if plot_path:
@@ -584,9 +621,14 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             plot_timeline(p, names, plot_path)
             _log(f"wrote {plot_path}")
     if as_json:
-        _echo(json.dumps(plan_to_dict(p, names, steps=True), indent=1))
+        _echo(json.dumps(plan_to_dict(p, names, steps=True)
+                         | ({"dim_ranges": {k: list(v) for k, v in ranges.items()}}
+                            if ranges else {}), indent=1))
     else:
         _echo(format_plan(p, names))
+        if ranges:
+            _echo(f"ranges: {format_ranges(ranges)} (planned at the top of each: the peak "
+                  "above is the range's worst case)")
 
 
 @main.command()

@@ -169,6 +169,7 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     cuda_set_device(k->device);
   }
   if (op.kind == OpKind::kWait) k->init_arena_sampling(op, info);
+  if (op.kind == OpKind::kGuard) k->init_guard(info);
   if (op.kind == OpKind::kStore) {
     k->token_dims = {static_cast<int64_t>((128 + k->bits - 1) / k->bits)};
   }
@@ -262,7 +263,66 @@ void Kernel::compute(OrtKernelContext* ctx) {
       return store(ctx, ec);
     case OpKind::kDetach:
       return detach(ctx, ec);
+    case OpKind::kGuard:
+      return guard(ctx);
   }
+}
+
+// Attributes: axes, lo, hi (ints, one per checked dim), dims (the dims' names, one per line)
+// and input (the graph input's name). A model whose attributes disagree fails session
+// creation, never a run.
+void Kernel::init_guard(const OrtKernelInfo* info) {
+  std::vector<int64_t> axes, lo, hi;
+  std::string names, joined;
+  if (!attr_ints(api, info, "axes", &axes) || !attr_ints(api, info, "lo", &lo) ||
+      !attr_ints(api, info, "hi", &hi) || !attr_string(api, info, "dims", &joined)) {
+    fail(ORT_INVALID_ARGUMENT, "attributes 'axes', 'lo', 'hi' and 'dims' are required");
+  }
+  attr_string(api, info, "input", &input_name);
+  std::vector<std::string> dims;
+  size_t start = 0;
+  for (size_t i = 0; i <= joined.size(); ++i) {
+    if (i == joined.size() || joined[i] == '\n') {
+      dims.push_back(joined.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  if (axes.size() != lo.size() || axes.size() != hi.size() || axes.size() != dims.size() ||
+      axes.empty()) {
+    fail(ORT_INVALID_ARGUMENT, "'axes', 'lo', 'hi' and 'dims' must have one entry per dim");
+  }
+  for (size_t i = 0; i < axes.size(); ++i) {
+    if (axes[i] < 0 || lo[i] < 0 || hi[i] < lo[i]) {
+      fail(ORT_INVALID_ARGUMENT, "dim '" + dims[i] + "': axis " + std::to_string(axes[i]) +
+                                     ", range " + std::to_string(lo[i]) + ".." +
+                                     std::to_string(hi[i]) + " is not a range of a dim");
+    }
+    ranges.push_back(DimRange{axes[i], lo[i], hi[i], dims[i]});
+  }
+}
+
+// Reads only its input's shape (never its data: on the CUDA EP it is device memory) and
+// produces an empty output, an ordering input of the cache ops.
+void Kernel::guard(OrtKernelContext* ctx) {
+  const TensorInfo ti = tensor_info(api, input(api, ctx, 0));
+  for (const DimRange& r : ranges) {
+    const std::string what = "input '" + input_name + "' ";
+    if (static_cast<size_t>(r.axis) >= ti.dims.size()) {
+      fail(ORT_INVALID_ARGUMENT, what + "has " + std::to_string(ti.dims.size()) +
+                                     " dims: no axis " + std::to_string(r.axis) + " (dim '" +
+                                     r.name + "')");
+    }
+    const int64_t d = ti.dims[static_cast<size_t>(r.axis)];
+    if (d < r.lo || d > r.hi) {
+      fail(ORT_INVALID_ARGUMENT,
+           what + "dim '" + r.name + "' is " + std::to_string(d) + ", outside the range " +
+               std::to_string(r.lo) + ".." + std::to_string(r.hi) +
+               " this model was planned for (its memory plan does not hold there): "
+               "optimize it again with --dim " + r.name + "=LO..HI covering " +
+               std::to_string(d));
+    }
+  }
+  output(api, ctx, {0});
 }
 
 void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {

@@ -57,6 +57,15 @@ struct Kernel {
   // Store: the shape of its token output (16 bytes of T), fixed at session creation.
   std::vector<int64_t> token_dims;
 
+  // Guard: the dims of its input the plan holds for, each within [lo, hi] (the model's
+  // ho_onnx.dim_ranges); a run outside them is refused before it overruns the plan.
+  struct DimRange {
+    int64_t axis, lo, hi;
+    std::string name;
+  };
+  std::vector<DimRange> ranges;
+  std::string input_name;  // the graph input it reads (messages)
+
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
   std::vector<int64_t> shape;
@@ -68,6 +77,8 @@ struct Kernel {
  private:
   void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
   void init_arena_sampling(const OpDef& op, const OrtKernelInfo* info);
+  void init_guard(const OrtKernelInfo* info);
+  void guard(OrtKernelContext* ctx);
   ExecContext cpu_context(OrtKernelContext* ctx) const;
   ExecContext gpu_context(OrtKernelContext* ctx) const;
   void prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec);

@@ -40,6 +40,8 @@ const char* op_name(OpKind k) {
       return "Store";
     case OpKind::kDetach:
       return "Detach";
+    case OpKind::kGuard:
+      return "Guard";
   }
   return "?";
 }
@@ -365,7 +367,8 @@ void add_ops(const OrtApi* api, Registration* reg, std::pair<int, int> rt) {
   check(api, api->CreateCustomOpDomain(kDomain, &reg->domain));
   for (bool on_cuda : {false, true}) {
     if (on_cuda && !reg->cuda) continue;
-    for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach}) {
+    for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach,
+                        OpKind::kGuard}) {
       for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
         if (!runtime_has_type(t->type, rt)) continue;
         reg->ops.push_back(make_op(reg, kind, *t, on_cuda));

@@ -33,7 +33,7 @@ constexpr const char* kPoolLimitKey = "ho_onnx.host_pool_limit_bytes";
 // key-value map per Wait, so off by default); "0" (default): no sampling.
 constexpr const char* kSampleArenaKey = "ho_onnx.sample_arena";
 
-enum class OpKind { kPrefetch, kWait, kStore, kDetach };
+enum class OpKind { kPrefetch, kWait, kStore, kDetach, kGuard };
 const char* op_name(OpKind k);
 
 struct OpDef;

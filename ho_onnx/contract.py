@@ -10,11 +10,21 @@ PREFETCH = "Prefetch"
 WAIT = "Wait"
 STORE = "Store"
 DETACH = "Detach"
-ALL_OPS = (PREFETCH, WAIT, STORE, DETACH)
+# Refuses a run whose input dims leave the ranges the plan holds for (``--dim seq=1..2048``);
+# reads only its input's shape; its empty output is an ordering input of the cache ops.
+GUARD = "Guard"
+ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD)
 # The inputs each op requires first (ordering inputs may follow); every op has its first
 # output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
 # output_count.)
-REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2}
+REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2, GUARD: 1}
+# Attributes of a Guard: per checked dim its axis in the input, its range and its name (the
+# names one per line), and the input's name.
+ATTR_AXES = "axes"
+ATTR_LO = "lo"
+ATTR_HI = "hi"
+ATTR_DIMS = "dims"
+ATTR_INPUT = "input"
 
 # Attributes of a weight Prefetch.
 ATTR_LOCATION = "location"

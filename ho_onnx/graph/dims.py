@@ -319,3 +319,64 @@ def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
         out[vi.name] = [d if isinstance(d, int) else unnamed if d is None else
                         eval_dim(d, dims, vi.name) for d in declared]  # type: ignore[misc]
     return out
+
+
+# A shape range: ``--dim seq=1..2048``; the plan holds for every value in it.
+DimRanges = Mapping[str, tuple[int, int]]
+
+
+def bind_ranges(dims: Mapping[str, int], ranges: DimRanges | None) -> dict[str, int]:
+    """``dims`` with each ranged dim bound to the top of its range: sizes grow with the dims,
+    so the plan's memory is the range's worst case. Raises :class:`UnboundDimError` for a
+    range that is none (``lo > hi``, a negative or non-integer end) or a dim given both as a
+    point and as a range with another top."""
+    out = dict(dims)
+    for name, r in (ranges or {}).items():
+        if not isinstance(name, str) or not name or "\n" in name:
+            raise UnboundDimError(f"range of dim {name!r}: not a dim name")
+        if (not isinstance(r, tuple | list) or len(r) != 2
+                or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
+                           for x in r)):
+            raise UnboundDimError(f"range of dim {name!r}: expected two integers (lo, hi), "
+                                  f"got {r!r}")
+        lo, hi = int(r[0]), int(r[1])
+        if not 0 <= lo <= hi <= INT64_MAX:
+            raise UnboundDimError(f"range of dim {name!r}: {lo}..{hi} is not a range of sizes "
+                                  "(0 <= LO <= HI)")
+        if name in out and out[name] != hi:
+            raise UnboundDimError(f"dim {name!r} given as {out[name]} and as the range "
+                                  f"{lo}..{hi}: give one (the plan is made at the range's top)")
+        out[name] = hi
+    return out
+
+
+def ranged_inputs(model: onnx.ModelProto, ranges: DimRanges
+                  ) -> dict[str, list[tuple[int, str]]]:
+    """Graph input name -> ``(axis, dim name)`` of each of its dims that a range names: what
+    the library checks at every run (``ai.hyperoffload`` ``Guard``). Raises
+    :class:`UnboundDimError` naming a range that no graph input of a fixed-size type has as
+    one of its own dims (an expression such as ``past + seq`` is checked through its names)."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    seen: set[str] = set()
+    for vi in graph_inputs(model):
+        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tt is None or tt.elem_type in (onnx.TensorProto.STRING, 0):
+            continue
+        for axis, d in enumerate(_dims_of(vi) or ()):
+            if isinstance(d, str) and d in ranges:
+                out.setdefault(vi.name, []).append((axis, d))
+                seen.add(d)
+    missing = [n for n in ranges if n not in seen]
+    if missing:
+        names = sorted({d for vi in graph_inputs(model) for d in _dims_of(vi) or ()
+                        if isinstance(d, str)})
+        raise UnboundDimError(
+            f"range of {', '.join(map(repr, missing))}: no graph input has "
+            f"{'this dim' if len(missing) == 1 else 'these dims'} (a range is checked at every "
+            f"run on the inputs; their dims: {', '.join(names) or 'none named'})")
+    return out
+
+
+def format_ranges(ranges: DimRanges) -> str:
+    """``seq=1..2048,past=0..8191``: how ranges are written (metadata, messages)."""
+    return ",".join(f"{k}={lo}..{hi}" for k, (lo, hi) in sorted(ranges.items()))

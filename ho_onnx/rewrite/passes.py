@@ -30,9 +30,11 @@ import onnx_ir as ir
 
 from .. import contract
 from ..graph.analyse import GraphAnalysis, TypeSource, analyse
+from ..graph.dims import DimRanges, format_ranges
 from ..graph.save import OutputFiles, data_stamps
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
+from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
 from .place import place_weight_data
 
@@ -116,19 +118,42 @@ class InsertPass(ir.passes.InPlacePass):
             raise ir.passes.PostconditionError(f"no {contract.DOMAIN} opset import")
 
 
-class AnnotatePass(ir.passes.InPlacePass):
-    """Record the decision (and ``dims``) in ``metadata_props``."""
+class GuardPass(ir.passes.InPlacePass):
+    """Insert the Guards of a range-planned model (``checks``: the ranged dims of each graph
+    input, :func:`~ho_onnx.graph.dims.ranged_inputs`), after the cache ops."""
 
-    def __init__(self, dims: Mapping[str, int] | None = None) -> None:
+    def __init__(self, checks: Mapping[str, Sequence[tuple[int, str]]],
+                 ranges: DimRanges) -> None:
         super().__init__()
-        self.dims = dict(dims or {})
+        self.checks, self.ranges = dict(checks), dict(ranges)
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, REWRITTEN, "InsertPass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        n = insert_guards(model, self.checks, self.ranges)
+        model.meta[REWRITTEN].cache_nodes += n
+        return ir.passes.PassResult(model, modified=n > 0)
+
+
+class AnnotatePass(ir.passes.InPlacePass):
+    """Record the decision (and ``dims``, and the ``ranges`` planned for) in
+    ``metadata_props``."""
+
+    def __init__(self, dims: Mapping[str, int] | None = None,
+                 ranges: DimRanges | None = None) -> None:
+        super().__init__()
+        self.dims, self.ranges = dict(dims or {}), dict(ranges or {})
 
     def requires(self, model: ir.Model) -> None:
         _need(model, DECISION, "DecidePass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         decision: Decision = model.meta[DECISION]
-        annotate(model, plan_metadata(decision, self.dims))
+        meta = plan_metadata(decision, self.dims)
+        if self.ranges:
+            meta["dim_ranges"] = format_ranges(self.ranges)
+        annotate(model, meta)
         return ir.passes.PassResult(model, modified=True)
 
 

@@ -17,7 +17,16 @@ from ..cost.source import CostSource
 from ..errors import HoOnnxError, Log, OutputPathError, quiet
 from ..graph.analyse import GraphAnalysis
 from ..graph.check import contrib_ops
-from ..graph.dims import dims_from_shapes, require_dims, unused_in_model, unused_note
+from ..graph.dims import (
+    DimRanges,
+    bind_ranges,
+    dims_from_shapes,
+    format_ranges,
+    ranged_inputs,
+    require_dims,
+    unused_in_model,
+    unused_note,
+)
 from ..graph.load import LoadedModel, load_model
 from ..graph.save import (
     OutputFiles,
@@ -43,6 +52,7 @@ from .passes import (
     AnalysePass,
     AnnotatePass,
     DecidePass,
+    GuardPass,
     InsertPass,
     PlaceDataPass,
     run_steps,
@@ -123,12 +133,14 @@ def _load_ort_optimized(model: str | os.PathLike[str], ort_level: str) -> Loaded
 def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOptions,
                dims: Mapping[str, int] | None = None, costs: CostSource | None = None, *,
                ort_level: str | None = None, log: Log | None = None,
-               shapes: Mapping[str, Sequence[int]] | None = None
+               shapes: Mapping[str, Sequence[int]] | None = None,
+               dim_ranges: DimRanges | None = None
                ) -> tuple[LoadedModel, GraphAnalysis, Plan]:
     """Load (unless given loaded) and plan ``model`` under ``options.budget``; nothing is
     written. ``ort_level``: plan ORT's optimized graph (made in a temporary folder that
-    lives as long as the returned model). ``shapes``: whole input shapes (``--shape``)."""
-    dims = dict(dims or {})
+    lives as long as the returned model). ``shapes``: whole input shapes (``--shape``).
+    ``dim_ranges``: planned at the top of each range, as :func:`optimize` does."""
+    dims = bind_ranges(dims or {}, dim_ranges)
     steps = _Steps(log)
     if isinstance(model, LoadedModel):
         loaded = model
@@ -136,6 +148,8 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
         loaded = _load_ort_optimized(model, ort_level)
     else:
         loaded = load_model(model)
+    if dim_ranges:
+        ranged_inputs(loaded.proto, dim_ranges)  # (a range no input has: refused here too)
     analysis, decision = _decide(loaded, BudgetPlanner(options, costs or CostSource()), dims,
                                  steps, shapes)
     assert isinstance(decision, Plan)
@@ -216,13 +230,30 @@ def _overridable_note(analysis: GraphAnalysis, choice: OffloadChoice,
             "torch.onnx.export(..., keep_initializers_as_inputs=False))")
 
 
+def _say_rewrite(steps: _Steps, c: OffloadChoice, rewritten: RewrittenModel,
+                 ranges: DimRanges, guarded: bool) -> None:
+    steps.say(f"offloading {len(c.weights)} weights and {len(c.activations)} activations "
+              f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}), {rewritten.cache_nodes} "
+              f"cache ops ({steps.seconds['rewrite']:.2f} s)")
+    if ranges:
+        steps.say(f"planned for {format_ranges(ranges)} (at the top of each range); "
+                  + ("the inputs are guarded: a run outside is refused"
+                     if rewritten.cache_nodes and guarded else
+                     "nothing offloaded: the ranges are recorded, not enforced"))
+
+
 def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
              options: OffloadOptions | Decider | None = None,
              dims: Mapping[str, int] | None = None, *, costs: CostSource | None = None,
              ort_level: str | None = None, log: Log | None = None,
              progress: Progress | None = None,
-             shapes: Mapping[str, Sequence[int]] | None = None) -> OptimizeResult:
+             shapes: Mapping[str, Sequence[int]] | None = None,
+             dim_ranges: DimRanges | None = None) -> OptimizeResult:
     """Rewrite ``in_path`` into ``out_path`` with cache operators (input never modified).
+
+    ``dim_ranges`` (``{"seq": (1, 2048)}``): one plan for every value of each range, made at
+    its top (the worst case for memory), recorded in the model, and enforced by the library
+    at every run (a ``Guard`` per graph input with a ranged dim refuses a run outside).
 
     ``options`` select the decider (:func:`decider_for`: the budget planner, with times from
     ``costs``, when they have a budget; else the explicit policy), or are a
@@ -232,7 +263,8 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
     """
     options = options if options is not None else OffloadOptions()
     decider = decider_for(options, costs) if isinstance(options, OffloadOptions) else options
-    dims = dict(dims or {})
+    ranges = dict(dim_ranges or {})
+    dims = bind_ranges(dims or {}, ranges)
     steps = _Steps(log)
     with ExitStack() as stack:
         with steps.step("load"):
@@ -253,16 +285,14 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             steps.say(f"note: the model's training_info ({len(loaded.proto.training_info)} "
                       "entries) is not written to the output: the rewritten graph is for "
                       "inference")
+        checks = ranged_inputs(loaded.proto, ranges) if ranges else {}
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
-            run_steps(loaded.model, InsertPass(), AnnotatePass(dims),
-                      PlaceDataPass(loaded.base_dir, Path(out_path)))
+            run_steps(loaded.model, InsertPass(), GuardPass(checks, ranges),
+                      AnnotatePass(dims, ranges), PlaceDataPass(loaded.base_dir, Path(out_path)))
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
-        c = decision.choice
-        steps.say(f"offloading {len(c.weights)} weights and {len(c.activations)} activations "
-                  f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}), {rewritten.cache_nodes} "
-                  f"cache ops ({steps.seconds['rewrite']:.2f} s)")
+        _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))
         with steps.step("save"):
             report = save_model(files, loaded, out_path, progress=progress,
                                 validate=_ort_validate if contrib_ops(

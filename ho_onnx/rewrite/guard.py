@@ -1,0 +1,69 @@
+"""Guards of a range-planned model (``--dim seq=1..2048``): an ``ai.hyperoffload`` ``Guard``
+per graph input with a ranged dim, reading only that input's shape, refuses a run whose dims
+leave the ranges the plan holds for (the library's error names the dim, its value and the
+range). Its empty output is an ordering input of the first cache op, so the check runs
+before the first transfer and is never pruned as unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import onnx_ir as ir
+
+from .. import contract
+from ..graph.analyse import all_graphs
+from ..graph.dims import DimRanges
+
+
+def _used_names(graph: ir.Graph) -> set[str]:
+    used: set[str] = set()
+    for g in all_graphs(graph):
+        used.update(v.name for v in (*g.inputs, *g.outputs) if v.name)
+        used.update(g.initializers)
+        for n in g:
+            used.update(v.name for v in n.outputs if v.name)
+            if n.name:
+                used.add(n.name)
+    return used
+
+
+def _fresh(base: str, used: set[str]) -> str:
+    name, k = base, 1
+    while name in used:
+        k += 1
+        name = f"{base}.{k}"
+    used.add(name)
+    return name
+
+
+def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]]],
+                  ranges: DimRanges) -> int:
+    """Insert a Guard for each graph input of ``checks`` (its ``(axis, dim)`` pairs, from
+    :func:`ho_onnx.graph.dims.ranged_inputs`) at the start of the main graph, in place; the
+    number inserted (none when the model has no cache op: nothing to protect)."""
+    graph = model.graph
+    first = next((n for n in graph if n.domain == contract.DOMAIN), None)
+    if first is None or not checks:
+        return 0
+    inputs = {v.name: v for v in graph.inputs}
+    used = _used_names(graph)
+    guards = []
+    for name, dims in checks.items():
+        v = inputs[name]
+        assert isinstance(v.type, ir.TensorType)
+        out = ir.Value(name=_fresh(f"{name}.ho_guard", used), type=ir.TensorType(v.type.dtype),
+                       shape=ir.Shape([0]))
+        guards.append(ir.Node(contract.DOMAIN, contract.GUARD, [v], [
+            ir.AttrInt64s(contract.ATTR_AXES, [a for a, _ in dims]),
+            ir.AttrInt64s(contract.ATTR_LO, [ranges[d][0] for _, d in dims]),
+            ir.AttrInt64s(contract.ATTR_HI, [ranges[d][1] for _, d in dims]),
+            ir.AttrString(contract.ATTR_DIMS, "\n".join(d for _, d in dims)),
+            ir.AttrString(contract.ATTR_INPUT, name),
+        ], outputs=[out], name=_fresh(f"ho.guard.{name}", used)))
+    graph.insert_before(next(iter(graph)), guards)
+    n = len(first.inputs)
+    first.resize_inputs(n + len(guards))
+    for i, g in enumerate(guards):
+        first.replace_input_with(n + i, g.outputs[0])
+    return len(guards)
