@@ -55,7 +55,8 @@ def make_seeds(work: Path) -> list[Path]:
     from ho_onnx.schedule.options import OffloadOptions
 
     seeds = []
-    for name, make, dims in (("chain", chain_model, {"N": 4}), ("two", two_weights_model, {})):
+    for name, make, dims in (("chain", chain_model, {"N": 4}), ("two", two_weights_model, {}),
+                             ("ranged", chain_model, {})):
         for tier in ("host", "disk"):
             model = make()
             d = work / f"seed-{name}-{tier}"
@@ -63,7 +64,8 @@ def make_seeds(work: Path) -> list[Path]:
             src = save(model, d / "src.onnx", external=True)
             out = d / "model.onnx"
             optimize(src, out, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1,
-                                              weight_tier=tier), dims)
+                                              weight_tier=tier), dims,
+                     dim_ranges={"N": (1, 8)} if name == "ranged" else None)  # (Guards)
             src.unlink()
             seeds.append(d)
     return seeds
@@ -91,15 +93,18 @@ def mutate_attr(m: onnx.ModelProto, rng: random.Random) -> None:
         del n.attribute[rng.randrange(len(n.attribute))]
         return
     name = rng.choice(["offset", "length", "shape", "tier", "location", "data_size",
-                       "data_fingerprint", "host_bytes", "name"])
+                       "data_fingerprint", "host_bytes", "name", "axes", "lo", "hi", "dims",
+                       "input"])
     for i, a in enumerate(n.attribute):
         if a.name == name:
             del n.attribute[i]
             break
     if name in ("offset", "length", "data_size", "host_bytes"):
         v = rng.choice(_INTS)
-    elif name == "shape":
+    elif name in ("shape", "axes", "lo", "hi"):
         v = [rng.choice(_INTS) for _ in range(rng.randrange(0, 4))]
+    elif name == "dims":
+        v = rng.choice(["", "N", "N\nN", "\n", "x" * 300, "N\n"])
     elif name == "tier":
         v = rng.choice(["host", "disk", "flash", ""])
     elif name == "location":
