@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from google.protobuf.message import EncodeError
 
-from ho_onnx import __version__
+from ho_onnx import __version__, kinds
 from ho_onnx.errors import HoOnnxError, printable
 from ho_onnx.schedule.options import (
     MIN_BYTES_BUDGET,
@@ -439,7 +439,7 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      show_default=True,
                      help="Offload an activation only across a gap of at least this many "
                           "nodes between two of its uses."),
-        click.option("--weight-tier", type=click.Choice(["host", "disk"]),
+        click.option("--weight-tier", type=click.Choice(list(kinds.tier_names())),
                      default=_DEFAULTS.weight_tier,
                      show_default=True,
                      help="Where offloaded weights wait: the library's host store, or the "

@@ -11,7 +11,7 @@ import ho_onnx
 ROOT = Path(ho_onnx.__file__).resolve().parent
 # Lowest first; a module may import from its own layer and the ones before it.
 LAYERS = [
-    {"ho_onnx.errors", "ho_onnx.contract", "ho_onnx.units", "ho_onnx._ops"},
+    {"ho_onnx.errors", "ho_onnx.contract", "ho_onnx.units", "ho_onnx.kinds", "ho_onnx._ops"},
     {"ho_onnx.graph"},
     {"ho_onnx.target"},
     {"ho_onnx.cost"},

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .. import kinds
 from ..errors import HoOnnxError
 from ..graph.save import read_json
 from .model import Direction
@@ -201,18 +202,17 @@ def load_machine(name_or_path: str | os.PathLike[str] | Machine,
     return m
 
 
-_DIRECTIONS = ("h2d", "d2h", "disk")
-_BANDWIDTH = {"h2d": "h2d_bw", "d2h": "d2h_bw", "disk": "disk_bw"}  # direction -> field
-
-
 def transfer_time(machine: Machine, nbytes: float, direction: Direction | str) -> float:
     """Seconds for one transfer: ``transfer_latency_s + nbytes / bandwidth``; 0 for 0 bytes.
 
-    ``direction`` is ``"h2d"`` (slow to fast tier), ``"d2h"`` (fast to slow) or ``"disk"``.
+    ``direction`` is a registered tier's copy direction (:func:`ho_onnx.kinds.links`:
+    ``"h2d"``, slow to fast tier, ``"d2h"``, fast to slow, ``"disk"``), whose bandwidth is
+    the machine field its link names.
     """
-    if direction not in _DIRECTIONS:
-        raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
+    bandwidth = kinds.bandwidths()
+    if direction not in bandwidth:
+        raise ValueError(f"direction must be one of {tuple(bandwidth)}, got {direction!r}")
     if nbytes <= 0:
         return 0.0
-    bw: float = getattr(machine, _BANDWIDTH[direction])
+    bw: float = getattr(machine, bandwidth[direction])
     return machine.transfer_latency_s + float(nbytes) / bw

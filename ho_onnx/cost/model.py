@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-Direction = Literal["h2d", "d2h", "disk"]
+# A copy direction: a registered tier's load or store link (ho_onnx.kinds: h2d, d2h, disk).
+Direction = str
 TransferTime = Callable[[int, Direction], float]  # (bytes, direction) -> seconds
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import onnx_ir as ir
 
-from .. import contract
+from .. import contract, kinds
 from ..errors import printable
 from ..graph.analyse import attribute_values, input_names
 from ..graph.dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
@@ -20,15 +20,16 @@ class Transfer:
     """One reload: a Prefetch and its Wait, with the schedule steps between them."""
 
     tensor: str
-    kind: str  # "weight" | "activation"
+    kind: str  # a registered kind's name (ho_onnx.kinds): "weight" | "activation"
     nbytes: int | None
     prefetch_step: int
     wait_step: int
     window_nodes: int  # compute nodes between prefetch and wait
     source: str  # "file@offset" for weights, the Store node for activations
-    # Where it waits between uses: "host" (the library's store or pool) or "disk" (a weight
-    # read from its data file at every Prefetch); found missing: the table did not say.
-    tier: str = "host"
+    # Where it waits between uses, a registered tier's name: "host" (the library's store or
+    # pool) or "disk" (a weight read from its data file at every Prefetch); found missing:
+    # the table did not say.
+    tier: str = kinds.HOST.name
 
 
 @dataclass
@@ -95,8 +96,9 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str, str]:
         source = f"{a[contract.ATTR_LOCATION]}@{a.get(contract.ATTR_OFFSET, 0)}"
         length = a.get(contract.ATTR_LENGTH)  # (a model may carry any type here: unknown)
         nbytes = length if isinstance(length, int) and length >= 0 else None
-        tier = "disk" if a.get(contract.ATTR_TIER) == "disk" else "host"
-        return str(a.get(contract.ATTR_NAME, "")), "weight", nbytes, source, tier
+        tier = kinds.tier_of_attribute(a.get(contract.ATTR_TIER)).name
+        # (the model does not say which kind that is not stored: every one reads like this)
+        return str(a.get(contract.ATTR_NAME, "")), kinds.WEIGHT.name, nbytes, source, tier
     det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
     names = input_names(det) if det is not None else []
     tensor = names[0] if names and names[0] else "?"
@@ -106,7 +108,7 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str, str]:
     if isinstance(y.type, ir.TensorType) and int(y.type.dtype) in ELEMENT_BITS and (
             y.shape is not None and all(isinstance(d, int) for d in y.shape)):
         nbytes = capped_nbytes(int(y.type.dtype), [int(d) for d in y.shape])
-    return tensor, "activation", nbytes, source, "host"
+    return tensor, kinds.ACTIVATION.name, nbytes, source, kinds.default_tier().name
 
 
 def format_summary(s: ModelSummary) -> str:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import kinds
 from ..errors import HoOnnxError
 from ..graph.save import write_atomic
 from ..units import binary_unit
@@ -33,11 +34,9 @@ if TYPE_CHECKING:
     from ..schedule.planner import Plan
     from ..schedule.simulate import Simulation, TransferEvent
 
-LANES = ("h2d", "d2h", "disk")
-_LANE_LABEL = {"h2d": "h2d\n(load)", "d2h": "d2h\n(store)", "disk": "disk\n(read)"}
 _COLORS = {  # (fill, alternate fill for every other bar on a lane)
-    "weight": ("#1f77b4", "#5fa2d6"),
-    "activation": ("#2ca02c", "#72c472"),
+    kinds.WEIGHT.name: ("#1f77b4", "#5fa2d6"),
+    kinds.ACTIVATION.name: ("#2ca02c", "#72c472"),
     "store": ("#ff7f0e", "#ffb063"),
 }
 _LABEL_MAX = 24  # transfers labelled with their tensor name up to this many
@@ -177,7 +176,10 @@ def _draw_channels(bot: Any, after: Simulation, transfers: list[TransferEvent],
                    act_names: set[str]) -> dict[str, int]:
     """Bottom panel: one lane per copy channel, a bar per transfer, its queueing and its
     stall; the lane of each channel."""
-    used = [d for d in LANES if any(e.direction == d for e in transfers)] or ["h2d", "d2h"]
+    lanes = {link.direction: link for link in kinds.links()}  # one per copy direction
+    store, load = kinds.stored_links()
+    used = [d for d in lanes if any(e.direction == d for e in transfers)] or [
+        load.direction, store.direction]
     lane_y = {d: i for i, d in enumerate(reversed(used))}  # first lane on top
     per_lane: dict[str, list[TransferEvent]] = {d: [] for d in used}
     for e in transfers:
@@ -185,7 +187,7 @@ def _draw_channels(bot: Any, after: Simulation, transfers: list[TransferEvent],
     issue_at = _issue_times(after)
     for d, evs in per_lane.items():
         _draw_lane(bot, lane_y[d], evs, issue_at, act_names)
-    bot.set_yticks([lane_y[d] for d in used], [_LANE_LABEL[d] for d in used], fontsize=8)
+    bot.set_yticks([lane_y[d] for d in used], [lanes[d].label for d in used], fontsize=8)
     bot.set_ylim(-0.6, len(used) - 0.4)
     bot.set_xlabel("predicted time (ms): before on its own axis, transfers on the planned one")
     bot.set_ylabel("copy channel (FIFO)")
@@ -202,7 +204,7 @@ def _draw_lane(bot: Any, y0: int, evs: list[TransferEvent], issue_at: dict[int, 
     marks: list[list[tuple[float, float]]] = []
     for j, e in enumerate(evs):
         what = "store" if e.kind == "store" else (
-            "activation" if e.tensor in act_names else "weight")
+            kinds.ACTIVATION.name if e.tensor in act_names else kinds.WEIGHT.name)
         dur = max(e.end_s - e.start_s, 0.0)
         groups.setdefault((what, j % 2, e.stall_s > 0), []).append((e.start_s * 1e3, dur * 1e3))
         issued = issue_at[id(e)]
@@ -251,8 +253,9 @@ def _channel_legend(transfers: list[TransferEvent], act_names: set[str]) -> list
     n_a = sum(1 for e in transfers if e.kind == "reload" and e.tensor in act_names)
     n_s = sum(1 for e in transfers if e.kind == "store")
     n_stall = sum(1 for e in transfers if e.stall_s > 0)
-    return [Patch(color=_COLORS["weight"][0], label=f"weight reload ({n_w})"),
-            Patch(color=_COLORS["activation"][0], label=f"activation reload ({n_a})"),
+    return [Patch(color=_COLORS[kinds.WEIGHT.name][0], label=f"weight reload ({n_w})"),
+            Patch(color=_COLORS[kinds.ACTIVATION.name][0],
+                  label=f"activation reload ({n_a})"),
             Patch(color=_COLORS["store"][0], label=f"activation store ({n_s})"),
             Patch(facecolor="white", edgecolor="#d62728",
                   label=f"compute waited ({n_stall}; red mark: the stall)"),

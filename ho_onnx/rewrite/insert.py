@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto
 
-from .. import contract
+from .. import contract, kinds
 from ..graph.analyse import GraphAnalysis, TensorInfo, attribute_values
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
@@ -146,8 +146,9 @@ class _Emitter:
         for c in w.shape_readers:
             self.replace[c] = [int(x) for x in t.shape]
         attrs = [ir.AttrInt64s("shape", [int(x) for x in t.shape]), ir.AttrString("name", w.name)]
-        if w.tier != "host":
-            attrs.append(ir.AttrString(contract.ATTR_TIER, w.tier))
+        tier = kinds.tier(w.tier)
+        if tier is not kinds.default_tier():  # the default is written as no attribute
+            attrs.append(ir.AttrString(contract.ATTR_TIER, tier.name))
         for k, (c, s) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
             y = self.names.fresh(f"{w.name}.ho_y{k}")
             z = self.names.fresh(f"{w.name}.ho_z{k}")
@@ -156,7 +157,7 @@ class _Emitter:
             pf_deps = self.dep_before(s) or _first_graph_input(self.analysis)
             pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *pf_deps], [self.like(y, t)],
                          f"ho.prefetch.{w.name}.{k}", *attrs,
-                         channel=channel_of_tier(w.tier))
+                         channel=tier.channel)
             wait = self.op(contract.WAIT, [y, *self.dep_before(c, floor=s - 1)], [self.like(z, t)],
                            f"ho.wait.{w.name}.{k}")
             self.before_pf[s].append(pf)
@@ -178,7 +179,8 @@ class _Emitter:
                          [_token(token2, t.elem_type)], f"ho.detach.{a.name}")
         u, s = a.late[0], a.prefetch_at
         pf = self.op(contract.PREFETCH, [token2, *self.dep_before(s, floor=a.last_early)],
-                     [self.like(y, t)], f"ho.prefetch.{a.name}", channel=channel_of_tier("host"))
+                     [self.like(y, t)], f"ho.prefetch.{a.name}",
+                     channel=kinds.default_tier().channel)
         wait = self.op(contract.WAIT, [y, *self.dep_before(u, floor=s - 1)], [self.like(z, t)],
                        f"ho.wait.{a.name}")
         self.after[a.producer].append(store)
@@ -311,19 +313,20 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     return result
 
 
-def channel_of_tier(tier: str) -> str:
-    """The copy channel a Prefetch's transfer queues on: ``"disk"`` for a disk-tier weight,
-    ``"load"`` (host to device) for a host-tier weight or a stored activation."""
-    return "disk" if tier == "disk" else "load"
+def channel_of_tier(tier: str | None) -> str:
+    """The copy channel a Prefetch's transfer queues on: its tier's (``"disk"`` for a
+    disk-tier weight, ``"load"`` (host to device) for a host-tier weight or a stored
+    activation); None or an unknown name: the default tier's."""
+    return kinds.tier_of_attribute(tier).channel
 
 
 def prefetch_channel(node: onnx.NodeProto | ir.Node) -> str:
-    """:func:`channel_of_tier` of a Prefetch node (its ``tier`` attribute, host if none)."""
+    """:func:`channel_of_tier` of a Prefetch node (its ``tier`` attribute, default if none)."""
     if isinstance(node, ir.Node):
         tier = node.attributes.get(contract.ATTR_TIER)
-        return channel_of_tier(tier.value if tier is not None else "host")
+        return channel_of_tier(tier.value if tier is not None else None)
     return channel_of_tier(next((a.s.decode() for a in node.attribute
-                                 if a.name == contract.ATTR_TIER), "host"))
+                                 if a.name == contract.ATTR_TIER), None))
 
 
 def shape_constant_value(node: ir.Node, dims: list[int]) -> TensorProto:

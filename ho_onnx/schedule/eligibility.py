@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .. import kinds
 from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
+from ..kinds import TensorKind
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
 from ..target.ort.placement import (
     HOST_INPUT_REASON,
@@ -16,15 +18,21 @@ from ..target.ort.placement import (
     predict_cuda_placement,
 )
 from .lifetimes import Sizes
+from .options import OffloadOptions
 from .types import OffloadChoice, WeightOffload
 
 
-def kind_of(t: TensorInfo) -> str | None:
-    """``"weight"`` (an initializer), ``"activation"`` (a node output) or None (a graph
-    input: the caller owns its memory)."""
-    if t.is_initializer:
-        return "weight"
-    return "activation" if t.producer is not None else None
+def kind_of(t: TensorInfo) -> TensorKind | None:
+    """The registered kind of ``t`` (:func:`ho_onnx.kinds.kind_of`: a weight is an
+    initializer, an activation a node output), or None (a graph input: the caller owns its
+    memory)."""
+    return kinds.kind_of(t)
+
+
+def wanted(kind: TensorKind | None, options: OffloadOptions) -> bool:
+    """Whether ``options`` let tensors of ``kind`` be offloaded (its option field; a kind
+    whose field the options lack is never offloaded)."""
+    return kind is not None and bool(getattr(options, kind.option, False))
 
 
 OVERRIDABLE_REASON = "initializer that is also a graph input (overridable)"

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import kinds
 from ..graph.analyse import Dim, GraphAnalysis, TensorInfo
 from .types import ActivationOffload, OffloadChoice
 
@@ -156,8 +157,10 @@ def stored_intervals(activations: Iterable[ActivationOffload]) -> list[Interval]
 
 
 def host_bytes(choice: OffloadChoice) -> int:
-    """Peak bytes the slow tier holds: host-tier weights plus the stored peak."""
-    return sum(w.nbytes for w in choice.weights if w.tier == "host") + stored_peak_bytes(choice)
+    """Peak bytes the slow tier holds: weights of the tiers in host memory plus the stored
+    peak."""
+    return sum(w.nbytes for w in choice.weights if kinds.tier(w.tier).in_host_memory) + \
+        stored_peak_bytes(choice)
 
 
 def peak(intervals: list[Interval], default: int = 0) -> int:

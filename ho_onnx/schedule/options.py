@@ -7,6 +7,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from ..kinds import HOST, tier_names
 from ..units import parse_size
 from .types import Tier
 
@@ -51,7 +52,7 @@ class OffloadOptions:
     activations: bool = True
     min_bytes: int | None = None
     min_gap: int = 2
-    weight_tier: Tier = "host"
+    weight_tier: Tier = HOST.name
     prefetch_distance: int = 2
     budget: int | None = None
     host_budget: int | None = None
@@ -63,8 +64,9 @@ class OffloadOptions:
 
     def __post_init__(self) -> None:
         self._check_types()
-        if self.weight_tier not in ("host", "disk"):
-            raise ValueError(f"weight_tier must be host|disk, not {self.weight_tier!r}")
+        if self.weight_tier not in tier_names():
+            raise ValueError(f"weight_tier must be {'|'.join(tier_names())}, "
+                             f"not {self.weight_tier!r}")
         for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

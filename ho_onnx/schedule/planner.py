@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import kinds
 from ..cost.model import CostModel
 from ..cost.source import CostSource
 from ..errors import HoOnnxError, UnsupportedModelError
@@ -60,6 +61,7 @@ from .eligibility import (
     long_gaps,
     placement_reasons,
     split_shape_readers,
+    wanted,
 )
 from .lifetimes import (
     Interval,
@@ -89,7 +91,8 @@ class Candidate(NamedTuple):  # thousands per plan: a tuple is built 3x faster
     """A tensor the planner may offload, with its uses and score (module docstring, 1)."""
 
     name: str
-    kind: str  # "weight" | "activation"
+    kind: str  # a registered kind's name (ho_onnx.kinds)
+    stored: bool  # its kind's ``stored``: Store/Detach, then one reload (else one per use)
     nbytes: int
     uses: tuple[int, ...]  # data readers, ascending
     shape_readers: tuple[int, ...]
@@ -210,13 +213,13 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
     # Python floats: the same sums and differences as numpy's, without a scalar object each
     compute_s, prefix = costs.compute_s.tolist(), costs.prefix().tolist()
     min_bytes = opts.min_bytes_or_default
-    wanted = {"weight": opts.weights, "activation": opts.activations}
     groups = WeightGroups.of(analysis)
+    store, load = (link.direction for link in kinds.stored_links())
     out: list[Candidate] = []
     placement = placement_reasons(analysis)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
-        if kind is None or not wanted[kind]:
+        if kind is None or not wanted(kind, opts):
             continue
         reason = ineligible(t) or placement.get(name) or groups.companion_reason(name) or (
             None if name in spans else "not resident")
@@ -231,14 +234,15 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             skipped[name] = reason
             continue
         assert nbytes is not None
-        if kind == "weight":
+        if not kind.stored:
             own, shape_readers = split_shape_readers(analysis, t)
             uses = groups.data_uses(analysis, name, own)  # with its scales and zero points
             nbytes = groups.nbytes(analysis, name, dims, sizes)
-            tt = costs.transfer_time(nbytes, "disk" if opts.weight_tier == "disk" else "h2d")
+            tt = costs.transfer_time(nbytes, kinds.tier(opts.weight_tier).load.direction)
             busy = sum(compute_s[c] for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
-            out.append(Candidate(name, kind, nbytes, uses, shape_readers, -1, score, spans[name]))
+            out.append(Candidate(name, kind.name, False, nbytes, uses, shape_readers, -1, score,
+                                 spans[name]))
             continue
         assert t.producer is not None
         uses = tuple(sorted(t.consumers))
@@ -247,9 +251,9 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             skipped[name] = f"largest gap {largest_gap(t.producer, uses)[0]} < min_gap"
             continue
         best = max([0.0, *(prefix[e] - prefix[s + 1] for s, e in idle)])
-        tt = costs.transfer_time(nbytes, "d2h") + costs.transfer_time(nbytes, "h2d")
-        out.append(Candidate(name, kind, nbytes, uses, (), t.producer, nbytes * best / tt,
-                             spans[name]))
+        tt = costs.transfer_time(nbytes, store) + costs.transfer_time(nbytes, load)
+        out.append(Candidate(name, kind.name, True, nbytes, uses, (), t.producer,
+                             nbytes * best / tt, spans[name]))
     out.sort(key=lambda c: -c.score)
     return out
 
@@ -257,7 +261,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
 def _early_uses_if_freed_at(c: Candidate, s: int, min_gap: int) -> tuple[int, ...] | None:
     """Early uses of ``c`` offloaded so that it leaves the fast tier at step ``s`` (None: no
     offload of ``c`` frees step ``s``)."""
-    if c.kind == "weight":
+    if not c.stored:
         return None if s in c.uses or not c.uses else ()
     if s <= c.producer or s in c.uses:
         return None
@@ -271,7 +275,7 @@ def _early_uses_if_freed_at(c: Candidate, s: int, min_gap: int) -> tuple[int, ..
 
 def _early_uses_at_largest_gap(c: Candidate, min_gap: int) -> tuple[int, ...] | None:
     """Early uses of ``c`` offloaded across its largest gap (None: no gap of ``min_gap``)."""
-    if c.kind == "weight":
+    if not c.stored:
         return ()
     gap, k = largest_gap(c.producer, c.uses)
     return tuple(c.uses[:k]) if gap >= min_gap else None
@@ -279,7 +283,7 @@ def _early_uses_at_largest_gap(c: Candidate, min_gap: int) -> tuple[int, ...] | 
 
 def _just_in_time_intervals(c: Candidate, early: tuple[int, ...]) -> list[Interval]:
     """Fast-tier intervals of ``c`` offloaded with every reload just before its reader."""
-    if c.kind == "weight":
+    if not c.stored:
         return [(u, u, c.nbytes) for u in c.uses]
     late = [u for u in c.uses if u not in early]
     last_early = early[-1] if early else c.producer
@@ -398,28 +402,31 @@ def _breaks_budget_at(ctx: _Context, mem: np.ndarray, c: Candidate, early: tuple
 
 def _assign_tiers(ctx: _Context, early: Mapping[str, tuple[int, ...]],
                   tiers: Mapping[str, Tier]) -> dict[str, Tier]:
-    """Tiers that fit ``options.host_budget``: offloaded weights move to the disk tier (from
+    """Tiers that fit ``options.host_budget``: offloaded weights of a tier in host memory
+    move to the next tier that is not (:func:`~ho_onnx.kinds.spill_tier`: disk) (from
     ``tiers``, the previous assignment), those read fewest times and biggest first (each
     byte moved frees host memory for the fewest disk reads)."""
     opts = ctx.options
-    out = {k: tiers.get(k, opts.weight_tier) for k in early
-           if ctx.by_name[k].kind == "weight"}
+    out = {k: tiers.get(k, opts.weight_tier) for k in early if not ctx.by_name[k].stored}
     if opts.host_budget is None:
         return out
     acts = peak([(c.producer, c.uses[-1], c.nbytes) for c in map(ctx.by_name.get, early)
-                 if c is not None and c.kind == "activation"])
+                 if c is not None and c.stored])
     if acts > opts.host_budget:
         raise InfeasibleBudgetError(
             f"host budget {format_bytes(opts.host_budget)} is below the {format_bytes(acts)} "
             "the offloaded activations need on the host at once; raise --host-budget or the "
             "device budget", acts)
-    on_host = sorted((ctx.by_name[k] for k, tier in out.items() if tier == "host"),
-                     key=lambda c: (len(c.uses), -c.nbytes))
-    weights = sum(c.nbytes for c in on_host)
-    for c in on_host:
+    on_host = sorted(((ctx.by_name[k], spill) for k, tier in out.items()
+                      if (t := kinds.tier(tier)).in_host_memory
+                      and (spill := kinds.spill_tier(t)) is not None),
+                     key=lambda cs: (len(cs[0].uses), -cs[0].nbytes))
+    weights = sum(ctx.by_name[k].nbytes for k, tier in out.items()
+                  if kinds.tier(tier).in_host_memory)
+    for c, spill in on_host:
         if weights + acts <= opts.host_budget:
             break
-        out[c.name] = "disk"
+        out[c.name] = spill.name
         weights -= c.nbytes
     return out
 
@@ -434,20 +441,21 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
     reloads: list[tuple[int, str, int]] = []  # (reader, name, index of reload)
     for name, early in sel.early.items():
         c = ctx.by_name[name]
-        if c.kind == "weight":
+        if not c.stored:
             reloads.extend((u, name, k) for k, u in enumerate(c.uses))
         else:
             reloads.append((next(u for u in c.uses if u not in early), name, 0))
     reloads.sort()
     positions: dict[tuple[str, int], int] = {}
-    free = {"h2d": 0.0, "disk": 0.0}
-    last_issue = {"h2d": 0, "disk": 0}
+    free = dict.fromkeys((t.load.direction for t in kinds.tiers()), 0.0)
+    last_issue = dict.fromkeys(free, 0)
+    home = kinds.default_tier().name  # where stored tensors wait
     for u, name, k in reloads:
         c = ctx.by_name[name]
-        direction = "disk" if sel.tiers.get(name) == "disk" else "h2d"
-        tt = ctx.costs.transfer_time(c.nbytes, direction)  # type: ignore[arg-type]
+        direction = kinds.tier(sel.tiers.get(name, home)).load.direction
+        tt = ctx.costs.transfer_time(c.nbytes, direction)
         early = sel.early[name]
-        lo = 0 if c.kind == "weight" else (early[-1] if early else c.producer) + 1
+        lo = 0 if not c.stored else (early[-1] if early else c.producer) + 1
         lo = max(lo, last_issue[direction])
         margin = (opts.preferred_overlap - 1.0) * tt
         best_p, best_end = u, max(prefix[u], free[direction]) + tt
@@ -474,7 +482,7 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
     choice = OffloadChoice(decided_by="planner")
     for name, early in sel.early.items():
         c = ctx.by_name[name]
-        if c.kind == "weight":
+        if not c.stored:
             choice.weights.append(WeightOffload(
                 name, c.nbytes, c.uses, tuple(positions[(name, k)] for k in range(len(c.uses))),
                 c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier)))

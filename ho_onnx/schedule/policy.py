@@ -15,6 +15,7 @@ from .eligibility import (
     largest_gap,
     placement_reasons,
     split_shape_readers,
+    wanted,
 )
 from .options import OffloadOptions
 from .types import ActivationOffload, Decision, OffloadChoice, WeightOffload
@@ -43,16 +44,15 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     """Apply the explicit policy to every tensor of the main graph; every candidate of the
     chosen kinds that stays resident gets its reason in ``skipped``."""
     choice = OffloadChoice(describe(options))
-    wanted = {"weight": options.weights, "activation": options.activations}
     placement = placement_reasons(analysis)
     groups = WeightGroups.of(analysis)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
-        if kind is None or not wanted[kind]:
+        if kind is None or not wanted(kind, options):
             continue
         reason = ineligible(t) or placement.get(name) or (
-            groups.companion_reason(name) or _weight(analysis, t, options, dims, choice, groups)
-            if kind == "weight" else _activation(t, options, dims, choice))
+            _activation(t, options, dims, choice) if kind.stored else
+            groups.companion_reason(name) or _weight(analysis, t, options, dims, choice, groups))
         if reason:
             choice.skipped[name] = reason
     groups.split(analysis, choice, dims)

@@ -27,6 +27,7 @@ from typing import Literal
 
 import numpy as np
 
+from .. import kinds
 from ..cost.model import Direction, TransferTime
 from ..graph.analyse import GraphAnalysis
 from .lifetimes import Residency, schedule_memory
@@ -107,8 +108,9 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     events = _events(choice)
     loads_at, waits_at, stores_after, detach_after = _by_position(events, n)
     stored = {ev.tensor: ev for ev in events if ev.kind == "store"}
-    staging = _staging_pool(n, loads_at, waits_at) if host_ahead else None
-    free = {"h2d": 0.0, "d2h": 0.0, "disk": 0.0}
+    staged = kinds.host_loads()  # loads through the CUDA engine's device staging buffers
+    staging = _staging_pool(n, loads_at, waits_at, staged) if host_ahead else None
+    free = dict.fromkeys((link.direction for link in kinds.links()), 0.0)
     now = 0.0
     starts = np.zeros(n)
     compute_s = np.asarray(compute_s, dtype=np.float64)
@@ -116,9 +118,9 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     for i in range(n):
         for ev in loads_at.get(i, ()):
             ready = now
-            if staging is not None and ev.direction == "h2d":
+            if staging is not None and ev.direction in staged:
                 ready = staging[ev.nbytes].popleft()  # its buffer's last Wait copy
-            if ev.tensor in stored and ev.direction == "h2d":
+            if ev.tensor in stored:  # a stored tensor's reload: after its store
                 ready = max(ready, stored[ev.tensor].end_s)
             ev.start_s = max(ready, free[ev.direction])
             ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
@@ -129,14 +131,14 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
                 now = ev.end_s
         if staging is not None:
             for ev in waits_at.get(i, ()):
-                if ev.direction == "h2d":
+                if ev.direction in staged:
                     staging[ev.nbytes].append(now)  # the Wait copies out: buffer free then
         starts[i] = now
         now += seconds[i]
         for ev in stores_after.get(i, ()):
-            ev.start_s = max(now, free["d2h"])
-            ev.end_s = ev.start_s + transfer_time(ev.nbytes, "d2h")
-            free["d2h"] = ev.end_s
+            ev.start_s = max(now, free[ev.direction])
+            ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
+            free[ev.direction] = ev.end_s
         for ev in detach_after.get(i, ()):
             if ev.end_s > now:
                 ev.stall_s = ev.end_s - now
@@ -147,7 +149,8 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
 
 
 def _staging_pool(n: int, loads_at: Mapping[int, list[TransferEvent]],
-                  waits_at: Mapping[int, list[TransferEvent]]) -> dict[int, deque[float]]:
+                  waits_at: Mapping[int, list[TransferEvent]], staged: frozenset[str]
+                  ) -> dict[int, deque[float]]:
     """Per size, the ready times of the free device staging buffers at the start of a run:
     as many as the run holds at once (taken at a Prefetch, given back at its Wait, in the
     order the host issues them), all free (the last run's copies are done)."""
@@ -155,11 +158,11 @@ def _staging_pool(n: int, loads_at: Mapping[int, list[TransferEvent]],
     most: dict[int, int] = {}
     for i in range(n):
         for ev in loads_at.get(i, ()):
-            if ev.direction == "h2d":
+            if ev.direction in staged:
                 held[ev.nbytes] = held.get(ev.nbytes, 0) + 1
                 most[ev.nbytes] = max(most.get(ev.nbytes, 0), held[ev.nbytes])
         for ev in waits_at.get(i, ()):
-            if ev.direction == "h2d":
+            if ev.direction in staged:
                 held[ev.nbytes] -= 1
     return {b: deque([0.0] * k) for b, k in most.items()}
 
@@ -171,11 +174,14 @@ def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
     if choice is None:
         return events
     for w in choice.weights:
-        d: Direction = "disk" if w.tier == "disk" else "h2d"
+        d: Direction = kinds.tier(w.tier).load.direction
         events.extend(TransferEvent(w.name, "reload", d, w.nbytes, p, c)
                       for c, p in zip(w.consumers, w.prefetch_at, strict=True))
+    store, load = kinds.stored_links()
     for a in choice.activations:
         b = a.nbytes or 0
-        events.append(TransferEvent(a.name, "store", "d2h", b, a.producer, a.last_early))
-        events.append(TransferEvent(a.name, "reload", "h2d", b, a.prefetch_at, a.late[0]))
+        events.append(TransferEvent(a.name, "store", store.direction, b, a.producer,
+                                    a.last_early))
+        events.append(TransferEvent(a.name, "reload", load.direction, b, a.prefetch_at,
+                                    a.late[0]))
     return events

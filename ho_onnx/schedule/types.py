@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
+from .. import kinds
 from ..graph.analyse import GraphAnalysis
 
-Tier = Literal["host", "disk"]
+# A registered tier's name (ho_onnx.kinds: host, disk, and any tier registered there).
+Tier = str
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,10 @@ class WeightOffload:
     consumers: tuple[int, ...]
     prefetch_at: tuple[int, ...]
     shape_readers: tuple[int, ...] = ()
-    tier: Tier = "host"
+    tier: Tier = kinds.HOST.name
 
     def __post_init__(self) -> None:
+        kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
         if len(self.prefetch_at) != len(self.consumers) or any(
             not 0 <= p <= c for p, c in zip(self.prefetch_at, self.consumers, strict=True)
         ):
