@@ -12,29 +12,8 @@ from collections.abc import Mapping, Sequence
 import onnx_ir as ir
 
 from .. import contract
-from ..graph.analyse import all_graphs
 from ..graph.dims import DimRanges
-
-
-def _used_names(graph: ir.Graph) -> set[str]:
-    used: set[str] = set()
-    for g in all_graphs(graph):
-        used.update(v.name for v in (*g.inputs, *g.outputs) if v.name)
-        used.update(g.initializers)
-        for n in g:
-            used.update(v.name for v in n.outputs if v.name)
-            if n.name:
-                used.add(n.name)
-    return used
-
-
-def _fresh(base: str, used: set[str]) -> str:
-    name, k = base, 1
-    while name in used:
-        k += 1
-        name = f"{base}.{k}"
-    used.add(name)
-    return name
+from .insert import Names
 
 
 def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]]],
@@ -47,12 +26,12 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
     if first is None or not checks:
         return 0
     inputs = {v.name: v for v in graph.inputs}
-    used = _used_names(graph)
+    names = Names(graph)
     guards = []
     for name, dims in checks.items():
         v = inputs[name]
         assert isinstance(v.type, ir.TensorType)
-        out = ir.Value(name=_fresh(f"{name}.ho_guard", used), type=ir.TensorType(v.type.dtype),
+        out = ir.Value(name=names.fresh(f"{name}.ho_guard"), type=ir.TensorType(v.type.dtype),
                        shape=ir.Shape([0]))
         guards.append(ir.Node(contract.DOMAIN, contract.GUARD, [v], [
             ir.AttrInt64s(contract.ATTR_AXES, [a for a, _ in dims]),
@@ -60,7 +39,7 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
             ir.AttrInt64s(contract.ATTR_HI, [ranges[d][1] for _, d in dims]),
             ir.AttrString(contract.ATTR_DIMS, "\n".join(d for _, d in dims)),
             ir.AttrString(contract.ATTR_INPUT, name),
-        ], outputs=[out], name=_fresh(f"ho.guard.{name}", used)))
+        ], outputs=[out], name=names.fresh(f"ho.guard.{name}")))
     graph.insert_before(next(iter(graph)), guards)
     n = len(first.inputs)
     first.resize_inputs(n + len(guards))

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from .. import contract, kinds
-from ..graph.analyse import GraphAnalysis, TensorInfo, attribute_values
+from ..graph.analyse import GraphAnalysis, TensorInfo, all_graphs, attribute_values
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
 from ..schedule.eligibility import cuda_host_tensors
@@ -42,17 +42,16 @@ class RewrittenModel:
     cache_nodes: int = 0
 
 
-class _Names:
-    """Fresh value/node names that clash with nothing in any scope."""
+class Names:
+    """Fresh value/node names that clash with nothing in any scope of ``graph``."""
 
-    def __init__(self, analysis: GraphAnalysis) -> None:
-        used = set(analysis.values)  # the main graph's values, then its nodes, then subgraphs
-        used.update(n.name for n in analysis.nodes if n.name)
-        for g in analysis.owners:
+    def __init__(self, graph: ir.Graph) -> None:
+        used: set[str] = set()
+        for g in all_graphs(graph):  # (values a node reads but nothing defines too)
             used.update(v.name for v in (*g.inputs, *g.outputs) if v.name)
             used.update(g.initializers)
             for n in g:
-                used.update(v.name for v in n.outputs if v.name)
+                used.update(v.name for v in (*n.inputs, *n.outputs) if v is not None and v.name)
                 if n.name:
                     used.add(n.name)
         self.used = used
@@ -93,7 +92,7 @@ def _token(name: str, elem_type: int) -> _Out:
 class _Emitter:
     """Decides the cache ops of one rewrite by schedule position, then builds them."""
 
-    def __init__(self, analysis: GraphAnalysis, names: _Names) -> None:
+    def __init__(self, analysis: GraphAnalysis, names: Names) -> None:
         self.analysis = analysis
         self.names = names
         # Never an ordering input: a tensor in host memory on the CUDA EP would pull the
@@ -296,7 +295,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
                          "rewritten; analyse the model again")
     analysis.derived[_SPENT] = True
     model = analysis.model
-    em = _Emitter(analysis, _Names(analysis))
+    em = _Emitter(analysis, Names(analysis.model.graph))
     for w in choice.weights:
         em.offload_weight(w)
     ring = stored_peak_bytes(choice)
