@@ -161,6 +161,22 @@ def test_infeasible_budget_says_why_each_listed_tensor_stays():
         plan(a, OffloadOptions(budget=1 << 10, min_bytes=0), CostModel(np.ones(1), linear()))
 
 
+def test_infeasible_budget_counts_the_callers_inputs():
+    """A KV cache's past (graph inputs, many of them) is most of the floor at long contexts,
+    but the four largest tensors left it out (issue 36): the refusal adds up the graph inputs
+    resident at the peak."""
+    from models.decoder import build_decoder
+
+    a = analyse(build_decoder(layers=4, hidden=64, heads=4, kv_cache=True, max_positions=4096),
+                {"batch": 1, "seq": 1, "past": 2048})
+    cs = np.full(len(a.order), 1e-3)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan(a, OffloadOptions(budget=1 << 20, min_bytes=0), CostModel(cs, linear()),
+             {"batch": 1, "seq": 1, "past": 2048})
+    # 4 layers x (key, value) x [1, 4, 2048, 16] fp32 = 8 x 512 KiB
+    assert "8 graph inputs hold 4.00 MiB (the caller's: past_" in str(e.value), str(e.value)
+
+
 def test_empty_tensors_are_never_candidates():
     """A tensor of 0 bytes (a dim bound to 0, or an empty weight) stays resident, with its
     reason: it was scored by dividing by its transfer time, 0 (found by hand: ``optimize
