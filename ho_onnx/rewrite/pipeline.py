@@ -45,6 +45,7 @@ from .passes import (
     DecidePass,
     InsertPass,
     PlaceDataPass,
+    VerifySchedulePass,
     run_steps,
 )
 
@@ -255,7 +256,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                       "inference")
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
-            run_steps(loaded.model, InsertPass(), AnnotatePass(dims),
+            run_steps(loaded.model, InsertPass(), VerifySchedulePass(), AnnotatePass(dims),
                       PlaceDataPass(loaded.base_dir, Path(out_path)))
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
