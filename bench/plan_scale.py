@@ -15,6 +15,8 @@ Phases, each timed on its own (best of ``--repeat``):
   up to ``--arena-refits`` more plans while ORT's replayed arena exceeds the budget
 * ``insert``: :func:`ho_onnx.rewrite.insert.insert_cache_ops` (in place, on a fresh analysis
   each repetition)
+* ``verify``: :func:`ho_onnx.rewrite.invariants.check_schedule` on the rewritten model (the
+  check production runs after every insertion)
 * ``save``: :func:`ho_onnx.rewrite.place.place_weight_data` + :func:`ho_onnx.graph.save.save_model`
   (the ``onnx_ir`` model serialised and written; the data file is linked/copied)
 
@@ -56,13 +58,14 @@ from ho_onnx.graph.analyse import analyse  # noqa: E402
 from ho_onnx.graph.load import load_model  # noqa: E402
 from ho_onnx.graph.save import save_model  # noqa: E402
 from ho_onnx.rewrite.insert import insert_cache_ops  # noqa: E402
+from ho_onnx.rewrite.invariants import check_schedule  # noqa: E402
 from ho_onnx.rewrite.place import place_weight_data  # noqa: E402
 from ho_onnx.schedule.options import OffloadOptions  # noqa: E402
 from ho_onnx.schedule.planner import Plan, plan  # noqa: E402
 from ho_onnx.schedule.simulate import simulate  # noqa: E402
 from models.decoder import build_decoder  # noqa: E402
 
-PHASES = ("load+analyse", "costs", "plan", "insert", "save")
+PHASES = ("load+analyse", "costs", "plan", "insert", "verify", "save")
 TARGET_NODES = 10_000
 TARGET_S = 10.0
 
@@ -103,6 +106,7 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
     fresh = [load_analyse() for _ in range(args.repeat)]
     it = iter(fresh)
     sec["insert"], rw = _best(lambda: insert_cache_ops(next(it)[1], p.choice), args.repeat)
+    sec["verify"], _ = _best(lambda: check_schedule(rw.model), args.repeat)
     loaded = fresh[-1][0]
     out = work / f"dec{layers}.ho.onnx"
     sec["save"], _ = _best(lambda: save_model(place_weight_data(rw, loaded.base_dir, out),

@@ -6,11 +6,13 @@ custom-op library executes them inside an ordinary ORT session.
 
 Glossary (full version and the op contract: docs/design.md)
     fast tier        memory the kernels read (GPU memory; ORT's buffers on the CPU EP)
-    slow tier        the library's host store / host pool (later: disk)
+    slow tier        the library's host store / host pool, or the disk (a disk-tier
+                     weight is read from its data file at every reload)
     residency        the schedule interval during which a tensor occupies the fast tier
     prefetch window  the compute between a Prefetch being issued and its Wait
     overlap ratio    compute time in a prefetch window / the transfer's time (>= 1 hides it)
-    channel          a FIFO transfer queue per direction (load, store)
+    channel          a FIFO transfer queue per direction (load: slow→fast, store:
+                     fast→slow, disk: file→fast)
     ordering input   an extra cache-op input meaning only "not before"
 
 Packages, lower layers first (each imports only from those before it): :mod:`.graph`

@@ -56,3 +56,8 @@ class OutputPathError(HoOnnxError):
 
 class VerificationError(HoOnnxError):
     """Original and optimized models disagree."""
+
+
+class ScheduleError(HoOnnxError):
+    """The rewritten graph breaks an invariant of the schedule the insertion promises (a
+    rewriter bug: :mod:`ho_onnx.rewrite.invariants`)."""

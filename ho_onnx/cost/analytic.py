@@ -17,10 +17,10 @@ from ..graph.analyse import (
     GraphAnalysis,
     TensorInfo,
     attribute_values,
-    eval_dim,
     input_names,
     output_names,
 )
+from ..graph.dims import eval_dim
 from ..graph.dtypes import capped_numel
 from ..graph.gcpause import gc_paused
 from ..target.ort.facts import never_runs

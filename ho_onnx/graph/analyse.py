@@ -12,9 +12,7 @@ analysis are not the model's).
 
 from __future__ import annotations
 
-import ast
 import functools
-import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,16 +21,9 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto
 
-from ..errors import ModelLoadError, UnboundDimError, UnsupportedModelError
+from ..errors import ModelLoadError, UnsupportedModelError
 from .bounded import start_infer_shapes
-from .dims import (
-    MAX_DIM_EXPRESSION,
-    check_bindings,
-    dim_hint,
-    dim_text,
-    parse_dim,
-    shape_text,
-)
+from .dims import check_bindings, eval_dim, shape_text
 from .dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from .gcpause import gc_paused
 
@@ -83,52 +74,6 @@ class TensorInfo:
                 f"tensor {self.name!r} would have over 1 PiB (shape "
                 f"{shape_text(self.shape)}): check its shape and the --dim values")
         return nbytes
-
-
-_DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-            ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
-
-
-def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
-    """Value of a symbolic dim: a bound name, or an arithmetic expression of bound names
-    (exporters write dims such as ``seq + 1`` or ``2*batch``).
-
-    Raises :class:`UnboundDimError` naming the first name without a value.
-    """
-    if dim in dims:
-        return int(dims[dim])
-    tree = parse_dim(dim)
-
-    def ev(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name):
-            if node.id not in dims:
-                raise UnboundDimError(
-                    f"tensor {tensor!r} has symbolic dimension {node.id!r}"
-                    + (f" (in {dim!r})" if node.id != dim else "")
-                    + f" with no value: pass {dim_hint(node.id)}"
-                )
-            return int(dims[node.id])
-        if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS:
-            return _DIM_OPS[type(node.op)](ev(node.left), ev(node.right))
-        raise ValueError(dim)
-
-    if tree is not None:
-        try:
-            return ev(tree)
-        except (ValueError, ZeroDivisionError, RecursionError):
-            pass
-    if tree is None and len(dim) > MAX_DIM_EXPRESSION:
-        raise UnboundDimError(
-            f"tensor {tensor!r} has symbolic dimension {dim_text(dim)!r} with no value, too "
-            f"long to be an expression of names (over {MAX_DIM_EXPRESSION} characters): pass "
-            "the whole shapes of the inputs that have it with --shape")
-    raise UnboundDimError(
-        f"tensor {tensor!r} has symbolic dimension {dim!r} with no value: pass {dim_hint(dim)}"
-    )
 
 
 _UNBOUND = "unbound_types"  # key in GraphAnalysis.derived

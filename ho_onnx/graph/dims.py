@@ -2,7 +2,7 @@
 one error naming every dim a command still needs.
 
 Dims are names (``batch``) or arithmetic expressions of names (``past_sequence_length +
-sequence_length``, ``2*seq``), evaluated as :func:`ho_onnx.graph.analyse.eval_dim` does. A dim
+sequence_length``, ``2*seq``), evaluated by :func:`eval_dim`. A dim
 without a name (``?`` in the viewer, no ``dim_param``), or whose name is no expression
 (``?``, ``p2o.DynamicDimension.0``, ``batch-size``), cannot be given with ``--dim``: the
 input's whole shape is given instead, as ``trtexec --shapes`` does.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import difflib
 import numbers
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -64,6 +65,52 @@ def parse_dim(dim: str) -> ast.Expression | None:
         return ast.parse(dim, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
+
+
+_DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+            ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
+
+
+def eval_dim(dim: str, dims: Mapping[str, int], tensor: str = "?") -> int:
+    """Value of a symbolic dim: a bound name, or an arithmetic expression of bound names
+    (exporters write dims such as ``seq + 1`` or ``2*batch``).
+
+    Raises :class:`UnboundDimError` naming the first name without a value.
+    """
+    if dim in dims:
+        return int(dims[dim])
+    tree = parse_dim(dim)
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in dims:
+                raise UnboundDimError(
+                    f"tensor {tensor!r} has symbolic dimension {node.id!r}"
+                    + (f" (in {dim!r})" if node.id != dim else "")
+                    + f" with no value: pass {dim_hint(node.id)}"
+                )
+            return int(dims[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS:
+            return _DIM_OPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(dim)
+
+    if tree is not None:
+        try:
+            return ev(tree)
+        except (ValueError, ZeroDivisionError, RecursionError):
+            pass
+    if tree is None and len(dim) > MAX_DIM_EXPRESSION:
+        raise UnboundDimError(
+            f"tensor {tensor!r} has symbolic dimension {dim_text(dim)!r} with no value, too "
+            f"long to be an expression of names (over {MAX_DIM_EXPRESSION} characters): pass "
+            "the whole shapes of the inputs that have it with --shape")
+    raise UnboundDimError(
+        f"tensor {tensor!r} has symbolic dimension {dim!r} with no value: pass {dim_hint(dim)}"
+    )
 
 
 def dim_text(dim: str, limit: int = 60) -> str:
@@ -285,8 +332,6 @@ def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
     Raises one :class:`UnboundDimError` naming every dim name that has no value and every
     input whose dims only a whole shape can give (no name, or a name that is no expression).
     """
-    from .analyse import eval_dim
-
     shapes = dict(shapes or {})
     dims = dims_from_shapes(model, shapes, dims)
     out: dict[str, list[int]] = {}

@@ -1,4 +1,6 @@
-"""The rewrite: cache ops inserted for a decision (:mod:`.insert`), the decision recorded
-(:mod:`.annotate`), the offloaded weights' bytes placed (:mod:`.place`), the whole run
-(:mod:`.pipeline`: ``optimize``, ``plan_model``) and the same as one ``onnx_ir`` pass
-(:mod:`.passes`, imported on its own: it needs ``onnx_ir``)."""
+"""The rewrite: cache ops inserted for a decision (:mod:`.insert`), the schedule they promise
+checked (:mod:`.invariants`), the decision recorded (:mod:`.annotate`), the offloaded weights'
+bytes placed (:mod:`.place`); each step an ``onnx_ir`` pass (:mod:`.passes`, with
+``OffloadPass``: all of them as one pass), and the whole run from file to file
+(:mod:`.pipeline`: ``optimize``, ``plan_model``). ``onnx_ir`` is a dependency of the package,
+like ``onnx``: every step works on its model."""

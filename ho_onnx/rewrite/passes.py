@@ -9,6 +9,8 @@ The steps are in-place passes that hand their results to the next through ``mode
 * :class:`DecidePass` -- runs a :class:`~ho_onnx.schedule.types.Decider`; ``meta[DECISION]``;
 * :class:`InsertPass` -- inserts the cache ops; ``meta[REWRITTEN]``
   (:class:`~ho_onnx.rewrite.insert.RewrittenModel`); the analysis is spent afterwards;
+* :class:`VerifySchedulePass` -- checks the schedule invariants the insertion promises
+  (:mod:`~ho_onnx.rewrite.invariants`; always run after it: one walk of the graph);
 * :class:`AnnotatePass` -- records the decision in ``metadata_props``;
 * :class:`PlaceDataPass` -- finishes each weight Prefetch with where its bytes are;
   ``meta[OUTPUT_FILES]`` (:class:`~ho_onnx.graph.save.OutputFiles`, what the save writes).
@@ -36,6 +38,7 @@ from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
+from .invariants import check_schedule
 from .place import place_weight_data
 
 ANALYSIS = "ho_onnx.analysis"
@@ -118,6 +121,16 @@ class InsertPass(ir.passes.InPlacePass):
             raise ir.passes.PostconditionError(f"no {contract.DOMAIN} opset import")
 
 
+class VerifySchedulePass(ir.passes.InPlacePass):
+    """Check the rewritten graph's schedule (:func:`~ho_onnx.rewrite.invariants.
+    check_schedule`: raises :class:`~ho_onnx.errors.ScheduleError` naming the first node
+    that breaks an invariant); changes nothing."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        check_schedule(model)
+        return ir.passes.PassResult(model, modified=False)
+
+
 class GuardPass(ir.passes.InPlacePass):
     """Insert the Guards of a range-planned model (``checks``: the ranged dims of each graph
     input, :func:`~ho_onnx.graph.dims.ranged_inputs`), after the cache ops."""
@@ -178,7 +191,7 @@ def rewrite_passes(decider: Decider, dims: Mapping[str, int], base_dir: Path, ou
                    **analyse_args: Any) -> list[ir.passes.PassBase]:
     """The steps of one rewrite, in order (``analyse_args``: see :class:`AnalysePass`)."""
     return [AnalysePass(dims, **analyse_args), DecidePass(decider, dims), InsertPass(),
-            AnnotatePass(dims), PlaceDataPass(base_dir, out_path)]
+            VerifySchedulePass(), AnnotatePass(dims), PlaceDataPass(base_dir, out_path)]
 
 
 class OffloadPass(ir.passes.FunctionalPass):
@@ -203,7 +216,7 @@ class OffloadPass(ir.passes.FunctionalPass):
         if not choice.weights and not choice.activations:
             return ir.passes.PassResult(work, modified=False)
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
-        run_steps(work, InsertPass(), AnnotatePass(self.dims),
+        run_steps(work, InsertPass(), VerifySchedulePass(), AnnotatePass(self.dims),
                   PlaceDataPass(base_dir, base_dir / "model.onnx"))
         files: OutputFiles = work.meta[OUTPUT_FILES]
         assert files.sidecar is None  # every offloaded weight is external (checked above)

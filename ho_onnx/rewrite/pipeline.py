@@ -55,6 +55,7 @@ from .passes import (
     GuardPass,
     InsertPass,
     PlaceDataPass,
+    VerifySchedulePass,
     run_steps,
 )
 
@@ -289,7 +290,8 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
             run_steps(loaded.model, InsertPass(), GuardPass(checks, ranges),
-                      AnnotatePass(dims, ranges), PlaceDataPass(loaded.base_dir, Path(out_path)))
+                      VerifySchedulePass(), AnnotatePass(dims, ranges),
+                      PlaceDataPass(loaded.base_dir, Path(out_path)))
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))

@@ -141,7 +141,7 @@ def test_a_subgraph_read_orders_the_graph():
 
 
 def test_symbolic_dim_expressions():
-    from ho_onnx.graph.analyse import eval_dim
+    from ho_onnx.graph.dims import eval_dim
 
     assert eval_dim("seq + 1", {"seq": 9}) == 10
     assert eval_dim("2*batch", {"batch": 3}) == 6

@@ -9,10 +9,11 @@ import onnx.parser
 import pytest
 
 from ho_onnx.errors import UnboundDimError
-from ho_onnx.graph.analyse import analyse, eval_dim
+from ho_onnx.graph.analyse import analyse
 from ho_onnx.graph.dims import (
     MAX_DIM_EXPRESSION,
     dims_from_shapes,
+    eval_dim,
     free_names,
     input_shapes,
     missing_dims,

@@ -9,38 +9,25 @@ from graphs import chain_model, text_model
 from ho_onnx import contract
 from ho_onnx.graph.analyse import analyse
 from ho_onnx.rewrite.insert import insert_cache_ops, token_elems
+from ho_onnx.rewrite.invariants import check_schedule
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.schedule.policy import choose
 
 
-def _positions(model: onnx.ModelProto) -> dict[str, int]:
-    return {o: i for i, n in enumerate(model.graph.node) for o in n.output}
-
-
-def _check_schedule(model: onnx.ModelProto) -> None:
-    """Topologically sorted; every Wait after its Prefetch; no consumer reads a Prefetch."""
-    onnx.checker.check_model(model)
-    pos = _positions(model)
-    avail = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
-    for node in model.graph.node:
-        assert all(n in avail for n in node.input if n), node.name
-        avail.update(node.output)
-    prefetch_out = {n.output[0] for n in model.graph.node
-                    if n.domain == contract.DOMAIN and n.op_type == contract.PREFETCH}
-    for node in model.graph.node:
-        if node.domain == contract.DOMAIN and node.op_type == contract.WAIT:
-            assert node.input[0] in prefetch_out
-            continue
-        assert not set(node.input) & prefetch_out, f"{node.name} reads a Prefetch output"
-    assert all(pos[o] >= 0 for o in pos)
+def _check_schedule(model: ir.Model) -> None:
+    """Valid ONNX, and the schedule invariants the production verifier checks (sorted, every
+    Wait after its Prefetch, no consumer reads a Prefetch, Store/Detach/Prefetch chains,
+    FIFO channels)."""
+    onnx.checker.check_model(ir.to_proto(model))
+    check_schedule(model)
 
 
 def test_insertion_structure():
     a = analyse(chain_model(), {"N": 4})
     c = choose(a, OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=2))
     r = insert_cache_ops(a, c)
+    _check_schedule(r.model)
     m = ir.to_proto(r.model)
-    _check_schedule(m)
     assert {i.domain: i.version for i in m.opset_import}[contract.DOMAIN] == contract.OPSET_VERSION
     # offloaded weights left the initializers; an empty per-type source replaced them
     names = {t.name for t in m.graph.initializer}
@@ -100,7 +87,7 @@ def test_subgraph_outer_scope_values_are_not_offloaded():
     c = choose(a, OffloadOptions(min_bytes=0, min_gap=1))
     assert "h" in c.skipped and "W" in c.skipped
     assert "subgraph" in c.skipped["W"]
-    _check_schedule(ir.to_proto(insert_cache_ops(a, c).model))
+    _check_schedule(insert_cache_ops(a, c).model)
 
 
 def test_prefetch_of_first_weight_depends_on_a_graph_input():

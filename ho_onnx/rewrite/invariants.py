@@ -1,0 +1,109 @@
+"""The schedule invariants the insertion promises (:mod:`.insert`), checked on the rewritten
+``onnx_ir`` model in one walk of the main graph:
+
+* topologically sorted, the cache ops included: every input of a node (and every value a
+  subgraph of it reads from the main graph) is a graph input, an initializer or the output
+  of an earlier node;
+* every ``Wait`` reads a ``Prefetch``'s data output, and nothing else does (no compute node,
+  no graph output: a reader must wait for the transfer);
+* every ``Store``'s token reaches a ``Detach`` (which releases what the Store stored) and
+  that Detach's token a ``Prefetch``;
+* each copy channel's Prefetches are chained FIFO in file order: each one after the first on
+  its channel reads, as its last input, the ``issued`` output of the one before (what keeps
+  the transfers queued in the order the plan simulated, under any node order).
+
+A violation is a rewriter bug; :func:`check_schedule` raises :class:`ScheduleError` naming
+the first node that breaks one.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from .. import contract
+from ..errors import ScheduleError
+from .insert import prefetch_channel
+
+
+def _is(node: ir.Node, op: str) -> bool:
+    return node.domain == contract.DOMAIN and node.op_type == op
+
+
+def _label(node: ir.Node) -> str:
+    return repr(node.name or f"<unnamed {node.op_type}>")
+
+
+def check_schedule(model: ir.Model) -> None:
+    """Raise :class:`ScheduleError` at the first node of ``model``'s main graph that breaks
+    an invariant above."""
+    graph = model.graph
+    position = {id(n): i for i, n in enumerate(graph)}
+    last_on: dict[str, ir.Node] = {}  # channel -> its latest Prefetch so far
+    for i, node in enumerate(graph):
+        _check_sorted(node, i, position, graph)
+        if node.domain != contract.DOMAIN:
+            continue
+        if node.op_type == contract.WAIT:
+            src = node.inputs[0] if node.inputs else None
+            p = src.producer() if src is not None else None
+            if p is None or not _is(p, contract.PREFETCH) or src is not p.outputs[0]:
+                raise ScheduleError(f"Wait {_label(node)} does not read a Prefetch's output")
+        elif node.op_type == contract.PREFETCH:
+            _check_prefetch(node, last_on)
+        elif node.op_type == contract.STORE:
+            _check_store(node)
+    for v in graph.outputs:
+        p = v.producer()
+        if p is not None and _is(p, contract.PREFETCH):
+            raise ScheduleError(f"graph output {v.name!r} is Prefetch {_label(p)}'s output, "
+                                "read without a Wait")
+
+
+def _check_sorted(node: ir.Node, i: int, position: dict[int, int], graph: ir.Graph) -> None:
+    """``node`` (at ``i``) reads only values available before it."""
+    reads = [v for v in node.inputs if v is not None]
+    for attr in node.attributes.values():  # what its subgraphs read from the main graph
+        if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            for sub in [attr.value] if attr.type == ir.AttributeType.GRAPH else attr.value:
+                for inner in ir.traversal.RecursiveGraphIterator(sub):
+                    reads.extend(v for v in inner.inputs if v is not None)
+    for v in reads:
+        p = v.producer()
+        if p is None:
+            if not (v.is_graph_input() or v.is_initializer()):
+                raise ScheduleError(f"node {_label(node)} reads {v.name!r}, which nothing "
+                                    "produces")
+        elif p.graph is graph and position[id(p)] >= i:
+            raise ScheduleError(f"node {_label(node)} reads {v.name!r} before its producer "
+                                f"{_label(p)}: the graph is not sorted topologically")
+
+
+def _check_prefetch(node: ir.Node, last_on: dict[str, ir.Node]) -> None:
+    """Only a Wait reads ``node``'s data; it is chained after its channel's previous one."""
+    for user, _ in node.outputs[0].uses():
+        if not _is(user, contract.WAIT):
+            raise ScheduleError(f"node {_label(user)} reads Prefetch {_label(node)}'s output "
+                                "directly, not through a Wait")
+    channel = prefetch_channel(node)
+    prev = last_on.get(channel)
+    last_on[channel] = node
+    if prev is None:
+        return
+    issued = prev.outputs[1] if len(prev.outputs) > 1 else None
+    if issued is None or not node.inputs or node.inputs[-1] is not issued:
+        raise ScheduleError(f"Prefetch {_label(node)} is not chained after Prefetch "
+                            f"{_label(prev)} on the {channel!r} channel (its last input must "
+                            "be that one's 'issued' output)")
+
+
+def _check_store(node: ir.Node) -> None:
+    """``node``'s token reaches a Detach of the stored tensor, whose token reaches a
+    Prefetch."""
+    for user, idx in node.outputs[0].uses():
+        if _is(user, contract.DETACH) and idx == 1 and user.inputs[0] is node.inputs[0]:
+            if any(_is(p, contract.PREFETCH) and j == 0 for p, j in user.outputs[0].uses()):
+                return
+            raise ScheduleError(f"Store {_label(node)}'s token reaches Detach {_label(user)} "
+                                "but no Prefetch")
+    raise ScheduleError(f"Store {_label(node)}'s token reaches no Detach of the tensor it "
+                        "stores")
