@@ -106,6 +106,7 @@ const CounterDef kCounters[] = {
     HO_COUNTER(host_store_bytes),
     HO_COUNTER(host_pool_bytes_in_use),
     HO_COUNTER(host_pool_bytes_reserved),
+    HO_COUNTER(host_pool_allocs),
     HO_COUNTER(engines_alive),
     HO_COUNTER(pinned_bytes),
     HO_COUNTER(device_staging_bytes),

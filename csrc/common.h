@@ -55,6 +55,8 @@ struct Counters {
   std::atomic<int64_t> host_store_bytes{0};
   std::atomic<int64_t> host_pool_bytes_in_use{0};
   std::atomic<int64_t> host_pool_bytes_reserved{0};
+  // Buffers the host pool allocated (not reused): flat once runs repeat (host_memory.h).
+  std::atomic<uint64_t> host_pool_allocs{0};
   std::atomic<int64_t> engines_alive{0};
   // CUDA engine: pinned host memory held (weights, ring segments, disk staging) and the
   // number of pinned allocations / CUDA events ever made (flat after warm-up: nothing is

@@ -102,9 +102,10 @@ uint64_t HostPool::idle() const {
 
 void HostPool::run_started() {
   std::lock_guard<std::mutex> lock(mu_);
-  taken_[window_] = taken_now_;
+  taken_[window_] = std::max(taken_now_, peak_now_);
   window_ = (window_ + 1) % kRunWindows;
   taken_now_ = 0;
+  peak_now_ = in_use_;
 }
 
 void HostPool::trim_locked(uint64_t keep, std::vector<std::unique_ptr<HostBytes>>* out) {
@@ -151,6 +152,7 @@ std::unique_ptr<PoolBuffer> HostPool::acquire(size_t asked) {
     }
     in_use_ += size;
     taken_now_ += size;
+    peak_now_ = std::max(peak_now_, in_use_);
   }
   if (!bytes) {
     try {
@@ -160,7 +162,10 @@ std::unique_ptr<PoolBuffer> HostPool::acquire(size_t asked) {
       in_use_ -= size;
       throw;
     }
-    if (counted_) counters().host_pool_bytes_reserved += static_cast<int64_t>(size);
+    if (counted_) {
+      counters().host_pool_bytes_reserved += static_cast<int64_t>(size);
+      counters().host_pool_allocs += 1;
+    }
   }
   return std::make_unique<PoolBuffer>(shared_from_this(), std::move(bytes), asked);
 }
@@ -173,7 +178,7 @@ void HostPool::release(std::unique_ptr<HostBytes> bytes) {
   lru_.push_back(Free{size, std::move(bytes)});
   free_.emplace(size, std::prev(lru_.end()));
   free_bytes_ += size;
-  uint64_t keep = taken_now_;
+  uint64_t keep = std::max(taken_now_, peak_now_);
   for (uint64_t t : taken_) keep = std::max(keep, t);
   trim_locked(keep, &dropped);
 }

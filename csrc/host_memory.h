@@ -73,10 +73,11 @@ class PoolBuffer {
 // (at most 1/8 more; pool_size_class) so that runs of nearby lengths reuse each other's
 // buffers. `limit` (0: none) bounds the bytes in use plus the free buffers kept; acquire()
 // throws an ho::Error naming `limit_name` when a request does not fit. The free buffers kept
-// idle are bounded by what recent runs took: at most the most bytes taken between two run
-// starts (run_started(), told by the engine) among the last kRunWindows, or since the last
-// one; past that the least recently returned go. A run that repeats finds every buffer it
-// needs; runs of changing lengths keep about one run's worth (before: a buffer of every
+// idle are bounded by what recent runs needed: at most the most bytes taken between two run
+// starts (run_started(), told by the engine), or held at once (concurrent runs), among the
+// last kRunWindows windows or the current one; past that the least recently returned go. A
+// run that repeats finds every buffer it needs, alone or beside others; runs of changing
+// lengths keep about one run's worth (before: a buffer of every
 // size ever served stayed, 662 MiB idle after runs of 512 lengths that stored 17 MiB each).
 class HostPool : public std::enable_shared_from_this<HostPool> {
  public:
@@ -87,7 +88,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   uint64_t idle() const;
   // A run started (on some thread): closes the current window of bytes taken.
   void run_started();
-  static constexpr size_t kRunWindows = 8;
+  static constexpr size_t kRunWindows = 256;
 
  private:
   friend class PoolBuffer;
@@ -109,7 +110,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   uint64_t in_use_ = 0;      // class bytes of the buffers taken
   uint64_t free_bytes_ = 0;  // class bytes of the free buffers kept
   uint64_t taken_now_ = 0;   // class bytes taken since the last run_started()
-  uint64_t taken_[kRunWindows] = {};  // ... between earlier run starts (a ring)
+  uint64_t peak_now_ = 0;    // the most in use at once since then
+  uint64_t taken_[kRunWindows] = {};  // max(taken, peak) of earlier windows (a ring)
   size_t window_ = 0;        // next slot of taken_
   FreeList lru_;             // free buffers, least recently returned first
   std::multimap<size_t, FreeList::iterator> free_;  // the same, by size class

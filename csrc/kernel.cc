@@ -114,7 +114,11 @@ std::shared_ptr<WeightFile> weight_file(const OrtApi* api, const OrtKernelInfo* 
                     "session config entry '") +
             kModelDirKey +
             "' to the folder of the model file (ho_onnx.session_options(model_path) "
-            "does; a model given as bytes needs it set explicitly)");
+            "does; a model given as bytes needs it set explicitly)" +
+            (reg.kernel_config.ok()
+                 ? std::string()
+                 : std::string("; this onnxruntime (< 1.24) reads it when the library is "
+                               "registered: set it before register_custom_ops_library")));
   }
   std::shared_ptr<WeightFile> file;
   try {

@@ -373,6 +373,31 @@ def test_runs_of_changing_lengths_keep_about_one_runs_buffers_idle(tmp_path):
     assert ops().counters()["host_pool_bytes_reserved"] == c["host_pool_bytes_reserved"]
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_repeated_runs_reuse_their_buffers(tmp_path, threads):
+    """The pool's idle bound (issue 34 item 4) must not free what the next runs need: runs
+    of one length, alone or four at once on one session, allocate a buffer only for each
+    run that can be in progress at once (measured before the bound remembered concurrency:
+    2-3 allocations per run with four threads), never per run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, _ = write_moving_failure_model(tmp_path)
+    x = np.ones(50_000, np.float32)
+    one = ops()._test_pool_size_class(x.nbytes)
+    base = ops().counters()
+    sess = session(path)
+
+    def run(_: int) -> None:
+        z, _w = sess.run(None, {"x": x, "shp": np.array([4], np.int64)})
+        np.testing.assert_array_equal(z, x)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(run, range(48 * threads)))
+    c = ops().counters()
+    assert c["host_pool_allocs"] - base["host_pool_allocs"] <= threads
+    assert c["host_pool_bytes_reserved"] - base["host_pool_bytes_reserved"] <= threads * one
+
+
 def test_host_pool_limit_is_a_clear_error(tmp_path):
     path, w = write_failure_model(tmp_path)
     so = session_options(tmp_path, config={"ho_onnx.host_pool_limit_bytes": str(100_000)})

@@ -120,3 +120,46 @@ def test_older_runtimes_keep_one_per_folder_and_refuse_past_the_bound(tmp_path):
     proc = _child(_MANY, "10", env=env)
     assert proc.returncode != 0
     assert "HO_ONNX_MAX_REGISTRATIONS" in proc.stderr and "onnxruntime >= 1.24" in proc.stderr
+
+
+_ORDER = r"""
+import sys
+sys.path[:0] = sys.argv[1].split(':')
+from pathlib import Path
+import numpy as np
+import onnxruntime as ort
+import test_disk_tier as t
+from ho_onnx.target.ort import runtime
+d, n = Path(sys.argv[2]), 64
+want = t._data(d, n, 0, seed=3)
+t._model(d, n=n, tier=None, copies=2)
+so = ort.SessionOptions()
+so.log_severity_level = 4
+so.register_custom_ops_library(runtime.library_path())
+so.add_session_config_entry("ho_onnx.model_dir", str(d))  # after the registration
+try:
+    s = ort.InferenceSession(str(d / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    x = np.ones(n, np.float32)
+    np.testing.assert_array_equal(s.run(None, {"x": x})[0], (x + want) + want)
+    print("OK")
+except Exception as e:
+    print("ERR", e)
+"""
+
+
+@pytest.mark.parametrize("kernel_config", ["1", "0"])
+def test_model_dir_set_after_the_registration(tmp_path, kernel_config):
+    """Issue 35: ``ho_onnx.model_dir`` set after ``register_custom_ops_library`` failed with
+    a message asking for the entry just set. Runtimes >= 1.24 read it per session, so the
+    order does not matter; older ones (simulated) say the order."""
+    if kernel_config == "1" and not _NEW_RUNTIME:
+        pytest.skip("needs onnxruntime >= 1.24 (KernelInfo config)")
+    here = Path(__file__).parent
+    proc = _child(_ORDER, f"{here}:{here.parents[1]}", str(tmp_path),
+                  env={"HO_ONNX_KERNEL_CONFIG": kernel_config})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip().splitlines()[-1]
+    if kernel_config == "1":
+        assert out == "OK", out
+    else:
+        assert out.startswith("ERR") and "set it before register_custom_ops_library" in out, out
