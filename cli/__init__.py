@@ -591,7 +591,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     time, predicted stall), the peak and the predicted time before and after.
     """
     from ho_onnx.graph.dims import format_ranges
-    from ho_onnx.report.text import format_plan, plan_to_dict
+    from ho_onnx.graph.moe import find_experts
+    from ho_onnx.report.text import format_moe, format_plan, moe_to_dict, plan_to_dict
     from ho_onnx.rewrite.pipeline import plan_model
 
     _refuse_overwriting_inputs({"--plot": plot_path}, [input_model, profile_path,
@@ -620,12 +621,15 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
 
             plot_timeline(p, names, plot_path)
             _log(f"wrote {plot_path}")
+        moe = find_experts(analysis)
     if as_json:
-        _echo(json.dumps(plan_to_dict(p, names, steps=True)
+        _echo(json.dumps(plan_to_dict(p, names, steps=True) | {"moe": moe_to_dict(moe)}
                          | ({"dim_ranges": {k: list(v) for k, v in ranges.items()}}
                             if ranges else {}), indent=1))
     else:
         _echo(format_plan(p, names))
+        if moe:
+            _echo(format_moe(moe))
         if ranges:
             _echo(f"ranges: {format_ranges(ranges)} (planned at the top of each: the peak "
                   "above is the range's worst case)")

@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 from ..errors import printable
+from ..graph.moe import MoELayer
 from ..schedule.planner import Plan
 from ..schedule.simulate import Simulation
 from ..units import format_bytes
@@ -121,3 +122,28 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
     else:
         lines.append("nothing to offload: the model fits the budget")
     return "\n".join(lines)
+
+
+def moe_to_dict(layers: tuple[MoELayer, ...]) -> dict[str, Any] | None:
+    """The ``moe`` field of ``plan --json``: the MoE layers found (None: none)."""
+    if not layers:
+        return None
+    return {"layers": [x.as_dict() for x in layers],
+            "experts": sum(len(x.experts) for x in layers),
+            "bytes": sum(x.nbytes for x in layers),
+            "per_token_bytes": sum(x.per_token_bytes or 0 for x in layers)}
+
+
+def format_moe(layers: tuple[MoELayer, ...]) -> str:
+    """One line of what ``plan`` recognised as a mixture of experts ("" when none)."""
+    if not layers:
+        return ""
+    per_layer = sorted({len(x.experts) for x in layers})
+    ks = sorted({x.top_k for x in layers}, key=lambda k: (k is None, k))
+    forms = sorted({x.form for x in layers})
+    per_token = sum(x.per_token_bytes or 0 for x in layers)
+    return (f"mixture of experts: {len(layers)} layers, "
+            f"{'/'.join(map(str, per_layer))} experts, "
+            f"top-k {'/'.join('?' if k is None else str(k) for k in ks)}, "
+            f"{format_bytes(sum(x.nbytes for x in layers))} of expert weights "
+            f"({format_bytes(per_token)} per token at top-k; {', '.join(forms)})")
