@@ -593,7 +593,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     from ho_onnx.graph.dims import format_ranges
     from ho_onnx.graph.moe import find_experts
     from ho_onnx.report.text import format_moe, format_plan, moe_to_dict, plan_to_dict
-    from ho_onnx.rewrite.pipeline import plan_model
+    from ho_onnx.rewrite.pipeline import plan_model, range_peaks
 
     _refuse_overwriting_inputs({"--plot": plot_path}, [input_model, profile_path,
                                                        machine if os.path.isfile(machine)
@@ -606,7 +606,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         points = parse_dims(dims, ranges)
-        _, analysis, p = plan_model(_model_in(input_model),
+        loaded, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
                                              host_budget=host_budget,
@@ -622,17 +622,23 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             plot_timeline(p, names, plot_path)
             _log(f"wrote {plot_path}")
         moe = find_experts(analysis)
+        peaks = range_peaks(loaded, p, points, ranges, parse_shape_options(shapes)) \
+            if ranges else {}
     if as_json:
         _echo(json.dumps(plan_to_dict(p, names, steps=True) | {"moe": moe_to_dict(moe)}
-                         | ({"dim_ranges": {k: list(v) for k, v in ranges.items()}}
+                         | ({"dim_ranges": {k: list(v) for k, v in ranges.items()},
+                             "range_peaks": {end: {"unmodified": u, "planned": q}
+                                             for end, (u, q) in peaks.items()}}
                             if ranges else {}), indent=1))
     else:
         _echo(format_plan(p, names))
         if moe:
             _echo(format_moe(moe))
         if ranges:
-            _echo(f"ranges: {format_ranges(ranges)} (planned at the top of each: the peak "
-                  "above is the range's worst case)")
+            _echo(f"ranges: {format_ranges(ranges)}, planned at the top of each; peak "
+                  + ", ".join(f"at the {end} {format_bytes(q, 'MiB', 2)} (unmodified "
+                              f"{format_bytes(u, 'MiB', 2)})"
+                              for end, (u, q) in peaks.items()))
 
 
 @main.command()

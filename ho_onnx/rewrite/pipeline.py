@@ -157,6 +157,25 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
     return loaded, analysis, decision
 
 
+def range_peaks(loaded: LoadedModel, plan: Plan, dims: Mapping[str, int],
+                ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None = None
+                ) -> dict[str, tuple[int, int]]:
+    """``{"bottom": (unmodified, planned), "top": (...)}``: fast-tier peaks of ``plan``
+    (made by :func:`plan_model` with ``ranges``, at their top) at the bottom of every range
+    and at the top. The bottom is analysed again (shapes inferred at that binding)."""
+    from ..graph.analyse import analyse
+    from ..schedule.lifetimes import peaks_at
+    from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
+
+    bottom = {**bind_ranges(dims, ranges), **{k: lo for k, (lo, _) in ranges.items()}}
+    shapes = {k: list(v) for k, v in (shapes or {}).items()}
+    contrib = refuse_unknown_ops(loaded.proto)
+    a = analyse(loaded.model, bottom, shapes=shapes, proto=loaded.proto,
+                more_types=contrib_value_types if contrib else None)
+    return {"bottom": peaks_at(a, plan.choice, bottom),
+            "top": (plan.baseline.peak_bytes, plan.planned.peak_bytes)}
+
+
 def _ort_validate(path: Path) -> None:
     """ORT loads the written model (with contrib ops, ``onnx.checker`` cannot judge it)."""
     from ..target.ort.contrib import ort_check

@@ -7,6 +7,7 @@ allocates it through its last reader, inclusive.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -143,6 +144,23 @@ def schedule_memory(analysis: GraphAnalysis, choice: OffloadChoice | None,
         return base + memory_profile(n, itertools.chain(removed, extra))
     kept = ((s, e, sizes[k]) for k, (s, e) in spans.items() if k not in moved)
     return memory_profile(n, itertools.chain(kept, extra))
+
+
+def peaks_at(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, int]
+             ) -> tuple[int, int]:
+    """Fast-tier peaks of the unmodified schedule and of ``choice``'s, every size taken from
+    ``analysis`` at ``dims``: another binding of the model the choice was made for (the
+    bottom of a range the plan was made at the top of)."""
+    def size(name: str) -> int:
+        return analysis.tensors[name].nbytes(dims) or 0
+
+    resized = dataclasses.replace(
+        choice, weights=[dataclasses.replace(w, nbytes=size(w.name)) for w in choice.weights],
+        activations=[dataclasses.replace(a, nbytes=size(a.name)) for a in choice.activations])
+    residency = resident_intervals(analysis, dims)
+    base = schedule_memory(analysis, None, dims, residency)
+    planned = schedule_memory(analysis, resized, dims, residency, base)
+    return int(base.max(initial=0)), int(planned.max(initial=0))
 
 
 def stored_peak_bytes(choice: OffloadChoice) -> int:

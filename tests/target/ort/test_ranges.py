@@ -98,6 +98,23 @@ def test_nothing_offloaded_records_the_ranges_without_guards(tmp_path):
     assert any("recorded, not enforced" in line for line in lines), lines
 
 
+def test_plan_gives_the_peak_at_both_ends_of_its_ranges(tmp_path):
+    """The peak at the bottom is the same choice's, sized there: the unmodified model's
+    agrees with a plan made at the bottom itself, and the plan's is below it."""
+    from ho_onnx.rewrite.pipeline import plan_model, range_peaks
+
+    src = _decoder(tmp_path, layers=2, hidden=64, heads=4, max_positions=128)
+    ranges = {"batch": (1, 4), "seq": (2, 96)}
+    opts = OffloadOptions(budget=1500 << 10, min_bytes=1024)
+    loaded, _, p = plan_model(src, opts, {}, dim_ranges=ranges)
+    assert p.choice.activations
+    peaks = range_peaks(loaded, p, {}, ranges)
+    assert peaks["top"] == (p.baseline.peak_bytes, p.planned.peak_bytes)
+    _, _, at_bottom = plan_model(src, OffloadOptions(budget=1 << 40), {"batch": 1, "seq": 2})
+    assert peaks["bottom"][0] == at_bottom.baseline.peak_bytes
+    assert 0 < peaks["bottom"][1] < peaks["bottom"][0] < peaks["top"][0]
+
+
 def test_range_checks():
     assert bind_ranges({"batch": 1}, {"seq": (1, 8)}) == {"batch": 1, "seq": 8}
     for bad, match in (({"seq": (5, 2)}, "not a range"), ({"seq": (-1, 2)}, "not a range"),
@@ -123,7 +140,8 @@ def test_cli_ranges(tmp_path):
     assert "planned for seq=1..64" in r.output and _guards(out)
     r = runner.invoke(main, ["plan", str(src), "--budget", "1GiB", "--dim", "batch=1",
                              "--dim", "seq=1..64"])
-    assert r.exit_code == 0 and "ranges: seq=1..64" in r.output, r.output
+    assert r.exit_code == 0, r.output
+    assert "ranges: seq=1..64, planned at the top of each; peak at the bottom" in r.output
     for args, match in (
             (["--dim", "seq=9..2"], "is not a range"),
             (["--dim", "seq=1..x"], "expected NAME=LO..HI"),
