@@ -198,13 +198,9 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         AnalysePass(dims, shapes=shapes, more_types=contrib_value_types if contrib else None,
                     proto=loaded.proto)(loaded.model)
         analysis: GraphAnalysis = loaded.model.meta[ANALYSIS]
-        if isinstance(decider, BudgetPlanner):  # every size matters: name all missing dims
-            require_dims((d for t in analysis.tensors.values() for d in t.symbolic_dims()),
-                         dims, model=loaded.proto)
-        elif (isinstance(decider, ExplicitPolicy) and decider.options.activations
-              and decider.options.min_bytes_or_default):  # activations' sizes matter
-            require_dims((d for t in analysis.tensors.values() if not t.is_initializer
-                          for d in t.symbolic_dims()), dims, model=loaded.proto)
+        # every dim the decider needs, named at once (its own ``sized``: any decider gets it)
+        require_dims((d for t in analysis.tensors.values() if decider.sized(t)
+                      for d in t.symbolic_dims()), dims, model=loaded.proto)
     steps.say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors "
               f"({steps.seconds['analyse']:.2f} s)"
               + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
@@ -217,18 +213,8 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
     with steps.step("decide"):
         DecidePass(decider, dims)(loaded.model)
         decision: Decision = loaded.model.meta[DECISION]
-    if isinstance(decision, Plan):
-        steps.say(f"planned in {steps.seconds['decide']:.2f} s: peak "
-                  f"{format_bytes(decision.baseline.peak_bytes, 'MiB', 1)} -> "
-                  f"{format_bytes(decision.planned.peak_bytes, 'MiB', 1)} (budget "
-                  f"{format_bytes(decision.budget, 'MiB', 1)}"
-                  + (f", planned for {format_bytes(decision.planned_for, 'MiB', 1)} to leave "
-                     "room for ORT's arena" if decision.planned_for < decision.budget else "")
-                  + ")")  # (the arena itself: the result's plan.arena_summary())
-        if decision.costs is not None:  # (found by hand: a profile's gaps went unsaid)
-            steps.say(f"costs: {decision.costs.description}")
-            for line in decision.costs.notes:
-                steps.say(f"note: {line}")
+    for line in decision.summary(steps.seconds["decide"]):
+        steps.say(line)
     note = _overridable_note(analysis, decision.choice, dims)
     if note:
         steps.say(note)

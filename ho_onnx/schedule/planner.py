@@ -49,7 +49,7 @@ from .. import kinds
 from ..cost.model import CostModel
 from ..cost.source import CostSource
 from ..errors import HoOnnxError, UnsupportedModelError
-from ..graph.analyse import GraphAnalysis
+from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.gcpause import gc_paused
 from ..units import format_bytes
 from .eligibility import (
@@ -139,6 +139,19 @@ class Plan(Decision):
                      "smallest arena this planner reaches (raise the budget)")
         return line
 
+    def summary(self, seconds: float) -> list[str]:
+        """The predicted peak against the budget, and what the times came from."""
+        mib = functools.partial(format_bytes, unit="MiB", digits=1)
+        lines = [f"planned in {seconds:.2f} s: peak {mib(self.baseline.peak_bytes)} -> "
+                 f"{mib(self.planned.peak_bytes)} (budget {mib(self.budget)}"
+                 + (f", planned for {mib(self.planned_for)} to leave room for ORT's arena"
+                    if self.planned_for < self.budget else "")
+                 + ")"]  # (the arena itself: arena_summary())
+        if self.costs is not None:  # (found by hand: a profile's gaps went unsaid)
+            lines.append(f"costs: {self.costs.description}")
+            lines += [f"note: {line}" for line in self.costs.notes]
+        return lines
+
     def metadata(self) -> dict[str, str]:
         b, p = self.baseline, self.planned
         return {
@@ -165,6 +178,10 @@ class BudgetPlanner:
         costs = self.costs if isinstance(self.costs, CostModel) else \
             self.costs.cost_model(analysis, dims)
         return plan(analysis, self.options, costs, dims)
+
+    def sized(self, t: TensorInfo) -> bool:
+        """Every size: the simulated peak counts every tensor."""
+        return True
 
 
 @dataclass(frozen=True)

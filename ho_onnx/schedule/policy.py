@@ -31,6 +31,11 @@ class ExplicitPolicy:
     def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Decision:
         return Decision(choose(analysis, self.options, dims))
 
+    def sized(self, t: TensorInfo) -> bool:
+        """Activations' sizes, when activations may go and ``min_bytes`` compares them."""
+        return (not t.is_initializer and self.options.activations
+                and bool(self.options.min_bytes_or_default))
+
 
 def describe(options: OffloadOptions) -> str:
     """The options of an explicit choice as recorded in the output's metadata."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .. import kinds
-from ..graph.analyse import GraphAnalysis
+from ..graph.analyse import GraphAnalysis, TensorInfo
 
 # A registered tier's name (ho_onnx.kinds: host, disk, and any tier registered there).
 Tier = str
@@ -109,6 +109,11 @@ class Decision:
             "host_bytes": str(host_bytes(c)),
         }
 
+    def summary(self, seconds: float) -> list[str]:
+        """Lines a run logs about the decision, made in ``seconds`` (none by default: the
+        rewrite's own line says what is offloaded)."""
+        return []
+
 
 class Decider(Protocol):
     """The decision seam: which tensors leave the fast tier and when their reloads start.
@@ -119,4 +124,9 @@ class Decider(Protocol):
 
     def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Decision:
         """The offloads of ``analysis``'s model with symbolic dims bound by ``dims``."""
+        ...
+
+    def sized(self, t: TensorInfo) -> bool:
+        """Whether :meth:`decide` needs ``t``'s size: the pipeline names every symbolic dim
+        of such tensors that ``dims`` leaves unbound, in one error, before deciding."""
         ...

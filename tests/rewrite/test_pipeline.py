@@ -329,3 +329,39 @@ def test_initializers_listed_as_inputs_are_weights_below_ir_4(tmp_path, ir_versi
         assert not ho_onnx.InferenceSession(str(out)).run(None, feed)[0].any()
         with pytest.raises(InfeasibleBudgetError, match=r"W2 \(16.00 KiB, also a graph input\)"):
             plan_model(src, OffloadOptions(budget=20 << 10, min_bytes=0))
+
+
+def test_a_third_decider_gets_the_dims_check_and_its_log_lines(tmp_path):
+    """Issue 35: the pipeline asked ``isinstance`` of the planner and the policy for which
+    sizes to check and what to log, so a third decider got neither. It now asks the decider
+    (``sized``) and its decision (``summary``)."""
+    from dataclasses import dataclass
+
+    from ho_onnx.errors import UnboundDimError
+    from ho_onnx.schedule.policy import ExplicitPolicy
+    from ho_onnx.schedule.types import Decision
+
+    @dataclass
+    class Mine(Decision):
+        def summary(self, seconds: float) -> list[str]:
+            return [f"mine: {len(self.choice.activations)} activations"]
+
+    asked: list[str] = []
+
+    class Third:
+        def decide(self, analysis, dims):
+            policy = ExplicitPolicy(OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1))
+            return Mine(policy.decide(analysis, dims).choice)
+
+        def sized(self, t):
+            asked.append(t.name)
+            return t.name == "logits"  # only the output's size: names batch, seq, not past
+
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, layers=1, hidden=32, heads=2)
+    with pytest.raises(UnboundDimError, match=r"seq"):
+        optimize(src, tmp_path / "a.onnx", Third(), {"batch": 1})
+    assert "logits" in asked
+    lines: list[str] = []
+    r = optimize(src, tmp_path / "b.onnx", Third(), {"batch": 1, "seq": 4}, log=lines.append)
+    assert f"mine: {len(r.choice.activations)} activations" in lines and r.choice.activations
