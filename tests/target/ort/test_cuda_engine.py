@@ -601,6 +601,28 @@ def test_pinned_weights_of_a_dropped_version_are_unpinned(decoder, decoder_weigh
     del keeper
 
 
+def test_range_planned_model_is_guarded_on_cuda(tmp_path):
+    """Issue 36: the Guard of a range-planned model runs on the CUDA EP (reading only its
+    input's shape: the data is device memory), every cache op with it; inside the range
+    the outputs match the original at both ends, outside the run is refused."""
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, layers=2, hidden=128, heads=4, vocab=VOCAB, external_data=True,
+                  max_positions=64)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, FORCE_ALL, {"batch": 2}, dim_ranges={"seq": (1, 32)})
+    assert _cache_ops(opt).get("Guard") == 1
+    ref, s = _session(src, optimized=False), _session(opt, optimized=True)
+    rng = np.random.default_rng(0)
+    for seq in (1, 32):
+        ids = rng.integers(0, VOCAB, (2, seq), dtype=np.int64)
+        with _OnCuda(opt, runs=1):
+            (b,) = s.run(None, {"input_ids": ids})
+        np.testing.assert_allclose(b, ref.run(None, {"input_ids": ids})[0], rtol=1e-3,
+                                   atol=1e-4)
+    with pytest.raises(InvalidArgument, match=r"dim 'seq' is 33, outside the range 1\.\.32"):
+        s.run(None, {"input_ids": np.zeros((2, 33), np.int64)})
+
+
 # ---- calibration and timing --------------------------------------------------------------------
 
 def test_calibrate():
