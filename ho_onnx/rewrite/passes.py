@@ -32,7 +32,7 @@ import onnx_ir as ir
 
 from .. import contract
 from ..graph.analyse import GraphAnalysis, TypeSource, analyse
-from ..graph.dims import DimRanges, format_ranges
+from ..graph.dims import DimRanges, format_ranges, require_dims
 from ..graph.save import OutputFiles, data_stamps
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
@@ -89,17 +89,24 @@ class AnalysePass(ir.passes.InPlacePass):
 
 
 class DecidePass(ir.passes.InPlacePass):
-    """Decide what to offload (changes nothing in the graph)."""
+    """Decide what to offload (changes nothing in the graph). First, every symbolic dim of
+    the tensors whose sizes the decider needs (``Decider.sized``) must be bound: one error
+    names all that ``dims`` lacks (and, with the model's ``proto``, the names of ``dims``
+    it does not use: likely misspellings)."""
 
-    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None) -> None:
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
+                 proto: onnx.ModelProto | None = None) -> None:
         super().__init__()
-        self.decider, self.dims = decider, dict(dims or {})
+        self.decider, self.dims, self.proto = decider, dict(dims or {}), proto
 
     def requires(self, model: ir.Model) -> None:
         _need(model, ANALYSIS, "AnalysePass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        model.meta[DECISION] = self.decider.decide(model.meta[ANALYSIS], self.dims)
+        analysis: GraphAnalysis = model.meta[ANALYSIS]
+        require_dims((d for t in analysis.tensors.values() if self.decider.sized(t)
+                      for d in t.symbolic_dims()), self.dims, model=self.proto)
+        model.meta[DECISION] = self.decider.decide(analysis, self.dims)
         return ir.passes.PassResult(model, modified=False)
 
 

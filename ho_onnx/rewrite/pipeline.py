@@ -23,7 +23,6 @@ from ..graph.dims import (
     dims_from_shapes,
     format_ranges,
     ranged_inputs,
-    require_dims,
     unused_in_model,
     unused_note,
 )
@@ -198,9 +197,6 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         AnalysePass(dims, shapes=shapes, more_types=contrib_value_types if contrib else None,
                     proto=loaded.proto)(loaded.model)
         analysis: GraphAnalysis = loaded.model.meta[ANALYSIS]
-        # every dim the decider needs, named at once (its own ``sized``: any decider gets it)
-        require_dims((d for t in analysis.tensors.values() if decider.sized(t)
-                      for d in t.symbolic_dims()), dims, model=loaded.proto)
     steps.say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors "
               f"({steps.seconds['analyse']:.2f} s)"
               + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
@@ -211,7 +207,7 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         if unused:
             steps.say("note: " + unused_note(unused, used))
     with steps.step("decide"):
-        DecidePass(decider, dims)(loaded.model)
+        DecidePass(decider, dims, proto=loaded.proto)(loaded.model)
         decision: Decision = loaded.model.meta[DECISION]
     for line in decision.summary(steps.seconds["decide"]):
         steps.say(line)

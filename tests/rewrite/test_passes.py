@@ -147,3 +147,19 @@ def test_the_offload_pass_fails_with_its_steps_own_error(tmp_path):
         OffloadPass(planner)(ir.load(src))
     with pytest.raises(ir.passes.PreconditionError, match="first"):
         run_steps(ir.load(src), AnnotatePass())  # (a precondition stays onnx_ir's own)
+
+
+def test_offload_pass_names_every_missing_dim_at_once():
+    """Issue 35: the dims check lived in the pipeline only, so ``OffloadPass`` users got the
+    planner's first failing size instead of one error naming every missing dim. It is now
+    part of ``DecidePass``, which both compose."""
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.errors import UnboundDimError
+    from ho_onnx.schedule.planner import BudgetPlanner
+    from models.decoder import build_decoder
+
+    model = ir.from_proto(build_decoder(layers=1, hidden=32, heads=2))
+    decider = BudgetPlanner(OffloadOptions(budget=1 << 30), CostSource())
+    with pytest.raises(UnboundDimError) as e:
+        OffloadPass(decider, {})(model)
+    assert "'batch'" in str(e.value) and "'seq'" in str(e.value), str(e.value)
