@@ -105,6 +105,7 @@ void HostPool::run_started() {
   taken_[window_] = std::max(taken_now_, peak_now_);
   window_ = (window_ + 1) % kRunWindows;
   taken_now_ = 0;
+  taken_max_ = *std::max_element(std::begin(taken_), std::end(taken_));
   peak_now_ = in_use_;
 }
 
@@ -178,8 +179,7 @@ void HostPool::release(std::unique_ptr<HostBytes> bytes) {
   lru_.push_back(Free{size, std::move(bytes)});
   free_.emplace(size, std::prev(lru_.end()));
   free_bytes_ += size;
-  uint64_t keep = std::max(taken_now_, peak_now_);
-  for (uint64_t t : taken_) keep = std::max(keep, t);
+  const uint64_t keep = std::max({taken_now_, peak_now_, taken_max_});
   trim_locked(keep, &dropped);
 }
 

@@ -113,6 +113,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   uint64_t peak_now_ = 0;    // the most in use at once since then
   uint64_t taken_[kRunWindows] = {};  // max(taken, peak) of earlier windows (a ring)
   size_t window_ = 0;        // next slot of taken_
+  uint64_t taken_max_ = 0;   // the largest of taken_ (kept at each run start, not per release)
   FreeList lru_;             // free buffers, least recently returned first
   std::multimap<size_t, FreeList::iterator> free_;  // the same, by size class
 };

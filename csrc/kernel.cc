@@ -277,7 +277,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
 // creation, never a run.
 void Kernel::init_guard(const OrtKernelInfo* info) {
   std::vector<int64_t> axes, lo, hi;
-  std::string names, joined;
+  std::string joined;
   if (!attr_ints(api, info, "axes", &axes) || !attr_ints(api, info, "lo", &lo) ||
       !attr_ints(api, info, "hi", &hi) || !attr_string(api, info, "dims", &joined)) {
     fail(ORT_INVALID_ARGUMENT, "attributes 'axes', 'lo', 'hi' and 'dims' are required");
@@ -309,17 +309,16 @@ void Kernel::init_guard(const OrtKernelInfo* info) {
 // produces an empty output, an ordering input of the cache ops.
 void Kernel::guard(OrtKernelContext* ctx) {
   const TensorInfo ti = tensor_info(api, input(api, ctx, 0));
-  for (const DimRange& r : ranges) {
-    const std::string what = "input '" + input_name + "' ";
+  for (const DimRange& r : ranges) {  // (messages built only on failure: this runs per run)
     if (static_cast<size_t>(r.axis) >= ti.dims.size()) {
-      fail(ORT_INVALID_ARGUMENT, what + "has " + std::to_string(ti.dims.size()) +
+      fail(ORT_INVALID_ARGUMENT, "input '" + input_name + "' has " + std::to_string(ti.dims.size()) +
                                      " dims: no axis " + std::to_string(r.axis) + " (dim '" +
                                      r.name + "')");
     }
     const int64_t d = ti.dims[static_cast<size_t>(r.axis)];
     if (d < r.lo || d > r.hi) {
       fail(ORT_INVALID_ARGUMENT,
-           what + "dim '" + r.name + "' is " + std::to_string(d) + ", outside the range " +
+           "input '" + input_name + "' dim '" + r.name + "' is " + std::to_string(d) + ", outside the range " +
                std::to_string(r.lo) + ".." + std::to_string(r.hi) +
                " this model was planned for (its memory plan does not hold there): "
                "optimize it again with --dim " + r.name + "=LO..HI covering " +

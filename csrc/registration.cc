@@ -56,9 +56,12 @@ std::string file_version(const WeightFile& f, struct stat* st) {
 }
 }  // namespace
 
-std::string Registration::fingerprint(const WeightFile& f) {
+// The fingerprint of `f`, cached by its identity and version (`version`, when given, gets
+// that key: one fstat serves both).
+std::string Registration::fingerprint(const WeightFile& f, std::string* version) {
   struct stat st {};
   const std::string key = file_version(f, &st);
+  if (version != nullptr) *version = key;
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = fingerprints.find(key);
@@ -72,8 +75,9 @@ std::string Registration::fingerprint(const WeightFile& f) {
 }
 
 std::string Registration::content_key(const WeightFile& f) {
-  struct stat st {};
-  return file_version(f, &st) + "#" + fingerprint(f);
+  std::string version;
+  std::string fp = fingerprint(f, &version);
+  return version + "#" + fp;
 }
 
 namespace {

@@ -68,7 +68,7 @@ struct Registration {
 
   // The data_fingerprint of an open data file, computed once per file and registration.
   // Keyed by the file's identity and version (size, mtime, ctime: any write changes ctime).
-  std::string fingerprint(const WeightFile& f);
+  std::string fingerprint(const WeightFile& f, std::string* version = nullptr);
   // What the engines key the bytes of a weight read from `f` by (with its range): the
   // file's identity and version and its fingerprint, so that a file rewritten in place (a
   // model re-optimized while a session lives; an inode reused by the next version) is
