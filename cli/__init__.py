@@ -452,6 +452,12 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      help="ORT's arena holds more than the live tensors (it keeps reused "
                           "buffers): while its replayed peak exceeds --budget, plan again for "
                           "a lower budget, at most this many times; 0 fits the tensors only."),
+        click.option("--offload-kv", "offload_kv", is_flag=True,
+                     help="Keep the KV cache of a decoder exported with past in the caller's "
+                          "host memory: each layer's past is copied in just before its "
+                          "attention and each present leaves right after its last reader "
+                          "(found by structure; see docs/llm.md). The budget then holds one "
+                          "layer's cache, not every layer's."),
         click.option("--dim", "dims", multiple=True, metavar="NAME=N|NAME=LO..HI",
                      help=_DIM_RANGE_HELP),
         click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...",
@@ -499,8 +505,8 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, arena_refits: int, dims: tuple[str, ...],
-             shapes: tuple[str, ...], ort_level: str | None) -> None:
+             host_budget: int | None, arena_refits: int, offload_kv: bool,
+             dims: tuple[str, ...], shapes: tuple[str, ...], ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
@@ -527,7 +533,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
             raise click.UsageError("--host-budget needs --budget (the planner)")
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
-                           prefetch_distance=prefetch_distance, arena_refits=arena_refits)
+                           prefetch_distance=prefetch_distance, arena_refits=arena_refits,
+                           kv=offload_kv)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         points = parse_dims(dims, ranges)
@@ -583,7 +590,7 @@ def _say_result(output_model: str, result: Any) -> None:
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         arena_refits: int, dims: tuple[str, ...], shapes: tuple[str, ...],
+         arena_refits: int, offload_kv: bool, dims: tuple[str, ...], shapes: tuple[str, ...],
          ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
@@ -610,7 +617,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
                                              host_budget=host_budget,
-                                             arena_refits=arena_refits),
+                                             arena_refits=arena_refits, kv=offload_kv),
                                     points, costs,
                                     ort_level=ort_level, log=_log,
                                     shapes=parse_shape_options(shapes), dim_ranges=ranges)

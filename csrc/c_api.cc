@@ -96,6 +96,7 @@ const CounterDef kCounters[] = {
     HO_COUNTER(waits),
     HO_COUNTER(wait_ns),
     HO_COUNTER(alias_copies),
+    HO_COUNTER(bytes_emitted),
     HO_COUNTER(bytes_read_disk),
     HO_COUNTER(disk_read_ns),
     HO_COUNTER(disk_direct_reads),
@@ -209,6 +210,7 @@ void HoOnnx_ResetCounters(void) {
   c.waits = 0;
   c.wait_ns = 0;
   c.alias_copies = 0;
+  c.bytes_emitted = 0;
   c.bytes_read_disk = 0;
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;

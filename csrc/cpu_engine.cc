@@ -165,6 +165,7 @@ struct Pending {
   std::shared_ptr<const HostBlob> blob;    // host tier
   std::shared_ptr<CpuStored> stored;       // a stored activation
   std::shared_ptr<DiskTransfer> disk;      // disk tier
+  const void* input = nullptr;             // a graph input of the run (read by its Wait)
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
   void abandon() {}
@@ -214,6 +215,15 @@ class CpuEngine final : public Engine {
     Pending p;
     p.bytes = bytes;
     p.blob = blob;  // the host store's bytes: the Wait copies them, nothing runs meanwhile
+    add_pending(dst, std::move(p), ctx);
+  }
+
+  void prefetch_input(const void* src, size_t bytes, void* dst,
+                      const ExecContext& ctx) override {
+    counters().prefetches += 1;
+    Pending p;
+    p.bytes = bytes;
+    p.input = src;  // the caller's, alive for the run: only this run's Wait reads it
     add_pending(dst, std::move(p), ctx);
   }
 
@@ -351,6 +361,7 @@ class CpuEngine final : public Engine {
     const auto t0 = std::chrono::steady_clock::now();
     const char* src = nullptr;
     if (p.blob) src = static_cast<const char*>(p.blob->data());
+    if (p.input) src = static_cast<const char*>(p.input);
     if (p.stored && p.stored->buffer) src = static_cast<const char*>(p.stored->buffer->data());
     std::string error;
     if (p.disk) {

@@ -113,6 +113,15 @@ class Engine {
   virtual void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
                              const ExecContext& ctx) = 0;
 
+  // Start copying the `bytes` bytes at `src`, a tensor the run holds in host memory (a graph
+  // input the caller passed: its past KV cache), into `dst` (fast tier) on the load channel;
+  // keyed by `dst`. `src` is the caller's and lives for the run: the CPU engine reads it only
+  // in the matching wait(); the CUDA engine copies from it on the load stream (a pageable
+  // source is staged by the driver before cudaMemcpyAsync returns; a pinned one is read by
+  // the copy, which a failed run may leave in flight: it lands in staging nobody reads).
+  virtual void prefetch_input(const void* src, size_t bytes, void* dst,
+                              const ExecContext& ctx) = 0;
+
   // Copy `bytes` at `src` (element type `type`, shape `shape`) into the host pool; returns
   // the key written into the token. The CPU engine copies before returning (`src` is ORT's).
   virtual StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,

@@ -269,6 +269,10 @@ void Kernel::compute(OrtKernelContext* ctx) {
       return detach(ctx, ec);
     case OpKind::kGuard:
       return guard(ctx);
+    case OpKind::kPrefetchInput:
+      return prefetch_input(ctx, ec);
+    case OpKind::kEmit:
+      return emit(ctx, ec);
   }
 }
 
@@ -346,6 +350,33 @@ void Kernel::prefetch_stored(OrtKernelContext* ctx, const ExecContext& ec) {
   void* dst = rec->bytes() ? tensor_data(api, y) : nullptr;
   engine->prefetch_stored(std::move(rec), dst, ec);
   produce_issued(api, ctx);
+}
+
+// The source is a graph input in host memory (on the CUDA EP declared CPU memory: ORT hands
+// over the caller's buffer). `y` gets its shape; the Wait completes the copy.
+void Kernel::prefetch_input(OrtKernelContext* ctx, const ExecContext& ec) {
+  const OrtValue* src = input(api, ctx, 0);
+  const TensorInfo ti = tensor_info(api, src);
+  const size_t bytes = byte_size(ti.numel, bits);
+  OrtValue* y = output(api, ctx, ti.dims);
+  engine->prefetch_input(bytes ? tensor_data(api, src) : nullptr, bytes,
+                         bytes ? tensor_data(api, y) : nullptr, ec);
+  produce_issued(api, ctx);
+}
+
+// CPU EP only (registration.cc): on a CUDA session ORT copies the input to host memory
+// before this node, which is the point (the device buffer is freed there).
+void Kernel::emit(OrtKernelContext* ctx, const ExecContext& ec) {
+  const OrtValue* x = input(api, ctx, 0);
+  const TensorInfo ti = tensor_info(api, x);
+  const size_t bytes = byte_size(ti.numel, bits);
+  OrtValue* y = output(api, ctx, ti.dims);
+  if (bytes == 0) return;
+  void* dst = tensor_data(api, y);
+  const void* src = tensor_data(api, x);
+  if (dst != src) std::memcpy(dst, src, bytes);
+  counters().bytes_emitted += bytes;
+  (void)ec;
 }
 
 void Kernel::wait(OrtKernelContext* ctx, ExecContext& ec) {

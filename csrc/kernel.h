@@ -83,6 +83,8 @@ struct Kernel {
   ExecContext gpu_context(OrtKernelContext* ctx) const;
   void prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec);
   void prefetch_stored(OrtKernelContext* ctx, const ExecContext& ec);
+  void prefetch_input(OrtKernelContext* ctx, const ExecContext& ec);
+  void emit(OrtKernelContext* ctx, const ExecContext& ec);
   void wait(OrtKernelContext* ctx, ExecContext& ec);
   void store(OrtKernelContext* ctx, ExecContext& ec);
   void detach(OrtKernelContext* ctx, ExecContext& ec);

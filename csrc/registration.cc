@@ -42,6 +42,10 @@ const char* op_name(OpKind k) {
       return "Detach";
     case OpKind::kGuard:
       return "Guard";
+    case OpKind::kPrefetchInput:
+      return "PrefetchInput";
+    case OpKind::kEmit:
+      return "Emit";
   }
   return "?";
 }
@@ -212,7 +216,8 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_char(const OrtCustomOp* 
 
 // Prefetch: (y, issued optional); the others: one output.
 size_t ORT_API_CALL output_count(const OrtCustomOp* op) {
-  return def(op)->kind == OpKind::kPrefetch ? 2 : 1;
+  const OpKind k = def(op)->kind;
+  return k == OpKind::kPrefetch || k == OpKind::kPrefetchInput ? 2 : 1;
 }
 
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp* op, size_t) {
@@ -225,7 +230,11 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_char(const OrtCustomOp*
   return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-OrtMemType ORT_API_CALL input_mem_type(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+// A CUDA PrefetchInput reads its source in host memory (the caller's; ORT passes it as is).
+OrtMemType ORT_API_CALL input_mem_type(const OrtCustomOp* op, size_t i) {
+  return def(op)->cuda && def(op)->kind == OpKind::kPrefetchInput && i == 0 ? OrtMemTypeCPUInput
+                                                                             : OrtMemTypeDefault;
+}
 
 int ORT_API_CALL variadic_in_min_arity(const OrtCustomOp*) { return 0; }
 int ORT_API_CALL variadic_in_homogeneity(const OrtCustomOp*) { return 0; }
@@ -372,7 +381,8 @@ void add_ops(const OrtApi* api, Registration* reg, std::pair<int, int> rt) {
   for (bool on_cuda : {false, true}) {
     if (on_cuda && !reg->cuda) continue;
     for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach,
-                        OpKind::kGuard}) {
+                        OpKind::kGuard, OpKind::kPrefetchInput, OpKind::kEmit}) {
+      if (on_cuda && kind == OpKind::kEmit) continue;  // host memory out: the CPU EP's
       for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
         if (!runtime_has_type(t->type, rt)) continue;
         reg->ops.push_back(make_op(reg, kind, *t, on_cuda));

@@ -33,7 +33,12 @@ constexpr const char* kPoolLimitKey = "ho_onnx.host_pool_limit_bytes";
 // key-value map per Wait, so off by default); "0" (default): no sampling.
 constexpr const char* kSampleArenaKey = "ho_onnx.sample_arena";
 
-enum class OpKind { kPrefetch, kWait, kStore, kDetach, kGuard };
+// PrefetchInput: a Prefetch whose source is a tensor the run holds in host memory (a graph
+// input: the caller's past KV cache; on the CUDA EP its input 0 is declared CPU memory so
+// ORT never copies it to the device whole). Emit: a copy of its input into its output,
+// registered for the CPU EP only, so that on the CUDA EP ORT brings the tensor (present KV)
+// to host memory right there and frees its device buffer.
+enum class OpKind { kPrefetch, kWait, kStore, kDetach, kGuard, kPrefetchInput, kEmit };
 const char* op_name(OpKind k);
 
 struct OpDef;

@@ -13,11 +13,20 @@ DETACH = "Detach"
 # Refuses a run whose input dims leave the ranges the plan holds for (``--dim seq=1..2048``);
 # reads only its input's shape; its empty output is an ordering input of the cache ops.
 GUARD = "Guard"
-ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD)
+# A Prefetch whose source is a graph input the caller holds in host memory (the past KV
+# cache; on the CUDA EP its input is declared CPU memory, so ORT never copies it whole).
+PREFETCH_INPUT = "PrefetchInput"
+# A copy of its input into its output, registered for the CPU EP only: on the CUDA EP ORT
+# brings the tensor (the present KV cache, a graph output) to host memory at that point.
+EMIT = "Emit"
+ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD, PREFETCH_INPUT, EMIT)
 # The inputs each op requires first (ordering inputs may follow); every op has its first
 # output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
 # output_count.)
-REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2, GUARD: 1}
+REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2, GUARD: 1, PREFETCH_INPUT: 1,
+                   EMIT: 1}
+# Ops whose transfers queue on a copy channel (an optional second output, ``issued``).
+PREFETCHES = (PREFETCH, PREFETCH_INPUT)
 # Attributes of a Guard: per checked dim its axis in the input, its range and its name (the
 # names one per line), and the input's name.
 ATTR_AXES = "axes"

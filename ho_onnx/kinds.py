@@ -166,6 +166,7 @@ class TensorFacts(Protocol):
     is_graph_input: bool
     is_graph_output: bool
     producer: int | None
+    kv_peer: str | None
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,15 @@ class TensorKind:
     stored: bool  # True: Store/Detach then Prefetch/Wait; False: Prefetch/Wait per reader
     matches: Callable[[TensorFacts], bool]  # whether a tensor is of this kind
     priority: int = 0  # kinds are tried highest first (a specific kind before a general one)
+    # Offloaded whenever its option is on, never a decider's choice (the KV cache: the
+    # caller's memory); the deciders plan the others around it (schedule.kv).
+    fixed: bool = False
 
     @property
     def ops(self) -> tuple[str, ...]:
         """The cache operators that move it, in the order they run."""
+        if self.fixed:
+            return (contract.PREFETCH_INPUT, contract.WAIT, contract.EMIT)
         reload = (contract.PREFETCH, contract.WAIT)
         return (contract.STORE, contract.DETACH, *reload) if self.stored else reload
 
@@ -231,10 +237,11 @@ def kind(name: str) -> TensorKind:
         raise ValueError(f"kind must be {'|'.join(_KINDS)}, not {name!r}") from None
 
 
-def kind_of(t: TensorFacts) -> TensorKind | None:
-    """The first kind (highest priority) ``t`` matches, or None (a graph input: the caller
-    owns its memory)."""
-    return next((k for k in kinds() if k.matches(t)), None)
+def kind_of(t: TensorFacts, *, fixed: bool = True) -> TensorKind | None:
+    """The first kind (highest priority) ``t`` matches, or None (a graph input that is not
+    a past KV: the caller owns its memory). ``fixed=False``: among the kinds a decider
+    chooses from (the fixed kinds' tensors are then matched by the next kind, if any)."""
+    return next((k for k in kinds() if (fixed or not k.fixed) and k.matches(t)), None)
 
 
 WEIGHT = register_kind(TensorKind("weight", "weights", stored=False,
@@ -242,6 +249,12 @@ WEIGHT = register_kind(TensorKind("weight", "weights", stored=False,
 ACTIVATION = register_kind(TensorKind(
     "activation", "activations", stored=True,
     matches=lambda t: not t.is_initializer and t.producer is not None))
+
+# The KV cache (graph.kv): each past KV input reaches the fast tier just before its reader
+# and leaves after it (PrefetchInput, Wait), each present KV output leaves after its last
+# reader in the graph (Emit); the caller holds both in host memory between steps.
+KV = register_kind(TensorKind("kv", "kv", stored=False, fixed=True, priority=10,
+                              matches=lambda t: t.kv_peer is not None))
 
 # The registered tiers and kinds (after the functions: registering reads them).
 HOST = register_tier(StorageTier("host", 0, H2D, "load", in_host_memory=True, store=D2H))

@@ -131,13 +131,15 @@ def test_a_third_tier_reaches_the_rewritten_model_and_the_reports(tmp_path, remo
 
 
 def test_weight_and_activation_are_the_registered_kinds():
-    assert [k.name for k in kinds.kinds()] == ["weight", "activation"]
+    assert [k.name for k in kinds.kinds()] == ["kv", "weight", "activation"]
+    assert [k.name for k in kinds.kinds() if not k.fixed] == ["weight", "activation"]
     assert kinds.WEIGHT.ops == ("Prefetch", "Wait")
     assert kinds.ACTIVATION.ops == ("Store", "Detach", "Prefetch", "Wait")
+    assert kinds.KV.ops == ("PrefetchInput", "Wait", "Emit")
     a = analyse(chain_model(), {"N": 4})
     got = {n: k.name if (k := kinds.kind_of(t)) else None for n, t in a.tensors.items()}
     assert (got["W1"], got["h1"], got["x"]) == ("weight", "activation", None)
-    with pytest.raises(ValueError, match=r"kind must be weight\|activation, not \'expert\'"):
+    with pytest.raises(ValueError, match=r"kind must be weight\|activation\|kv, not \'expert\'"):
         kinds.kind("expert")
 
 
@@ -159,7 +161,7 @@ def test_a_registered_kind_is_matched_first_and_moves_like_its_pattern():
         p = plan(a, OffloadOptions(activations=False, min_bytes=0, budget=base - 1), costs,
                  {"N": 64})
         assert p.choice.weights
-    assert [k.name for k in kinds.kinds()] == ["weight", "activation"]
+    assert [k.name for k in kinds.kinds()] == ["kv", "weight", "activation"]
 
 
 def test_a_kind_whose_option_the_options_lack_is_never_offloaded():

@@ -614,27 +614,13 @@ class CudaEngine final : public Engine {
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
                        const ExecContext& ctx) override {
-    counters().prefetches += 1;
-    const size_t bytes = blob->size();
-    if (bytes == 0) return;
-    Device& d = dev(ctx.device);
-    const auto cs = static_cast<cudaStream_t>(ctx.stream);
-    Pending p;
-    p.stage = begin_load(d, cs, dst, bytes);
-    p.bytes = bytes;
-    p.done = d.events->acquire();
-    spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
-    // One cudaMemcpyAsync from pinned memory for the whole weight (the hardware's rate).
-    CopyTimer timer(d, d.h2d.get(), bytes, true);
-    check(cudaMemcpyAsync(p.stage->data(), blob->data(), bytes, cudaMemcpyHostToDevice,
-                          d.h2d.get()),
-          "cudaMemcpyAsync (weight, host to device)");
-    timer.done();
-    check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
-    counters().bytes_loaded += bytes;
-    counters().cuda_bytes_h2d += bytes;
     // The pinned source is the engine's (never freed before the streams are synchronized).
-    add_pending(dst, std::move(p), ctx.kernel, ctx.kernel);
+    load_from_host(blob->data(), blob->size(), dst, ctx, "cudaMemcpyAsync (weight, host to device)");
+  }
+
+  void prefetch_input(const void* src, size_t bytes, void* dst, const ExecContext& ctx) override {
+    // The caller's host memory (engine.h: pageable is staged before the call returns).
+    load_from_host(src, bytes, dst, ctx, "cudaMemcpyAsync (graph input, host to device)");
   }
 
   std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& wf,
@@ -877,6 +863,28 @@ class CudaEngine final : public Engine {
   // A load for the Prefetch output `dst` (a freshly allocated output of the compute stream
   // `cs`): returns the staging buffer it lands in, the load stream already ordered after
   // the buffer's previous use.
+  // One cudaMemcpyAsync of `bytes` at host `src` into staging on the load stream (the
+  // hardware's rate from pinned memory), registered as the load of `dst`.
+  void load_from_host(const void* src, size_t bytes, void* dst, const ExecContext& ctx,
+                      const char* what) {
+    counters().prefetches += 1;
+    if (bytes == 0) return;
+    Device& d = dev(ctx.device);
+    const auto cs = static_cast<cudaStream_t>(ctx.stream);
+    Pending p;
+    p.stage = begin_load(d, cs, dst, bytes);
+    p.bytes = bytes;
+    p.done = d.events->acquire();
+    spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
+    CopyTimer timer(d, d.h2d.get(), bytes, true);
+    check(cudaMemcpyAsync(p.stage->data(), src, bytes, cudaMemcpyHostToDevice, d.h2d.get()), what);
+    timer.done();
+    check(cudaEventRecord(*p.done, d.h2d.get()), "cudaEventRecord (load done)");
+    counters().bytes_loaded += bytes;
+    counters().cuda_bytes_h2d += bytes;
+    add_pending(dst, std::move(p), ctx.kernel, ctx.kernel);
+  }
+
   StageBuf begin_load(Device& d, cudaStream_t cs, void* dst, size_t bytes) {
     {
       Released stale;  // a load of a failed run for the same block, never waited for

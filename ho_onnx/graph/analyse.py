@@ -26,6 +26,7 @@ from .bounded import start_infer_shapes
 from .dims import check_bindings, eval_dim, shape_text
 from .dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from .gcpause import gc_paused
+from .kv import pair_kv
 
 Dim = int | str | None  # a value, a symbolic name, or unknown
 # No tensor is larger: sums of the sizes of many tensors stay within int64 (numpy arrays).
@@ -44,6 +45,8 @@ class TensorInfo:
     producer: int | None = None  # position of the producing node
     consumers: list[int] = field(default_factory=list)  # positions, ascending, one per node
     implicit_consumers: list[int] = field(default_factory=list)  # nodes whose subgraphs read it
+    # Past KV input <-> the present KV output it pairs with (.kv.pair_kv), else None.
+    kv_peer: str | None = None
 
     @property
     def fixed_size_type(self) -> bool:
@@ -463,6 +466,7 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
                 t.elem_type = elem
             if shape is not None and t.shape is None:
                 t.shape = shape
+    pair_kv(nodes, tensors)
     unbound = None
     if dims or shapes:  # (nothing bound: ``types`` hold at every binding already)
         unbound = functools.partial(_unbound_types, proto, more_types)

@@ -75,7 +75,7 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
         if node.domain != contract.DOMAIN or node.op_type != contract.WAIT or node in damaged:
             continue
         pf = node.inputs[0].producer()
-        if pf is None or pf.op_type != contract.PREFETCH or pf.domain != contract.DOMAIN or \
+        if pf is None or pf.op_type not in contract.PREFETCHES or pf.domain != contract.DOMAIN or \
                 pf in damaged:
             continue
         tensor, kind, nbytes, source, tier = _source(pf)
@@ -99,15 +99,18 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str, str]:
         tier = kinds.tier_of_attribute(a.get(contract.ATTR_TIER)).name
         # (the model does not say which kind that is not stored: every one reads like this)
         return str(a.get(contract.ATTR_NAME, "")), kinds.WEIGHT.name, nbytes, source, tier
-    det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
-    names = input_names(det) if det is not None else []
-    tensor = names[0] if names and names[0] else "?"
-    source = (det.name or "") if det is not None else "?"
     y = pf.outputs[0]
     nbytes = None
     if isinstance(y.type, ir.TensorType) and int(y.type.dtype) in ELEMENT_BITS and (
             y.shape is not None and all(isinstance(d, int) for d in y.shape)):
         nbytes = capped_nbytes(int(y.type.dtype), [int(d) for d in y.shape])
+    if pf.op_type == contract.PREFETCH_INPUT:  # the caller's host memory (the KV cache)
+        tensor = (pf.inputs[0].name or "?") if pf.inputs and pf.inputs[0] is not None else "?"
+        return tensor, kinds.KV.name, nbytes, "graph input", "caller"
+    det = pf.inputs[0].producer() if pf.inputs and pf.inputs[0] is not None else None
+    names = input_names(det) if det is not None else []
+    tensor = names[0] if names and names[0] else "?"
+    source = (det.name or "") if det is not None else "?"
     return tensor, kinds.ACTIVATION.name, nbytes, source, kinds.default_tier().name
 
 

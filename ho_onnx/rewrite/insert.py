@@ -23,7 +23,13 @@ from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
 from ..schedule.eligibility import cuda_host_tensors
 from ..schedule.lifetimes import stored_peak_bytes
-from ..schedule.types import ActivationOffload, OffloadChoice, WeightOffload
+from ..schedule.types import (
+    ActivationOffload,
+    InputOffload,
+    OffloadChoice,
+    OutputOffload,
+    WeightOffload,
+)
 
 
 @dataclass
@@ -107,6 +113,7 @@ class _Emitter:
         self.rename: dict[int, dict[str, str]] = {}  # position -> {old input name: new}
         self.replace: dict[int, list[int]] = {}  # position -> dims of the Shape/Size it reads
         self.weight_prefetches: dict[str, list[_Op]] = {}
+        self.emitted: dict[str, str] = {}  # graph output -> new name of its producer's value
 
     def dep_before(self, pos: int, floor: int = -1) -> list[str]:
         """An output of the latest node at a position < ``pos`` (and > ``floor``)."""
@@ -189,6 +196,33 @@ class _Emitter:
         for c in a.late:
             self.rename.setdefault(c, {})[a.name] = z
 
+    def offload_input(self, i: InputOffload) -> None:
+        """PrefetchInput/Wait pairs before each data reader of the graph input ``i`` (its
+        shape readers keep reading the input: nothing moves for them)."""
+        t = self.analysis.tensors[i.name]
+        for k, (c, s) in enumerate(zip(i.consumers, i.prefetch_at, strict=True)):
+            y = self.names.fresh(f"{i.name}.ho_y{k}")
+            z = self.names.fresh(f"{i.name}.ho_z{k}")
+            pf = self.op(contract.PREFETCH_INPUT, [i.name, *self.dep_before(s)],
+                         [self.like(y, t)], f"ho.prefetch.{i.name}.{k}",
+                         channel=kinds.default_tier().channel)
+            wait = self.op(contract.WAIT, [y, *self.dep_before(c, floor=s - 1)], [self.like(z, t)],
+                           f"ho.wait.{i.name}.{k}")
+            self.before_pf[s].append(pf)
+            self.before_wait[c].append(wait)
+            self.rename.setdefault(c, {})[i.name] = z
+
+    def offload_output(self, o: OutputOffload) -> None:
+        """An Emit of the graph output ``o`` right after its last reader: its producer's
+        value is renamed (an intermediate, freed there) and the Emit's output is the graph
+        output."""
+        t = self.analysis.tensors[o.name]
+        dev = self.names.fresh(f"{o.name}.ho_dev")
+        self.emitted[o.name] = dev
+        deps = self.dep_before(o.last + 1, floor=o.producer) if o.last > o.producer else []
+        self.after[o.last].append(self.op(contract.EMIT, [dev, *deps], [self.like(o.name, t)],
+                                          f"ho.emit.{o.name}"))
+
     def schedule(self) -> list[tuple[int, list[_Op], list[_Op]]]:
         """The refined order: before each compute node its Prefetches, then its Waits; after
         it its Stores (start copying early), then its Detaches (end residency)."""
@@ -214,6 +248,10 @@ class _Builder:
                 const_value=ir.serde.TensorProtoTensor(
                     TensorProto(name=name, data_type=elem, dims=[0])))
             self.graph.register_initializer(src)
+        for out, dev in em.emitted.items():  # the producer's value stays, renamed
+            v = self.values.pop(out)
+            v.name = dev
+            self.values[dev] = v
         self.nodes: dict[int, ir.Node] = {}  # id(_Op) -> node
         self.last_on: dict[str, ir.Node] = {}
         self.steps = em.schedule()
@@ -234,7 +272,8 @@ class _Builder:
         return v
 
     def build(self, o: _Op) -> ir.Node:
-        inputs = [self.values[n] for n in o.inputs]
+        # (an ordering input named after an emitted graph output means its producer's value)
+        inputs = [self.values[self.em.emitted.get(n, n)] for n in o.inputs]
         outputs = [self.value(*spec) for spec in o.outputs]
         if o.channel is not None:
             prev = self.last_on.get(o.channel)
@@ -244,6 +283,9 @@ class _Builder:
                 name = self.em.names.fresh(f"{o.outputs[0][0]}.issued")
                 outputs.append(self.value(name, o.outputs[0][1], [0]))
         node = ir.Node(contract.DOMAIN, o.op, inputs, o.attrs, outputs=outputs, name=o.name)
+        if o.op == contract.EMIT:  # its output takes the graph output's place
+            outs = self.graph.outputs
+            outs[next(k for k, v in enumerate(outs) if v is inputs[0])] = outputs[0]
         if o.channel is not None:
             self.last_on[o.channel] = node
         self.nodes[id(o)] = node
@@ -301,6 +343,10 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
     ring = stored_peak_bytes(choice)
     for a in choice.activations:
         em.offload_activation(a, ring)
+    for i in choice.inputs:
+        em.offload_input(i)
+    for o in choice.outputs:
+        em.offload_output(o)
     builder = _Builder(em)
     result = RewrittenModel(model, cache_nodes=builder.apply())
     result.weight_prefetches = {name: [builder.nodes[id(o)] for o in ops]

@@ -29,6 +29,11 @@ def _is(node: ir.Node, op: str) -> bool:
     return node.domain == contract.DOMAIN and node.op_type == op
 
 
+def _is_prefetch(node: ir.Node) -> bool:
+    """A Prefetch or a PrefetchInput (both load on a channel, completed by a Wait)."""
+    return node.domain == contract.DOMAIN and node.op_type in contract.PREFETCHES
+
+
 def _label(node: ir.Node) -> str:
     return repr(node.name or f"<unnamed {node.op_type}>")
 
@@ -46,15 +51,15 @@ def check_schedule(model: ir.Model) -> None:
         if node.op_type == contract.WAIT:
             src = node.inputs[0] if node.inputs else None
             p = src.producer() if src is not None else None
-            if p is None or not _is(p, contract.PREFETCH) or src is not p.outputs[0]:
+            if p is None or not _is_prefetch(p) or src is not p.outputs[0]:
                 raise ScheduleError(f"Wait {_label(node)} does not read a Prefetch's output")
-        elif node.op_type == contract.PREFETCH:
+        elif node.op_type in contract.PREFETCHES:
             _check_prefetch(node, last_on)
         elif node.op_type == contract.STORE:
             _check_store(node)
     for v in graph.outputs:
         p = v.producer()
-        if p is not None and _is(p, contract.PREFETCH):
+        if p is not None and _is_prefetch(p):
             raise ScheduleError(f"graph output {v.name!r} is Prefetch {_label(p)}'s output, "
                                 "read without a Wait")
 

@@ -220,7 +220,7 @@ class OffloadPass(ir.passes.FunctionalPass):
         work = model.clone()
         run_steps(work, AnalysePass(self.dims), DecidePass(self.decider, self.dims))
         choice = work.meta[DECISION].choice
-        if not choice.weights and not choice.activations:
+        if not (choice.weights or choice.activations or choice.inputs or choice.outputs):
             return ir.passes.PassResult(work, modified=False)
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
         run_steps(work, InsertPass(), VerifySchedulePass(), AnnotatePass(self.dims),

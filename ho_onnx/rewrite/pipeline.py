@@ -234,8 +234,11 @@ def _overridable_note(analysis: GraphAnalysis, choice: OffloadChoice,
 
 def _say_rewrite(steps: _Steps, c: OffloadChoice, rewritten: RewrittenModel,
                  ranges: DimRanges, guarded: bool) -> None:
+    kv = (f", the KV cache ({len(c.inputs)} past, {len(c.outputs)} present: "
+          f"{format_bytes(c.kv_bytes, 'MiB', 1)}) in the caller's host memory"
+          if c.inputs or c.outputs else "")
     steps.say(f"offloading {len(c.weights)} weights and {len(c.activations)} activations "
-              f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}), {rewritten.cache_nodes} "
+              f"({format_bytes(c.offloaded_bytes, 'MiB', 1)}){kv}, {rewritten.cache_nodes} "
               f"cache ops ({steps.seconds['rewrite']:.2f} s)")
     if ranges:
         steps.say(f"planned for {format_ranges(ranges)} (at the top of each range); "

@@ -23,10 +23,10 @@ from .types import OffloadChoice, WeightOffload
 
 
 def kind_of(t: TensorInfo) -> TensorKind | None:
-    """The registered kind of ``t`` (:func:`ho_onnx.kinds.kind_of`: a weight is an
-    initializer, an activation a node output), or None (a graph input: the caller owns its
-    memory)."""
-    return kinds.kind_of(t)
+    """The registered kind a decider chooses ``t`` as (:func:`ho_onnx.kinds.kind_of` without
+    the fixed kinds: a weight is an initializer, an activation a node output), or None (a
+    graph input: the caller owns its memory; the KV cache is :mod:`.kv`'s)."""
+    return kinds.kind_of(t, fixed=False)
 
 
 def wanted(kind: TensorKind | None, options: OffloadOptions) -> bool:

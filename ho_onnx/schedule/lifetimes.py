@@ -122,6 +122,12 @@ def offloaded_intervals(choice: OffloadChoice) -> tuple[set[str], list[Interval]
         b = a.nbytes or 0
         out.append((a.producer, a.last_early, b))
         out.append((a.prefetch_at, max(a.late), b))
+    for i in choice.inputs:
+        names.add(i.name)
+        out.extend((p, c, i.nbytes) for c, p in zip(i.consumers, i.prefetch_at, strict=True))
+    for o in choice.outputs:
+        names.add(o.name)
+        out.append((o.producer, o.last, o.nbytes))
     return names, out
 
 
@@ -156,7 +162,9 @@ def peaks_at(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, 
 
     resized = dataclasses.replace(
         choice, weights=[dataclasses.replace(w, nbytes=size(w.name)) for w in choice.weights],
-        activations=[dataclasses.replace(a, nbytes=size(a.name)) for a in choice.activations])
+        activations=[dataclasses.replace(a, nbytes=size(a.name)) for a in choice.activations],
+        inputs=[dataclasses.replace(i, nbytes=size(i.name)) for i in choice.inputs],
+        outputs=[dataclasses.replace(o, nbytes=size(o.name)) for o in choice.outputs])
     residency = resident_intervals(analysis, dims)
     base = schedule_memory(analysis, None, dims, residency)
     planned = schedule_memory(analysis, resized, dims, residency, base)

@@ -23,6 +23,10 @@ class OffloadOptions:
 
     Candidates (both deciders):
       ``weights``, ``activations``: which kinds of tensors may be offloaded.
+      ``kv``: the KV cache of a decoder exported with past (:mod:`ho_onnx.graph.kv`) lives in
+      the caller's host memory: each past KV input is copied in just before its reader and
+      each present KV output leaves right after its last reader (both deciders, always, when
+      set; the rest is planned around it).
       ``min_bytes``: smaller tensors stay resident (None: :data:`MIN_BYTES_BUDGET` with a
       ``budget``, :data:`MIN_BYTES_EXPLICIT` without; see :attr:`min_bytes_or_default`).
       ``min_gap``: an activation is offloaded only across a gap of at least this many
@@ -50,6 +54,7 @@ class OffloadOptions:
 
     weights: bool = True
     activations: bool = True
+    kv: bool = False
     min_bytes: int | None = None
     min_gap: int = 2
     weight_tier: Tier = HOST.name
@@ -103,7 +108,7 @@ class OffloadOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
                 raise ValueError(f"{name} must be a number, not {v!r}")
-        for name in ("weights", "activations"):
+        for name in ("weights", "activations", "kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
 

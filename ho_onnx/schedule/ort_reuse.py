@@ -75,12 +75,16 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
     n = len(analysis.order)
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
+    moved_in = {i.name: i for i in (choice.inputs if choice else ())}
+    moved_out = {o.name: o for o in (choice.outputs if choice else ())}
     values: dict[str, _Value] = {}
     static = 0
     for name, (s, e) in spans.items():
         t = analysis.tensors[name]
         if t.is_initializer and name not in moved_w:
             static += sizes[name]
+        elif name in moved_in or name in moved_out:
+            continue  # the KV cache: its copies below
         elif t.is_graph_input:  # the caller's buffer (or ORT's copy of it): never reused
             values[name] = _Value(s, e, sizes[name], None)
         elif name in moved_a:
@@ -96,6 +100,13 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         key = _key(t.elem_type, t.shape)
         for k, (c, p) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
             values[f"{w.name}\0{k}"] = _Value(p, c, w.nbytes, key)
+    for i in moved_in.values():  # each Wait's output: a buffer ORT may reuse
+        key = _key(analysis.tensors[i.name].elem_type, analysis.tensors[i.name].shape)
+        for k, (c, p) in enumerate(zip(i.consumers, i.prefetch_at, strict=True)):
+            values[f"{i.name}\0{k}"] = _Value(p, c, i.nbytes, key)
+    for o in moved_out.values():  # an intermediate until its Emit (then the caller's)
+        key = _key(analysis.tensors[o.name].elem_type, analysis.tensors[o.name].shape)
+        values[o.name] = _Value(o.producer, o.last, o.nbytes, key)
     for pos, node in enumerate(analysis.nodes):
         src = ALIAS_INPUT.get((node.domain or "", node.op_type))
         if src is None:

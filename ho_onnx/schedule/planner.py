@@ -63,6 +63,7 @@ from .eligibility import (
     split_shape_readers,
     wanted,
 )
+from .kv import kv_choice, overlap_window
 from .lifetimes import (
     Interval,
     Residency,
@@ -72,6 +73,7 @@ from .lifetimes import (
     memory_profile,
     peak,
     resident_intervals,
+    schedule_memory,
 )
 from .options import OffloadOptions
 from .ort_reuse import ort_memory
@@ -196,6 +198,7 @@ class _Context:
     by_name: dict[str, Candidate]
     residency: Residency  # of the unmodified schedule (resident_intervals)
     base_memory: np.ndarray  # the unmodified schedule's bytes per step
+    kv: OffloadChoice  # the KV cache's offloads (schedule.kv): in every choice
 
     @property
     def budget(self) -> int:
@@ -343,6 +346,8 @@ def _why_resident(ctx: _Context, skipped: Mapping[str, str], name: str) -> str:
     listed as "must be resident" with no word of why, the user left to guess)."""
     if name in ctx.by_name:
         return ""
+    if name in ctx.kv.skipped or any(x.name == name for x in (*ctx.kv.inputs, *ctx.kv.outputs)):
+        return ", the KV cache: " + ctx.kv.skipped.get(name, "in its window")
     reason = skipped.get(name)
     if reason is None:
         return ", a graph input" if kind_of(ctx.analysis.tensors[name]) is None else ""
@@ -366,8 +371,15 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
         return k not in early or any(
             a <= pos <= b for a, b, _ in _just_in_time_intervals(ctx.by_name[k], early[k]))
 
+    kv_at: dict[str, bool] = {}  # KV tensors: resident at ``pos`` only inside their windows
+    for i in ctx.kv.inputs:
+        kv_at[i.name] = any(p <= pos <= c for c, p in zip(i.consumers, i.prefetch_at,
+                                                           strict=True))
+    for o in ctx.kv.outputs:
+        kv_at[o.name] = o.producer <= pos <= o.last
     alive = sorted(((sizes[k], k) for k, (s, e) in spans.items()
-                    if sizes[k] and s <= pos <= e and still_resident(k)), reverse=True)
+                    if sizes[k] and s <= pos <= e and kv_at.get(k, still_resident(k))),
+                   reverse=True)
     node = ctx.analysis.node_at(pos)
     top = ", ".join(f"{k} ({format_bytes(b)}{_why_resident(ctx, skipped, k)})"
                     for b, k in alive[:4])
@@ -515,6 +527,7 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
             choice.activations.append(ActivationOffload(
                 name, c.nbytes, c.producer, early, late, positions[(name, 0)]))
     WeightGroups.of(ctx.analysis).split(ctx.analysis, choice, ctx.dims)  # one per member
+    choice.inputs, choice.outputs = list(ctx.kv.inputs), list(ctx.kv.outputs)
     return choice
 
 
@@ -595,6 +608,8 @@ class _Basis:
     baseline: Simulation
     candidates: list[Candidate]  # best score first
     skipped: dict[str, str]
+    kv: OffloadChoice  # the KV cache's offloads (schedule.kv), in every plan
+    start: np.ndarray  # bytes per step with only ``kv`` offloaded: where selection starts
 
     @staticmethod
     def of(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
@@ -610,7 +625,13 @@ class _Basis:
                             residency)
         skipped: dict[str, str] = {}
         cands = _candidates(analysis, opts, dims, costs, residency[0], skipped, sizes)
-        return _Basis(residency, baseline, cands, skipped)
+        load = kinds.default_tier().load.direction
+        kv = kv_choice(analysis, opts, dims, overlap_window(
+            costs.prefix(), lambda b: costs.transfer_time(b, load), opts), sizes)
+        skipped.update(kv.skipped)
+        start = schedule_memory(analysis, kv, dims, residency, baseline.memory) \
+            if kv.inputs or kv.outputs else baseline.memory
+        return _Basis(residency, baseline, cands, skipped, kv, start)
 
     @functools.cached_property
     def by_name(self) -> dict[str, Candidate]:
@@ -679,12 +700,13 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     skipped = dict(basis.skipped)
     cands = basis.candidates
     ctx = _Context(analysis, opts, costs, dims, cands, basis.by_name, residency,
-                   baseline.memory)
-    mem = baseline.memory.copy()
-    if baseline.peak_bytes > ctx.budget:
-        min_budget, what = _smallest_budget(ctx, baseline.memory, spans, sizes, skipped)
+                   baseline.memory, basis.kv)
+    mem = basis.start.copy()
+    start_peak = int(mem.max(initial=0))
+    if start_peak > ctx.budget:
+        min_budget, what = _smallest_budget(ctx, basis.start, spans, sizes, skipped)
         met = functools.partial(_met_budget, analysis, opts, costs, dims, basis,
-                                ceiling=baseline.peak_bytes)
+                                ceiling=start_peak)
         if ctx.budget < min_budget:
             least = met(min_budget) if search else min_budget
             raise InfeasibleBudgetError(
@@ -699,7 +721,7 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
             raise InfeasibleBudgetError(f"{e}; the smallest budget this planner meets is "
                                         f"{format_bytes(least)} ({least} bytes)", least) from None
     else:
-        min_budget, early = baseline.peak_bytes, {}
+        min_budget, early = start_peak, {}
     sel = _Selection(early, mem, {})
     sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
     choice = _place(ctx, sel)

@@ -17,6 +17,7 @@ from .eligibility import (
     split_shape_readers,
     wanted,
 )
+from .kv import distance_window, kv_choice
 from .options import OffloadOptions
 from .types import ActivationOffload, Decision, OffloadChoice, WeightOffload
 
@@ -34,13 +35,15 @@ class ExplicitPolicy:
     def sized(self, t: TensorInfo) -> bool:
         """Activations' sizes, when activations may go and ``min_bytes`` compares them."""
         return (not t.is_initializer and self.options.activations
-                and bool(self.options.min_bytes_or_default))
+                and bool(self.options.min_bytes_or_default)) or (
+                    self.options.kv and t.kv_peer is not None)
 
 
 def describe(options: OffloadOptions) -> str:
     """The options of an explicit choice as recorded in the output's metadata."""
     o = options
-    return (f"offload={o.offloads} min_bytes={o.min_bytes_or_default} min_gap={o.min_gap} "
+    return (f"offload={o.offloads}{' kv' if o.kv else ''} min_bytes={o.min_bytes_or_default} "
+            f"min_gap={o.min_gap} "
             f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}")
 
 
@@ -61,6 +64,9 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
         if reason:
             choice.skipped[name] = reason
     groups.split(analysis, choice, dims)
+    kv = kv_choice(analysis, options, dims or {}, distance_window(options.prefetch_distance))
+    choice.inputs, choice.outputs = kv.inputs, kv.outputs
+    choice.skipped.update(kv.skipped)
     return choice
 
 

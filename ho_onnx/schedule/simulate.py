@@ -178,6 +178,14 @@ def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
         events.extend(TransferEvent(w.name, "reload", d, w.nbytes, p, c)
                       for c, p in zip(w.consumers, w.prefetch_at, strict=True))
     store, load = kinds.stored_links()
+    # The KV cache: a past copied in from the caller's host memory before each reader; a
+    # present copied out right after its last reader, the compute waiting for it (on the
+    # CUDA EP ORT's copy to host memory before the Emit runs on the compute stream).
+    for i in choice.inputs:
+        events.extend(TransferEvent(i.name, "reload", load.direction, i.nbytes, p, c)
+                      for c, p in zip(i.consumers, i.prefetch_at, strict=True))
+    for o in choice.outputs:
+        events.append(TransferEvent(o.name, "store", store.direction, o.nbytes, o.last, o.last))
     for a in choice.activations:
         b = a.nbytes or 0
         events.append(TransferEvent(a.name, "store", store.direction, b, a.producer,

@@ -68,6 +68,41 @@ class ActivationOffload:
                              f"({self.last_early}, {self.late[:1]}]")
 
 
+@dataclass(frozen=True)
+class InputOffload:
+    """A graph input the caller holds in host memory (a past KV), copied into the fast tier
+    before each reader that reads its data (PrefetchInput issued before ``prefetch_at[k]``,
+    Wait before ``consumers[k]``); its shape readers read the input itself (no transfer)."""
+
+    name: str
+    nbytes: int
+    consumers: tuple[int, ...]
+    prefetch_at: tuple[int, ...]
+    peer: str = ""  # the present KV output it pairs with (graph.kv)
+
+    def __post_init__(self) -> None:
+        if not self.consumers or len(self.prefetch_at) != len(self.consumers) or any(
+                not 0 <= p <= c for p, c in zip(self.prefetch_at, self.consumers, strict=True)):
+            raise ValueError(f"{self.name}: prefetch positions {self.prefetch_at} do not fit "
+                             f"consumers {self.consumers}")
+
+
+@dataclass(frozen=True)
+class OutputOffload:
+    """A graph output (a present KV) handed to the caller's host memory right after its last
+    reader in the graph (``last``; its producer when none), by an Emit."""
+
+    name: str
+    nbytes: int
+    producer: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if self.last < self.producer:
+            raise ValueError(f"{self.name}: last reader {self.last} before its producer "
+                             f"{self.producer}")
+
+
 @dataclass
 class OffloadChoice:
     """The tensors to offload, and why each other candidate stays resident.
@@ -79,12 +114,27 @@ class OffloadChoice:
     weights: list[WeightOffload] = field(default_factory=list)
     activations: list[ActivationOffload] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    # The KV cache (schedule.kv): the caller's, in host memory between steps.
+    inputs: list[InputOffload] = field(default_factory=list)
+    outputs: list[OutputOffload] = field(default_factory=list)
 
     @property
     def offloaded_bytes(self) -> int:
         return sum(w.nbytes for w in self.weights) + sum(
             a.nbytes or 0 for a in self.activations
         )
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache kept in the caller's host memory (past and present)."""
+        return sum(i.nbytes for i in self.inputs) + sum(o.nbytes for o in self.outputs)
+
+
+def kv_pairs_text(c: OffloadChoice) -> str:
+    """The KV pairs (past input, present output) of ``c``'s offloads, recorded in the
+    model's metadata as ``past:present,...`` (the rewrite hides the structure they were
+    found by)."""
+    return ",".join(f"{i.name}:{i.peer}" for i in c.inputs if i.peer)
 
 
 @dataclass
@@ -106,6 +156,9 @@ class Decision:
             "offloaded_weights": str(len(c.weights)),
             "offloaded_activations": str(len(c.activations)),
             "offloaded_bytes": str(c.offloaded_bytes),
+            **({"offloaded_kv": str(len(c.inputs) + len(c.outputs)),
+                "kv_bytes": str(c.kv_bytes), "kv_pairs": kv_pairs_text(c)}
+               if c.inputs or c.outputs else {}),
             "host_bytes": str(host_bytes(c)),
         }
 
