@@ -647,3 +647,36 @@ def test_transfer_times_match_bytes_loaded(decoder):
     assert t["d2h_bytes"] == c["cuda_bytes_d2h"] - d2h0 > 0
     assert t["h2d_s"] > 0
 
+
+
+def test_kv_cache_in_host_memory_generates_the_same_tokens_on_cuda(tmp_path):
+    """Issue 36 item 2 on the CUDA EP: each past KV reaches the device through PrefetchInput
+    (its input in host memory: ORT hands over the caller's buffer, the CUDA engine copies
+    it), each present leaves through Emit (the one op on the CPU EP, by design); greedy
+    tokens equal the unmodified model's on the same provider."""
+    from ho_onnx import contract
+    from ho_onnx.target.ort.generate import greedy, kv_layout
+
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, layers=2, hidden=128, heads=4, vocab=VOCAB, external_data=True,
+                  max_positions=256, kv_cache=True, std=0.2)
+    opt = tmp_path / "dec.ho.onnx"
+    optimize(src, opt, OffloadOptions(kv=True, min_bytes=0, min_gap=1, prefetch_distance=2),
+             {"batch": 1}, dim_ranges={"seq": (1, 16), "past": (0, 64)})
+    ops = _cache_ops(opt)
+    assert ops[contract.PREFETCH_INPUT] == 4 and ops[contract.EMIT] == 4
+    ref = ort.InferenceSession(str(src), providers=PROVIDERS)
+    assert ref.get_providers()[0] == CUDA_EP
+    want = greedy(ref, kv_layout(src), [3, 1, 4, 1, 5], 40)
+    assert len(set(want)) > 3, want
+    s = runtime.InferenceSession(opt, providers=PROVIDERS)
+    c0 = _ops.counters()
+    got = greedy(s, kv_layout(opt), [3, 1, 4, 1, 5], 40)
+    c = _ops.counters()
+    assert got == want
+    per_run = sum(ops.values()) - ops[contract.EMIT]
+    assert c["ops_cpu"] - c0["ops_cpu"] == 40 * ops[contract.EMIT]  # the Emits alone
+    assert c["ops_cuda"] - c0["ops_cuda"] == 40 * per_run
+    # every decode step copied its pasts in: K and V of 2 layers, 4 heads x 32, pasts 5..43
+    past_bytes = sum(2 * 2 * 128 * 4 * p for p in range(5, 44))
+    assert c["cuda_bytes_h2d"] - c0["cuda_bytes_h2d"] >= past_bytes
