@@ -562,9 +562,11 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
 
 def _say_result(output_model: str, result: Any) -> None:
     """What optimize wrote, and the plan's prediction."""
-    _echo(f"{output_model}: {len(result.choice.weights)} weights, "
-          f"{len(result.choice.activations)} activations offloaded, "
-          f"{result.choice.offloaded_bytes:,} bytes")
+    c = result.choice
+    kv = f"; the KV cache ({len(c.inputs)} past, {len(c.outputs)} present) in host memory" \
+        if c.inputs or c.outputs else ""
+    _echo(f"{output_model}: {len(c.weights)} weights, {len(c.activations)} activations "
+          f"offloaded, {c.offloaded_bytes:,} bytes{kv}")
     if result.plan is not None:
         p = result.plan
         _echo(f"predicted peak {format_bytes(p.planned.peak_bytes, 'MiB', 1)} (budget "

@@ -31,13 +31,22 @@ class _Facts(Protocol):
     kv_peer: str | None
 
 
-def _like(a: _Facts, b: _Facts) -> bool:
+def _declared(v: ir.Value, t: _Facts) -> tuple[object, ...] | None:
+    """``v``'s shape as the model declares it (a graph input's or output's: symbolic dims
+    stay names whatever the analysis bound), else the analysis's."""
+    if v.shape is not None:
+        return tuple(d if isinstance(d, int) else getattr(d, "value", None) for d in v.shape)
+    return t.shape
+
+
+def _like(a: _Facts, sa: tuple[object, ...] | None, b: _Facts,
+          sb: tuple[object, ...] | None) -> bool:
     """Same element type and rank (>= 3), different in exactly one axis: the sequence the
     cache grows along (a query and the attention's output have the same dims: no pair)."""
-    if a.elem_type is None or a.elem_type != b.elem_type or a.shape is None \
-            or b.shape is None or len(a.shape) != len(b.shape) or len(a.shape) < 3:
+    if a.elem_type is None or a.elem_type != b.elem_type or sa is None or sb is None \
+            or len(sa) != len(sb) or len(sa) < 3:
         return False
-    return sum(x != y or x is None for x, y in zip(a.shape, b.shape, strict=True)) == 1
+    return sum(x != y or x is None for x, y in zip(sa, sb, strict=True)) == 1
 
 
 def pair_kv(nodes: Sequence[ir.Node], tensors: Mapping[str, _Facts]) -> list[tuple[str, str]]:
@@ -48,14 +57,14 @@ def pair_kv(nodes: Sequence[ir.Node], tensors: Mapping[str, _Facts]) -> list[tup
     for node in nodes:
         if node.domain in ("", "ai.onnx") and node.op_type in _SHAPE_READERS:
             continue
-        pasts = [t for v in node.inputs if v is not None and v.name
+        pasts = [(t, v) for v in node.inputs if v is not None and v.name
                  and (t := tensors.get(v.name)) is not None and t.is_graph_input
                  and not t.is_initializer and not t.is_graph_output and t.name not in taken]
-        presents = [t for v in node.outputs if v.name
+        presents = [(t, v) for v in node.outputs if v.name
                     and (t := tensors.get(v.name)) is not None and t.is_graph_output
                     and not t.is_graph_input and t.name not in taken]
-        for past, present in zip(pasts, presents, strict=False):
-            if not _like(past, present):
+        for (past, pv), (present, qv) in zip(pasts, presents, strict=False):
+            if not _like(past, _declared(pv, past), present, _declared(qv, present)):
                 continue
             past.kv_peer, present.kv_peer = present.name, past.name
             taken.update((past.name, present.name))

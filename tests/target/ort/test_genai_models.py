@@ -210,3 +210,43 @@ def test_greedy_tokens_from_optimized_folders(exports, tmp_path):
     want = optimum_greedy(exports["o2"], PROMPT, max_new_tokens=20)
     assert optimum_greedy(out, PROMPT, max_new_tokens=20,
                           session_options=optimum_session_options(out)) == want
+
+
+def test_kv_cache_in_host_memory_for_both_export_layouts(exports, tmp_path):
+    """Issue 36 item 2 on real exports: Optimum's Concat layout and genai's
+    GroupQueryAttention (past and present found by structure), the cache and half the
+    weights offloaded, one plan over a range of lengths: greedy tokens equal the unmodified
+    folder's through ORTModelForCausalLM, the IOBinding loop and genai."""
+    from ho_onnx import InferenceSession
+    from ho_onnx.target.ort.folders import optimum_session_options
+    from ho_onnx.target.ort.generate import greedy, kv_layout
+
+    ranges = {"o2": ["batch_size=1", "sequence_length=1..8", "past_sequence_length=0..40"],
+              "fp32": ["batch_size=1", "sequence_length=1..8", "total_sequence_length=1..40",
+                       "past_sequence_length=0..40", "kv_cache_dim=16"]}
+    for key, dims in ranges.items():
+        out = tmp_path / key
+        budget = str(_weight_bytes(exports[key] / "model.onnx") // 2)
+        said = _cli("optimize", str(exports[key]), str(out), "--budget", budget,
+                    "--offload-kv", *[a for d in dims for a in ("--dim", d)])
+        layers = 4
+        assert f"the KV cache ({2 * layers} past, {2 * layers} present)" in said, said
+        ops = _ops(out / "model.onnx")
+        assert ops[("ai.hyperoffload", "PrefetchInput")] == ops[("ai.hyperoffload", "Emit")] \
+            == 2 * layers
+    want = optimum_greedy(exports["o2"], PROMPT, max_new_tokens=20)
+    assert optimum_greedy(tmp_path / "o2", PROMPT, max_new_tokens=20,
+                          session_options=optimum_session_options(tmp_path / "o2")) == want
+    ref = greedy(ort_session(exports["o2"] / "model.onnx"), kv_layout(exports["o2"] /
+                                                                      "model.onnx"), PROMPT, 20)
+    assert ref == want[len(PROMPT):]
+    opt = tmp_path / "o2" / "model.onnx"
+    assert greedy(InferenceSession(opt), kv_layout(opt), PROMPT, 20) == ref
+    assert _genai_greedy_apart(tmp_path / "fp32", 32) == genai_greedy(exports["fp32"], PROMPT,
+                                                                      max_length=32)
+
+
+def ort_session(path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
