@@ -97,6 +97,8 @@ const CounterDef kCounters[] = {
     HO_COUNTER(wait_ns),
     HO_COUNTER(alias_copies),
     HO_COUNTER(bytes_emitted),
+    HO_COUNTER(gated_skips),
+    HO_COUNTER(bytes_gated),
     HO_COUNTER(bytes_read_disk),
     HO_COUNTER(disk_read_ns),
     HO_COUNTER(disk_direct_reads),
@@ -211,6 +213,8 @@ void HoOnnx_ResetCounters(void) {
   c.wait_ns = 0;
   c.alias_copies = 0;
   c.bytes_emitted = 0;
+  c.gated_skips = 0;
+  c.bytes_gated = 0;
   c.bytes_read_disk = 0;
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;

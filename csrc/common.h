@@ -45,6 +45,9 @@ struct Counters {
   std::atomic<uint64_t> wait_ns{0};
   std::atomic<uint64_t> alias_copies{0};  // Wait/Detach outputs ORT did not alias: copied
   std::atomic<uint64_t> bytes_emitted{0};  // Emit: tensors handed to the caller (present KV)
+  // Gated Prefetches whose gate was empty (experts no token was routed to), and their bytes.
+  std::atomic<uint64_t> gated_skips{0};
+  std::atomic<uint64_t> bytes_gated{0};
   // Disk tier: payload bytes read from data files (also counted in bytes_loaded), the time
   // at least one disk read was in flight, and the reads done with / without O_DIRECT.
   std::atomic<uint64_t> bytes_read_disk{0};

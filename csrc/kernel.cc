@@ -173,6 +173,10 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     cuda_set_device(k->device);
   }
   if (op.kind == OpKind::kWait) k->init_arena_sampling(op, info);
+  if (op.kind == OpKind::kPrefetch || op.kind == OpKind::kWait) {
+    int64_t gated = 0;
+    k->gated = attr_int(api, info, "gated", &gated) && gated == 1;
+  }
   if (op.kind == OpKind::kGuard) k->init_guard(info);
   if (op.kind == OpKind::kStore) {
     k->token_dims = {static_cast<int64_t>((128 + k->bits - 1) / k->bits)};
@@ -332,7 +336,23 @@ void Kernel::guard(OrtKernelContext* ctx) {
   output(api, ctx, {0});
 }
 
+// The gate (input 1) of a gated Prefetch or Wait is empty: no token reaches the reader.
+bool Kernel::gate_closed(OrtKernelContext* ctx) const {
+  if (!gated) return false;
+  size_t n = 0;
+  check(api, api->KernelContext_GetInputCount(ctx, &n));
+  if (n < 2) fail(ORT_INVALID_ARGUMENT, "attribute 'gated' needs a gate as input 1");
+  return tensor_info(api, input(api, ctx, 1)).numel == 0;
+}
+
 void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
+  if (gate_closed(ctx)) {  // an expert no token was routed to: nothing moves
+    output(api, ctx, shape);
+    counters().gated_skips += 1;
+    counters().bytes_gated += disk ? disk->size() : blob->size();
+    produce_issued(api, ctx);
+    return;
+  }
   OrtValue* y = output(api, ctx, shape);
   if (disk) {
     engine->prefetch_disk(disk, disk->size() ? tensor_data(api, y) : nullptr, ec);
@@ -384,7 +404,7 @@ void Kernel::wait(OrtKernelContext* ctx, ExecContext& ec) {
   const TensorInfo ti = tensor_info(api, y);
   const size_t bytes = byte_size(ti.numel, bits);
   OrtValue* z = output(api, ctx, ti.dims);
-  if (bytes == 0) return;
+  if (bytes == 0 || gate_closed(ctx)) return;  // (closed: its Prefetch started nothing)
   const void* src = tensor_data(api, y);
   void* dst = tensor_data(api, z);
   // The engine copies from its own memory into z (= y when ORT aliased them). GPU EP: on the

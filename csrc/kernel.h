@@ -66,6 +66,13 @@ struct Kernel {
   std::vector<DimRange> ranges;
   std::string input_name;  // the graph input it reads (messages)
 
+  // Prefetch and Wait with attribute `gated` = 1: input 1 is the gate, a routed value that
+  // is empty when no token reaches the reader (an expert no token was routed to). An empty
+  // gate skips the transfer: the Prefetch starts none, the Wait copies nothing and its
+  // output's bytes are unspecified (the reader reads none of them). Only the gate's shape
+  // is read, never its data (on the CUDA EP it is device memory).
+  bool gated = false;
+
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
   std::vector<int64_t> shape;
@@ -84,6 +91,7 @@ struct Kernel {
   void prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec);
   void prefetch_stored(OrtKernelContext* ctx, const ExecContext& ec);
   void prefetch_input(OrtKernelContext* ctx, const ExecContext& ec);
+  bool gate_closed(OrtKernelContext* ctx) const;
   void emit(OrtKernelContext* ctx, const ExecContext& ec);
   void wait(OrtKernelContext* ctx, ExecContext& ec);
   void store(OrtKernelContext* ctx, ExecContext& ec);

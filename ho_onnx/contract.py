@@ -48,6 +48,10 @@ ATTR_DATA_SIZE = "data_size"
 ATTR_DATA_FINGERPRINT = "data_fingerprint"
 # "disk": read from the data file at every Prefetch (no host-store copy); absent: "host".
 ATTR_TIER = "tier"
+# 1 on a weight Prefetch and its Wait whose input 1 is a gate: a routed value that is empty
+# when no token reaches the reader (an MoE expert no token was routed to); an empty gate
+# skips the transfer (only the gate's shape is read).
+ATTR_GATED = "gated"
 # On every Store: the most bytes of stored activations the plan holds at once (sizes the
 # CUDA engine's pinned ring; it grows beyond when concurrent runs need more).
 ATTR_HOST_BYTES = "host_bytes"

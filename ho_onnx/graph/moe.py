@@ -323,3 +323,50 @@ def _routed_layer(a: GraphAnalysis, pos: int) -> MoELayer | None:
                         for i, ns in enumerate(names))
         form = "unrolled"
     return MoELayer(form, _name(a.nodes[pos]), logits, k, experts)
+
+
+# Ops whose output is empty when their first input is (the element count is kept or split).
+_EMPTY_FOLLOWS_FIRST = {"Reshape", "Squeeze", "Unsqueeze", "Cast", "Identity", "Transpose",
+                        "Flatten", "Softmax", "Sigmoid", "Relu", "Tanh", "Neg", "Abs", "Exp",
+                        "Erf", "Gelu", "Split", "Mul", "Add", "Sub", "Div"}
+
+
+def empty_gate(a: GraphAnalysis, reader: int, host: Iterable[str] = ()) -> str | None:
+    """A routed value that is empty whenever the weight MatMul at ``reader`` multiplies an
+    empty activation (no token was routed to its expert), so that its transfer may be
+    skipped: the walk goes back from the activation through ops that keep emptiness (a
+    Gather through its indices) to the NonZero that selects the expert's tokens; the gate is
+    the earliest value on that path not in ``host`` (values in host memory on the CUDA EP,
+    never an input of a cache op there). None: no such path (an expert computed on every
+    token)."""
+    acts, _ = _weight_matmul(a, a.nodes[reader])
+    if not acts:
+        return None
+    chain, name = [acts[0]], acts[0]
+    for _ in range(_REACH):
+        node = _producer(a, name)
+        if node is None:
+            return None
+        if node.op_type == "NonZero":
+            break
+        ins = input_names(node)
+        computed = [n for n in ins if n and (p := _producer(a, n)) is not None
+                    and p.op_type != "Constant"]
+        if node.op_type == "Gather" and len(ins) > 1 and ins[1] in computed:
+            name = ins[1]  # tokens gathered by routed indices: empty with them
+        elif node.op_type == "Gather" and ins[0] in computed:
+            name = ins[0]  # a constant row of routed indices: empty with them
+        elif node.op_type in _EMPTY_FOLLOWS_FIRST or _weight_matmul(a, node)[0]:
+            # (elementwise: an empty operand makes the broadcast empty; follow one that is
+            # computed, not a constant)
+            nxt = _weight_matmul(a, node)[0][:1] or computed[:1]
+            if not nxt:
+                return None
+            name = nxt[0]
+        else:
+            return None
+        chain.append(name)
+    else:
+        return None
+    skip = set(host)
+    return next((n for n in reversed(chain) if n not in skip), None)

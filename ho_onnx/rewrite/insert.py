@@ -158,14 +158,17 @@ class _Emitter:
         for k, (c, s) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
             y = self.names.fresh(f"{w.name}.ho_y{k}")
             z = self.names.fresh(f"{w.name}.ho_z{k}")
+            # A routed reload reads its gate as input 1 (its emptiness skips the transfer).
+            gate = [w.gates[k]] if w.gates and w.gates[k] else []
+            gated = [ir.AttrInt64(contract.ATTR_GATED, 1)] if gate else []
             # A Prefetch with only constant inputs would be folded by ORT: at the very start
             # it is ordered after a graph input.
-            pf_deps = self.dep_before(s) or _first_graph_input(self.analysis)
-            pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *pf_deps], [self.like(y, t)],
-                         f"ho.prefetch.{w.name}.{k}", *attrs,
+            pf_deps = self.dep_before(s) or ([] if gate else _first_graph_input(self.analysis))
+            pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *gate, *pf_deps],
+                         [self.like(y, t)], f"ho.prefetch.{w.name}.{k}", *attrs, *gated,
                          channel=tier.channel)
-            wait = self.op(contract.WAIT, [y, *self.dep_before(c, floor=s - 1)], [self.like(z, t)],
-                           f"ho.wait.{w.name}.{k}")
+            wait = self.op(contract.WAIT, [y, *gate, *self.dep_before(c, floor=s - 1)],
+                           [self.like(z, t)], f"ho.wait.{w.name}.{k}", *gated)
             self.before_pf[s].append(pf)
             self.before_wait[c].append(wait)
             self.rename.setdefault(c, {})[w.name] = z

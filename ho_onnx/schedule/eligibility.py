@@ -163,3 +163,63 @@ class WeightGroups:
                 out.append(WeightOffload(m, t.nbytes(dims) or 0, data,
                                          tuple(at[u] for u in data), shape, w.tier))
         choice.weights[:] = out
+
+
+@dataclass(frozen=True)
+class Routed:
+    """The reloads an MoE router decides (:func:`~ho_onnx.graph.moe.empty_gate`): for each
+    expert weight, per data reader, the gate whose emptiness skips that reload, and the
+    expected share of reloads that move: ``1 - (1 - k/E) ** T`` for ``T`` tokens each routed
+    to ``k`` of ``E`` experts (uniformly: at decode ``k/E``, at a long prefill nearly 1)."""
+
+    gates: dict[tuple[str, int], str]  # (weight, reader position) -> gate value
+    fraction: dict[str, float]  # expert weight -> expected share of its reloads that move
+
+    @classmethod
+    def of(cls, analysis: GraphAnalysis, dims: Mapping[str, int] | None = None) -> Routed:
+        """The routed reloads of ``analysis``' model under ``dims``; once per analysis and
+        dims."""
+        key = ("routed", tuple(sorted((dims or {}).items())))
+        if key not in analysis.derived:
+            analysis.derived[key] = cls._find(analysis, dims or {})
+        return analysis.derived[key]
+
+    @classmethod
+    def _find(cls, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Routed:
+        from ..graph.dtypes import ELEMENT_BITS
+        from ..graph.moe import empty_gate, find_experts
+
+        host = cuda_host_tensors(analysis)
+        gates: dict[tuple[str, int], str] = {}
+        fraction: dict[str, float] = {}
+        for layer in find_experts(analysis):
+            if layer.stacked or not layer.top_k or not layer.experts:
+                continue  # (a stacked tensor or a contrib op: no per-expert reload)
+            logits = analysis.tensors[layer.router_logits]
+            e = len(layer.experts)
+            try:
+                nbytes = logits.nbytes(dims) or 0
+            except Exception:  # unbound dims: every reload may move
+                nbytes = 0
+            bits = ELEMENT_BITS.get(logits.elem_type or 0, 0)
+            tokens = nbytes * 8 // bits // e if bits else 0
+            share = 1.0 - (1.0 - min(layer.top_k, e) / e) ** tokens if tokens else 1.0
+            for expert in layer.experts:
+                for w in expert.weights:
+                    found = {c: g for c in split_shape_readers(analysis, analysis.tensors[w])[0]
+                             if (g := empty_gate(analysis, c, host)) is not None}
+                    if found:
+                        gates.update(((w, c), g) for c, g in found.items())
+                        fraction[w] = share
+        return cls(gates, fraction)
+
+    def of_weight(self, analysis: GraphAnalysis, name: str, uses: Sequence[int]
+                  ) -> tuple[tuple[str, ...], float, tuple[int, ...]]:
+        """(gate per reader, expected share moved, earliest issue position per reader: after
+        its gate) of the weight ``name`` read at ``uses``; ``((), 1.0, zeros)`` when nothing
+        routes it."""
+        gates = tuple(self.gates.get((name, u), "") for u in uses)
+        if not any(gates):
+            return (), 1.0, (0,) * len(uses)
+        after = tuple(0 if not g else (analysis.tensors[g].producer or 0) + 1 for g in gates)
+        return gates, self.fraction.get(name, 1.0), after

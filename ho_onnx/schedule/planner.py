@@ -54,6 +54,7 @@ from ..graph.gcpause import gc_paused
 from ..units import format_bytes
 from .eligibility import (
     OVERRIDABLE_REASON,
+    Routed,
     WeightGroups,
     ineligible,
     kind_of,
@@ -237,6 +238,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
     store, load = (link.direction for link in kinds.stored_links())
     out: list[Candidate] = []
     placement = placement_reasons(analysis)
+    routed = Routed.of(analysis, dims)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
         if kind is None or not wanted(kind, opts):
@@ -258,7 +260,9 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             own, shape_readers = split_shape_readers(analysis, t)
             uses = groups.data_uses(analysis, name, own)  # with its scales and zero points
             nbytes = groups.nbytes(analysis, name, dims, sizes)
-            tt = costs.transfer_time(nbytes, kinds.tier(opts.weight_tier).load.direction)
+            share = routed.of_weight(analysis, name, uses)[1]  # (an expert: routed reloads)
+            tt = costs.transfer_time(max(1, int(nbytes * share)),
+                                     kinds.tier(opts.weight_tier).load.direction)
             busy = sum(compute_s[c] for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
             out.append(Candidate(name, kind.name, False, nbytes, uses, shape_readers, -1, score,
@@ -482,6 +486,9 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
         else:
             reloads.append((next(u for u in c.uses if u not in early), name, 0))
     reloads.sort()
+    routed = Routed.of(ctx.analysis, ctx.dims)
+    after = {name: routed.of_weight(ctx.analysis, name, ctx.by_name[name].uses)[2]
+             for name in sel.early if not ctx.by_name[name].stored}
     positions: dict[tuple[str, int], int] = {}
     free = dict.fromkeys((t.load.direction for t in kinds.tiers()), 0.0)
     last_issue = dict.fromkeys(free, 0)
@@ -492,7 +499,7 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
         tt = ctx.costs.transfer_time(c.nbytes, direction)
         early = sel.early[name]
         lo = 0 if not c.stored else (early[-1] if early else c.producer) + 1
-        lo = max(lo, last_issue[direction])
+        lo = max(lo, last_issue[direction], after[name][k] if name in after else 0)
         margin = (opts.preferred_overlap - 1.0) * tt
         best_p, best_end = u, max(prefix[u], free[direction]) + tt
         p = u
@@ -516,12 +523,14 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
 def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], int]
             ) -> OffloadChoice:
     choice = OffloadChoice(decided_by="planner")
+    routed = Routed.of(ctx.analysis, ctx.dims)
     for name, early in sel.early.items():
         c = ctx.by_name[name]
         if not c.stored:
+            gates, share, _ = routed.of_weight(ctx.analysis, name, c.uses)
             choice.weights.append(WeightOffload(
                 name, c.nbytes, c.uses, tuple(positions[(name, k)] for k in range(len(c.uses))),
-                c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier)))
+                c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier), gates, share))
         else:
             late = tuple(u for u in c.uses if u not in early)
             choice.activations.append(ActivationOffload(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ..errors import UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from .eligibility import (
+    Routed,
     WeightGroups,
     ineligible,
     kind_of,
@@ -79,8 +80,10 @@ def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
     own, shape_readers = split_shape_readers(analysis, t)
     data = groups.data_uses(analysis, t.name, own)
     d = options.prefetch_distance
-    choice.weights.append(WeightOffload(t.name, nbytes, data, tuple(max(0, c - d) for c in data),
-                                        shape_readers, options.weight_tier))
+    gates, share, after = Routed.of(analysis, dims).of_weight(analysis, t.name, data)
+    choice.weights.append(WeightOffload(
+        t.name, nbytes, data, tuple(max(a, c - d, 0) for c, a in zip(data, after, strict=True)),
+        shape_readers, options.weight_tier, gates, share))
     return None
 
 

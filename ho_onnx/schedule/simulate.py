@@ -175,7 +175,8 @@ def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
         return events
     for w in choice.weights:
         d: Direction = kinds.tier(w.tier).load.direction
-        events.extend(TransferEvent(w.name, "reload", d, w.nbytes, p, c)
+        moved = w.nbytes if w.fraction >= 1.0 else int(w.nbytes * w.fraction)  # (routed)
+        events.extend(TransferEvent(w.name, "reload", d, moved, p, c)
                       for c, p in zip(w.consumers, w.prefetch_at, strict=True))
     store, load = kinds.stored_links()
     # The KV cache: a past copied in from the caller's host memory before each reader; a

@@ -36,9 +36,19 @@ class WeightOffload:
     prefetch_at: tuple[int, ...]
     shape_readers: tuple[int, ...] = ()
     tier: Tier = kinds.HOST.name
+    # Per consumer, the routed value whose emptiness skips that reload (an MoE expert no
+    # token was routed to: graph.moe.empty_gate), or "" (always moved); () for none. A
+    # gated reload is issued after its gate is produced.
+    gates: tuple[str, ...] = ()
+    fraction: float = 1.0  # expected share of the reloads that move (routing's top-k)
 
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
+        if self.gates and len(self.gates) != len(self.consumers):
+            raise ValueError(f"{self.name}: {len(self.gates)} gates for "
+                             f"{len(self.consumers)} consumers")
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"{self.name}: fraction {self.fraction} is not in [0, 1]")
         if len(self.prefetch_at) != len(self.consumers) or any(
             not 0 <= p <= c for p, c in zip(self.prefetch_at, self.consumers, strict=True)
         ):
