@@ -65,12 +65,12 @@ MIB = 1 << 20
 
 # Model and run sizes per preset; every value can be overridden on the command line.
 PRESETS: dict[str, dict[str, Any]] = {
-    "cpu": {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn": 1024, "vocab": 4096,
+    "cpu": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 1024, "vocab": 8192,
             "dtype": "float32", "contexts": "512,2048,8192", "chunk": 512, "new_tokens": 16,
-            "repeats": 3, "budgets": "1.0,0.5", "machine": "cpu"},
+            "repeats": 3, "budgets": "1.0,0.8", "machine": "cpu"},
     "cuda": {"layers": 20, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192,
              "vocab": 32000, "dtype": "float16", "contexts": "2048,8192,32768", "chunk": 2048,
-             "new_tokens": 32, "repeats": 3, "budgets": "1.0,0.5", "machine": "h100"},
+             "new_tokens": 32, "repeats": 3, "budgets": "1.0,0.9", "machine": "h100"},
     "quick": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 256,
               "dtype": "float32", "contexts": "16,64", "chunk": 32, "new_tokens": 4,
               "repeats": 1, "budgets": "1.0", "machine": "cpu"},
@@ -129,10 +129,15 @@ class OnnxGenerator:
         self.runs = 0
 
     def _step(self, ids: Any, past: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        import numpy as np
+
         io = self.sess.io_binding()
         io.bind_cpu_input("input_ids", ids)
         for name, value in past.items():
-            io.bind_ortvalue_input(name, value)
+            if isinstance(value, np.ndarray):
+                io.bind_cpu_input(name, value)
+            else:
+                io.bind_ortvalue_input(name, value)
         io.bind_output("logits", "cpu")
         for name in self.present:
             io.bind_output(name, self.kv_device)
@@ -145,14 +150,11 @@ class OnnxGenerator:
 
     def generate(self, prompt: Any, chunk: int, new_tokens: int) -> dict[str, Any]:
         import numpy as np
-        import onnxruntime as ort
 
-        empty = {}
-        for i in self.past:
-            shape = [1, i.shape[1], 0, i.shape[3]]
-            empty[i.name] = ort.OrtValue.ortvalue_from_numpy(
-                np.zeros(shape, self.dtype), self.kv_device, 0)
-        past = empty
+        # The empty cache from host arrays (ORT copies them where the session wants them);
+        # from then on the presents, where kv_device keeps them.
+        past: dict[str, Any] = {i.name: np.zeros([1, i.shape[1], 0, i.shape[3]], self.dtype)
+                                for i in self.past}
         t0 = time.perf_counter()
         for lo in range(0, prompt.shape[1], chunk):
             token, past = self._step(np.ascontiguousarray(prompt[:, lo:lo + chunk]), past)
@@ -232,8 +234,8 @@ def _hf_model(cfg: dict[str, Any], ctx: int, device: str, offloaded: bool) -> An
     with torch.device("meta"):
         model = LlamaForCausalLM(conf)
     model = model.to_empty(device="cpu").to(dtype).eval()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    for p in model.parameters():  # (RMSNorm gains 1, the rest N(0, 0.02))
+        torch.nn.init.ones_(p) if p.dim() == 1 else torch.nn.init.normal_(p, std=0.02)
     model.model.rotary_emb = type(model.model.rotary_emb)(conf)  # (buffers: not meta)
     if device == "cuda":
         if offloaded:
@@ -534,9 +536,13 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
         floor = floor_of(src, dims, ranges, costs, kv=False)
         print(f"  resident peak {_mib(peak)} MiB, floor {_mib(floor)} MiB "
               f"(planned in {time.perf_counter() - t0:.1f} s)", flush=True)
-        budgets = [(f"ho {f:.0%}", int(f * peak)) for f in fractions if int(f * peak) > floor]
+        budgets = [(f"ho {f:.0%}", int(f * peak)) for f in fractions]
         budgets.append(("ho floor", floor))
         for name, budget in budgets:
+            if budget < floor:
+                rows.append({**base, "name": name, "budget_bytes": budget,
+                             "skipped": f"below the floor ({_mib(floor)} MiB)"})
+                continue
             out = src.with_name(f"decoder.c{ctx}.{name.split()[-1].replace('%', 'pct')}.onnx")
             row = {**base, "name": name, "budget_bytes": budget}
             try:
