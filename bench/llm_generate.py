@@ -66,7 +66,7 @@ MIB = 1 << 20
 # Model and run sizes per preset; every value can be overridden on the command line.
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 1024, "vocab": 8192,
-            "dtype": "float32", "contexts": "512,2048,8192", "chunk": 512, "new_tokens": 16,
+            "dtype": "float32", "contexts": "512,2048,8192", "chunk": 512, "new_tokens": 32,
             "repeats": 3, "budgets": "1.0,0.8", "machine": "cpu"},
     "cuda": {"layers": 20, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192,
              "vocab": 32000, "dtype": "float16", "contexts": "2048,8192,32768", "chunk": 2048,
@@ -233,9 +233,10 @@ def _hf_model(cfg: dict[str, Any], ctx: int, device: str, offloaded: bool) -> An
     torch.manual_seed(0)
     with torch.device("meta"):
         model = LlamaForCausalLM(conf)
-    model = model.to_empty(device="cpu").to(dtype).eval()
+    model = model.to_empty(device="cpu")
     for p in model.parameters():  # (RMSNorm gains 1, the rest N(0, 0.02))
         torch.nn.init.ones_(p) if p.dim() == 1 else torch.nn.init.normal_(p, std=0.02)
+    model = model.to(dtype).eval()
     model.model.rotary_emb = type(model.model.rotary_emb)(conf)  # (buffers: not meta)
     if device == "cuda":
         if offloaded:
@@ -490,6 +491,7 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
     dims = {"batch": 1}
     child_cfg = json.dumps(cfg)
     kv_ok = kv_offload_supported()
+    load0 = os.getloadavg()  # (a shared machine: its load says how far to trust the times)
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
 
@@ -499,7 +501,8 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
                 {"device": device, "config": cfg, "contexts": contexts,
                  "weight_bytes": sizes["total_bytes"], "params": sizes["total_params"],
                  "onnxruntime": ort.__version__, "ho_onnx": ho_onnx.__version__,
-                 "cpu_count": os.cpu_count(), "rows": rows, "failures": failures,
+                 "cpu_count": os.cpu_count(), "loadavg_start": load0,
+                 "loadavg_now": os.getloadavg(), "rows": rows, "failures": failures,
                  "complete": done}, indent=2) + "\n")
 
     def measure_row(row: dict[str, Any], argv: list[str], ref: dict[str, Any] | None) -> None:
