@@ -46,6 +46,7 @@ import dataclasses
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -447,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = args.repeats or 1
         print("RESULT " + json.dumps(measure(args)), flush=True)
         return 0
+    # SIGTERM (a time bound, scripts/gpu_run.sh) ends the run as an exception would: the
+    # row's child is killed by subprocess.run, the JSON keeps the rows measured so far.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     why = preflight(args.device)
     if why is not None:
         print(f"llm_generate: cannot run on {args.device} here: {why}", file=sys.stderr)

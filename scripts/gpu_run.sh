@@ -216,13 +216,15 @@ bench() {
 # ---- llmbench -----------------------------------------------------------------------------------
 llmbench() {
   [[ -e $ROOT/ho_onnx/_ops$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') ]] || install_built || return 1
-  local bound=${HO_LLM_S:-220}
+  local bound=${HO_LLM_S:-220} machine=()
+  # This machine's rates when this call calibrated (else the h100 preset).
+  [[ -s $OUT/machine.json ]] && machine=(--machine "$OUT/machine.json")
   [[ $bound -lt $(( $(left) - 10 )) ]] || bound=$(( $(left) - 10 ))
   # Rows are saved to the JSON as each ends: a bound that cuts the run short still brings back
   # every row it measured ("complete": false).
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 timeout "$bound" "$PY" bench/llm_generate.py --device cuda \
-    --workdir /tmp/ho_llm --json "$OUT/llm_generate.json" --timeout 120 \
+    --workdir /tmp/ho_llm --json "$OUT/llm_generate.json" --timeout 120 "${machine[@]}" \
     ${LLM_ARGS:---contexts 2048,32768 --repeats 2 --new-tokens 16} 2>&1 | tee "$OUT/llmbench.log"
   return "${PIPESTATUS[0]}"
 }
