@@ -11,7 +11,11 @@ or from the shell::
     python -m models.decoder out/gpt.onnx --layers 12 --hidden 768 --heads 12 --external-data
 
 Graph (opset 17+): ``input_ids`` int64 [batch, seq] -> ``logits`` [batch, seq, vocab]; with
-``kv_cache=True`` also a key/value cache per layer in and out (decode steps).
+``kv_cache=True`` also a key/value cache per layer in and out (decode steps), named as this
+module always has (``past_key.{i}``) or, with ``cache_layout="optimum"``, as Optimum's
+exports name it (``past_key_values.{i}.key`` in, ``present.{i}.key`` out); ``kv_heads`` below
+``heads`` shares each key/value head among ``heads // kv_heads`` query heads (grouped-query
+attention, the cache holds ``kv_heads``).
 Token embedding Gather + learned position embedding (positions from ``Range(0, seq)``), N pre-LN
 blocks (LayerNormalization, fused QKV MatMul, multi-head causal attention with a run-time
 ``Trilu`` mask, output projection, residual, LayerNormalization, MLP with erf-GELU, residual),
@@ -37,11 +41,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["build_decoder", "build_decoder_once", "decoder_config_bytes",
-           "decoder_weight_specs", "main"]
+__all__ = ["CACHE_LAYOUTS", "build_decoder", "build_decoder_once", "cache_names",
+           "decoder_config_bytes", "decoder_weight_specs", "main"]
 
 PROTO_LIMIT = 2**31  # protobuf cannot serialize a message of 2 GiB or more
 ALIGN = 4096  # offset alignment of tensors in the external data file (page size, mmap friendly)
+
+CACHE_LAYOUTS = ("ho", "optimum")  # names of the cache inputs/outputs (:func:`cache_names`)
 
 _DTYPES = {
     "float32": (np.float32, TensorProto.FLOAT),
@@ -49,10 +55,24 @@ _DTYPES = {
 }
 
 
+def cache_names(layer: int, layout: str = "ho") -> dict[str, str]:
+    """The cache's graph names of ``layer`` in ``layout``: keys ``past_key``, ``past_value``,
+    ``present_key``, ``present_value``."""
+    if layout == "optimum":
+        return {f"{d}_{k}": f"{pre}.{layer}.{k}" for d, pre in
+                (("past", "past_key_values"), ("present", "present")) for k in ("key", "value")}
+    if layout == "ho":
+        return {f"{d}_{k}": f"{d}_{k}.{layer}" for d in ("past", "present")
+                for k in ("key", "value")}
+    raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {layout!r}")
+
+
 def _resolve(hidden: int, heads: int, ffn: int | None, seq: int | str,
-             max_positions: int | None) -> tuple[int, int]:
+             max_positions: int | None, kv_heads: int | None = None) -> tuple[int, int]:
     if hidden <= 0 or heads <= 0 or hidden % heads:
         raise ValueError(f"hidden ({hidden}) must be a positive multiple of heads ({heads})")
+    if kv_heads is not None and (kv_heads <= 0 or heads % kv_heads):
+        raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
     ffn = 4 * hidden if ffn is None else ffn
     if max_positions is None:
         max_positions = seq if isinstance(seq, int) else 1024
@@ -61,11 +81,21 @@ def _resolve(hidden: int, heads: int, ffn: int | None, seq: int | str,
     return ffn, max_positions
 
 
+def _qkv_width(hidden: int, heads: int | None, kv_heads: int | None) -> int:
+    """Columns of the fused QKV projection: queries, then keys and values of ``kv_heads``."""
+    if heads is None or kv_heads is None:
+        return 3 * hidden
+    return hidden + 2 * kv_heads * (hidden // heads)
+
+
 def decoder_weight_specs(*, layers: int = 2, hidden: int = 64, ffn: int | None = None,
-                         vocab: int = 128, max_positions: int = 1024,
+                         vocab: int = 128, max_positions: int = 1024, heads: int | None = None,
+                         kv_heads: int | None = None,
                          ) -> list[tuple[str, tuple[int, ...], str]]:
-    """The weights in creation order as ``(name, shape, init)``; init is normal/ones/zeros."""
+    """The weights in creation order as ``(name, shape, init)``; init is normal/ones/zeros.
+    ``heads`` and ``kv_heads`` matter only together (grouped-query attention's narrower QKV)."""
     ffn = 4 * hidden if ffn is None else ffn
+    qkv = _qkv_width(hidden, heads, kv_heads)
     specs: list[tuple[str, tuple[int, ...], str]] = [
         ("embed.tok.weight", (vocab, hidden), "normal"),
         ("embed.pos.weight", (max_positions, hidden), "normal"),
@@ -75,8 +105,8 @@ def decoder_weight_specs(*, layers: int = 2, hidden: int = 64, ffn: int | None =
         specs += [
             (f"{p}.ln_1.weight", (hidden,), "ones"),
             (f"{p}.ln_1.bias", (hidden,), "zeros"),
-            (f"{p}.attn.qkv.weight", (hidden, 3 * hidden), "normal"),
-            (f"{p}.attn.qkv.bias", (3 * hidden,), "normal"),
+            (f"{p}.attn.qkv.weight", (hidden, qkv), "normal"),
+            (f"{p}.attn.qkv.bias", (qkv,), "normal"),
             (f"{p}.attn.proj.weight", (hidden, hidden), "normal"),
             (f"{p}.attn.proj.bias", (hidden,), "normal"),
             (f"{p}.ln_2.weight", (hidden,), "ones"),
@@ -97,7 +127,7 @@ def decoder_weight_specs(*, layers: int = 2, hidden: int = 64, ffn: int | None =
 def decoder_config_bytes(*, layers: int = 2, hidden: int = 64, heads: int = 4,
                          ffn: int | None = None, vocab: int = 128, seq: int | str = "seq",
                          max_positions: int | None = None, dtype: str = "float32",
-                         ) -> dict[str, int]:
+                         kv_heads: int | None = None) -> dict[str, int]:
     """Parameter counts and weight bytes of a :func:`build_decoder` config (no graph is built).
 
     Keys: ``per_layer_params``, ``per_layer_bytes`` (one transformer block),
@@ -105,9 +135,10 @@ def decoder_config_bytes(*, layers: int = 2, hidden: int = 64, heads: int = 4,
     ``head_params``/``head_bytes`` (final LayerNorm + LM head), ``total_params``, ``total_bytes``,
     ``itemsize``.
     """
-    ffn, max_positions = _resolve(hidden, heads, ffn, seq, max_positions)
+    ffn, max_positions = _resolve(hidden, heads, ffn, seq, max_positions, kv_heads)
     itemsize = np.dtype(_DTYPES[dtype][0]).itemsize
-    per_layer = 4 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) \
+    qkv = _qkv_width(hidden, heads, kv_heads)
+    per_layer = 4 * hidden + (hidden * qkv + qkv) + (hidden * hidden + hidden) \
         + (hidden * ffn + ffn) + (ffn * hidden + hidden)
     embedding = vocab * hidden + max_positions * hidden
     head = 2 * hidden + hidden * vocab
@@ -186,7 +217,8 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
                   seq: int | str = "seq", batch: int | str = "batch", dtype: str = "float32",
                   seed: int = 0, external_data: bool = False, opset: int = 17,
                   max_positions: int | None = None, std: float = 0.02,
-                  kv_cache: bool = False, past: int | str = "past") -> onnx.ModelProto:
+                  kv_cache: bool = False, past: int | str = "past",
+                  cache_layout: str = "ho", kv_heads: int | None = None) -> onnx.ModelProto:
     """Build a random-weight GPT-style decoder as an ONNX model.
 
     Args:
@@ -208,6 +240,12 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
             the whole past. Same weights as without a cache (same seed).
         past: the past length dim of the cache inputs (a str is symbolic, an int fixed; ``0``
             is an empty cache).
+        cache_layout: the cache's names (:func:`cache_names`): ``"ho"`` as above, or
+            ``"optimum"``: ``past_key_values.{i}.key``/``.value`` in, ``present.{i}.key``/
+            ``.value`` out, as Optimum's decoder exports with past.
+        kv_heads: key/value heads (default ``heads``); fewer share each among
+            ``heads // kv_heads`` query heads (grouped-query attention): the QKV projection is
+            ``hidden + 2 * kv_heads * head_dim`` wide and the cache holds ``kv_heads`` heads.
 
     Returns:
         The ``onnx.ModelProto`` (without weight data when ``external_data`` is True).
@@ -216,10 +254,13 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
         raise ValueError("opset must be >= 17 (LayerNormalization)")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
-    ffn, max_positions = _resolve(hidden, heads, ffn, seq, max_positions)
+    ffn, max_positions = _resolve(hidden, heads, ffn, seq, max_positions, kv_heads)
+    kv_heads = heads if kv_heads is None else kv_heads
+    names = [cache_names(i, cache_layout) for i in range(layers)]
     np_dtype, elem = _DTYPES[dtype]
     sizes = decoder_config_bytes(layers=layers, hidden=hidden, heads=heads, ffn=ffn,
-                                 vocab=vocab, seq=seq, max_positions=max_positions, dtype=dtype)
+                                 vocab=vocab, seq=seq, max_positions=max_positions, dtype=dtype,
+                                 kv_heads=kv_heads)
     if external_data and path is None:
         raise ValueError("external_data=True needs a path to write the data file beside")
     if not external_data and sizes["total_bytes"] >= PROTO_LIMIT - (64 << 20):
@@ -228,7 +269,7 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
     head_dim = hidden // heads
 
     specs = decoder_weight_specs(layers=layers, hidden=hidden, ffn=ffn, vocab=vocab,
-                                 max_positions=max_positions)
+                                 max_positions=max_positions, heads=heads, kv_heads=kv_heads)
 
     g = _Graph(elem, np_dtype)
     eps = 1e-5
@@ -237,7 +278,7 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
     seq_len = g.op("Gather", "embed.seq_len", [ids_shape, g.const("const.one_i64", np.int64(1))],
                    axis=0)
     if kv_cache:  # positions past .. past + seq - 1
-        past_shape = g.op("Shape", "cache.past_shape", ["past_key.0"])
+        past_shape = g.op("Shape", "cache.past_shape", [names[0]["past_key"]])
         start = g.op("Gather", "cache.past_len", [past_shape, g.const("const.two_i64",
                                                                       np.int64(2))], axis=0)
         end = g.op("Add", "cache.total_len", [start, seq_len])
@@ -264,8 +305,18 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
     if dtype != "float32":
         mask = g.op("Cast", "mask.causal", [mask], to=elem)
 
-    split_sizes = g.const("const.qkv_split", np.array([hidden] * 3, dtype=np.int64))
+    kv_width = kv_heads * head_dim
+    split_sizes = g.const("const.qkv_split", np.array([hidden, kv_width, kv_width],
+                                                      dtype=np.int64))
     heads_shape = g.const("const.heads_shape", np.array([0, 0, heads, head_dim], dtype=np.int64))
+    kv_shape = heads_shape if kv_heads == heads else g.const(
+        "const.kv_heads_shape", np.array([0, 0, kv_heads, head_dim], dtype=np.int64))
+    if kv_heads != heads:  # [b, kvH, t, d] -> [b, kvH, group, t, d] -> [b, H, t, d]
+        group_expand = g.const("const.group_expand",
+                               np.array([1, 1, heads // kv_heads, 1, 1], dtype=np.int64))
+        group_merge = g.const("const.group_merge",
+                              np.array([0, heads, -1, head_dim], dtype=np.int64))
+        axes2 = g.const("const.axes2", np.array([2]))
     merge_shape = g.const("const.merge_shape", np.array([0, 0, hidden], dtype=np.int64))
     scale = g.fconst("const.attn_scale", 1.0 / math.sqrt(head_dim))
     inv_sqrt2 = g.fconst("const.inv_sqrt2", 1.0 / math.sqrt(2.0))
@@ -278,6 +329,14 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
             y = g.op("Add", f"{name}.bias_add", [y, f"{name}.bias"])
         return y
 
+    def share_heads(name: str, kv: str) -> str:
+        """``kv`` [b, kv_heads, t, d] as [b, heads, t, d] (each head used by its group)."""
+        if kv_heads == heads:
+            return kv
+        kv = g.op("Unsqueeze", f"{name}_group", [kv, axes2])
+        kv = g.op("Expand", f"{name}_expand", [kv, group_expand])
+        return g.op("Reshape", f"{name}_shared", [kv, group_merge])
+
     def layer_norm(name: str, inp: str) -> str:
         return g.op("LayerNormalization", name, [inp, f"{name}.weight", f"{name}.bias"],
                     axis=-1, epsilon=eps)
@@ -289,17 +348,25 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
         q, k, v = g.op("Split", f"{p}.attn.split", [qkv, split_sizes], axis=-1,
                        outputs=[f"{p}.attn.q", f"{p}.attn.k", f"{p}.attn.v"])
         q = g.op("Reshape", f"{p}.attn.q_heads", [q, heads_shape])
-        k = g.op("Reshape", f"{p}.attn.k_heads", [k, heads_shape])
-        v = g.op("Reshape", f"{p}.attn.v_heads", [v, heads_shape])
+        k = g.op("Reshape", f"{p}.attn.k_heads", [k, kv_shape])
+        v = g.op("Reshape", f"{p}.attn.v_heads", [v, kv_shape])
         q = g.op("Transpose", f"{p}.attn.q_t", [q], perm=[0, 2, 1, 3])  # [b, H, s, d]
         if kv_cache:  # [b, H, past + s, d], kept for the next step; keys transposed for q @ k
             k = g.op("Transpose", f"{p}.attn.k_new", [k], perm=[0, 2, 1, 3])
-            k = g.op("Concat", f"{p}.cache.key", [f"past_key.{i}", k], axis=2,
-                     outputs=[f"present_key.{i}"])
+            k = g.op("Concat", f"{p}.cache.key", [names[i]["past_key"], k], axis=2,
+                     outputs=[names[i]["present_key"]])
+            k = share_heads(f"{p}.attn.k", k)
             k = g.op("Transpose", f"{p}.attn.k_t", [k], perm=[0, 1, 3, 2])
             v = g.op("Transpose", f"{p}.attn.v_new", [v], perm=[0, 2, 1, 3])
-            v = g.op("Concat", f"{p}.cache.value", [f"past_value.{i}", v], axis=2,
-                     outputs=[f"present_value.{i}"])
+            v = g.op("Concat", f"{p}.cache.value", [names[i]["past_value"], v], axis=2,
+                     outputs=[names[i]["present_value"]])
+            v = share_heads(f"{p}.attn.v", v)
+        elif kv_heads != heads:
+            k = g.op("Transpose", f"{p}.attn.k_new", [k], perm=[0, 2, 1, 3])  # [b, kvH, s, d]
+            k = g.op("Transpose", f"{p}.attn.k_t", [share_heads(f"{p}.attn.k", k)],
+                     perm=[0, 1, 3, 2])  # [b, H, d, s]
+            v = g.op("Transpose", f"{p}.attn.v_new", [v], perm=[0, 2, 1, 3])
+            v = share_heads(f"{p}.attn.v", v)  # [b, H, s, d]
         else:
             k = g.op("Transpose", f"{p}.attn.k_t", [k], perm=[0, 2, 3, 1])  # [b, H, d, s]
             v = g.op("Transpose", f"{p}.attn.v_t", [v], perm=[0, 2, 1, 3])  # [b, H, s, d]
@@ -333,9 +400,9 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
         for i in range(layers):
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(
-                    f"past_{kind}.{i}", elem, [batch, heads, past, head_dim]))
+                    names[i][f"past_{kind}"], elem, [batch, kv_heads, past, head_dim]))
                 outputs.append(helper.make_tensor_value_info(
-                    f"present_{kind}.{i}", elem, [batch, heads, total, head_dim]))
+                    names[i][f"present_{kind}"], elem, [batch, kv_heads, total, head_dim]))
     graph = helper.make_graph(g.nodes, f"decoder_l{layers}_h{hidden}", inputs, outputs)
     opsets = [helper.make_opsetid("", opset)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="ho-onnx.models.decoder",
@@ -366,7 +433,8 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
             t.dims.extend(arr.shape)
             t.raw_data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
             del arr
-    meta = {"layers": layers, "hidden": hidden, "heads": heads, "ffn": ffn, "vocab": vocab,
+    meta = {"layers": layers, "hidden": hidden, "heads": heads,
+            **({"kv_heads": kv_heads} if kv_heads != heads else {}), "ffn": ffn, "vocab": vocab,
             "max_positions": max_positions, "dtype": dtype, "seed": seed,
             "total_params": sizes["total_params"], "total_bytes": sizes["total_bytes"]}
     helper.set_model_props(model, {k: str(v) for k, v in meta.items()})
@@ -384,16 +452,20 @@ def build_decoder(path: str | os.PathLike | None = None, *, layers: int = 2, hid
 
 def build_decoder_once(folder: str | os.PathLike, cfg: dict) -> tuple[Path, bool]:
     """``folder/decoder.onnx`` with external data for ``cfg`` (``layers``, ``hidden``,
-    ``heads``, ``vocab``, ``seq``, ``batch``, ``dtype``; positions up to ``seq``), built only
-    when ``folder/decoder.json`` does not record the same config; returns the path and whether
-    it was built now (benchmarks rebuild a multi-GB decoder only when its config changed)."""
+    ``heads``, ``vocab``, ``seq``, ``batch``, ``dtype``; positions up to ``seq`` unless
+    ``max_positions``; optional ``kv_cache``, ``past``, ``cache_layout``, ``kv_heads``, ``ffn``
+    as :func:`build_decoder` takes them), built only when ``folder/decoder.json`` does not
+    record the same config; returns the path and whether it was built now (benchmarks
+    rebuild a multi-GB decoder only when its config changed)."""
     folder = Path(folder)
     src, stamp = folder / "decoder.onnx", folder / "decoder.json"
     if src.exists() and stamp.exists() and json.loads(stamp.read_text()) == cfg:
         return src, False
     build_decoder(src, layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"],
                   vocab=cfg["vocab"], seq=cfg["seq"], batch=cfg["batch"], dtype=cfg["dtype"],
-                  external_data=True, max_positions=cfg["seq"])
+                  external_data=True, max_positions=cfg.get("max_positions", cfg["seq"]),
+                  **{k: cfg[k] for k in ("kv_cache", "past", "cache_layout", "kv_heads", "ffn")
+                     if k in cfg})
     stamp.write_text(json.dumps(cfg))
     return src, True
 
@@ -431,16 +503,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="past_key/past_value inputs and present_* outputs per layer (decode)")
     ap.add_argument("--past", type=_int_or_str, default="past",
                     help="past length of the cache inputs: int or symbolic name")
+    ap.add_argument("--cache-layout", choices=CACHE_LAYOUTS, default="ho",
+                    help="cache names: past_key.{i} (ho) or past_key_values.{i}.key (optimum)")
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="key/value heads (default --heads; fewer: grouped-query attention)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     build_decoder(args.out, layers=args.layers, hidden=args.hidden, heads=args.heads,
                   ffn=args.ffn, vocab=args.vocab, seq=args.seq, batch=args.batch,
                   dtype=args.dtype, seed=args.seed, external_data=args.external_data,
                   opset=args.opset, max_positions=args.max_positions,
-                  kv_cache=args.kv_cache, past=args.past)
+                  kv_cache=args.kv_cache, past=args.past, cache_layout=args.cache_layout,
+                  kv_heads=args.kv_heads)
     sizes = decoder_config_bytes(layers=args.layers, hidden=args.hidden, heads=args.heads,
                                  ffn=args.ffn, vocab=args.vocab, seq=args.seq,
-                                 max_positions=args.max_positions, dtype=args.dtype)
+                                 max_positions=args.max_positions, dtype=args.dtype,
+                                 kv_heads=args.kv_heads)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.2f} s")
     print(f"parameters: {sizes['total_params']:,}  bytes: {sizes['total_bytes']:,} "
           f"({sizes['total_bytes'] / 2**20:.1f} MiB; {sizes['per_layer_bytes']:,} per layer)")

@@ -19,6 +19,11 @@
 #              onnxruntime-gpu (the CUDA kernels are registered there; CPU sessions must work)
 #   calibrate  pinned H2D/D2H and disk read rates -> $OUT/machine.json
 #   bench      bench/gpu_offload.py with that machine file -> $OUT/gpu_offload.json
+#   llmbench   bench/llm_generate.py --device cuda (greedy generation, TTFT and tokens/s of a
+#              1.08 B-parameter fp16 decoder with a KV cache, built here; ort / ho-onnx /
+#              transformers rows) -> $OUT/llm_generate.json, bounded by HO_LLM_S seconds
+#              (default 220: `setup llmbench` on a warm, built machine ends within ~4 min);
+#              LLM_ARGS replaces its sizes (default: --contexts 2048,32768 --repeats 2 --new-tokens 16)
 # Logs and JSON go to $OUT (default ./gpu_out), at most 8 files per call. Every step is
 # bounded so that the call ends inside 10 minutes with its logs (HO_GPU_CALL_S, default 570).
 # BENCH_ARGS adds options to the benchmark, PYTEST_ARGS to the gpu pytest.
@@ -208,6 +213,22 @@ bench() {
   return "${PIPESTATUS[0]}"
 }
 
+# ---- llmbench -----------------------------------------------------------------------------------
+llmbench() {
+  [[ -e $ROOT/ho_onnx/_ops$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') ]] || install_built || return 1
+  local bound=${HO_LLM_S:-220} machine=()
+  # This machine's rates when this call calibrated (else the h100 preset).
+  [[ -s $OUT/machine.json ]] && machine=(--machine "$OUT/machine.json")
+  [[ $bound -lt $(( $(left) - 10 )) ]] || bound=$(( $(left) - 10 ))
+  # Rows are saved to the JSON as each ends: a bound that cuts the run short still brings back
+  # every row it measured ("complete": false).
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 timeout "$bound" "$PY" bench/llm_generate.py --device cuda \
+    --workdir /tmp/ho_llm --json "$OUT/llm_generate.json" --timeout 120 "${machine[@]}" \
+    ${LLM_ARGS:---contexts 2048,32768 --repeats 2 --new-tokens 16} 2>&1 | tee "$OUT/llmbench.log"
+  return "${PIPESTATUS[0]}"
+}
+
 # ---- --check ------------------------------------------------------------------------------------
 # Files each step writes under $OUT (a call brings back at most LIMIT_FILES).
 step_files() {
@@ -217,6 +238,7 @@ step_files() {
     test) echo gpu_run.log pytest_gpu.log pytest_cpu.log ;;
     calibrate) echo gpu_run.log machine.json calibrate.log ;;
     bench) echo gpu_run.log bench.log gpu_offload.json machine.json calibrate.log ;;
+    llmbench) echo gpu_run.log llmbench.log llm_generate.json ;;
   esac
 }
 
@@ -275,6 +297,12 @@ check() {
   [[ -n $(cpu_engine_tests) ]] && ok "cpu engine tests: $(cpu_engine_tests | paste -sd' ' -)" || fail "no cpu engine tests found"
   "$vpy" bench/gpu_offload.py --help > /dev/null 2>&1 && ok "bench/gpu_offload.py parses its options" ||
     fail "bench/gpu_offload.py --help fails"
+  "$vpy" bench/llm_generate.py --help > /dev/null 2>&1 && ok "bench/llm_generate.py parses its options" ||
+    fail "bench/llm_generate.py --help fails"
+  local llm_files
+  llm_files=$( { step_files setup; step_files llmbench; } | tr ' ' '\n' | sort -u | wc -l)
+  [[ $llm_files -le $LIMIT_FILES ]] && ok "'setup llmbench' brings back $llm_files files" ||
+    fail "'setup llmbench' brings back $llm_files files (limit $LIMIT_FILES)"
   "$vpy" -m ho_onnx calibrate --help > /dev/null 2>&1 && ok "python -m ho_onnx calibrate exists" ||
     fail "python -m ho_onnx calibrate --help fails"
   [[ $bad -eq 0 ]] && echo "check: all device calls fit the limits" || echo "check: FAILED"

@@ -33,8 +33,10 @@ def _ids(batch: int, seq: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, (batch, seq), dtype=np.int64)
 
 
-def _reference(model: onnx.ModelProto, ids: np.ndarray, layers: int, heads: int) -> np.ndarray:
-    """The same decoder in plain numpy (float64), from the model's initializers."""
+def _reference(model: onnx.ModelProto, ids: np.ndarray, layers: int, heads: int,
+               kv_heads: int | None = None) -> np.ndarray:
+    """The same decoder in plain numpy (float64), from the model's initializers; with
+    ``kv_heads``, query head ``h`` attends with key/value head ``h // (heads // kv_heads)``."""
     w = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
 
     def ln(x, name):
@@ -49,12 +51,16 @@ def _reference(model: onnx.ModelProto, ids: np.ndarray, layers: int, heads: int)
     x = w["embed.tok.weight"][ids] + w["embed.pos.weight"][:s]
     hid = x.shape[-1]
     d = hid // heads
+    kvh = kv_heads or heads
     causal = np.triu(np.full((s, s), -np.inf), 1)
     erf = np.vectorize(math.erf)
     for i in range(layers):
         p = f"layers.{i}"
-        q, k, v = np.split(lin(ln(x, f"{p}.ln_1"), f"{p}.attn.qkv"), 3, axis=-1)
-        q, k, v = (t.reshape(b, s, heads, d).transpose(0, 2, 1, 3) for t in (q, k, v))
+        q, k, v = np.split(lin(ln(x, f"{p}.ln_1"), f"{p}.attn.qkv"), [hid, hid + kvh * d],
+                           axis=-1)
+        q = q.reshape(b, s, heads, d).transpose(0, 2, 1, 3)
+        k, v = (np.repeat(t.reshape(b, s, kvh, d).transpose(0, 2, 1, 3), heads // kvh, axis=1)
+                for t in (k, v))
         sc = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + causal
         sc = np.exp(sc - sc.max(-1, keepdims=True))
         ctx = (sc / sc.sum(-1, keepdims=True)) @ v
@@ -187,6 +193,78 @@ def test_decoder_kv_cache_continues_the_full_run():
         np.testing.assert_allclose(out["logits"], want[:, lo:hi], rtol=1e-5, atol=1e-6)
         assert out["present_key.1"].shape == (2, 2, hi, 16)
         past = {n.replace("present", "past"): v for n, v in out.items() if n != "logits"}
+
+
+def _greedy_with_cache(sess: ort.InferenceSession, prompt: np.ndarray, steps: int,
+                       past_shape: tuple[int, ...], dtype) -> tuple[list[np.ndarray], list[int]]:
+    """Prefill ``prompt`` with an empty Optimum-layout cache, then ``steps`` greedy decode
+    steps feeding ``present.*`` back as ``past_key_values.*``: each run's last-position
+    logits and the tokens."""
+    past = {i.name: np.zeros(past_shape, dtype) for i in sess.get_inputs()
+            if i.name.startswith("past_key_values.")}
+    names = [o.name for o in sess.get_outputs()]
+    ids, lasts, tokens = prompt, [], []
+    for _ in range(steps + 1):
+        out = dict(zip(names, sess.run(None, {"input_ids": ids, **past}), strict=True))
+        lasts.append(out["logits"][:, -1])
+        tokens.append(int(out["logits"][0, -1].argmax()))
+        ids = np.array([[tokens[-1]]], dtype=np.int64)
+        past = {"past_key_values" + n[len("present"):]: v for n, v in out.items()
+                if n.startswith("present.")}
+    return lasts, tokens
+
+
+@pytest.mark.parametrize(("dtype", "kv_heads", "tol"), [
+    ("float32", 2, 1e-5), ("float32", 4, 1e-5), ("float16", 2, 2e-3)])
+def test_decoder_optimum_cache_generates_as_the_full_model(dtype, kv_heads, tol):
+    """The Optimum layout (past_key_values.{i}.key in, present.{i}.key out, [batch, kv_heads,
+    past, head_dim]): a prompt prefilled, then 6 greedy steps with the cache, has the
+    last-position logits of the model without a cache run on the whole sequence each time
+    (atol/rtol ``tol``: fp32 1e-5, fp16 2e-3) and the same tokens."""
+    kw = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 50, "max_positions": 32, "seed": 5,
+          "dtype": dtype, "kv_heads": kv_heads, "std": 0.2}
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    kv_model = build_decoder(None, kv_cache=True, cache_layout="optimum", **kw)
+    onnx.checker.check_model(kv_model, full_check=True)
+    ins = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+           for i in kv_model.graph.input}
+    assert ins["past_key_values.1.value"] == ["batch", kv_heads, "past", 8]
+    assert [o.name for o in kv_model.graph.output][:3] == ["logits", "present.0.key",
+                                                            "present.0.value"]
+    kv = ort.InferenceSession(kv_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    full = ort.InferenceSession(build_decoder(None, **kw).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    prompt = np.random.default_rng(2).integers(0, 50, (1, 9), dtype=np.int64)
+    lasts, tokens = _greedy_with_cache(kv, prompt, 6, (1, kv_heads, 0, 8), np_dtype)
+    seq = prompt
+    for step, (last, token) in enumerate(zip(lasts, tokens, strict=True)):
+        want = full.run(None, {"input_ids": seq})[0][:, -1]
+        np.testing.assert_allclose(last.astype(np.float32), want.astype(np.float32),
+                                   rtol=tol, atol=tol, err_msg=f"step {step}")
+        assert token == int(want[0].argmax()), f"step {step}"
+        seq = np.concatenate([seq, [[token]]], axis=1)
+    assert len(set(tokens)) > 1  # (a constant token would hide a wrong position offset)
+
+
+def test_decoder_grouped_query_attention_matches_numpy():
+    """kv_heads < heads: each key/value head serves its group of query heads (the float64
+    numpy reference repeats K/V per group), and the QKV projection is narrower."""
+    kw = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": VOCAB,
+          "max_positions": 16, "std": 0.2}
+    model = build_decoder(None, **kw)
+    qkv = next(t for t in model.graph.initializer if t.name == "layers.0.attn.qkv.weight")
+    assert list(qkv.dims) == [32, 32 + 2 * 2 * 8]
+    assert decoder_config_bytes(**{k: v for k, v in kw.items() if k != "std"})[
+        "total_bytes"] == sum(len(t.raw_data) for t in model.graph.initializer)
+    ids = _ids(2, 7)
+    (got,) = ort.InferenceSession(model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})
+    want = _reference(model, ids, layers=2, heads=4, kv_heads=2)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="kv_heads"):
+        build_decoder(None, hidden=32, heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="cache_layout"):
+        build_decoder(None, kv_cache=True, cache_layout="genai")
 
 
 def test_decoder_sizes_match_initializers():
