@@ -13,9 +13,9 @@ Rows (each measured in its own process, so the arena and the RSS start clean):
   (``ho_onnx.optimize`` with ``OffloadOptions(budget=...)`` and one range plan per context:
   ``seq`` 1..chunk, ``past`` 0..context + new tokens - 1);
 * ``ho floor``       the same at the smallest budget the planner meets (its ``min_budget``);
-* ``ho weights+KV floor``  weights and the KV cache offloaded (``OffloadOptions.offload_kv``)
+* ``ho weights+KV floor``  weights and the KV cache offloaded (``OffloadOptions.kv``)
   at that configuration's floor; skipped, with the reason, while ``OffloadOptions`` has no
-  ``offload_kv`` field;
+  ``kv`` field;
 * ``hf``             the same dims in transformers (``LlamaForCausalLM`` from a config with
   the same layers, hidden, heads, kv heads, MLP width and vocabulary; random weights: its
   tokens are not comparable) with a ``DynamicCache``;
@@ -80,10 +80,10 @@ MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "dtype")
 
 
 def kv_offload_supported() -> bool:
-    """Whether this ho_onnx's ``OffloadOptions`` has the ``offload_kv`` field."""
+    """Whether this ho_onnx's ``OffloadOptions`` has the ``kv`` field."""
     from ho_onnx.schedule.options import OffloadOptions
 
-    return "offload_kv" in {f.name for f in dataclasses.fields(OffloadOptions)}
+    return "kv" in {f.name for f in dataclasses.fields(OffloadOptions)}
 
 
 # ---- one generation (child process) -----------------------------------------------------------
@@ -390,7 +390,7 @@ def _mib(x: float | None) -> str:
 def _options(budget: int, kv: bool) -> Any:
     from ho_onnx.schedule.options import OffloadOptions
 
-    return OffloadOptions(budget=budget, offload_kv=True) if kv else OffloadOptions(budget=budget)
+    return OffloadOptions(budget=budget, kv=True) if kv else OffloadOptions(budget=budget)
 
 
 def floor_of(src: Path, dims: dict, ranges: dict, costs: Any, kv: bool) -> int:
@@ -567,7 +567,7 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
             measure_row(row, ["--child", "onnx", "--model", str(out), "--optimized"], ref)
         kv_row = {**base, "name": "ho weights+KV floor"}
         if not kv_ok:
-            kv_row["skipped"] = ("this ho_onnx's OffloadOptions has no offload_kv field "
+            kv_row["skipped"] = ("this ho_onnx's OffloadOptions has no kv field "
                                  "(the KV cache is not an offload kind yet)")
             print(f"  {kv_row['name']}: skipped: {kv_row['skipped']}", flush=True)
             rows.append(kv_row)
