@@ -176,9 +176,12 @@ class Routed:
     fraction: dict[str, float]  # expert weight -> expected share of its reloads that move
 
     @classmethod
-    def of(cls, analysis: GraphAnalysis, dims: Mapping[str, int] | None = None) -> Routed:
+    def of(cls, analysis: GraphAnalysis, dims: Mapping[str, int] | None = None,
+           options: OffloadOptions | None = None) -> Routed:
         """The routed reloads of ``analysis``' model under ``dims``; once per analysis and
-        dims."""
+        dims (none when ``options.routed`` is off)."""
+        if options is not None and not options.routed:
+            return cls({}, {})
         key = ("routed", tuple(sorted((dims or {}).items())))
         if key not in analysis.derived:
             analysis.derived[key] = cls._find(analysis, dims or {})

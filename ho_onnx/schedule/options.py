@@ -27,6 +27,8 @@ class OffloadOptions:
       the caller's host memory: each past KV input is copied in just before its reader and
       each present KV output leaves right after its last reader (both deciders, always, when
       set; the rest is planned around it).
+      ``routed``: an offloaded MoE expert weight moves only when the router sent its expert
+      a token (:class:`~ho_onnx.schedule.eligibility.Routed`); False moves it at every run.
       ``min_bytes``: smaller tensors stay resident (None: :data:`MIN_BYTES_BUDGET` with a
       ``budget``, :data:`MIN_BYTES_EXPLICIT` without; see :attr:`min_bytes_or_default`).
       ``min_gap``: an activation is offloaded only across a gap of at least this many
@@ -55,6 +57,7 @@ class OffloadOptions:
     weights: bool = True
     activations: bool = True
     kv: bool = False
+    routed: bool = True
     min_bytes: int | None = None
     min_gap: int = 2
     weight_tier: Tier = HOST.name
@@ -108,7 +111,7 @@ class OffloadOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
                 raise ValueError(f"{name} must be a number, not {v!r}")
-        for name in ("weights", "activations", "kv"):
+        for name in ("weights", "activations", "kv", "routed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
 

@@ -238,7 +238,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
     store, load = (link.direction for link in kinds.stored_links())
     out: list[Candidate] = []
     placement = placement_reasons(analysis)
-    routed = Routed.of(analysis, dims)
+    routed = Routed.of(analysis, dims, opts)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)
         if kind is None or not wanted(kind, opts):
@@ -486,7 +486,7 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
         else:
             reloads.append((next(u for u in c.uses if u not in early), name, 0))
     reloads.sort()
-    routed = Routed.of(ctx.analysis, ctx.dims)
+    routed = Routed.of(ctx.analysis, ctx.dims, ctx.options)
     after = {name: routed.of_weight(ctx.analysis, name, ctx.by_name[name].uses)[2]
              for name in sel.early if not ctx.by_name[name].stored}
     positions: dict[tuple[str, int], int] = {}
@@ -523,7 +523,7 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
 def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], int]
             ) -> OffloadChoice:
     choice = OffloadChoice(decided_by="planner")
-    routed = Routed.of(ctx.analysis, ctx.dims)
+    routed = Routed.of(ctx.analysis, ctx.dims, ctx.options)
     for name, early in sel.early.items():
         c = ctx.by_name[name]
         if not c.stored:

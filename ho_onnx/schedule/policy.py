@@ -80,7 +80,7 @@ def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
     own, shape_readers = split_shape_readers(analysis, t)
     data = groups.data_uses(analysis, t.name, own)
     d = options.prefetch_distance
-    gates, share, after = Routed.of(analysis, dims).of_weight(analysis, t.name, data)
+    gates, share, after = Routed.of(analysis, dims, options).of_weight(analysis, t.name, data)
     choice.weights.append(WeightOffload(
         t.name, nbytes, data, tuple(max(a, c - d, 0) for c, a in zip(data, after, strict=True)),
         shape_readers, options.weight_tier, gates, share))
