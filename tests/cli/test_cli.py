@@ -24,10 +24,28 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert r.exit_code == 2 and "is not a size" in r.output
 
 
-@pytest.mark.parametrize("cmd", [[], ["optimize"], ["verify"], ["inspect"]])
+@pytest.mark.parametrize("cmd", [[], *([c] for c in sorted(main.commands))])
 def test_help(cmd):
     r = CliRunner().invoke(main, [*cmd, "--help"])
     assert r.exit_code == 0 and "Usage:" in r.output and len(r.output) > 200
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--budget", "1MiB", "--prefetch-distance", "3"],
+     "error: --prefetch-distance=3 is for the explicit policy (no budget): with a budget the "
+     "planner places every Prefetch; leave it unset"),
+    (["--host-budget", "1MiB"], "error: --host-budget needs a budget (the planner)"),
+    (["--min-gap", "-1"], "error: --min-gap must be >= 0, not -1"),
+    (["--budget", "0"], "error: budget must be positive, not 0"),
+])
+def test_options_are_checked_by_offload_options(tmp_path, args, said):
+    """The command line leaves the options' checks to OffloadOptions (one place): its error
+    is the one line, exit 2, naming the flag; nothing is written."""
+    src = save(chain_model(), tmp_path / "m.onnx")
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"), "--dim",
+                                  "N=2", *args])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [said], r.output
+    assert not (tmp_path / "o.onnx").exists()
 
 
 @pytest.mark.parametrize("module", ["ho_onnx", "ho_onnx.cli"])
