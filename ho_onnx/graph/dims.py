@@ -16,6 +16,7 @@ import numbers
 import operator
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import onnx
@@ -439,6 +440,9 @@ _ARITH: dict[str, Callable[[int, int], int]] = {
     "Add": operator.add, "Sub": operator.sub, "Mul": operator.mul, "Max": max, "Min": min,
     "Div": lambda a, b: abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)}
 _PASS = ("Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Cast")
+# What a constant that cannot be read, or a malformed node, raises: the value is not known.
+_UNKNOWN = (ValueError, TypeError, OSError, ZeroDivisionError, IndexError, KeyError,
+            AttributeError, NotImplementedError, OverflowError)
 
 
 class _ShapeValues:
@@ -459,8 +463,8 @@ class _ShapeValues:
             try:  # (vectors and scalars only: what shape arithmetic computes)
                 self.memo[id(v)] = self._values(v, depth) if shape is None or len(shape) <= 1 \
                     else None
-            except (ValueError, TypeError, OSError, ZeroDivisionError, IndexError):
-                self.memo[id(v)] = None  # (a constant that cannot be read: not known)
+            except _UNKNOWN:
+                self.memo[id(v)] = None
         return self.memo[id(v)]
 
     def _values(self, v: ir.Value, depth: int) -> _Known | None:
@@ -478,28 +482,27 @@ class _ShapeValues:
                 None if value is None else [(int(x), frozenset()) for x in np.ravel(value)]
         if op == "Shape":
             return self._shape(ins[0], node)
-        known = [self(x, depth + 1) for x in ins[:1 if op in _PASS else None]]
-        if any(k is None for k in known) or (op == "Cast" and np.dtype(
+        maybe = [self(x, depth + 1) for x in ins[:1 if op in _PASS else None]]
+        if any(k is None for k in maybe) or (op == "Cast" and np.dtype(
                 ir.DataType(node.attributes["to"].value).numpy()).kind not in "iu"):
             return None
+        known = cast(list[_Known], maybe)
         if op in _PASS:
             return known[0]
         if op == "Concat":
-            return [e for k in known for e in k]  # type: ignore[union-attr]
+            return [e for k in known for e in k]
         if op in _ARITH and len(known) == 2:
             a, b = known
-            n = max(len(a), len(b))  # type: ignore[arg-type]
-            if len(a) not in (1, n) or len(b) not in (1, n):  # type: ignore[arg-type]
+            n = max(len(a), len(b))
+            if len(a) not in (1, n) or len(b) not in (1, n):
                 return None
-            return [(_ARITH[op](a[i % len(a)][0], b[i % len(b)][0]),  # type: ignore[index,arg-type]
-                     a[i % len(a)][1] | b[i % len(b)][1]) for i in range(n)]  # type: ignore[index,arg-type]
-        if op == "Gather" and len(known) == 2 and _attr(node, "axis", 0) not in (0, -1):
-            return None
-        if op == "Gather" and len(known) == 2:
-            return [known[0][int(i)] for i, _ in known[1]]  # type: ignore[index]
+            return [(_ARITH[op](a[i % len(a)][0], b[i % len(b)][0]),
+                     a[i % len(a)][1] | b[i % len(b)][1]) for i in range(n)]
+        if op == "Gather" and len(known) == 2 and _attr(node, "axis", 0) in (0, -1):
+            return [known[0][i] for i, _ in known[1]]
         if op == "Slice" and 3 <= len(known) <= 5:
-            step = known[4][0][0] if len(known) == 5 else 1  # type: ignore[index]
-            return known[0][known[1][0][0]:known[2][0][0]:step]  # type: ignore[index,misc]
+            step = known[4][0][0] if len(known) == 5 else 1
+            return known[0][known[1][0][0]:known[2][0][0]:step]
         return None
 
     def _shape(self, x: ir.Value | None, node: ir.Node) -> _Known | None:
@@ -552,8 +555,11 @@ def check_table_reads(nodes: Iterable[ir.Node], shape_of: Callable[[str], Sequen
             continue
         table = node.inputs[0]
         shape = list(table.const_value.shape)  # type: ignore[union-attr]
-        reads = _gather_reads(node, shape, values) if node.op_type == "Gather" \
-            else _slice_reads(node, shape, values)
+        try:
+            reads = _gather_reads(node, shape, values) if node.op_type == "Gather" \
+                else _slice_reads(node, shape, values)
+        except _UNKNOWN:
+            continue
         if reads is None:
             continue
         axis, lo, hi, size, names = reads
@@ -577,9 +583,11 @@ def _gather_reads(node: ir.Node, shape: list[int], values: _ShapeValues
     producer = idx.producer() if idx is not None else None
     if producer is not None and producer.op_type == "Range" and producer.domain in ("", "ai.onnx"):
         ends = [values(x) for x in producer.inputs]
-        if any(e is None or len(e) != 1 for e in ends) or ends[2][0][0] == 0:  # type: ignore[index]
+        if len(ends) != 3 or any(e is None or len(e) != 1 for e in ends):
             return None
-        (start, n1), (limit, n2), (delta, n3) = (e[0] for e in ends)  # type: ignore[index]
+        (start, n1), (limit, n2), (delta, n3) = (e[0] for e in cast(list[_Known], ends))
+        if delta == 0:
+            return None
         count = max(0, -(-(limit - start) // delta))
         if count == 0:
             return None
