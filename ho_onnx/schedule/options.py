@@ -19,6 +19,14 @@ MIN_BYTES_BUDGET = 64 << 10
 PREFETCH_DISTANCE = 2
 
 
+class _Unset(int):
+    """The default ``prefetch_distance``: an int that says it was not given, kept as it is
+    through ``dataclasses.replace``, so that one given with a budget can be refused."""
+
+
+_DEFAULT_DISTANCE = _Unset(PREFETCH_DISTANCE)
+
+
 @dataclass(frozen=True)
 class OffloadOptions:
     """What may leave the fast tier, and how the decider works.
@@ -33,9 +41,9 @@ class OffloadOptions:
       the data file at every reload).
 
     Explicit policy (no ``budget``): every eligible tensor is offloaded.
-      ``prefetch_distance``: compute nodes between a Prefetch and its Wait (None:
-      :data:`PREFETCH_DISTANCE`, filled in). With a ``budget`` it stays None: the planner
-      places every Prefetch, and one given is refused rather than ignored.
+      ``prefetch_distance``: compute nodes between a Prefetch and its Wait (default
+      :data:`PREFETCH_DISTANCE`). Given with a ``budget`` it is refused, not ignored: the
+      planner places every Prefetch.
 
     Budget planner (``budget`` set): offloads only what the budget needs.
       ``budget``: fast-tier bytes the simulated peak must fit (``budget``, ``host_budget``
@@ -57,7 +65,7 @@ class OffloadOptions:
     min_bytes: int | None = None
     min_gap: int = 2
     weight_tier: Tier = HOST.name
-    prefetch_distance: int | None = None
+    prefetch_distance: int = _DEFAULT_DISTANCE
     budget: int | None = None
     host_budget: int | None = None
     preferred_overlap: float = 1.5
@@ -72,17 +80,15 @@ class OffloadOptions:
             raise ValueError(f"weight_tier must be {'|'.join(tier_names())}, "
                              f"not {self.weight_tier!r}")
         for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s",
-                     "min_bytes"):
+                     "min_bytes"):  # (None: min_bytes' default)
             if (v := getattr(self, name)) is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, not {v!r}")
         if self.budget is not None and self.budget <= 0:
             raise ValueError(f"budget must be positive, not {self.budget!r}")
-        if self.budget is not None and self.prefetch_distance is not None:
+        if self.budget is not None and not isinstance(self.prefetch_distance, _Unset):
             raise ValueError(f"prefetch_distance={self.prefetch_distance} is for the explicit "
                              "policy (no budget): with a budget the planner places every "
                              "Prefetch; leave it unset")
-        if self.budget is None and self.prefetch_distance is None:
-            object.__setattr__(self, "prefetch_distance", PREFETCH_DISTANCE)
         if self.host_budget is not None and self.budget is None:
             raise ValueError("host_budget needs a budget (the planner)")
         if self.preferred_overlap < 1 or self.max_overlap < self.preferred_overlap:
@@ -103,7 +109,8 @@ class OffloadOptions:
         for name in ("budget", "host_budget", "min_bytes", "min_gap", "prefetch_distance",
                      "max_extra", "arena_refits"):
             v = getattr(self, name)
-            if v is None and name in ("budget", "host_budget", "min_bytes", "prefetch_distance"):
+            if (v is None and name in ("budget", "host_budget", "min_bytes")) \
+                    or isinstance(v, _Unset):
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise ValueError(f"{name} must be a whole number, not {v!r}")

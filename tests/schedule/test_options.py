@@ -50,11 +50,24 @@ def test_defaults():
 
 
 def test_prefetch_distance_is_the_explicit_policys():
-    """Without a budget an unset distance is the default; with one it stays unset (the
-    planner places every Prefetch) and a distance given is refused above (was: ignored
-    without a word, the CLI alone refusing it)."""
+    """A distance given with a budget is refused above (was: ignored without a word, the
+    CLI alone refusing it); the default is no distance given, also through
+    ``dataclasses.replace`` (the planner's refits lower the budget so) and for the explicit
+    policy handed options with a budget, which ignores the budget."""
+    from dataclasses import replace
+
+    from graphs import chain_model
+
+    from ho_onnx.graph.analyse import analyse
     from ho_onnx.schedule.options import PREFETCH_DISTANCE
+    from ho_onnx.schedule.policy import ExplicitPolicy
 
     assert OffloadOptions().prefetch_distance == PREFETCH_DISTANCE
     assert OffloadOptions(prefetch_distance=0).prefetch_distance == 0
-    assert OffloadOptions(budget="1GiB").prefetch_distance is None
+    planned = replace(OffloadOptions(), budget=1 << 30)
+    assert replace(planned, budget=1 << 20).prefetch_distance == PREFETCH_DISTANCE
+    with pytest.raises(ValueError, match="prefetch_distance=3 is for the explicit policy"):
+        replace(OffloadOptions(prefetch_distance=3), budget=1 << 30)
+    d = ExplicitPolicy(replace(planned, min_bytes=0, min_gap=1)).decide(analyse(chain_model()),
+                                                                        {"N": 2})
+    assert d.choice.weights
