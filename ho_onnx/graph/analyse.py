@@ -23,7 +23,7 @@ from onnx import TensorProto
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from .bounded import start_infer_shapes
-from .dims import check_bindings, eval_dim, shape_text
+from .dims import check_bindings, check_table_reads, eval_dim, shape_text
 from .dtypes import ELEMENT_BITS, capped_nbytes, dtype_name
 from .gcpause import gc_paused
 from .kv import pair_kv
@@ -470,6 +470,8 @@ def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = 
     unbound = None
     if dims or shapes:  # (nothing bound: ``types`` hold at every binding already)
         unbound = functools.partial(_unbound_types, proto, more_types)
+        check_table_reads(nodes, lambda name: t.shape if (t := tensors.get(name)) else None,
+                          dims)
     return GraphAnalysis(model=model, nodes=nodes, tensors=tensors, values=values, order=order,
                          owners=owners, unbound_types=unbound)
 

@@ -15,9 +15,12 @@ import difflib
 import numbers
 import operator
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 
+import numpy as np
 import onnx
+import onnx_ir as ir
 
 from ..errors import UnboundDimError
 from ..units import INT64_MAX
@@ -425,3 +428,200 @@ def ranged_inputs(model: onnx.ModelProto, ranges: DimRanges
 def format_ranges(ranges: DimRanges) -> str:
     """``seq=1..2048,past=0..8191``: how ranges are written (metadata, messages)."""
     return ",".join(f"{k}={lo}..{hi}" for k, (lo, hi) in sorted(ranges.items()))
+
+
+# ---- a dim bound past the model's own tables --------------------------------------------
+
+_SMALL = 64  # elements: the shape arithmetic followed (shapes, positions' ends, bounds)
+_FOLLOW = 48  # producers followed back from one table read
+# The values of a small integer tensor, each with the names of the dims it comes from.
+_Known = list[tuple[int, frozenset[str]]]
+_ARITH: dict[str, Callable[[int, int], int]] = {
+    "Add": operator.add, "Sub": operator.sub, "Mul": operator.mul, "Max": max, "Min": min,
+    "Div": lambda a, b: abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)}
+_PASS = ("Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Cast")
+# What a constant that cannot be read, or a malformed node, raises: the value is not known.
+_UNKNOWN = (ValueError, TypeError, OSError, ZeroDivisionError, IndexError, KeyError,
+            AttributeError, NotImplementedError, OverflowError)
+
+
+class _ShapeValues:
+    """The small integer tensors of a main graph computed from its input shapes, constants
+    and initializers at the bound dims (``Shape``, ``Gather``, ``Slice``, ``Concat``,
+    arithmetic, casts); None where not known."""
+
+    def __init__(self, shape_of: Callable[[str], Sequence[Dim] | None],
+                 dims: Mapping[str, int]) -> None:
+        self.shape_of, self.dims = shape_of, dims
+        self.memo: dict[int, _Known | None] = {}
+
+    def __call__(self, v: ir.Value | None, depth: int = 0) -> _Known | None:
+        if v is None or depth > _FOLLOW:
+            return None
+        if id(v) not in self.memo:
+            shape = self.shape_of(v.name or "")
+            try:  # (vectors and scalars only: what shape arithmetic computes)
+                self.memo[id(v)] = self._values(v, depth) if shape is None or len(shape) <= 1 \
+                    else None
+            except _UNKNOWN:
+                self.memo[id(v)] = None
+        return self.memo[id(v)]
+
+    def _values(self, v: ir.Value, depth: int) -> _Known | None:
+        if v.const_value is not None:
+            return _constant(v.const_value)
+        node = v.producer()
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return None
+        op, ins = node.op_type, list(node.inputs)
+        if op == "Constant":
+            a = node.attributes.get("value") or node.attributes.get("value_int") or \
+                node.attributes.get("value_ints")
+            value = a.value if a is not None else None
+            return _constant(value) if isinstance(value, ir.TensorProtocol) else \
+                None if value is None else [(int(x), frozenset()) for x in np.ravel(value)]
+        if op == "Shape":
+            return self._shape(ins[0], node)
+        maybe = [self(x, depth + 1) for x in ins[:1 if op in _PASS else None]]
+        if any(k is None for k in maybe) or (op == "Cast" and np.dtype(
+                ir.DataType(node.attributes["to"].value).numpy()).kind not in "iu"):
+            return None
+        known = cast(list[_Known], maybe)
+        if op in _PASS:
+            return known[0]
+        if op == "Concat":
+            return [e for k in known for e in k]
+        if op in _ARITH and len(known) == 2:
+            a, b = known
+            n = max(len(a), len(b))
+            if len(a) not in (1, n) or len(b) not in (1, n):
+                return None
+            return [(_ARITH[op](a[i % len(a)][0], b[i % len(b)][0]),
+                     a[i % len(a)][1] | b[i % len(b)][1]) for i in range(n)]
+        if op == "Gather" and len(known) == 2 and _attr(node, "axis", 0) in (0, -1):
+            return [known[0][i] for i, _ in known[1]]
+        if op == "Slice" and 3 <= len(known) <= 5:
+            step = known[4][0][0] if len(known) == 5 else 1
+            return known[0][known[1][0][0]:known[2][0][0]:step]
+        return None
+
+    def _shape(self, x: ir.Value | None, node: ir.Node) -> _Known | None:
+        shape = self.shape_of(x.name or "") if x is not None else None
+        if shape is None or x is None:
+            return None
+        declared = list(x.shape) if x.shape is not None and len(x.shape) == len(shape) \
+            else [None] * len(shape)
+        out: _Known = []
+        for d, decl in zip(shape, declared, strict=True):
+            if isinstance(d, str):
+                try:
+                    d = eval_dim(d, self.dims)
+                except UnboundDimError:
+                    return None
+            if d is None:
+                return None
+            name = getattr(decl, "value", None)
+            out.append((d, frozenset(free_names(name) or ()) if isinstance(name, str)
+                        else frozenset()))
+        return out[_attr(node, "start", 0):_attr(node, "end", None)]
+
+
+def _attr(node: ir.Node, name: str, default: int | None) -> int | None:
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _constant(t: ir.TensorProtocol) -> _Known | None:
+    """The values of a small integer scalar or vector constant, or None."""
+    if t.dtype not in (ir.DataType.INT64, ir.DataType.INT32) or t.size > _SMALL \
+            or len(t.shape) > 1:
+        return None
+    return [(int(x), frozenset()) for x in np.ravel(t.numpy())]
+
+
+def check_table_reads(nodes: Iterable[ir.Node], shape_of: Callable[[str], Sequence[Dim] | None],
+                      dims: Mapping[str, int]) -> None:
+    """Refuse bound dims past what the model's own tables allow: a ``Gather`` on an
+    initializer whose indices reach past its rows (positions from a ``Range`` up to ``seq``
+    on a learned position table: ONNX Runtime's "indices element out of data bounds" at the
+    first run), or a ``Slice`` of an initializer whose end, computed from a dim, is past its
+    size (a causal-mask buffer: ORT would clamp it and fail later with a broadcast error).
+    ``shape_of``: a main-graph value's shape at the bound ``dims``."""
+    values = _ShapeValues(shape_of, dims)
+    for node in nodes:
+        if node.op_type not in ("Gather", "Slice") or node.domain not in ("", "ai.onnx") \
+                or len(node.inputs) < 2 or node.inputs[0] is None \
+                or node.inputs[0].const_value is None or node.inputs[0].is_graph_input():
+            continue
+        table = node.inputs[0]
+        shape = list(table.const_value.shape)  # type: ignore[union-attr]
+        try:
+            reads = _gather_reads(node, shape, values) if node.op_type == "Gather" \
+                else _slice_reads(node, shape, values)
+        except _UNKNOWN:
+            continue
+        if reads is None:
+            continue
+        axis, lo, hi, size, names = reads
+        bound = [f"{n}={dims[n]}" for n in sorted(names) if n in dims]
+        raise UnboundDimError(
+            (f"dim {bound[0]} is" if len(bound) == 1 else f"dims {', '.join(bound)} are"
+             if bound else "the bound dims are")
+            + f" past what the model allows: node {node.name!r} ({node.op_type}) reads "
+            f"{lo}..{hi} along axis {axis} of the constant {table.name!r}, which has {size} "
+            "(a position or mask table the model was built with): bind a smaller value")
+
+
+def _gather_reads(node: ir.Node, shape: list[int], values: _ShapeValues
+                  ) -> tuple[int, int, int, int, frozenset[str]] | None:
+    """(axis, lowest and highest index, rows, dims) of a Gather reading past its table."""
+    axis = _attr(node, "axis", 0)
+    if axis is None or not -len(shape) <= axis < len(shape):
+        return None
+    size = shape[axis]
+    idx = node.inputs[1]
+    producer = idx.producer() if idx is not None else None
+    if producer is not None and producer.op_type == "Range" and producer.domain in ("", "ai.onnx"):
+        ends = [values(x) for x in producer.inputs]
+        if len(ends) != 3 or any(e is None or len(e) != 1 for e in ends):
+            return None
+        (start, n1), (limit, n2), (delta, n3) = (e[0] for e in cast(list[_Known], ends))
+        if delta == 0:
+            return None
+        count = max(0, -(-(limit - start) // delta))
+        if count == 0:
+            return None
+        lo, hi = sorted((start, start + (count - 1) * delta))
+        names = n1 | n2 | n3
+    else:
+        known = values(idx)
+        if not known:
+            return None
+        lo, hi = min(i for i, _ in known), max(i for i, _ in known)
+        names = frozenset().union(*(n for _, n in known))
+    return (axis % len(shape), lo, hi, size, names) if names and (lo < -size or hi >= size) \
+        else None
+
+
+def _slice_reads(node: ir.Node, shape: list[int], values: _ShapeValues
+                 ) -> tuple[int, int, int, int, frozenset[str]] | None:
+    """(axis, start, end - 1, size, dims) of a Slice whose dim-computed end is past its
+    table (a forward step; ends written as constants, such as int64's largest, are "to the
+    end" and never refused)."""
+    known = [values(x) for x in node.inputs[1:5]]
+    if len(known) < 2 or known[0] is None or known[1] is None:
+        return None
+    starts, ends = known[0], known[1]
+    axes = known[2] if len(known) > 2 and node.inputs[3] is not None else \
+        [(i, frozenset()) for i in range(len(ends))]
+    steps = known[3] if len(known) > 3 and node.inputs[4] is not None else \
+        [(1, frozenset())] * len(ends)
+    if axes is None or steps is None or not len(starts) == len(ends) == len(axes) == len(steps):
+        return None
+    for (s, _), (e, names), (a, _), (st, _) in zip(starts, ends, axes, steps, strict=True):
+        if not -len(shape) <= a < len(shape):
+            return None
+        size = shape[a]
+        if names and st > 0 and e > size:
+            return a % len(shape), s + size if s < 0 else s, e - 1, size, names
+    return None

@@ -382,6 +382,23 @@ def read_proto(p: Path) -> onnx.ModelProto:
     return model
 
 
+def data_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The external-data files the model file ``path`` names beside it (relative locations;
+    an absolute one is refused when the model is loaded), read without its weights or the
+    checks of :func:`load_model`: for a caller that must not write over them before the
+    work. A :class:`ModelLoadError` or :class:`ExternalDataError` when it cannot be read."""
+    p = Path(path)
+    model = read_proto(p)
+    check_text(model, str(p))  # (a location that is not UTF-8 is bytes, no path)
+    files: dict[Path, None] = {}
+    for graph in iter_graphs(model.graph):
+        for tensor in graph.initializer:
+            ref = external_ref(tensor)
+            if ref is not None and not os.path.isabs(ref.location):
+                files[p.parent / ref.location] = None
+    return list(files)
+
+
 @gc_paused()
 def load_model(path: str | os.PathLike[str], *, check: bool = True,
                allow_cache_ops: bool = False) -> LoadedModel:

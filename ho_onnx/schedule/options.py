@@ -15,6 +15,16 @@ from .types import Tier
 # keeps a high floor; the planner offloads only what the budget needs, so it may go lower.
 MIN_BYTES_EXPLICIT = 1 << 20
 MIN_BYTES_BUDGET = 64 << 10
+#: The explicit policy's compute nodes between a Prefetch and its Wait.
+PREFETCH_DISTANCE = 2
+
+
+class _Unset(int):
+    """The default ``prefetch_distance``: an int that says it was not given, kept as it is
+    through ``dataclasses.replace``, so that one given with a budget can be refused."""
+
+
+_DEFAULT_DISTANCE = _Unset(PREFETCH_DISTANCE)
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,9 @@ class OffloadOptions:
       the data file at every reload).
 
     Explicit policy (no ``budget``): every eligible tensor is offloaded.
-      ``prefetch_distance``: compute nodes between a Prefetch and its Wait.
+      ``prefetch_distance``: compute nodes between a Prefetch and its Wait (default
+      :data:`PREFETCH_DISTANCE`). Given with a ``budget`` it is refused, not ignored: the
+      planner places every Prefetch.
 
     Budget planner (``budget`` set): offloads only what the budget needs.
       ``budget``: fast-tier bytes the simulated peak must fit (``budget``, ``host_budget``
@@ -61,7 +73,7 @@ class OffloadOptions:
     min_bytes: int | None = None
     min_gap: int = 2
     weight_tier: Tier = HOST.name
-    prefetch_distance: int = 2
+    prefetch_distance: int = _DEFAULT_DISTANCE
     budget: int | None = None
     host_budget: int | None = None
     preferred_overlap: float = 1.5
@@ -75,13 +87,16 @@ class OffloadOptions:
         if self.weight_tier not in tier_names():
             raise ValueError(f"weight_tier must be {'|'.join(tier_names())}, "
                              f"not {self.weight_tier!r}")
-        for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.min_bytes is not None and self.min_bytes < 0:
-            raise ValueError("min_bytes must be >= 0")
+        for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s",
+                     "min_bytes"):  # (None: min_bytes' default)
+            if (v := getattr(self, name)) is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, not {v!r}")
         if self.budget is not None and self.budget <= 0:
-            raise ValueError("budget must be positive")
+            raise ValueError(f"budget must be positive, not {self.budget!r}")
+        if self.budget is not None and not isinstance(self.prefetch_distance, _Unset):
+            raise ValueError(f"prefetch_distance={self.prefetch_distance} is for the explicit "
+                             "policy (no budget): with a budget the planner places every "
+                             "Prefetch; leave it unset")
         if self.host_budget is not None and self.budget is None:
             raise ValueError("host_budget needs a budget (the planner)")
         if self.preferred_overlap < 1 or self.max_overlap < self.preferred_overlap:
@@ -102,7 +117,8 @@ class OffloadOptions:
         for name in ("budget", "host_budget", "min_bytes", "min_gap", "prefetch_distance",
                      "max_extra", "arena_refits"):
             v = getattr(self, name)
-            if v is None and name in ("budget", "host_budget", "min_bytes"):
+            if (v is None and name in ("budget", "host_budget", "min_bytes")) \
+                    or isinstance(v, _Unset):
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise ValueError(f"{name} must be a whole number, not {v!r}")

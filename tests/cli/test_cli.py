@@ -24,10 +24,28 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert r.exit_code == 2 and "is not a size" in r.output
 
 
-@pytest.mark.parametrize("cmd", [[], ["optimize"], ["verify"], ["inspect"]])
+@pytest.mark.parametrize("cmd", [[], *([c] for c in sorted(main.commands))])
 def test_help(cmd):
     r = CliRunner().invoke(main, [*cmd, "--help"])
     assert r.exit_code == 0 and "Usage:" in r.output and len(r.output) > 200
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--budget", "1MiB", "--prefetch-distance", "3"],
+     "error: --prefetch-distance=3 is for the explicit policy (no budget): with a budget the "
+     "planner places every Prefetch; leave it unset"),
+    (["--host-budget", "1MiB"], "error: --host-budget needs a budget (the planner)"),
+    (["--min-gap", "-1"], "error: --min-gap must be >= 0, not -1"),
+    (["--budget", "0"], "error: budget must be positive, not 0"),
+])
+def test_options_are_checked_by_offload_options(tmp_path, args, said):
+    """The command line leaves the options' checks to OffloadOptions (one place): its error
+    is the one line, exit 2, naming the flag; nothing is written."""
+    src = save(chain_model(), tmp_path / "m.onnx")
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"), "--dim",
+                                  "N=2", *args])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [said], r.output
+    assert not (tmp_path / "o.onnx").exists()
 
 
 @pytest.mark.parametrize("module", ["ho_onnx", "ho_onnx.cli"])
@@ -118,3 +136,28 @@ def test_protobuf_failing_to_encode_is_out_of_memory(tmp_path, monkeypatch):
     assert r.output.splitlines()[-1] == ("error: out of memory: protobuf could not serialise "
                                          "the model")
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_a_dim_past_the_models_positions_is_one_line_at_plan_time(tmp_path):
+    """README's ``--dim seq=2048`` on a decoder of 1,024 positions was planned and written
+    (verify then failed with ORT's Gather error): now one line naming the dim, exit 2."""
+    import onnx
+
+    from models.decoder import build_decoder
+
+    src = tmp_path / "d.onnx"
+    onnx.save_model(build_decoder(layers=1, hidden=16, heads=2, vocab=32, max_positions=64),
+                    str(src))
+    runner = CliRunner()
+    for args in (["plan", str(src), "--budget", "1GiB"],
+                 ["optimize", str(src), str(tmp_path / "o.onnx")]):
+        r = runner.invoke(main, [*args, "--dim", "batch=1", "--dim", "seq=65"])
+        assert r.exit_code == 2, r.output
+        assert r.output.splitlines()[-1].startswith(
+            "error: dim seq=65 is past what the model allows: node 'embed.pos' (Gather) "
+            "reads 0..64 along axis 0 of the constant 'embed.pos.weight', which has 64"), r.output
+        assert [x for x in r.output.splitlines() if "error" in x] == r.output.splitlines()[-1:]
+    assert not (tmp_path / "o.onnx").exists()
+    r = runner.invoke(main, ["plan", str(src), "--budget", "1GiB", "--dim", "batch=1",
+                             "--dim", "seq=1..64"])
+    assert r.exit_code == 0, r.output

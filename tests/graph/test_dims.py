@@ -199,3 +199,50 @@ def test_library_callers_bindings_must_be_sizes(value):
     with pytest.raises(UnboundDimError, match=r"shape of 'x'.*is not a size"):
         analyse(m, shapes={"x": [value, 4]})
     assert analyse(m, {"batch": np.int64(3)}).tensors["y"].shape == (3, 4)
+
+
+# ---- a dim bound past the model's own tables (issue 35: README's seq=2048 on a 1,024-row
+# position table planned without a word, and verify then failed with ORT's Gather error) --
+
+def test_a_dim_past_the_position_table_is_one_error_at_plan_time():
+    from models.decoder import build_decoder
+
+    m = build_decoder(layers=1, hidden=16, heads=2, vocab=32, max_positions=16)
+    analyse(m, {"batch": 1, "seq": 16})  # the last row is allowed
+    with pytest.raises(UnboundDimError) as e:
+        analyse(m, {"batch": 1, "seq": 17})
+    assert str(e.value) == (
+        "dim seq=17 is past what the model allows: node 'embed.pos' (Gather) reads 0..16 along "
+        "axis 0 of the constant 'embed.pos.weight', which has 16 (a position or mask table the "
+        "model was built with): bind a smaller value")
+    kv = build_decoder(layers=1, hidden=16, heads=2, vocab=32, max_positions=16, kv_cache=True)
+    analyse(kv, {"batch": 1, "seq": 4, "past": 12})
+    with pytest.raises(UnboundDimError, match=r"^dims past=12, seq=5 are past what the model "
+                                              r"allows: .* reads 12\.\.16 along axis 0"):
+        analyse(kv, {"batch": 1, "seq": 5, "past": 12})
+
+
+MASK_SLICE = """
+g (float[batch, seq] x) => (float[batch, seq] y)
+  <int64[1] zero = {0}, int64[1] one = {1}, int64[1] two = {2}, int64[1] axis1 = {1},
+   int64[1] to_end = {%d}> {
+    shape = Shape (x)
+    seq_1 = Slice (shape, one, two)
+    row = Slice (mask, zero, seq_1, axis1)
+    y = Mul (x, row)
+    rest = Slice (mask, zero, to_end, axis1)
+}
+"""
+
+
+@pytest.mark.parametrize("to_end", [8, 9223372036854775807])
+def test_a_dim_past_a_sliced_constant_is_refused_a_constant_end_is_not(to_end):
+    """A Slice of a constant whose end comes from a dim (a causal-mask buffer) past its size
+    is refused (ORT would clamp it and fail later broadcasting); an end written as a
+    constant past the size ("to the end") is no error, nor is the end at the size."""
+    m = text_model(MASK_SLICE % to_end, mask=(1, 8))
+    analyse(m, {"batch": 2, "seq": 8})
+    with pytest.raises(UnboundDimError, match=r"^dim seq=9 is past what the model allows: "
+                                              r"node .* \(Slice\) reads 0\.\.8 along axis 1 of "
+                                              r"the constant 'mask', which has 8"):
+        analyse(m, {"batch": 2, "seq": 9})

@@ -529,3 +529,24 @@ def test_an_attribute_without_a_type_in_a_function_body_is_refused(tmp_path, che
     src = save(m, tmp_path / "m.onnx")
     with pytest.raises(ModelLoadError, match="attribute 'k' of node 'Relu' has no type"):
         load_model(src, check=check, allow_cache_ops=True)
+
+
+def test_data_files_lists_each_external_file_once_and_refuses_a_non_model(tmp_path):
+    """graph.load.data_files (what the command line reads to refuse writing over an input's
+    data): every external file once, in the model's folder; a file that is no model is a
+    ModelLoadError, not protobuf's error."""
+    from ho_onnx.graph.load import data_files
+
+    one = save(chain_model(), tmp_path / "one.onnx", external=True)
+    assert data_files(one) == [tmp_path / "one.onnx.data"]
+    (tmp_path / "many").mkdir()
+    many = tmp_path / "many" / "m.onnx"
+    onnx.save_model(chain_model(), str(many), save_as_external_data=True,
+                    all_tensors_to_one_file=False, size_threshold=0)
+    found = data_files(many)
+    assert len(found) == len(set(found)) == 2
+    assert {p.parent for p in found} == {many.parent} and all(p.is_file() for p in found)
+    assert data_files(save(chain_model(), tmp_path / "inline.onnx")) == []
+    (tmp_path / "x.json").write_text('{"not": "a model"}')
+    with pytest.raises(ModelLoadError):
+        data_files(tmp_path / "x.json")
