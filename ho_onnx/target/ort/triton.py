@@ -212,6 +212,40 @@ def _folder_config(model: onnx.ModelProto, host_pool_limit: int | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _check_arguments(name: str, version: int, kind: str, instances: int,
+                     container_repo: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise TritonEntryError(f"model name {name!r}: use letters, digits, '_', '-' and '.', "
+                               "not starting with '.' or '-' (it is a folder name)")
+    if version < 1:
+        raise TritonEntryError(f"version {version}: Triton's versions are positive integers")
+    if kind not in ("cpu", "gpu"):
+        raise TritonEntryError(f"instance kind {kind!r}: cpu or gpu")
+    if instances < 1:
+        raise TritonEntryError(f"instances {instances}: at least 1")
+    if not container_repo.startswith("/"):
+        raise TritonEntryError(f"container repository {container_repo!r} must be an absolute "
+                               "path (the backend loads op_library_filename as given)")
+
+
+def _fill(vdir: Path, src: Path, data: list[str], lib_src: Path | None,
+          folder_config: str) -> list[str]:
+    """The version folder's files: the model, its data, the library and its config."""
+    vdir.mkdir()
+    files = [MODEL_FILE]
+    copy_sparse(src, vdir / MODEL_FILE)
+    for loc in data:
+        dst = vdir / loc
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        copy_sparse(src.parent / loc, dst)
+        files.append(Path(loc).as_posix())
+    if lib_src is not None:
+        shutil.copyfile(lib_src, vdir / lib_src.name)
+        (vdir / FOLDER_CONFIG).write_text(folder_config)
+        files += [lib_src.name, FOLDER_CONFIG]
+    return files
+
+
 def write_triton_entry(model_path: str | os.PathLike[str], repo: str | os.PathLike[str],
                        name: str, *, version: int = 1, triton_release: str | None = None,
                        ort_version: str | None = None, container_repo: str = "/models",
@@ -226,33 +260,19 @@ def write_triton_entry(model_path: str | os.PathLike[str], repo: str | os.PathLi
     activations (``ho_onnx.host_pool_limit_bytes``; default half the machine's memory, per
     model). ``library`` defaults to :func:`ho_onnx.library_path`. ``<repo>/<name>`` must not
     exist."""
-    if not _NAME.fullmatch(name):
-        raise TritonEntryError(f"model name {name!r}: use letters, digits, '_', '-' and '.', "
-                               "not starting with '.' or '-' (it is a folder name)")
-    if version < 1:
-        raise TritonEntryError(f"version {version}: Triton's versions are positive integers")
-    if kind not in ("cpu", "gpu"):
-        raise TritonEntryError(f"instance kind {kind!r}: cpu or gpu")
-    if instances < 1:
-        raise TritonEntryError(f"instances {instances}: at least 1")
-    if not container_repo.startswith("/"):
-        raise TritonEntryError(f"container repository {container_repo!r} must be an absolute "
-                               "path (the backend loads op_library_filename as given)")
+    _check_arguments(name, version, kind, instances, container_repo)
     ort_v = container_ort_version(triton_release, ort_version)
     src = Path(model_path)
     if not src.is_file():
         raise ModelLoadError(f"{str(src)!r} is not a model file")
     model = read_proto(src)
-    uses_ops = any(n.domain == contract.DOMAIN for n in iter_nodes(model))
-    if uses_ops:
-        check_ort_version(ort_v)
-    reserved = {MODEL_FILE, FOLDER_CONFIG}
     lib_src = None
-    if uses_ops:
+    if any(n.domain == contract.DOMAIN for n in iter_nodes(model)):
+        check_ort_version(ort_v)
         from .runtime import library_path
 
         lib_src = Path(library if library is not None else library_path())
-        reserved.add(lib_src.name)
+    reserved = {MODEL_FILE, FOLDER_CONFIG} | ({lib_src.name} if lib_src else set())
     data = _data_locations(model)
     for loc in data:
         resolve_data_path(src.parent, loc, f"model {str(src)!r}")  # inside, or refused
@@ -272,19 +292,8 @@ def write_triton_entry(model_path: str | os.PathLike[str], repo: str | os.PathLi
     except OSError as e:
         raise OutputPathError(f"cannot write into {str(repo_dir)!r}: {e.strerror or e}") from None
     try:
-        vdir = tmp / str(version)
-        vdir.mkdir()
-        files = [MODEL_FILE]
-        copy_sparse(src, vdir / MODEL_FILE)
-        for loc in data:
-            dst = vdir / loc
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            copy_sparse(src.parent / loc, dst)
-            files.append(Path(loc).as_posix())
-        if lib_src is not None:
-            shutil.copyfile(lib_src, vdir / lib_src.name)
-            (vdir / FOLDER_CONFIG).write_text(_folder_config(model, host_pool_limit))
-            files += [lib_src.name, FOLDER_CONFIG]
+        files = _fill(tmp / str(version), src, data, lib_src,
+                      _folder_config(model, host_pool_limit))
         (tmp / "config.pbtxt").write_text(config)
         os.rename(tmp, target)  # fails if the target appeared meanwhile: nothing replaced
     except BaseException as e:
