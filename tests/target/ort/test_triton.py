@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
-from graphs import chain_model, save, two_weights_model
+from graphs import chain_model, save, text_model, two_weights_model
 
 import ho_onnx
 from ho_onnx import OffloadOptions
@@ -278,3 +279,37 @@ def test_folder_config_entries_apply_and_the_session_wins(version_dir, optimized
     f = feeds()
     got = _session(version_dir, **{"ho_onnx.host_pool_limit_bytes": str(1 << 30)}).run(None, f)
     np.testing.assert_array_equal(got[0], reference(optimized[0], f)[0])
+
+
+
+BIAS = """
+g (float[8, 512] x) => (float[8, 512] y) {
+  h = MatMul(x, W)
+  y = Add(h, B)
+}
+"""
+
+
+def test_resident_weights_data_is_copied_too(tmp_path):
+    """A weight that stays resident in an external data file of its own (``b.bin``, which
+    ORT itself reads) is copied with the offloaded one's (``m.ho.onnx.data``)."""
+    from onnx.external_data_helper import set_external_data
+
+    m = text_model(BIAS, W=(512, 512), B=(512,))
+    b = next(t for t in m.graph.initializer if t.name == "B")
+    (tmp_path / "b.bin").write_bytes(b.raw_data)
+    set_external_data(b, "b.bin")
+    b.ClearField("raw_data")
+    b.data_location = onnx.TensorProto.EXTERNAL
+    src = tmp_path / "m.onnx"
+    onnx.save(m, str(src))
+    opt = tmp_path / "out" / "m.ho.onnx"
+    r = ho_onnx.optimize(src, opt, OffloadOptions(activations=False, min_bytes=64 << 10))
+    assert r.choice.weights and sorted(os.listdir(opt.parent)) == [
+        "b.bin", "m.ho.onnx", "m.ho.onnx.data"]
+    repo = tmp_path / "repo"
+    e = write_triton_entry(opt, repo, "bias", ort_version="1.24.4", container_repo=str(repo))
+    assert {"b.bin", "m.ho.onnx.data"} <= set(e.files)
+    f = feeds()
+    got = triton_like_session(parse_config(e.config.read_text()), repo).run(None, f)
+    np.testing.assert_array_equal(got[0], reference(src, f)[0])
