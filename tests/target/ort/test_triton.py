@@ -313,3 +313,27 @@ def test_resident_weights_data_is_copied_too(tmp_path):
     f = feeds()
     got = triton_like_session(parse_config(e.config.read_text()), repo).run(None, f)
     np.testing.assert_array_equal(got[0], reference(src, f)[0])
+
+
+def test_a_library_linked_from_another_entry_serves_that_entry(optimized, tmp_path):
+    """The dynamic loader returns the library already loaded from the same file (a link,
+    symbolic or hard, is that file), with the folder it was first loaded from: an entry
+    whose library is a link to another entry's gets that entry's folder, where the other
+    model's weights are not found (or, of the same name, fail the fingerprint check): an
+    error, not a wrong answer. The writer copies the library for this reason."""
+    from graphs import TWO_WEIGHTS
+
+    first = entry(optimized, tmp_path / "repo").model.parent
+    other = save(text_model(TWO_WEIGHTS, seed=1, W1=(512, 512), W2=(512, 512)),
+                 tmp_path / "other.onnx")
+    opt = tmp_path / "other_out" / "other.ho.onnx"
+    ho_onnx.optimize(other, opt, FORCE)
+    second = write_triton_entry(opt, tmp_path / "repo", "other", triton_release="26.08",
+                                container_repo=str(tmp_path / "repo")).model.parent
+    (second / LIB).unlink()
+    os.symlink(first / LIB, second / LIB)
+    f = feeds()
+    np.testing.assert_array_equal(_session(first).run(None, f)[0],
+                                  reference(optimized[0], f)[0])
+    with pytest.raises(Exception, match=r"repo/tiny/1/other\.ho\.onnx\.data' does not exist"):
+        _session(second)
