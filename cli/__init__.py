@@ -764,6 +764,52 @@ def _why_not_exact(report: Any, opt_level: str) -> str:
 
 
 @main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("repository", type=click.Path(file_okay=False))
+@click.option("--name", required=True, help="Model name: the entry's folder in REPOSITORY.")
+@click.option("--version", "model_version", type=click.IntRange(min=1), default=1,
+              show_default=True, help="The version folder (the only version served).")
+@click.option("--triton-release", default=None,
+              help="Triton release of the container, e.g. 26.08: gives its onnxruntime "
+                   "(a table from Triton's build.py, 23.12 to 26.08).")
+@click.option("--ort-version", default=None,
+              help="The container's onnxruntime, e.g. 1.24.4 (for releases not in the table).")
+@click.option("--container-repo", default="/models", show_default=True,
+              help="Where the container sees REPOSITORY (op_library_filename is absolute).")
+@click.option("--kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="Instance kind (instance_group).")
+@click.option("--instances", type=click.IntRange(min=1, max=1024), default=1,
+              show_default=True, help="Instances (sessions) of the model.")
+@click.option("--host-pool-limit", type=SizeType(1), default=None,
+              help="Bound of the library's host pool of stored activations for this model "
+                   "(ho_onnx.host_pool_limit_bytes; default: half the machine's memory).")
+def triton(model: str, repository: str, name: str, model_version: int,
+           triton_release: str | None, ort_version: str | None, container_repo: str,
+           kind: str, instances: int, host_pool_limit: int | None) -> None:
+    """Write MODEL as the Triton model repository entry REPOSITORY/NAME.
+
+    \b
+    REPOSITORY/NAME/config.pbtxt            backend onnxruntime, inputs/outputs, op library
+    REPOSITORY/NAME/VERSION/model.onnx      with its data files
+    REPOSITORY/NAME/VERSION/libho_onnx_ops.so + ho_onnx.config
+
+    Triton's onnxruntime backend passes no ho_onnx.* session config entry, so the op
+    library copy finds its model folder itself: its own folder, marked by ho_onnx.config
+    (see docs/serving.md). The container's onnxruntime (--triton-release or
+    --ort-version) is checked against the library's. NAME must not exist yet.
+    """
+    from ho_onnx.target.ort.triton import write_triton_entry
+
+    with _errors():
+        entry = write_triton_entry(model, repository, name, version=model_version,
+                                   triton_release=triton_release, ort_version=ort_version,
+                                   container_repo=container_repo, kind=kind,
+                                   instances=instances, host_pool_limit=host_pool_limit)
+    _echo(f"{entry.folder}: config.pbtxt, {model_version}/ {', '.join(entry.files)} "
+          f"(container onnxruntime {entry.ort_version})")
+
+
+@main.command()
 @click.argument("model", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(model: str, as_json: bool) -> None:

@@ -11,10 +11,13 @@
 // engine per registration, each created by the first kernel that needs it.
 #include "registration.h"
 
+#include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -96,8 +99,10 @@ void abandon_engine(std::shared_ptr<Engine> engine) {
 
 std::string Registration::model_dir_of(const OrtApi* a, const OrtKernelInfo* info) const {
   if (!kernel_config.ok()) return model_dir;
+  // The session's entry, else the folder of a library copy configured by its folder's
+  // ho_onnx.config (register_ops keeps only that in model_dir on these runtimes).
   std::string v;
-  return kernel_config_entry(kernel_config, a, info, kModelDirKey, &v) ? v : std::string();
+  return kernel_config_entry(kernel_config, a, info, kModelDirKey, &v) ? v : model_dir;
 }
 
 std::shared_ptr<Engine> Registration::acquire_engine(bool on_cuda) {
@@ -315,16 +320,145 @@ std::string config_entry(const OrtApi* api, const OrtSessionOptions* options, co
   return v;
 }
 
-[[noreturn]] void bad_entry(const char* key, const char* want, const std::string& v) {
-  fail(ORT_INVALID_ARGUMENT,
-       std::string("session config entry '") + key + "' must be " + want + ", got '" + v + "'");
+// A configuration value and where it came from ("session config entry 'k'" or "'k' in
+// <file>"), for its error message.
+struct Entry {
+  std::string value;
+  std::string where;
+};
+using Entries = std::map<std::string, Entry>;
+
+[[noreturn]] void bad_entry(const Entry& e, const char* want) {
+  fail(ORT_INVALID_ARGUMENT, e.where + " must be " + want + ", got '" + e.value + "'");
 }
 
-// The session config entries of a registration (README.md lists them).
-void read_config(const OrtApi* api, const OrtSessionOptions* options, Registration* reg) {
-  bool has = false;
-  std::string v = config_entry(api, options, kModelDirKey, &has);
-  if (has) reg->model_dir = v;
+// ---- a model folder that configures itself ------------------------------------------------
+// Hosts that cannot set arbitrary session config entries (Triton's onnxruntime backend
+// forwards only the entries it knows: docs/serving.md) load a copy of the library from the
+// model's own folder; a file of this name beside that copy makes the folder the model
+// folder and may set the other ho_onnx.* entries (the session's own entries win).
+constexpr const char* kFolderConfigName = "ho_onnx.config";
+constexpr off_t kFolderConfigMaxBytes = 64 * 1024;
+
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// The absolute folder this library file was loaded from, as the dynamic loader recorded it
+// when it loaded the file (RTLD_DI_ORIGIN: made absolute against the working directory of
+// that moment; a link naming the file is not followed); "" when unknown.
+std::string library_folder() {
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<const void*>(&library_folder), &info) == 0 ||
+      info.dli_fname == nullptr || info.dli_fname[0] == '\0') {
+    return {};
+  }
+  void* self = ::dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (self == nullptr) return {};
+  char origin[PATH_MAX + 1] = {};
+  const int rc = ::dlinfo(self, RTLD_DI_ORIGIN, origin);
+  ::dlclose(self);
+  return rc == 0 && origin[0] == '/' ? std::string(origin) : std::string();
+}
+
+std::string trimmed(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t\r");
+  if (b == std::string::npos) return {};
+  return s.substr(b, s.find_last_not_of(" \t\r") - b + 1);
+}
+
+// The entries of `folder`/ho_onnx.config into `out` (lines `key=value`, `#` comments);
+// false when the folder has no such file. The file must be a regular file, not a symbolic
+// link; it may set every entry but the model folder, which is always its own folder.
+bool read_folder_config(const std::string& folder, Entries* out) {
+  FdCloser dir{::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
+  if (dir.fd < 0) return false;  // the library's folder is not readable: no configuration
+  const std::string path = folder + "/" + kFolderConfigName;
+  FdCloser f{::openat(dir.fd, kFolderConfigName,
+                      O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY)};
+  if (f.fd < 0) {
+    const int e = errno;
+    if (e == ENOENT) return false;
+    fail(ORT_INVALID_ARGUMENT,
+         "cannot open '" + path + "'" +
+             (e == ELOOP ? std::string(": it is a symbolic link (refused)")
+                         : ": " + std::string(std::strerror(e))));
+  }
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    fail(ORT_INVALID_ARGUMENT, "'" + path + "' is not a regular file");
+  }
+  if (st.st_size > kFolderConfigMaxBytes) {
+    fail(ORT_INVALID_ARGUMENT, "'" + path + "' has " + std::to_string(st.st_size) +
+                                   " bytes, more than a configuration file may (" +
+                                   std::to_string(kFolderConfigMaxBytes) + ")");
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t r = ::read(f.fd, &text[got], text.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) fail(ORT_FAIL, "cannot read '" + path + "'");
+    got += static_cast<size_t>(r);
+  }
+  if (text.find('\0') != std::string::npos) {
+    fail(ORT_INVALID_ARGUMENT, "'" + path + "' is not a text file");
+  }
+  size_t line_no = 0;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = trimmed(text.substr(pos, end - pos));
+    pos = end + 1;
+    ++line_no;
+    if (line.empty() || line[0] == '#') continue;
+    const std::string at = "'" + path + "' line " + std::to_string(line_no);
+    const size_t eq = line.find('=');
+    if (eq == std::string::npos) fail(ORT_INVALID_ARGUMENT, at + ": expected key=value");
+    const std::string key = trimmed(line.substr(0, eq));
+    const std::string value = trimmed(line.substr(eq + 1));
+    if (key == kModelDirKey) {
+      fail(ORT_INVALID_ARGUMENT, at + ": '" + key +
+                                     "' cannot be set here: the model folder is always this "
+                                     "file's own folder");
+    }
+    if (key != kPoolLimitKey && key != kHostBytesKey && key != kSampleArenaKey) {
+      fail(ORT_INVALID_ARGUMENT, at + ": unknown entry '" + key + "' (known: " +
+                                     kPoolLimitKey + ", " + kHostBytesKey + ", " +
+                                     kSampleArenaKey + ")");
+    }
+    if (!out->emplace(key, Entry{value, "'" + key + "' in '" + path + "'"}).second) {
+      fail(ORT_INVALID_ARGUMENT, at + ": '" + key + "' is set twice");
+    }
+  }
+  return true;
+}
+
+// The configuration of a registration (README.md lists the entries): the session's config
+// entries, then, for the entries it leaves unset, ho_onnx.config beside this library file.
+// Sets reg->model_dir to the session's folder entry, else the library's folder when it
+// has that file, else "".
+void read_config(const OrtApi* api, const OrtSessionOptions* options, Registration* reg,
+                 std::string* folder_model_dir) {
+  Entries entries;
+  for (const char* key : {kModelDirKey, kPoolLimitKey, kHostBytesKey, kSampleArenaKey}) {
+    bool has = false;
+    std::string v = config_entry(api, options, key, &has);
+    if (has) entries.emplace(key, Entry{v, std::string("session config entry '") + key + "'"});
+  }
+  folder_model_dir->clear();
+  const std::string folder = library_folder();
+  Entries from_file;
+  if (!folder.empty() && read_folder_config(folder, &from_file)) {
+    *folder_model_dir = folder;
+    for (auto& kv : from_file) entries.emplace(kv.first, kv.second);  // the session's win
+  }
+  auto it = entries.find(kModelDirKey);
+  reg->model_dir = it != entries.end() ? it->second.value : *folder_model_dir;
   {
     const long pages = ::sysconf(_SC_PHYS_PAGES);
     const long page = ::sysconf(_SC_PAGESIZE);
@@ -332,23 +466,26 @@ void read_config(const OrtApi* api, const OrtSessionOptions* options, Registrati
         pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2 : 0;
   }
   char* end = nullptr;
-  v = config_entry(api, options, kPoolLimitKey, &has);
-  if (has) {
+  it = entries.find(kPoolLimitKey);
+  if (it != entries.end()) {
+    const std::string& v = it->second.value;
     const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
     if (v.empty() || *end != '\0' || v[0] == '-' || x == 0) {
-      bad_entry(kPoolLimitKey, "a positive byte count", v);
+      bad_entry(it->second, "a positive byte count");
     }
     reg->limits.host_pool_limit = x;
   }
-  v = config_entry(api, options, kHostBytesKey, &has);
-  if (has) {
+  it = entries.find(kHostBytesKey);
+  if (it != entries.end()) {
+    const std::string& v = it->second.value;
     const long long x = std::strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || x < 0) bad_entry(kHostBytesKey, "a byte count", v);
+    if (v.empty() || *end != '\0' || x < 0) bad_entry(it->second, "a byte count");
     reg->host_bytes = x;
   }
-  v = config_entry(api, options, kSampleArenaKey, &has);
-  if (has) {
-    if (v != "0" && v != "1") bad_entry(kSampleArenaKey, "0 or 1", v);
+  it = entries.find(kSampleArenaKey);
+  if (it != entries.end()) {
+    const std::string& v = it->second.value;
+    if (v != "0" && v != "1") bad_entry(it->second, "0 or 1");
     reg->sample_arena = v == "1";
   }
 }
@@ -398,14 +535,16 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api, const Ort
   reg->api = api;
   reg->stats = resolve_stats_api(base, rt);
   reg->kernel_config = resolve_kernel_config_api(base, rt);
-  read_config(api, options, reg.get());
+  std::string folder_model_dir;
+  read_config(api, options, reg.get(), &folder_model_dir);
   // Each kernel reads its own session's folder: not part of the configuration (and not
-  // kept: the first caller's folder must never serve another session).
-  if (reg->kernel_config.ok()) reg->model_dir.clear();
+  // kept: the first caller's folder must never serve another session). What is kept is
+  // the fallback of a library copy configured by its folder: the same for every session.
+  if (reg->kernel_config.ok()) reg->model_dir = folder_model_dir;
 
   const bool cuda = want_cuda_ops(api);
   const std::string key = std::to_string(reinterpret_cast<uintptr_t>(api)) + '\n' +
-                          (reg->kernel_config.ok() ? std::string("\x01per-kernel")
+                          (reg->kernel_config.ok() ? "\x01per-kernel=" + reg->model_dir
                                                    : "=" + reg->model_dir) +
                           '\n' + std::to_string(reg->host_bytes) + '\n' +
                           std::to_string(reg->limits.host_pool_limit) + '\n' +

@@ -57,7 +57,10 @@ struct OpDef;
 // cause). The engine, the only large thing, lives and dies with the registration's kernels.
 struct Registration {
   const OrtApi* api = nullptr;
-  std::string model_dir;    // from the session config entry, "" when not set (older runtimes)
+  // The folder of this library copy when ho_onnx.config is beside it (registration.cc),
+  // else ""; on runtimes older than 1.24 the session config entry takes its place when set
+  // (from 1.24 on, kernels read their session's entry first).
+  std::string model_dir;
   KernelConfigApi kernel_config;  // ok(): each kernel reads its session's model_dir
   int64_t host_bytes = -1;  // from the session config entry, -1 when not set
   bool sample_arena = false;  // from the session config entry, off when not set
