@@ -370,3 +370,24 @@ def empty_gate(a: GraphAnalysis, reader: int, host: Iterable[str] = ()) -> str |
         return None
     skip = set(host)
     return next((n for n in reversed(chain) if n not in skip), None)
+
+
+def gate_column(a: GraphAnalysis, gate: str) -> int | None:
+    """The router column (expert id) whose tokens the NonZero ``gate`` selects: the constant a
+    Gather (a row of the routing mask) or an Equal (the TopK indices against it) reads on the
+    way back from the NonZero's input through casts and reshapes; None when not found."""
+    node = _producer(a, gate)
+    if node is None or node.op_type != "NonZero":
+        return None
+    name = input_names(node)[0]
+    for _ in range(8):
+        node = _producer(a, name)
+        if node is None:
+            return None
+        ins = input_names(node)
+        if node.op_type in ("Gather", "Equal") and len(ins) > 1:
+            return _constant_int(a, ins[1])
+        if node.op_type not in ("Cast", "Squeeze", "Unsqueeze", "Reshape", "Identity"):
+            return None
+        name = ins[0]
+    return None

@@ -3,6 +3,7 @@ the shape-only readers of a weight and the gaps between an activation's uses."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -174,6 +175,9 @@ class Routed:
 
     gates: dict[tuple[str, int], str]  # (weight, reader position) -> gate value
     fraction: dict[str, float]  # expert weight -> expected share of its reloads that move
+    # expert weight -> (its router's TopK node, the router column of its expert), where the
+    # gate says (reports and checks against the router's own output)
+    expert_of: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, analysis: GraphAnalysis, dims: Mapping[str, int] | None = None,
@@ -181,7 +185,7 @@ class Routed:
         """The routed reloads of ``analysis``' model under ``dims``; once per analysis and
         dims (none when ``options.routed`` is off)."""
         if options is not None and not options.routed:
-            return cls({}, {})
+            return cls({}, {}, {})
         key = ("routed", tuple(sorted((dims or {}).items())))
         if key not in analysis.derived:
             analysis.derived[key] = cls._find(analysis, dims or {})
@@ -190,11 +194,12 @@ class Routed:
     @classmethod
     def _find(cls, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Routed:
         from ..graph.dtypes import ELEMENT_BITS
-        from ..graph.moe import empty_gate, find_experts
+        from ..graph.moe import empty_gate, find_experts, gate_column
 
         host = cuda_host_tensors(analysis)
         gates: dict[tuple[str, int], str] = {}
         fraction: dict[str, float] = {}
+        expert_of: dict[str, tuple[str, int]] = {}
         for layer in find_experts(analysis):
             if layer.stacked or not layer.top_k or not layer.experts:
                 continue  # (a stacked tensor or a contrib op: no per-expert reload)
@@ -214,7 +219,10 @@ class Routed:
                     if found:
                         gates.update(((w, c), g) for c, g in found.items())
                         fraction[w] = share
-        return cls(gates, fraction)
+                        column = gate_column(analysis, next(iter(found.values())))
+                        if column is not None:
+                            expert_of[w] = (layer.node, column)
+        return cls(gates, fraction, expert_of)
 
     def of_weight(self, analysis: GraphAnalysis, name: str, uses: Sequence[int]
                   ) -> tuple[tuple[str, ...], float, tuple[int, ...]]:

@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 
 from ho_onnx import InferenceSession, contract, counters, reset_counters
 from ho_onnx.graph.analyse import analyse
-from ho_onnx.graph.moe import empty_gate, find_experts
+from ho_onnx.graph.moe import empty_gate, find_experts, gate_column
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 
@@ -95,6 +95,7 @@ def test_the_gate_of_an_expert_is_the_nonzero_that_selects_its_tokens(tmp_path):
         for w in ("G", "U", "D"):
             (reader,) = a.tensors[f"{w}{e}"].consumers
             assert empty_gate(a, reader) == f"nz{e}"
+        assert gate_column(a, f"nz{e}") == e  # the router column: Equal(idx, c{e})
     # the router's own weight is read by every token: never gated
     assert empty_gate(a, a.tensors["R"].consumers[0]) is None
 
@@ -197,19 +198,16 @@ def test_a_qwen3_moe_export_moves_only_the_routed_experts(tmp_path, monkeypatch)
     probe = tmp_path / "probe.onnx"
     onnx.save(model, probe, save_as_external_data=True, location="probe.data")
     del topk
-    # expert e of a layer: the weights whose gate's NonZero reads Gather(mask, e)
+    # each expert weight's router and column (where its gate's NonZero reads it from)
+    from ho_onnx.schedule.eligibility import Routed
+
     gated = {w.name: w for w in r.choice.weights if w.gates}
     plain = sum(w.nbytes * len(w.consumers) for w in r.choice.weights if not w.gates)
-    expert_of = {}
-    for li, layer in enumerate(layers):
-        for e in layer.experts:
-            gate = gated[e.weights[0]].gates[0]
-            cast = a.nodes[a.tensors[gate].producer].inputs[0]
-            gather = cast.producer().inputs[0].producer()
-            const = gather.inputs[1].producer()
-            k = int(const.attributes["value"].value.numpy().reshape(-1)[0])
-            for w in e.weights:
-                expert_of[w] = (li, k)
+    routed = Routed.of(a, {"batch_size": 1, "sequence_length": 1, "past_sequence_length": 16})
+    router_index = {layer.node: li for li, layer in enumerate(layers)}
+    expert_of = {w: (router_index[node], col) for w, (node, col) in routed.expert_of.items()}
+    assert set(gated) <= set(expert_of)
+    assert {c for _, c in expert_of.values()} == set(range(cfg.num_experts))
     off = "ORT_DISABLE_ALL"  # (at basic: 4e-8 apart, the fused constant's rounding)
     ref, sess = (ort.InferenceSession(str(probe), _so(off), providers=["CPUExecutionProvider"]),
                  InferenceSession(out, sess_options=_so(off)))

@@ -1,0 +1,249 @@
+"""MoE decode benchmark (issue 37, item 5): bytes moved per decode token against the bytes of
+the experts the router chose, and tokens/s, for a Qwen3-MoE model built from a transformers
+config (random weights, nothing from a hub) and exported by Optimum
+(``text-generation-with-past``).
+
+Rows (every weight offloaded to the host tier, the KV cache left as exported):
+
+* ``resident``         the unmodified model (ORT);
+* ``all streamed``     every offloaded weight moves at every step (``OffloadOptions(routed=
+  False)``: what ho-onnx did before routed transfers);
+* ``routed``           an expert's weights move only when the router sent it a token (the
+  gated reloads of ``ho_onnx.graph.moe.empty_gate``);
+* ``routed, budget``   the planner at half the resident peak (or its smallest feasible
+  budget when that is above), routed.
+
+Each decode step feeds every row the same inputs (the resident row's greedy tokens, teacher
+forced), so each row's logits are compared with the resident row's (bit-exact at ORT's
+optimizations off) and its bytes with the router's own choice: a copy of the unmodified
+model with every router's TopK indices as extra outputs says which experts each step
+selected; ``selected`` is their weights' bytes plus the bytes of the offloaded weights that
+are not experts (moved at every step either way). Goal: ``moved / selected <= 1.1``.
+
+    python bench/moe_decode.py --json out.json            # CPU: 8 experts, top-2, 4 layers
+    python bench/moe_decode.py --quick --json out.json    # tiny (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PRESETS = {
+    "cpu": {"layers": 4, "hidden": 256, "moe_ffn": 256, "experts": 8, "top_k": 2,
+            "heads": 8, "kv_heads": 4, "vocab": 1024, "prompt": 64, "tokens": 24},
+    "quick": {"layers": 2, "hidden": 32, "moe_ffn": 16, "experts": 4, "top_k": 2,
+              "heads": 4, "kv_heads": 2, "vocab": 128, "prompt": 8, "tokens": 6},
+}
+
+
+def export(cfg: dict[str, int], root: Path) -> Path:
+    """The Optimum export of a random-weight Qwen3-MoE of ``cfg``'s dims."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from optimum.exporters.onnx import main_export
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen3MoeConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"],
+                        intermediate_size=2 * cfg["hidden"],
+                        moe_intermediate_size=cfg["moe_ffn"],
+                        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                        num_key_value_heads=cfg["kv_heads"],
+                        head_dim=cfg["hidden"] // cfg["heads"], num_experts=cfg["experts"],
+                        num_experts_per_tok=cfg["top_k"], max_position_embeddings=512)
+    Qwen3MoeForCausalLM(hf).eval().save_pretrained(root / "hf")
+    main_export(str(root / "hf"), output=str(root / "onnx"), task="text-generation-with-past",
+                device="cpu", do_validation=False)
+    return root / "onnx" / "model.onnx"
+
+
+def probe(src: Path, dims: dict[str, int], out: Path) -> tuple[Path, list[str], Any]:
+    """A copy of ``src`` with each router's TopK indices as extra outputs; the routers' TopK
+    node names in that order; the model's routed reloads (``Routed``: each expert weight's
+    router and column)."""
+    import onnx
+    from onnx import helper
+
+    from ho_onnx.graph.analyse import analyse
+    from ho_onnx.graph.moe import find_experts
+    from ho_onnx.schedule.eligibility import Routed
+
+    a = analyse(onnx.load(str(src), load_external_data=False), dims)
+    layers = find_experts(a)
+    model = onnx.load(str(src))
+    names = [next(n for n in a.nodes if n.name == layer.node).outputs[1].name
+             for layer in layers]
+    model.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.INT64, None)
+                              for n in names)
+    onnx.save(model, out, save_as_external_data=True, location=out.name + ".data")
+    return out, [layer.node for layer in layers], Routed.of(a, dims)
+
+
+def selected_bytes(choice: Any, routed: Any, chosen: dict[str, set[int]]) -> int:
+    """Bytes a step must move at least: every offloaded weight that is no expert's (once per
+    reader) and the offloaded weights of the experts the routers chose."""
+    total = 0
+    for w in choice.weights:
+        owner = routed.expert_of.get(w.name)
+        if owner is None or owner[1] in chosen[owner[0]]:
+            total += w.nbytes * len(w.consumers)
+    return total
+
+
+def session_options() -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # bit-exact
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.intra_op_num_threads = 1
+    return so
+
+
+def decode_feeds(lay: Any, tokens: list[int], past: dict[str, np.ndarray]) -> dict[str, Any]:
+    n = next(iter(past.values())).shape[lay.seq_axis]
+    ids = np.asarray([tokens], np.int64)
+    feeds: dict[str, Any] = {lay.input_ids: ids} | past
+    if lay.attention_mask:
+        feeds[lay.attention_mask] = np.ones((1, n + ids.shape[1]), np.int64)
+    if lay.position_ids:
+        feeds[lay.position_ids] = np.arange(n, n + ids.shape[1], dtype=np.int64)[None, :]
+    return feeds
+
+
+def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    import ho_onnx
+    from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.options import OffloadOptions
+    from ho_onnx.target.ort.generate import _empty_past, kv_layout
+
+    t0 = time.perf_counter()
+    src = export(cfg, root)
+    print(f"exported {src} in {time.perf_counter() - t0:.0f} s", flush=True)
+    dims = {"batch_size": 1, "sequence_length": 1,
+            "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
+    ranges = {"sequence_length": (1, cfg["prompt"]),
+              "past_sequence_length": (0, cfg["prompt"] + cfg["tokens"])}
+    prb, routers, routed = probe(src, dims, root / "probe.onnx")
+    ref = ort.InferenceSession(str(prb), session_options(), providers=["CPUExecutionProvider"])
+    lay = kv_layout(src)
+    n_out = len(ref.get_outputs())
+    configs = {"all streamed": OffloadOptions(activations=False, min_bytes=0, routed=False),
+               "routed": OffloadOptions(activations=False, min_bytes=0)}
+    from ho_onnx.rewrite.pipeline import plan_model
+
+    peak = plan_model(src, OffloadOptions(budget=1 << 50), {"batch_size": 1},
+                      dim_ranges=ranges)[2].baseline.peak_bytes
+    from ho_onnx.schedule.planner import InfeasibleBudgetError
+
+    try:  # half the resident peak, or the smallest budget the planner meets when above
+        plan_model(src, OffloadOptions(activations=False, min_bytes=0, budget=peak // 2),
+                   {"batch_size": 1}, dim_ranges=ranges)
+        budget = peak // 2
+    except InfeasibleBudgetError as e:
+        budget = e.min_budget
+    configs["routed, budget"] = OffloadOptions(activations=False, min_bytes=0, budget=budget)
+    sessions: dict[str, Any] = {"resident": ort.InferenceSession(
+        str(src), session_options(), providers=["CPUExecutionProvider"])}
+    choices: dict[str, Any] = {}
+    for name, opts in configs.items():
+        out = root / name.replace(" ", "_").replace(",", "").replace("%", "") / "model.onnx"
+        out.parent.mkdir()
+        r = optimize(src, out, opts, {"batch_size": 1}, dim_ranges=ranges)
+        choices[name] = r.choice
+        sessions[name] = ho_onnx.InferenceSession(out, sess_options=session_options())
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg["vocab"], cfg["prompt"]).tolist()
+    rows: dict[str, dict[str, Any]] = {k: {"row": k, "moved": [], "selected": [], "step_s": [],
+                                           "ttft_s": None, "equal": True} for k in sessions}
+    past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
+    tokens = list(prompt)
+    for step in range(cfg["tokens"] + 1):
+        feeds = decode_feeds(lay, tokens, past)
+        outs = ref.run(None, feeds)
+        chosen = {r: set(v.reshape(-1).tolist())
+                  for r, v in zip(routers, outs[n_out - len(routers):], strict=True)}
+        for name, sess in sessions.items():
+            ho_onnx.reset_counters()
+            t = time.perf_counter()
+            got = sess.run(None, feeds)
+            dt = time.perf_counter() - t
+            row = rows[name]
+            row["equal"] &= bool(np.array_equal(got[0], outs[0]))
+            if step == 0:
+                row["ttft_s"] = dt
+            else:
+                row["step_s"].append(dt)
+                row["moved"].append(ho_onnx.counters()["bytes_loaded"])
+                row["selected"].append(selected_bytes(choices[name], routed, chosen)
+                                       if name in choices else 0)
+        names = [o.name for o in ref.get_outputs()]
+        past = {p: outs[names.index(q)] for p, q in lay.pairs}
+        tokens = [int(np.argmax(outs[0][0, -1]))]
+    for row in rows.values():
+        moved, sel = sum(row["moved"]), sum(row["selected"])
+        row |= {"moved_per_token": moved / max(len(row["moved"]), 1),
+                "selected_per_token": sel / max(len(row["selected"]), 1),
+                "ratio": moved / sel if sel else None,
+                "tok_s": 1 / statistics.median(row["step_s"])}
+        del row["step_s"]
+    return {"config": cfg, "rows": list(rows.values()), "complete": True,
+            "resident_peak": peak, "budget": budget,
+            "onnxruntime": ort.__version__}
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    cfg = doc["config"]
+    print(f"\nQwen3-MoE {cfg['layers']} layers, {cfg['experts']} experts top-{cfg['top_k']}, "
+          f"hidden {cfg['hidden']}, expert width {cfg['moe_ffn']}; prompt {cfg['prompt']}, "
+          f"{cfg['tokens']} decode steps")
+    head = (f"{'row':<14}{'moved KiB/tok':>15}{'selected KiB/tok':>18}{'moved/selected':>16}"
+            f"{'tok/s':>9}{'TTFT ms':>9}  logits")
+    print(head + "\n" + "-" * len(head))
+    for r in doc["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        sel = "-" if r["row"] == "resident" else f"{r['selected_per_token'] / 1024:.1f}"
+        print(f"{r['row']:<14}{r['moved_per_token'] / 1024:>15.1f}{sel:>18}{ratio:>16}"
+              f"{r['tok_s']:>9.1f}{r['ttft_s'] * 1e3:>9.1f}  "
+              f"{'= resident' if r['equal'] else 'MISMATCH'}")
+    print("moved = bytes the library loaded per decode step (its counters); selected = the "
+          "bytes of the experts the router chose that step (its TopK indices) plus the "
+          "offloaded weights that are not experts; logits compared bit for bit (ORT's "
+          "optimizations off).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model (CI)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    cfg = PRESETS["quick" if args.quick else "cpu"]
+    with tempfile.TemporaryDirectory(prefix="moe_decode_") as tmp:
+        doc = run(args, cfg, Path(tmp))
+    print_table(doc)
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if all(r["equal"] for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

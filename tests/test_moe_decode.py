@@ -1,0 +1,29 @@
+"""bench/moe_decode.py runs (its --quick mode): the routed rows move exactly the bytes the
+router selected, all rows' logits equal the resident model's. Not a timing test."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("optimum.exporters.onnx")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import moe_decode
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_run(tmp_path):
+    out = tmp_path / "moe.json"
+    assert moe_decode.main(["--quick", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["row"]: r for r in doc["rows"]}
+    assert set(rows) == {"resident", "all streamed", "routed", "routed, budget"}
+    assert all(r["equal"] for r in rows.values())
+    assert rows["routed"]["ratio"] == pytest.approx(1.0)
+    assert rows["all streamed"]["ratio"] > 1.0
+    assert rows["routed"]["moved_per_token"] < rows["all streamed"]["moved_per_token"]
