@@ -99,6 +99,7 @@ const CounterDef kCounters[] = {
     HO_COUNTER(bytes_emitted),
     HO_COUNTER(gated_skips),
     HO_COUNTER(bytes_gated),
+    HO_COUNTER(bytes_gathered),
     HO_COUNTER(bytes_read_disk),
     HO_COUNTER(disk_read_ns),
     HO_COUNTER(disk_direct_reads),
@@ -215,6 +216,7 @@ void HoOnnx_ResetCounters(void) {
   c.bytes_emitted = 0;
   c.gated_skips = 0;
   c.bytes_gated = 0;
+  c.bytes_gathered = 0;
   c.bytes_read_disk = 0;
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;

@@ -182,9 +182,14 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     k->token_dims = {static_cast<int64_t>((128 + k->bits - 1) / k->bits)};
   }
   std::string location;
-  if (op.kind == OpKind::kPrefetch && attr_string(api, info, "location", &location)) {
+  if ((op.kind == OpKind::kPrefetch || op.kind == OpKind::kGatherRows) &&
+      attr_string(api, info, "location", &location)) {
     k->weight = true;
     k->init_weight(op, info, location);
+  }
+  if (op.kind == OpKind::kGatherRows && (!k->blob || k->shape.empty() || k->shape[0] <= 0)) {
+    fail(ORT_INVALID_ARGUMENT, "GatherRows needs a host-tier table of at least one row "
+                               "(attributes location/offset/length/shape; tier host)");
   }
   if (k->gpu) {
     if (op.kind == OpKind::kStore) {
@@ -277,6 +282,8 @@ void Kernel::compute(OrtKernelContext* ctx) {
       return prefetch_input(ctx, ec);
     case OpKind::kEmit:
       return emit(ctx, ec);
+    case OpKind::kGatherRows:
+      return gather_rows(ctx);
   }
 }
 
@@ -397,6 +404,33 @@ void Kernel::emit(OrtKernelContext* ctx, const ExecContext& ec) {
   if (dst != src) std::memcpy(dst, src, bytes);
   counters().bytes_emitted += bytes;
   (void)ec;
+}
+
+// Like Gather(table, ids) on axis 0: the output is ids.shape + the table's row shape; a
+// negative id counts from the end; an id outside [-rows, rows) fails the run.
+void Kernel::gather_rows(OrtKernelContext* ctx) {
+  const OrtValue* ids = input(api, ctx, 1);
+  const TensorInfo ti = tensor_info(api, ids);
+  std::vector<int64_t> dims = ti.dims;
+  dims.insert(dims.end(), shape.begin() + 1, shape.end());
+  uint64_t row_elems = 1;
+  for (size_t i = 1; i < shape.size(); ++i) row_elems *= static_cast<uint64_t>(shape[i]);
+  const size_t row = byte_size(row_elems, bits);
+  OrtValue* y = output(api, ctx, dims);
+  if (ti.numel == 0 || row == 0) return;
+  const auto* id = static_cast<const int64_t*>(tensor_data(api, ids));
+  auto* dst = static_cast<char*>(tensor_data(api, y));
+  const char* table = static_cast<const char*>(blob->data());
+  const int64_t rows = shape[0];
+  for (size_t i = 0; i < ti.numel; ++i) {
+    const int64_t r = id[i] < 0 ? id[i] + rows : id[i];
+    if (r < 0 || r >= rows) {
+      fail(ORT_INVALID_ARGUMENT, "index " + std::to_string(id[i]) + " is out of range [-" +
+                                     std::to_string(rows) + ", " + std::to_string(rows) + ")");
+    }
+    std::memcpy(dst + i * row, table + static_cast<size_t>(r) * row, row);
+  }
+  counters().bytes_gathered += ti.numel * row;
 }
 
 void Kernel::wait(OrtKernelContext* ctx, ExecContext& ec) {

@@ -93,6 +93,7 @@ struct Kernel {
   void prefetch_input(OrtKernelContext* ctx, const ExecContext& ec);
   bool gate_closed(OrtKernelContext* ctx) const;
   void emit(OrtKernelContext* ctx, const ExecContext& ec);
+  void gather_rows(OrtKernelContext* ctx);
   void wait(OrtKernelContext* ctx, ExecContext& ec);
   void store(OrtKernelContext* ctx, ExecContext& ec);
   void detach(OrtKernelContext* ctx, ExecContext& ec);

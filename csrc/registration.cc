@@ -49,6 +49,8 @@ const char* op_name(OpKind k) {
       return "PrefetchInput";
     case OpKind::kEmit:
       return "Emit";
+    case OpKind::kGatherRows:
+      return "GatherRows";
   }
   return "?";
 }
@@ -153,7 +155,9 @@ constexpr const char* kCudaEp = "CUDAExecutionProvider";
 constexpr const char* kCpuEp = "CPUExecutionProvider";
 
 // Number of T-typed inputs before the variadic `deps`.
-size_t fixed_inputs(OpKind k) { return k == OpKind::kDetach ? 2 : 1; }
+size_t fixed_inputs(OpKind k) {
+  return k == OpKind::kDetach || k == OpKind::kGatherRows ? 2 : 1;
+}
 
 const OpDef* def(const OrtCustomOp* op) { return static_cast<const OpDef*>(op); }
 
@@ -212,6 +216,7 @@ const char* ORT_API_CALL get_ep(const OrtCustomOp* op) { return def(op)->cuda ? 
 size_t ORT_API_CALL input_count(const OrtCustomOp* op) { return fixed_inputs(def(op)->kind) + 1; }
 
 ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp* op, size_t i) {
+  if (def(op)->kind == OpKind::kGatherRows && i == 1) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
   return i < fixed_inputs(def(op)->kind) ? def(op)->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 }
 
@@ -518,8 +523,10 @@ void add_ops(const OrtApi* api, Registration* reg, std::pair<int, int> rt) {
   for (bool on_cuda : {false, true}) {
     if (on_cuda && !reg->cuda) continue;
     for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach,
-                        OpKind::kGuard, OpKind::kPrefetchInput, OpKind::kEmit}) {
-      if (on_cuda && kind == OpKind::kEmit) continue;  // host memory out: the CPU EP's
+                        OpKind::kGuard, OpKind::kPrefetchInput, OpKind::kEmit,
+                        OpKind::kGatherRows}) {
+      // host memory out: the CPU EP's alone
+      if (on_cuda && (kind == OpKind::kEmit || kind == OpKind::kGatherRows)) continue;
       for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
         if (!runtime_has_type(t->type, rt)) continue;
         reg->ops.push_back(make_op(reg, kind, *t, on_cuda));

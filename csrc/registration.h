@@ -38,7 +38,11 @@ constexpr const char* kSampleArenaKey = "ho_onnx.sample_arena";
 // ORT never copies it to the device whole). Emit: a copy of its input into its output,
 // registered for the CPU EP only, so that on the CUDA EP ORT brings the tensor (present KV)
 // to host memory right there and frees its device buffer.
-enum class OpKind { kPrefetch, kWait, kStore, kDetach, kGuard, kPrefetchInput, kEmit };
+// GatherRows: the rows of an offloaded table (axis 0) that int64 ids select, copied from the
+// host store into its output (CPU EP only: on the CUDA EP ORT copies the rows to the device,
+// never the table); the table's bytes are located like a weight Prefetch's.
+enum class OpKind { kPrefetch, kWait, kStore, kDetach, kGuard, kPrefetchInput, kEmit,
+                    kGatherRows };
 const char* op_name(OpKind k);
 
 struct OpDef;

@@ -19,12 +19,16 @@ PREFETCH_INPUT = "PrefetchInput"
 # A copy of its input into its output, registered for the CPU EP only: on the CUDA EP ORT
 # brings the tensor (the present KV cache, a graph output) to host memory at that point.
 EMIT = "Emit"
-ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD, PREFETCH_INPUT, EMIT)
+# The rows of an offloaded table (axis 0) its int64 ids select, copied from the host store
+# (CPU EP only; an embedding lookup whose table never enters the fast tier). Attributes of
+# a weight Prefetch (location, offset, length, shape, name).
+GATHER_ROWS = "GatherRows"
+ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD, PREFETCH_INPUT, EMIT, GATHER_ROWS)
 # The inputs each op requires first (ordering inputs may follow); every op has its first
 # output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
 # output_count.)
 REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2, GUARD: 1, PREFETCH_INPUT: 1,
-                   EMIT: 1}
+                   EMIT: 1, GATHER_ROWS: 2}
 # Ops whose transfers queue on a copy channel (an optional second output, ``issued``).
 PREFETCHES = (PREFETCH, PREFETCH_INPUT)
 # Attributes of a Guard: per checked dim its axis in the input, its range and its name (the

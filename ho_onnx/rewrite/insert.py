@@ -114,6 +114,7 @@ class _Emitter:
         self.replace: dict[int, list[int]] = {}  # position -> dims of the Shape/Size it reads
         self.weight_prefetches: dict[str, list[_Op]] = {}
         self.emitted: dict[str, str] = {}  # graph output -> new name of its producer's value
+        self.rows: dict[int, _Op] = {}  # position of a row Gather -> its GatherRows
 
     def dep_before(self, pos: int, floor: int = -1) -> list[str]:
         """An output of the latest node at a position < ``pos`` (and > ``floor``)."""
@@ -155,6 +156,13 @@ class _Emitter:
         tier = kinds.tier(w.tier)
         if tier is not kinds.default_tier():  # the default is written as no attribute
             attrs.append(ir.AttrString(contract.ATTR_TIER, tier.name))
+        for c in w.row_readers:  # an embedding lookup: only its rows leave the host store
+            ids = self.analysis.nodes[c].inputs[1]
+            assert ids is not None and ids.name
+            op = self.op(contract.GATHER_ROWS, [self.source(t.elem_type), ids.name], [],
+                         f"ho.rows.{w.name}.{c}", *attrs)
+            self.rows[c] = op
+            self.weight_prefetches[w.name].append(op)
         for k, (c, s) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
             y = self.names.fresh(f"{w.name}.ho_y{k}")
             z = self.names.fresh(f"{w.name}.ho_z{k}")
@@ -229,7 +237,7 @@ class _Emitter:
     def schedule(self) -> list[tuple[int, list[_Op], list[_Op]]]:
         """The refined order: before each compute node its Prefetches, then its Waits; after
         it its Stores (start copying early), then its Detaches (end residency)."""
-        touched = sorted({*self.rename, *self.replace, *(
+        touched = sorted({*self.rename, *self.replace, *self.rows, *(
             pos for ops in (self.before_pf, self.before_wait, self.after)
             for pos, at in enumerate(ops) if at)})  # positions with anything to do
         return [(pos, self.before_pf[pos] + self.before_wait[pos],
@@ -303,6 +311,9 @@ class _Builder:
                 self.graph.insert_before(node, [self.build(o) for o in before])
             if pos in self.em.replace:
                 node = self._to_constant(node, self.em.replace[pos])
+            if pos in self.em.rows:
+                node = self._to_rows(node, self.em.rows[pos])
+                count += 1
             for i, v in enumerate(node.inputs):
                 new = self.em.rename.get(pos, {}).get(v.name) if v is not None else None
                 if new is not None:
@@ -311,6 +322,25 @@ class _Builder:
                 self.graph.insert_after(node, [self.build(o) for o in after])
             count += len(before) + len(after)
         return count
+
+    def _to_rows(self, node: ir.Node, o: _Op) -> ir.Node:
+        """Replace ``node`` (a Gather of an offloaded table's rows) by its GatherRows: the
+        same output value, the rows copied out of the host store."""
+        inputs = [self.values[n] for n in o.inputs]
+        out = node.outputs[0]
+        node.replace_input_with(0, inputs[0])  # (detach the table before removing the node)
+        rows = ir.Node(contract.DOMAIN, contract.GATHER_ROWS, inputs, o.attrs, num_outputs=1,
+                       name=o.name)
+        ir.convenience.replace_all_uses_with(out, rows.outputs[0], replace_graph_outputs=True)
+        self.graph.insert_before(node, rows)
+        self.graph.remove(node, safe=True)
+        name = out.name
+        out.name = None
+        new = rows.outputs[0]
+        new.name, new.type, new.shape = name, out.type, out.shape
+        self.values[name or ""] = new
+        self.nodes[id(o)] = rows
+        return rows
 
     def _to_constant(self, node: ir.Node, dims: list[int]) -> ir.Node:
         """Replace ``node`` (a Shape/Size of a weight) by the Constant it computes."""

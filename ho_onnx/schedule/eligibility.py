@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import onnx
+
 from .. import kinds
 from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
@@ -84,6 +86,29 @@ def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
     nodes = analysis.nodes
     shape = tuple(c for c in t.consumers if reads_only_shape(nodes[c]))
     return tuple(c for c in t.consumers if c not in shape), shape
+
+
+def row_readers(analysis: GraphAnalysis, t: TensorInfo, tier: str) -> tuple[int, ...]:
+    """Readers of the weight ``t`` that gather rows of it (a default-domain ``Gather`` on axis
+    0 with int64 indices: an embedding lookup): they become ``GatherRows``, which copies only
+    the selected rows out of the host store (so the table never enters the fast tier). Only
+    for a table of known shape waiting in the host store (``tier``)."""
+    if kinds.tier(tier) is not kinds.HOST or not t.is_initializer or not t.shape \
+            or not all(isinstance(d, int) and d > 0 for d in t.shape):
+        return ()
+    out = []
+    for c in t.consumers:
+        node = analysis.nodes[c]
+        ins = [v.name if v is not None else None for v in node.inputs]
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(ins) != 2 \
+                or ins[0] != t.name or ins[1] == t.name:
+            continue
+        axis = node.attributes.get("axis")
+        ids = analysis.tensors.get(ins[1] or "")
+        if (axis is None or axis.value == 0) and ids is not None \
+                and ids.elem_type == onnx.TensorProto.INT64:
+            out.append(c)
+    return tuple(out)
 
 
 def largest_gap(producer: int, uses: Sequence[int]) -> tuple[int, int]:

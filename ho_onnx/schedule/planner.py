@@ -61,6 +61,7 @@ from .eligibility import (
     largest_gap,
     long_gaps,
     placement_reasons,
+    row_readers,
     split_shape_readers,
     wanted,
 )
@@ -102,6 +103,7 @@ class Candidate(NamedTuple):  # thousands per plan: a tuple is built 3x faster
     producer: int  # -1 for weights
     score: float
     span: tuple[int, int]  # baseline residency
+    rows: tuple[int, ...] = ()  # readers that gather its rows (GatherRows: no reload)
 
 
 @dataclass
@@ -258,7 +260,9 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
         assert nbytes is not None
         if not kind.stored:
             own, shape_readers = split_shape_readers(analysis, t)
-            uses = groups.data_uses(analysis, name, own)  # with its scales and zero points
+            rows = () if name in groups.members else row_readers(analysis, t, opts.weight_tier)
+            uses = tuple(c for c in groups.data_uses(analysis, name, own)  # (with its scales
+                         if c not in rows)                                 # and zero points)
             nbytes = groups.nbytes(analysis, name, dims, sizes)
             share = routed.of_weight(analysis, name, uses)[1]  # (an expert: routed reloads)
             tt = costs.transfer_time(max(1, int(nbytes * share)),
@@ -266,7 +270,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             busy = sum(compute_s[c] for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
             out.append(Candidate(name, kind.name, False, nbytes, uses, shape_readers, -1, score,
-                                 spans[name]))
+                                 spans[name], rows))
             continue
         assert t.producer is not None
         uses = tuple(sorted(t.consumers))
@@ -286,7 +290,8 @@ def _early_uses_if_freed_at(c: Candidate, s: int, min_gap: int) -> tuple[int, ..
     """Early uses of ``c`` offloaded so that it leaves the fast tier at step ``s`` (None: no
     offload of ``c`` frees step ``s``)."""
     if not c.stored:
-        return None if s in c.uses or not c.uses else ()
+        # (a weight only gathered by rows has no reload: offloading it frees every step)
+        return None if s in c.uses or not (c.uses or c.rows) else ()
     if s <= c.producer or s in c.uses:
         return None
     early = tuple(u for u in c.uses if u < s)
@@ -458,7 +463,7 @@ def _assign_tiers(ctx: _Context, early: Mapping[str, tuple[int, ...]],
             "the offloaded activations need on the host at once; raise --host-budget or the "
             "device budget", acts)
     on_host = sorted(((ctx.by_name[k], spill) for k, tier in out.items()
-                      if (t := kinds.tier(tier)).in_host_memory
+                      if (t := kinds.tier(tier)).in_host_memory and not ctx.by_name[k].rows
                       and (spill := kinds.spill_tier(t)) is not None),
                      key=lambda cs: (len(cs[0].uses), -cs[0].nbytes))
     weights = sum(ctx.by_name[k].nbytes for k, tier in out.items()
@@ -530,7 +535,8 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
             gates, share, _ = routed.of_weight(ctx.analysis, name, c.uses)
             choice.weights.append(WeightOffload(
                 name, c.nbytes, c.uses, tuple(positions[(name, k)] for k in range(len(c.uses))),
-                c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier), gates, share))
+                c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier), gates, share,
+                c.rows))
         else:
             late = tuple(u for u in c.uses if u not in early)
             choice.activations.append(ActivationOffload(

@@ -15,6 +15,7 @@ from .eligibility import (
     kind_of,
     largest_gap,
     placement_reasons,
+    row_readers,
     split_shape_readers,
     wanted,
 )
@@ -78,12 +79,13 @@ def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
     if nbytes < options.min_bytes_or_default:
         return f"{nbytes} bytes < min_bytes"
     own, shape_readers = split_shape_readers(analysis, t)
-    data = groups.data_uses(analysis, t.name, own)
+    rows = () if t.name in groups.members else row_readers(analysis, t, options.weight_tier)
+    data = tuple(c for c in groups.data_uses(analysis, t.name, own) if c not in rows)
     d = options.prefetch_distance
     gates, share, after = Routed.of(analysis, dims, options).of_weight(analysis, t.name, data)
     choice.weights.append(WeightOffload(
         t.name, nbytes, data, tuple(max(a, c - d, 0) for c, a in zip(data, after, strict=True)),
-        shape_readers, options.weight_tier, gates, share))
+        shape_readers, options.weight_tier, gates, share, rows))
     return None
 
 

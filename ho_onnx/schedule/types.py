@@ -41,6 +41,9 @@ class WeightOffload:
     # gated reload is issued after its gate is produced.
     gates: tuple[str, ...] = ()
     fraction: float = 1.0  # expected share of the reloads that move (routing's top-k)
+    # Readers that gather rows of it (embedding lookups): each becomes a GatherRows that
+    # copies only the selected rows from the host store; no reload, no fast-tier copy.
+    row_readers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
