@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh, with the Hugging Face and LLM-export extras) and run lint + the
-# test suite, then the native library under AddressSanitizer + UBSan (scripts/test_native.sh:
-# op-contract, engine, failure-class and fuzz tests; HO_SKIP_NATIVE=1 skips it).
+# test suite, then the training stage (scripts/setup_training.sh builds .venv-training with
+# onnxruntime-training and runs tests/training there, ~4 min; HO_SKIP_TRAINING=1 skips it),
+# then the native library under AddressSanitizer + UBSan (scripts/test_native.sh: op-contract,
+# engine, failure-class and fuzz tests; HO_SKIP_NATIVE=1 skips it).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k decoder
 # The whole run takes ~15 minutes on a 2-core machine (mostly the suite: one dot per test).
 set -euo pipefail
@@ -12,6 +14,15 @@ EXTRAS=${EXTRAS:-cpu,test,hf,genai} bash scripts/setup.sh
 .venv/bin/ruff check ho_onnx cli models tests bench
 echo "test: the test suite ($(date +%T); most of the time is here)" >&2
 .venv/bin/python -m pytest -q -ra "$@"
+if [[ "${HO_SKIP_TRAINING:-0}" != 1 ]]; then
+  echo "test: the training stage: onnxruntime-training in .venv-training, tests/training" \
+    "($(date +%T))" >&2
+  bash scripts/setup_training.sh
+  .venv-training/bin/python -m pytest -q -ra tests/training
+else
+  echo "test: training stage skipped (HO_SKIP_TRAINING=1): tests/training ran without the" \
+    "training runtime only" >&2
+fi
 if [[ "${HO_SKIP_NATIVE:-0}" != 1 ]]; then
   echo "test: the native library under ASan + UBSan ($(date +%T))" >&2
   bash scripts/test_native.sh
