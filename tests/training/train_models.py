@@ -137,10 +137,14 @@ def batches(model: onnx.ModelProto, steps: int, classes: int, seed: int = 1
 
 
 def train(folder: Path, train_model: Path, data: list[tuple[np.ndarray, np.ndarray]],
-          options: Callable[[Path], object] | None = None) -> Trained:
+          options: Callable[[Path], object] | None = None,
+          ready: Callable[[], None] | None = None,
+          trained: Callable[[], None] | None = None) -> Trained:
     """Train from ``folder``'s checkpoint with ``train_model`` (and ``folder``'s eval and
     optimizer models): one optimizer step per batch. ``options(model_path)`` gives the
-    session options (ho-onnx's, to load the library) or None."""
+    session options (ho-onnx's, to load the library) or None; ``ready()`` is called once
+    Module and Optimizer exist, before the first step, ``trained()`` after the last (the
+    sessions still alive)."""
     from onnxruntime.training import api
 
     state = api.CheckpointState.load_checkpoint(os.fspath(folder / "checkpoint"))
@@ -148,6 +152,8 @@ def train(folder: Path, train_model: Path, data: list[tuple[np.ndarray, np.ndarr
     module = api.Module(os.fspath(train_model), state, os.fspath(folder / "eval_model.onnx"),
                         "cpu", session_options=so)
     opt = api.Optimizer(os.fspath(folder / "optimizer_model.onnx"), module)
+    if ready is not None:
+        ready()
     losses, secs = [], []
     for x, y in data:
         module.train()
@@ -157,6 +163,8 @@ def train(folder: Path, train_model: Path, data: list[tuple[np.ndarray, np.ndarr
         module.lazy_reset_grad()
         secs.append(time.perf_counter() - t)
         losses.append(float(loss))
+    if trained is not None:
+        trained()
     module.eval()
     eval_loss = float(module(*data[-1]))
     return Trained(losses, module.get_contiguous_parameters(trainable_only=False).numpy(),
