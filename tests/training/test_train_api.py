@@ -101,3 +101,59 @@ def test_training_at_ort_default_level(case: Case) -> None:
         np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-4)
         drift = np.linalg.norm(got.params - ref.params) / np.linalg.norm(ref.params)
         assert drift < 1e-3, drift
+
+
+_INT64 = {"label", "shape", "indices"}
+_BOOL = {"mask", "training_mode", "overwrite_flag", "update_signal", "reset_signal"}
+
+
+def _one_node_model(name: str, n_inputs: int, n_outputs: int | None = None) -> bytes:
+    """A model of one ``name`` node with its table's first ``n_inputs`` inputs and
+    ``n_outputs`` outputs (default: the required ones), typed by the table's rules."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ho_onnx.target.ort.training import FLAG, TRAINING_OPS
+
+    op = TRAINING_OPS[name]
+    names = [op.inputs[i] if i < len(op.inputs) else f"extra{i}" for i in range(n_inputs)]
+
+    def elem(n: str) -> int:
+        return (TensorProto.INT64 if n in _INT64 else TensorProto.BOOL if n in _BOOL
+                else TensorProto.FLOAT)
+
+    outs = []
+    for k, out in enumerate(op.outputs[:op.required_outputs if n_outputs is None
+                                       else n_outputs]):
+        rule = op.rules[k]
+        t = (TensorProto.BOOL if rule == FLAG else elem(op.inputs[rule]) if isinstance(rule, int)
+             else TensorProto.FLOAT)
+        outs.append(helper.make_tensor_value_info(out, t, None))
+    g = helper.make_graph(
+        [helper.make_node(name, names, [o.name for o in outs], domain="com.microsoft")], "one",
+        [helper.make_tensor_value_info(n, elem(n), None) for n in names], outs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("com.microsoft", 1)])
+    return onnx.ModelProto.SerializeToString(m)
+
+
+@pytest.mark.parametrize("name", sorted(__import__(
+    "ho_onnx.target.ort.training", fromlist=["TRAINING_OPS"]).TRAINING_OPS))
+def test_table_agrees_with_the_training_runtime(name: str) -> None:
+    """onnxruntime-training loads each table op with its fewest and its most inputs (a CPU
+    kernel for it; all its outputs typed by the table's rules), and refuses one input more,
+    naming its schema's range: the table's."""
+    from ho_onnx.target.ort.training import TRAINING_OPS
+
+    op = TRAINING_OPS[name]
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    for n in (op.required_inputs, len(op.inputs)):
+        ort.InferenceSession(_one_node_model(name, n), so, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(_one_node_model(name, len(op.inputs), len(op.outputs)), so,
+                         providers=["CPUExecutionProvider"])
+    rng = (rf"input size {len(op.inputs) + 1} not in range "
+           rf"\[min={op.required_inputs}, max={len(op.inputs)}\]")
+    with pytest.raises(Exception, match=rng):
+        ort.InferenceSession(_one_node_model(name, len(op.inputs) + 1), so,
+                             providers=["CPUExecutionProvider"])
