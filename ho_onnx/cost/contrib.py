@@ -1,4 +1,5 @@
-"""Cost-model entries for ONNX Runtime contrib ops of LLM exports, and weights that move together.
+"""Cost-model entries for ONNX Runtime contrib ops of LLM exports and of training graphs, and
+weights that move together.
 
 :func:`contrib_flops_bytes` is a pure function of a node and its input/output shapes and
 sizes; it returns None for ops it has no entry for (the generic rules then apply).
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 import onnx_ir as ir
 
 from ..graph.analyse import attribute_values, input_names, output_names
+from ..target.ort.training import TRAINING_OPS
 
 Shape = list[int] | None
 
@@ -32,8 +34,8 @@ _PER_ELEMENT: dict[str, float] = {
     "RotaryEmbedding": 3.0,  # x * cos + rotate(x) * sin
 }
 ATTENTION_OPS = frozenset(("GroupQueryAttention", "MultiHeadAttention"))
-CONTRIB_COST_OPS = frozenset(_PER_ELEMENT) | ATTENTION_OPS | {"MatMulNBits",
-                                                               "GatherBlockQuantized"}
+CONTRIB_COST_OPS = frozenset(_PER_ELEMENT) | ATTENTION_OPS | frozenset(TRAINING_OPS) | {
+    "MatMulNBits", "GatherBlockQuantized"}
 
 
 def _numel(shape: Shape) -> int | None:
@@ -78,12 +80,24 @@ def contrib_flops_bytes(node: ir.Node, ins: Sequence[Shape], outs: Sequence[Shap
     * GatherBlockQuantized: dequantizing the gathered rows; bytes: only the rows read, with
       their share of the scales and zero points;
     * RotaryEmbedding, Fast/Bias/QuickGelu, (Skip)(Simplified)LayerNormalization: a few
-      FLOPs per output element; bytes: inputs plus outputs.
+      FLOPs per output element; bytes: inputs plus outputs;
+    * ORT's training ops (gradients, loss gradients, accumulators: the table
+      :data:`~ho_onnx.target.ort.training.TRAINING_OPS`): its FLOPs per element of one
+      input; bytes: inputs plus outputs, plus the input a kernel updates in place (written
+      back).
     """
     op = node.op_type
     if op not in CONTRIB_COST_OPS:
         return None
     total_in, total_out = float(sum(in_bytes)), float(sum(out_bytes))
+    training = TRAINING_OPS.get(op)
+    if training is not None:
+        if node.domain != "com.microsoft":
+            return None  # (a default-domain op of that name: the generic rules)
+        n = _numel(_at(ins, training.per))
+        written = (in_bytes[training.in_place] if training.in_place is not None
+                   and len(in_bytes) > training.in_place else 0)
+        return training.flops * n if n is not None else 0.0, total_in + total_out + written
     out0 = _numel(_at(outs, 0))
     if op in _PER_ELEMENT:
         return (_PER_ELEMENT[op] * out0 if out0 is not None else 0.0), total_in + total_out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import onnx
 from onnx import TensorProto, helper
@@ -173,8 +174,31 @@ def tensor_data_error(t: TensorProto) -> str | None:
                                       f"{shape_text(list(t.dims))} need {need}")
 
 
+@dataclass(frozen=True)
+class NodeArity:
+    """How many inputs and outputs (positions, optional ones included) an operator that onnx
+    does not define takes: ``(fewest, most)`` each."""
+
+    inputs: tuple[int, int]
+    outputs: tuple[int, int]
+
+
+def _arity_error(node: onnx.NodeProto, arity: NodeArity) -> str | None:
+    """Why ``node`` does not fit ``arity`` (a required position left empty counts), or None."""
+    for what, names, (lo, hi) in (("inputs", node.input, arity.inputs),
+                                  ("outputs", node.output, arity.outputs)):
+        if not lo <= len(names) <= hi:
+            return f"takes {lo} to {hi} {what}, has {len(names)}"
+        empty = [i for i, name in enumerate(names[:lo]) if not name]
+        if empty:
+            return f"has no name for its required {what[:-1]} {empty[0]}"
+    return None
+
+
 def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | None = None,
-                   graphs: Sequence[onnx.GraphProto] | None = None) -> list[tuple[str, str]]:
+                   graphs: Sequence[onnx.GraphProto] | None = None,
+                   arity: Mapping[tuple[str, str], NodeArity] | None = None
+                   ) -> list[tuple[str, str]]:
     """``onnx.checker`` on everything onnx can judge; returns the ``(domain, op_type)`` it let
     through.
 
@@ -182,6 +206,8 @@ def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | 
     ``known`` (the runtime's operators, e.g. ORT's contrib ops registered in the default
     domain) has it, or always when ``known`` is None; nodes of custom domains always pass (a
     custom-op library may define them: the runtime judges them when it loads the model).
+    ``arity`` gives the input and output counts of operators onnx does not define (ORT's
+    training ops): a node of one that does not fit them is a ``ValidationError`` too.
     Raises ``onnx.checker.ValidationError`` for what the checker refuses, and
     :class:`UnsupportedModelError` for a standard-domain op neither onnx nor ``known`` has.
     Weight bytes are never read. ``graphs``: ``iter_graphs(model.graph)`` when known.
@@ -196,6 +222,11 @@ def check_standard(model: onnx.ModelProto, known: Collection[tuple[str, str]] | 
     for i, j in unknown:
         node = sk_graphs[i].node[j]
         key = (domain_name(node.domain), node.op_type)
+        rule = arity.get(key) if arity else None
+        why = _arity_error(node, rule) if rule is not None else None
+        if why:
+            raise onnx.checker.ValidationError(
+                f"node {node.name or node.op_type!r}: {key[0]}:{node.op_type} {why}")
         if key[0] in STANDARD_DOMAINS:
             if key[0] not in opsets:
                 continue  # the checker names the missing opset import

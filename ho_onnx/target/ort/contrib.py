@@ -8,12 +8,17 @@ their outputs, and whether it loads a written model.
   are typed graph inputs, so no weight bytes are read;
 * :func:`ort_check` validates a written model by ORT loading its graph (weights as inputs),
   with the ho-onnx library registered: ``onnx.checker`` cannot judge contrib ops.
+
+ORT's training ops (:mod:`.training`) are known from ho-onnx's table whether or not the
+training runtime is installed: their arity is checked, their output types come from the
+table's rules, and a runtime without them validates the rest of a written model.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -26,6 +31,9 @@ from ...graph import bounded
 from ...graph.check import check_standard, domain_name, weights_as_inputs
 from ...graph.dims import free_names
 from .isolate import run_isolated
+from .training import runtime_trains, training_arity, with_stand_ins
+
+_log = logging.getLogger(__name__)
 
 _CPU_ONLY = {"CPUExecutionProvider", "AzureExecutionProvider"}
 
@@ -51,8 +59,10 @@ def ort_schemas() -> frozenset[tuple[str, str]]:
 def refuse_unknown_ops(model: onnx.ModelProto) -> list[tuple[str, str]]:
     """:func:`~ho_onnx.graph.check.check_standard` against what this onnxruntime knows:
     raises :class:`UnsupportedModelError` naming a standard-domain op neither onnx nor ORT
-    defines; returns the ops onnx cannot check."""
-    return check_standard(model, ort_schemas() or None)
+    defines, ``onnx.checker.ValidationError`` for a training op whose inputs or outputs do
+    not fit its schema (:func:`.training.training_arity`); returns the ops onnx cannot
+    check."""
+    return check_standard(model, ort_schemas() or None, arity=training_arity())
 
 
 # Dims ORT's symbolic shape inference invents for values it cannot size (e.g.
@@ -84,7 +94,7 @@ def contrib_value_types(model: onnx.ModelProto, dims: Mapping[str, int] | None =
     ``HO_ONNX_SHAPE_INFERENCE_TIMEOUT`` seconds); going past either is a
     :class:`~ho_onnx.errors.ModelLoadError`.
     """
-    sk = weights_as_inputs(model)
+    sk, _ = with_stand_ins(weights_as_inputs(model))
     dims, shapes = dict(dims or {}), dict(shapes or {})
     weight_inputs = {t.name for t in model.graph.initializer}
     for vi in sk.graph.input:
@@ -130,21 +140,35 @@ def symbolic_types(inferred: bytes) -> dict[str, onnx.TypeProto]:
 
 
 def ort_check(path: str | os.PathLike[str], library: str | None = None, *,
-              isolate: bool = True) -> None:
+              isolate: bool = True) -> list[str]:
     """Validate a written model by ORT loading its graph, weights as typed inputs.
 
     ``library`` (default: ho-onnx's) is registered so cache operators and their types are
-    judged too. Raises :class:`UnsupportedModelError` with ORT's first line on failure (or
-    when ORT crashes: it runs in a child process unless ``isolate`` is false).
+    judged too. A runtime that is no training build (plain ``onnxruntime``) lacks ORT's
+    training ops: it loads the model with them replaced by stand-ins of the same output
+    types (:func:`.training.with_stand_ins`), so everything else is validated, and the
+    training nodes only against ho-onnx's table (their arity, checked before). Returns the
+    training op types left to the table (a warning is logged naming them). Raises
+    :class:`UnsupportedModelError` with ORT's first line on failure (or when ORT crashes:
+    it runs in a child process unless ``isolate`` is false).
     """
     p = Path(path)
     if isolate:
-        return run_isolated(ort_check, p, library, isolate=False,
-                            what=f"loading the written model {str(p)!r}")
+        stood_in = run_isolated(ort_check, p, library, isolate=False,
+                                what=f"loading the written model {str(p)!r}")
+        if stood_in:
+            _log.warning("note: the written model's training ops (%s) are checked against "
+                         "ho-onnx's table only: this onnxruntime does not register them "
+                         "(onnxruntime-training does: the `training` extra); ORT validated "
+                         "the rest", ", ".join(stood_in))
+        return stood_in
     import onnxruntime as ort
 
     model = onnx.load(str(p), load_external_data=False)
     sk = weights_as_inputs(model, keep_bytes=0)
+    stood_in: list[str] = []
+    if not runtime_trains():
+        sk, stood_in = with_stand_ins(sk)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
@@ -160,3 +184,4 @@ def ort_check(path: str | os.PathLike[str], library: str | None = None, *,
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
         raise UnsupportedModelError(f"onnxruntime does not load {str(p)!r}: {msg}") from None
+    return stood_in
