@@ -235,3 +235,31 @@ def test_a_qwen3_moe_export_moves_only_the_routed_experts(tmp_path, monkeypatch)
         moved = sum(w.nbytes for name, w in gated.items() if expert_of[name] in chosen)
         assert counters()["bytes_loaded"] == plain + moved, token
     os.environ.pop("HF_HUB_OFFLINE", None)
+
+
+def test_a_contrib_moe_with_its_experts_offloaded_is_exact(tmp_path):
+    """ORT's own MoE op (one stacked tensor per projection, all experts): its weights
+    offloaded (whole: a stacked tensor is not routed per expert) give the same outputs."""
+    text = f"""
+<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+moe (float[N, {H}] x) => (float[N, {H}] y) {{
+  logits = MatMul(x, R)
+  y = com.microsoft.MoE<k = 2, activation_type = "silu">(x, logits, W1, B1, W2)
+}}"""
+    model = onnx.parser.parse_model(text)
+    rng = np.random.default_rng(0)
+    for name, shape in (("R", (H, E)), ("W1", (E, H, W)), ("B1", (E, W)), ("W2", (E, W, H))):
+        model.graph.initializer.append(numpy_helper.from_array(
+            rng.standard_normal(shape).astype(np.float32), name))
+    src, out = tmp_path / "moe.onnx", tmp_path / "moe.ho.onnx"
+    onnx.save(model, src, save_as_external_data=True, location="moe.onnx.data",
+              size_threshold=0)
+    r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0), {"N": 4})
+    assert {w.name for w in r.choice.weights} >= {"W1", "W2"}
+    assert (layer := find_experts(analyse(model, {"N": 4}))[0]).form == "contrib"
+    assert layer.top_k == 2
+    ref = ort.InferenceSession(str(src), _so(), providers=["CPUExecutionProvider"])
+    sess = InferenceSession(out, sess_options=_so())
+    for n in (1, 4, 9):
+        x = rng.standard_normal((n, H)).astype(np.float32)
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0])
