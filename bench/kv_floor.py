@@ -10,8 +10,9 @@ Two export layouts of the same kind of decoder (8 layers by default):
 For each context (the past length of one decode step) the planner's smallest feasible budget
 (``InfeasibleBudgetError.min_budget`` of a 1-byte budget) without and with
 ``OffloadOptions(kv=True)``, and one layer's context-dependent working set (its past and
-present K and V). Goal: from the first to the last context the floor with the cache in host
-memory grows by at most one layer's working set; without it, it grows by every layer's cache.
+present K and V, its attention scores and probabilities). Goal: from the first to the last
+context the floor with the cache in host memory grows by at most one layer's working set;
+without it, it grows by every layer's cache.
 
     python bench/kv_floor.py --json out.json
 """
@@ -90,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"layout": name, "skipped": why})
                 continue
             for c in CONTEXTS:
-                # one layer's past + present, K and V, fp32
-                layer = 2 * 4 * args.kv_heads * head_dim * (2 * c + 1)
+                # one layer's context-dependent working set: its past + present, K and V,
+                # and its attention scores and probabilities over them (fp32)
+                layer = (2 * 4 * args.kv_heads * head_dim * (2 * c + 1)
+                         + 2 * 4 * args.heads * (c + 1))
                 dims = dims_of(c)
                 rows.append({"layout": name, "context": c, "floor": floor(src, dims, False),
                              "floor_kv": floor(src, dims, True), "layer_kv": layer})

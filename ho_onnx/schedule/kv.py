@@ -53,14 +53,15 @@ def kv_choice(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, 
         return choice
     sizes = sizes or TensorSizes(analysis.tensors, dims)
     placement = placement_reasons(analysis)
-    # A window opens no earlier than the previous reader of a past (the layer before's
-    # attention): one layer's past ahead at most, never every layer's at once.
+    # A window opens no earlier than right after the previous reader of a past (the layer
+    # before's attention): one layer's past ahead at most, never every layer's at once, and
+    # never alongside the previous layer's at its attention.
     readers = sorted({c for t in analysis.tensors.values() if t.kv_peer is not None
                       and t.is_graph_input for c in split_shape_readers(analysis, t)[0]})
 
     def opens(c: int, nbytes: int) -> int:
         before = [r for r in readers if r < c]
-        return max(window(c, nbytes), before[-1] if before else 0)
+        return max(window(c, nbytes), before[-1] + 1 if before else 0)
 
     for name, t in analysis.tensors.items():
         if kinds.kind_of(t) is not kinds.KV:
