@@ -347,11 +347,18 @@ TypeSource = Callable[[onnx.ModelProto, Mapping[str, int], Mapping[str, Sequence
                       Mapping[str, onnx.TypeProto]]
 
 
+def _named(d: onnx.TensorShapeProto.Dimension) -> bool:
+    """A dim with a value or a name of the model's (onnx's invented ``unk__N`` tell nothing:
+    counted as known, a type ``[256, unk__0]`` kept a fully known ``[256, 256]`` out)."""
+    return d.HasField("dim_value") or (bool(d.dim_param)
+                                       and not d.dim_param.startswith("unk__"))
+
+
 def _known(tp: onnx.TypeProto | None) -> int:
     """How much a type tells: -1 nothing, else the number of dims with a value or name."""
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return -1
-    return sum(1 for d in tp.tensor_type.shape.dim if d.HasField("dim_value") or d.dim_param)
+    return sum(1 for d in tp.tensor_type.shape.dim if _named(d))
 
 
 def _value_types(inferred: onnx.ModelProto, proto: onnx.ModelProto, dims: Mapping[str, int],
@@ -365,8 +372,7 @@ def _value_types(inferred: onnx.ModelProto, proto: onnx.ModelProto, dims: Mappin
     if more_types is not None:
         outputs = [o for n in proto.graph.node for o in n.output if o]
         if any(_known(types.get(o)) < 0 or any(
-                not (d.HasField("dim_value") or d.dim_param)
-                for d in types[o].tensor_type.shape.dim) for o in outputs):
+                not _named(d) for d in types[o].tensor_type.shape.dim) for o in outputs):
             for name, tp in more_types(proto, dims, shapes).items():
                 if _known(tp) > _known(types.get(name)):
                     types[name] = tp

@@ -150,3 +150,27 @@ def test_symbolic_dim_expressions():
         eval_dim("seq + past", {"seq": 1})
     with pytest.raises(UnboundDimError, match="'weird dim!'"):
         eval_dim("weird dim!", {})
+
+
+def test_a_dim_onnx_invented_does_not_keep_a_known_type_out():
+    """onnx names a dim it cannot infer ``unk__N``: such a type told as much as a fully
+    known one from ``more_types`` and kept it out (found in training graphs: sizes unknown)."""
+    from onnx import TensorProto, helper
+
+    from ho_onnx.graph.analyse import analyse
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 256])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 256])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [256, "unk__0"])
+    g = helper.make_graph([helper.make_node("Foo", ["x"], ["z"], domain="com.example"),
+                           helper.make_node("Relu", ["z"], ["y"])], "g", [x], [y],
+                          value_info=[z])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("com.example", 1)])
+
+    def more(proto, dims, shapes):
+        return {"z": helper.make_tensor_type_proto(TensorProto.FLOAT, [256, 256])}
+
+    a = analyse(m, more_types=more)
+    assert a.tensors["z"].shape == (256, 256)
+    assert a.tensors["z"].nbytes() == 256 * 256 * 4
