@@ -479,7 +479,9 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
     from models.decoder import build_decoder_once, decoder_config_bytes
 
     device = args.device
-    top = max(contexts) + cfg["new_tokens"]
+    # A range plan is made at the top of every range at once (past and chunk together), so the
+    # position table must hold past + chunk (the model's own table is checked at plan time).
+    top = max(contexts) + cfg["new_tokens"] + cfg["chunk"]
     model_cfg = {**{k: cfg[k] for k in MODEL_KEYS}, "seq": "seq", "batch": "batch",
                  "kv_cache": True, "cache_layout": "optimum", "past": "past",
                  "max_positions": top}

@@ -44,7 +44,9 @@ def test_quick_run_writes_json_with_identical_tokens(tmp_path):
         for r in ho:
             assert "error" not in r, r
             assert r["tokens_match"] is True and r["tokens"] == ref["tokens"]
-            assert r["budget_bytes"] > 0 and r["arena_max_in_use"] is not None
+            # (sampled at the library's Waits: none when the plan moves nothing per run)
+            assert r["budget_bytes"] > 0, r
+            assert r["arena_max_in_use"] is not None or not r["loaded_bytes_per_run"], r
         # The floor row offloads: the library loads weights at every run.
         assert rows["ho floor"]["loaded_bytes_per_run"] > 0
         kv = rows["ho weights+KV floor"]

@@ -64,6 +64,9 @@ def _kv_length(node: ir.Node, ins: Sequence[Shape], outs: Sequence[Shape]) -> in
     return None if new is None else past_len + new
 
 
+# Over 60 lines: one table lookup per op family (attention, MatMulNBits, gathers, norms, the
+# training ops' table), side by side so that their formulas can be compared; split, each
+# family's few lines would carry the same argument list.
 def contrib_flops_bytes(node: ir.Node, ins: Sequence[Shape], outs: Sequence[Shape],
                         in_bytes: Sequence[int], out_bytes: Sequence[int]
                         ) -> tuple[float, float] | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import ALL_OPS
+from ..contract import ALL_OPS, GATHER_ROWS
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.facts import never_runs
 from ..target.ort.profile import read_profile
@@ -21,7 +21,9 @@ from .model import NodeCosts
 _FUSION_SEPARATORS = ("/", "_", ":")
 DEVICE_SCALED = "profile run time"  # NodeCosts.source of :func:`device_scaled`
 _TRANSFER_OPS = frozenset(("MemcpyFromHost", "MemcpyToHost"))
-CACHE_OPS = frozenset(ALL_OPS)  # in the profile of an optimized model: transfers, not compute
+# In the profile of an optimized model: transfers, not compute (a GatherRows does its Gather's
+# work, under that Gather's name: compute).
+CACHE_OPS = frozenset(ALL_OPS) - {GATHER_ROWS}
 
 
 def profile_costs(analysis: GraphAnalysis,

@@ -329,8 +329,9 @@ class _Builder:
         inputs = [self.values[n] for n in o.inputs]
         out = node.outputs[0]
         node.replace_input_with(0, inputs[0])  # (detach the table before removing the node)
+        # (the Gather's own name: a profile of the optimized model maps its time back to it)
         rows = ir.Node(contract.DOMAIN, contract.GATHER_ROWS, inputs, o.attrs, num_outputs=1,
-                       name=o.name)
+                       name=node.name or o.name)
         ir.convenience.replace_all_uses_with(out, rows.outputs[0], replace_graph_outputs=True)
         self.graph.insert_before(node, rows)
         self.graph.remove(node, safe=True)

@@ -394,13 +394,17 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
                     for b, k in alive[:4])
     what = (f"at step {pos} (node {node.name or node.op_type!r}, {node.op_type}) "
             f"{format_bytes(int(mem[pos]))} must be resident: {top}")
-    # The caller's inputs (a KV cache's past) are often most of it, in many small tensors
-    # that the four largest leave out (found by hand: 56 of an 84 MiB floor went unsaid).
-    inputs = [(b, k) for b, k in alive if ctx.analysis.tensors[k].is_graph_input]
-    if len(inputs) > 1 or (inputs and inputs[0] not in alive[:4]):
-        what += (f"; of it, {len(inputs)} graph inputs hold "
-                 f"{format_bytes(sum(b for b, _ in inputs))} (the caller's: "
-                 f"{', '.join(k for _, k in inputs[:3])}{', ...' if len(inputs) > 3 else ''})")
+    # The caller's inputs and outputs (a KV cache's past and present) are often most of it,
+    # in many small tensors that the four largest leave out (found by hand: 56 of an 84 MiB
+    # floor went unsaid); --offload-kv moves a decoder's out.
+    io = [(b, k) for b, k in alive if (t := ctx.analysis.tensors[k]).is_graph_input
+          or (t.is_graph_output and not t.is_initializer)]
+    if len(io) > 1 or (io and io[0] not in alive[:4]):
+        kv = " (--offload-kv keeps a KV cache in host memory)" if not ctx.options.kv and any(
+            ctx.analysis.tensors[k].kv_peer for _, k in io) else ""
+        what += (f"; of it, {len(io)} graph inputs and outputs hold "
+                 f"{format_bytes(sum(b for b, _ in io))} (the caller's: "
+                 f"{', '.join(k for _, k in io[:3])}{', ...' if len(io) > 3 else ''}){kv}")
     return int(mem.max()), what
 
 
