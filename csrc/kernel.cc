@@ -187,9 +187,11 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     k->weight = true;
     k->init_weight(op, info, location);
   }
-  if (op.kind == OpKind::kGatherRows && (!k->blob || k->shape.empty() || k->shape[0] <= 0)) {
-    fail(ORT_INVALID_ARGUMENT, "GatherRows needs a host-tier table of at least one row "
-                               "(attributes location/offset/length/shape; tier host)");
+  if (op.kind == OpKind::kGatherRows && (!k->blob || k->shape.empty() || k->shape[0] <= 0 ||
+                                         k->bits < 8)) {
+    fail(ORT_INVALID_ARGUMENT, "GatherRows needs a host-tier table of at least one row of "
+                               "whole bytes (attributes location/offset/length/shape; tier "
+                               "host; no sub-byte element type)");
   }
   if (k->gpu) {
     if (op.kind == OpKind::kStore) {

@@ -33,4 +33,5 @@ export HO_FUZZ_SECONDS=${HO_FUZZ_SECONDS:-45}
 exec "$py" -m pytest -q -p no:cacheprovider \
   tests/target/ort/test_ops_contract.py tests/target/ort/test_engine_cpu.py tests/target/ort/test_disk_tier.py \
   tests/target/ort/test_run_records.py tests/test_native_safety.py tests/test_native_fuzz.py \
-  tests/graph/test_fingerprint.py tests/target/ort/test_fork.py "$@"
+  tests/graph/test_fingerprint.py tests/target/ort/test_fork.py \
+  tests/target/ort/test_gather_rows.py tests/target/ort/test_kv.py "$@"

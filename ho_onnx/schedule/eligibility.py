@@ -12,6 +12,7 @@ import onnx
 from .. import kinds
 from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
+from ..graph.dtypes import ELEMENT_BITS
 from ..kinds import TensorKind
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
 from ..target.ort.placement import (
@@ -94,7 +95,8 @@ def row_readers(analysis: GraphAnalysis, t: TensorInfo, tier: str) -> tuple[int,
     the selected rows out of the host store (so the table never enters the fast tier). Only
     for a table of known shape waiting in the host store (``tier``)."""
     if kinds.tier(tier) is not kinds.HOST or not t.is_initializer or not t.shape \
-            or not all(isinstance(d, int) and d > 0 for d in t.shape):
+            or not all(isinstance(d, int) and d > 0 for d in t.shape) \
+            or ELEMENT_BITS.get(t.elem_type or 0, 0) < 8:  # (rows of whole bytes only)
         return ()
     out = []
     for c in t.consumers:
@@ -218,7 +220,6 @@ class Routed:
 
     @classmethod
     def _find(cls, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Routed:
-        from ..graph.dtypes import ELEMENT_BITS
         from ..graph.moe import empty_gate, find_experts, gate_column
 
         host = cuda_host_tensors(analysis)
