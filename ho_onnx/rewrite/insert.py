@@ -192,6 +192,12 @@ class _Emitter:
         store = self.op(contract.STORE, [a.name], [_token(token, t.elem_type)],
                         f"ho.store.{a.name}", ir.AttrInt64(contract.ATTR_HOST_BYTES, ring))
         det_deps = self.dep_before(a.last_early + 1, floor=a.producer) if a.early else []
+        if det_deps and self._fused_by_ort(det_deps[0]):
+            # An ordering input on a MatMul's output that only its bias Add reads keeps ORT
+            # from fusing them into a Gemm (other kernels, other rounding; found in a training
+            # graph). The Detach needs no edge for safety (x stays alive until its last reader
+            # anyway); the file order places it.
+            det_deps = []
         detach = self.op(contract.DETACH, [a.name, token, *det_deps],
                          [_token(token2, t.elem_type)], f"ho.detach.{a.name}")
         u, s = a.late[0], a.prefetch_at
@@ -206,6 +212,15 @@ class _Emitter:
         self.before_wait[u].append(wait)
         for c in a.late:
             self.rename.setdefault(c, {})[a.name] = z
+
+    def _fused_by_ort(self, name: str) -> bool:
+        """``name`` is a MatMul's output that only an Add reads (ORT fuses the two into a
+        Gemm, and only while nothing else reads the product)."""
+        t = self.analysis.tensors.get(name)
+        if t is None or t.producer is None or len(t.consumers) != 1 or t.is_graph_output:
+            return False
+        return (self.analysis.nodes[t.producer].op_type == "MatMul"
+                and self.analysis.nodes[t.consumers[0]].op_type == "Add")
 
     def offload_input(self, i: InputOffload) -> None:
         """PrefetchInput/Wait pairs before each data reader of the graph input ``i`` (its
