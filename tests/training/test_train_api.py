@@ -28,6 +28,7 @@ STEPS = 20
 
 @dataclass
 class Case:
+    name: str
     folder: Path
     original: Path
     rewritten: Path
@@ -43,7 +44,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     src = folder / "training_model.onnx"
     out = folder / "training_model.ho.onnx"
     result = optimize(src, out, OffloadOptions(budget=tm.offload_budget(src)))
-    return Case(folder, src, out, result, tm.batches(model, STEPS, classes))
+    return Case(request.param, folder, src, out, result, tm.batches(model, STEPS, classes))
 
 
 def _options(level: ort.GraphOptimizationLevel) -> Callable[[Path], ort.SessionOptions]:
@@ -83,16 +84,18 @@ def test_training_bit_exact_with_the_same_kernels(case: Case) -> None:
 
 def test_training_at_ort_default_level(case: Case) -> None:
     """ORT's default graph optimizations: bit-exact where ORT fuses both graphs into the
-    same kernels. Where it does not (the MLP: a Detach's ordering edge on one MatMul's
-    output keeps ORT from fusing that MatMul and its bias Add into a Gemm), the first
-    step's loss is equal (the forward pass runs no changed kernel before it) and the
-    rounding of the one unfused kernel, amplified by AdamW over 20 steps, stays small:
-    losses within 1e-4 relative, parameters within 1e-3 in relative norm (measured:
-    docs/benchmarks.md, "Training activation offload")."""
+    same kernels, which the MLP now does (a Detach's ordering edge on one MatMul's output
+    kept ORT from fusing that MatMul and its bias Add into a Gemm, and AdamW carried the
+    rounding to a 3.6e-4 relative drift in 20 steps; the rewriter no longer puts an edge
+    there, tests/rewrite/test_insert.py). Where the kernels still differ (the block: a
+    MatMul and its scale stay apart), the first step's loss is equal and the drift small:
+    losses within 1e-4 relative, parameters within 1e-3 in relative norm."""
     opts = _options(ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     ref = tm.train(case.folder, case.original, case.data, opts)
     got = tm.train(case.folder, case.rewritten, case.data, opts)
-    if tm.kernels(case.original, opts) == tm.kernels(case.rewritten, opts):
+    same = tm.kernels(case.original, opts) == tm.kernels(case.rewritten, opts)
+    assert same or case.name != "mlp"
+    if same:
         assert got.losses == ref.losses
         assert np.array_equal(got.params, ref.params)
         assert got.eval_loss == ref.eval_loss
