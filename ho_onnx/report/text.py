@@ -55,11 +55,20 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         "after": _sim_dict(plan.planned),
         "offloaded": {
             "weights": [{"name": w.name, "bytes": w.nbytes, "readers": list(w.consumers),
-                         "prefetch_at": list(w.prefetch_at), "tier": w.tier}
+                         "prefetch_at": list(w.prefetch_at), "tier": w.tier,
+                         # routed (MoE experts): each reader's gate, the expected share moved
+                         "gates": list(w.gates), "fraction": w.fraction,
+                         "row_readers": list(w.row_readers)}  # (GatherRows)
                         for w in c.weights],
             "activations": [{"name": a.name, "bytes": a.nbytes, "producer": a.producer,
                              "early": list(a.early), "late": list(a.late),
                              "prefetch_at": a.prefetch_at} for a in c.activations],
+            # the KV cache in the caller's host memory (--offload-kv)
+            "kv_inputs": [{"name": i.name, "bytes": i.nbytes, "readers": list(i.consumers),
+                           "prefetch_at": list(i.prefetch_at), "present": i.peer}
+                          for i in c.inputs],
+            "kv_outputs": [{"name": o.name, "bytes": o.nbytes, "producer": o.producer,
+                            "emitted_after": o.last} for o in c.outputs],
         },
         "transfers": transfer_rows(plan, analysis_names),
         "skipped": dict(c.skipped),  # why each other tensor of the chosen kinds stayed
@@ -102,7 +111,11 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         f"offloaded: {len(c.weights)} weights ({_mib(sum(w.nbytes for w in c.weights))}), "
         f"{len(c.activations)} activations "
         f"({_mib(sum(x.nbytes or 0 for x in c.activations))}); host holds up to "
-        f"{_mib(plan.host_bytes)}",
+        f"{_mib(plan.host_bytes)}"
+        + (f"; the KV cache in the caller's host memory ({len(c.inputs)} past, "
+           f"{len(c.outputs)} present, {_mib(c.kv_bytes)})" if c.inputs or c.outputs else "")
+        + (f"; {sum(1 for w in c.weights if w.gates)} expert weights routed (moved only "
+           "when the router picks their expert)" if any(w.gates for w in c.weights) else ""),
         *_skipped_summary(c.skipped),
         plan.arena_summary(),
     ]

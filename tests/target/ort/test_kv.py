@@ -6,6 +6,7 @@ that keeps the cache in ORT values in host memory (``ho_onnx.target.ort.generate
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +158,13 @@ def test_cli_offload_kv(tmp_path):
                                   "--dim", "batch=1", "--dim", "seq=1", "--dim", "past=4000"])
     assert r.exit_code == 0, r.output
     assert "past_key.0" in r.output and "present_key.0" in r.output
+    assert "the KV cache in the caller's host memory (4 past, 4 present" in r.output
+    r = CliRunner().invoke(main, ["plan", str(src), "--budget", "2MiB", "--offload-kv",
+                                  "--dim", "batch=1", "--dim", "seq=1", "--dim", "past=4000",
+                                  "--json"])
+    off = json.loads(r.stdout)["offloaded"]
+    assert {i["name"]: i["present"] for i in off["kv_inputs"]}["past_key.0"] == "present_key.0"
+    assert len(off["kv_outputs"]) == 4
     dst = tmp_path / "out.onnx"
     r = CliRunner().invoke(main, ["optimize", str(src), str(dst), "--offload-kv",
                                   "--offload", "none", "--dim", "batch=1", "--dim", "seq=1",
