@@ -9,10 +9,11 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..contract import DOMAIN
+from ..cost.model import CostModel
 from ..cost.source import CostSource
 from ..errors import HoOnnxError, Log, OutputPathError, quiet
 from ..graph.analyse import GraphAnalysis
@@ -77,6 +78,47 @@ class OptimizeResult:
     def plan(self) -> Plan | None:
         """The planner's decision and predictions (None for the explicit policy)."""
         return self.decision if isinstance(self.decision, Plan) else None
+
+
+@dataclass(frozen=True)
+class _TimedAtBottom(CostSource):
+    """A range plan's times, taken at the bottom of every range (issue 36): memory is
+    planned at the top, where it is largest, and prefetch windows are sized where compute
+    is smallest (a decode step), so they hide the copies there and, with more compute
+    between the same nodes, everywhere above. The model is analysed again at the bottom
+    (``range_peaks`` does the same); the nodes are the same, in the same order."""
+
+    loaded: LoadedModel | None = None
+    bottom: Mapping[str, int] = field(default_factory=dict)
+    shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    def cost_model(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> CostModel:
+        from ..graph.analyse import analyse
+        from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
+
+        assert self.loaded is not None
+        contrib = refuse_unknown_ops(self.loaded.proto)
+        a = analyse(self.loaded.model, self.bottom, shapes=dict(self.shapes),
+                    proto=self.loaded.proto,
+                    more_types=contrib_value_types if contrib else None)
+        if len(a.order) != len(analysis.order):  # (never expected: the same graph)
+            return super().cost_model(analysis, dims)
+        cm = super().cost_model(a, self.bottom)
+        at = ",".join(f"{k}={v}" for k, v in sorted(self.bottom.items()))
+        return replace(cm, description=cm.description + f"; timed at the bottom of the ranges "
+                       f"({at}: windows sized where compute is least)")
+
+
+def _timed_at_bottom(decider: Decider, loaded: LoadedModel, dims: Mapping[str, int],
+                     ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None) -> Decider:
+    """``decider``, a budget planner of a range plan timed at the bottom of the ranges."""
+    if not ranges or not isinstance(decider, BudgetPlanner) \
+            or not isinstance(decider.costs, CostSource):
+        return decider
+    bottom = {**dims, **{k: lo for k, (lo, _) in ranges.items()}}
+    timed = _TimedAtBottom(decider.costs.machine, decider.costs.profile, loaded, bottom,
+                           {k: list(v) for k, v in (shapes or {}).items()})
+    return replace(decider, costs=timed)
 
 
 def decider_for(options: OffloadOptions, costs: CostSource | None = None) -> Decider:
@@ -150,7 +192,9 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
         loaded = load_model(model)
     if dim_ranges:
         ranged_inputs(loaded.proto, dim_ranges)  # (a range no input has: refused here too)
-    analysis, decision = _decide(loaded, BudgetPlanner(options, costs or CostSource()), dims,
+    planner = _timed_at_bottom(BudgetPlanner(options, costs or CostSource()), loaded, dims,
+                               dim_ranges or {}, shapes)
+    analysis, decision = _decide(loaded, planner, dims,
                                  steps, shapes)
     assert isinstance(decision, Plan)
     return loaded, analysis, decision
@@ -291,6 +335,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                       "entries) is not written to the output: the rewritten graph is for "
                       "inference")
         checks = ranged_inputs(loaded.proto, ranges) if ranges else {}
+        decider = _timed_at_bottom(decider, loaded, dims, ranges, shapes)
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
             run_steps(loaded.model, InsertPass(), GuardPass(checks, ranges),

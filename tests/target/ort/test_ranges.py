@@ -195,3 +195,29 @@ def test_a_guard_checks_each_dim(tmp_path):
     onnx.save(_guard_model(axes=[2], lo=[1], hi=[8], dims="z", input="x"), str(path))
     with pytest.raises(Exception, match=r"input 'x' has 2 dims: no axis 2"):
         session(path).run(None, {"x": x})
+
+
+def test_a_range_plan_is_timed_where_compute_is_least(tmp_path):
+    """Memory is planned at the top of the ranges, times (so the prefetch windows) at the
+    bottom: a decode step, where the compute that hides a copy is least. Simulated with the
+    bottom's times, such a plan stalls no more than the same budget planned at the top."""
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.rewrite.pipeline import plan_model
+    from ho_onnx.schedule.simulate import simulate
+
+    src = _decoder(tmp_path, layers=4, hidden=256, heads=4, max_positions=4096, kv_cache=True)
+    ranges = {"seq": (1, 512), "past": (0, 2048)}
+    top = {"batch": 1, "seq": 512, "past": 2048}
+    cs = CostSource("h100")
+    peak = plan_model(src, OffloadOptions(budget=1 << 40), {"batch": 1}, cs,
+                      dim_ranges=ranges)[2].baseline.peak_bytes
+    opts = OffloadOptions(budget=int(peak * 0.85))
+    _, a_r, ranged = plan_model(src, opts, {"batch": 1}, cs, dim_ranges=ranges)
+    _, a_t, at_top = plan_model(src, opts, top, cs)
+    assert ranged.costs is not None and "timed at the bottom of the ranges (batch=1,past=0," \
+        "seq=1" in ranged.costs.description
+    assert ranged.planned.peak_bytes <= opts.budget  # memory still planned at the top
+    c = ranged.costs
+    stall = {name: simulate(a, p.choice, c.compute_s, c.transfer_time, top).stall_s
+             for name, a, p in (("ranged", a_r, ranged), ("top", a_t, at_top))}
+    assert stall["ranged"] < stall["top"], stall
