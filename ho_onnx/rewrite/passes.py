@@ -4,6 +4,8 @@
 The steps are in-place passes that hand their results to the next through ``model.meta``
 (never serialised):
 
+* :class:`CheckOpsPass` -- refuses ops neither onnx nor this onnxruntime knows;
+  ``meta[CONTRIB]``: the ones only ORT knows (their types come from ORT's inference);
 * :class:`AnalysePass` -- sorts the main graph if needed; ``meta[ANALYSIS]``
   (:class:`~ho_onnx.graph.analyse.GraphAnalysis`);
 * :class:`DecidePass` -- runs a :class:`~ho_onnx.schedule.types.Decider`; ``meta[DECISION]``;
@@ -17,7 +19,9 @@ The steps are in-place passes that hand their results to the next through ``mode
 
 Each checks its precondition (the results it reads) and raises
 ``onnx_ir.passes.PreconditionError`` naming the pass that must run first.
-:class:`OffloadPass` is all of them as one functional pass (the input stays untouched).
+:func:`analysis_steps` and :func:`rewrite_steps` are the one composition: the pipeline
+(``ho_onnx.optimize``) runs them with its logging between, and :class:`OffloadPass` runs the
+same lists as one functional pass (the input stays untouched).
 None reads weight bytes: ``onnx_ir`` keeps external data on disk.
 """
 
@@ -32,7 +36,7 @@ import onnx_ir as ir
 
 from .. import contract
 from ..graph.analyse import GraphAnalysis, TypeSource, analyse
-from ..graph.dims import DimRanges, format_ranges, require_dims
+from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
 from ..graph.save import OutputFiles, data_stamps
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
@@ -41,6 +45,7 @@ from .insert import RewrittenModel, insert_cache_ops
 from .invariants import check_schedule
 from .place import place_weight_data
 
+CONTRIB = "ho_onnx.contrib"
 ANALYSIS = "ho_onnx.analysis"
 DECISION = "ho_onnx.decision"
 REWRITTEN = "ho_onnx.rewritten"
@@ -70,8 +75,27 @@ def _need(model: ir.Model, key: str, producer: str) -> Any:
     return model.meta[key]
 
 
+class CheckOpsPass(ir.passes.InPlacePass):
+    """Refuse a standard-domain op neither onnx nor this onnxruntime defines (and a training
+    op whose inputs or outputs do not fit its schema); ``meta[CONTRIB]``: the ops only ORT
+    knows, whose types :class:`AnalysePass` then asks ORT's inference for. ``proto``: the
+    model as loaded (else serialised from the model, weights left external)."""
+
+    def __init__(self, proto: onnx.ModelProto | None = None) -> None:
+        super().__init__()
+        self.proto = proto
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from ..target.ort.contrib import refuse_unknown_ops
+
+        model.meta[CONTRIB] = refuse_unknown_ops(
+            self.proto if self.proto is not None else ir.to_proto(model))
+        return ir.passes.PassResult(model, modified=False)
+
+
 class AnalysePass(ir.passes.InPlacePass):
-    """Analyse the main graph (sorted topologically in place when it is not)."""
+    """Analyse the main graph (sorted topologically in place when it is not); the types of
+    the ops only ORT knows (``meta[CONTRIB]``, :class:`CheckOpsPass`) from ORT's inference."""
 
     def __init__(self, dims: Mapping[str, int] | None = None, *,
                  shapes: Mapping[str, Sequence[int]] | None = None,
@@ -82,8 +106,12 @@ class AnalysePass(ir.passes.InPlacePass):
         self.more_types, self.proto = more_types, proto
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        a = analyse(model, self.dims, shapes=self.shapes, more_types=self.more_types,
-                    proto=self.proto)
+        more = self.more_types
+        if more is None and model.meta.get(CONTRIB):
+            from ..target.ort.contrib import contrib_value_types
+
+            more = contrib_value_types
+        a = analyse(model, self.dims, shapes=self.shapes, more_types=more, proto=self.proto)
         model.meta[ANALYSIS] = a
         return ir.passes.PassResult(model, modified=a.order != sorted(a.order))
 
@@ -194,16 +222,42 @@ class PlaceDataPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(rewritten.weight_prefetches))
 
 
+def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
+                   shapes: Mapping[str, Sequence[int]] | None = None,
+                   proto: onnx.ModelProto | None = None) -> list[ir.passes.PassBase]:
+    """The steps before the graph changes: check the ops, analyse, decide (``proto``: the
+    model as loaded, read instead of a serialisation)."""
+    return [CheckOpsPass(proto), AnalysePass(dims, shapes=shapes, proto=proto),
+            DecidePass(decider, dims, proto=proto)]
+
+
+def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
+                  checks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
+                  ranges: DimRanges | None = None) -> list[ir.passes.PassBase]:
+    """The steps that rewrite the decided model: insert, guard the ranges (``checks``:
+    :func:`~ho_onnx.graph.dims.ranged_inputs`), verify, annotate, place the weights' bytes
+    for an output at ``out_path``."""
+    return [InsertPass(), GuardPass(checks or {}, ranges or {}), VerifySchedulePass(),
+            AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path)]
+
+
 def rewrite_passes(decider: Decider, dims: Mapping[str, int], base_dir: Path, out_path: Path,
-                   **analyse_args: Any) -> list[ir.passes.PassBase]:
-    """The steps of one rewrite, in order (``analyse_args``: see :class:`AnalysePass`)."""
-    return [AnalysePass(dims, **analyse_args), DecidePass(decider, dims), InsertPass(),
-            VerifySchedulePass(), AnnotatePass(dims), PlaceDataPass(base_dir, out_path)]
+                   *, shapes: Mapping[str, Sequence[int]] | None = None,
+                   proto: onnx.ModelProto | None = None,
+                   checks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
+                   ranges: DimRanges | None = None) -> list[ir.passes.PassBase]:
+    """Every step of one rewrite, in order: :func:`analysis_steps`, then
+    :func:`rewrite_steps`."""
+    return [*analysis_steps(decider, dims, shapes=shapes, proto=proto),
+            *rewrite_steps(dims, base_dir, out_path, checks=checks, ranges=ranges)]
 
 
 class OffloadPass(ir.passes.FunctionalPass):
-    """Offload the tensors ``decider`` chooses (symbolic dims bound by ``dims``): all the
-    steps on a copy of the model.
+    """Offload the tensors ``decider`` chooses (symbolic dims bound by ``dims``; ``ranges``:
+    one plan for every value of each range, guarded, as ``ho_onnx.optimize`` makes): the
+    pipeline's own steps (:func:`analysis_steps`, :func:`rewrite_steps`) on a copy of the
+    model. What it does not do is write: ORT's validation of a model with contrib ops runs
+    when the pipeline saves one.
 
     Precondition: every offloaded weight is in external data (an ``onnx_ir.ExternalTensor``,
     as ``onnx_ir.load`` gives for a model saved with external data): an inline weight has
@@ -211,20 +265,23 @@ class OffloadPass(ir.passes.FunctionalPass):
     such weights to a sidecar. Postcondition: the result loads in ORT next to the input's
     data files (write it into the same folder)."""
 
-    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None) -> None:
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
+                 ranges: DimRanges | None = None) -> None:
         super().__init__()
         self.decider = decider
-        self.dims = dict(dims or {})
+        self.ranges = dict(ranges or {})
+        self.dims = bind_ranges(dims or {}, self.ranges)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         work = model.clone()
-        run_steps(work, AnalysePass(self.dims), DecidePass(self.decider, self.dims))
+        run_steps(work, *analysis_steps(self.decider, self.dims))
         choice = work.meta[DECISION].choice
         if not (choice.weights or choice.activations or choice.inputs or choice.outputs):
             return ir.passes.PassResult(work, modified=False)
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
-        run_steps(work, InsertPass(), VerifySchedulePass(), AnnotatePass(self.dims),
-                  PlaceDataPass(base_dir, base_dir / "model.onnx"))
+        checks = ranged_inputs(ir.to_proto(work), self.ranges) if self.ranges else {}
+        run_steps(work, *rewrite_steps(self.dims, base_dir, base_dir / "model.onnx",
+                                       checks=checks, ranges=self.ranges))
         files: OutputFiles = work.meta[OUTPUT_FILES]
         assert files.sidecar is None  # every offloaded weight is external (checked above)
         nodes = list(work.graph)
@@ -234,7 +291,7 @@ class OffloadPass(ir.passes.FunctionalPass):
                     contract.ATTR_DATA_SIZE, size)
                 nodes[i].attributes[contract.ATTR_DATA_FINGERPRINT] = ir.AttrString(
                     contract.ATTR_DATA_FINGERPRINT, fp)
-        for key in (ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
+        for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)
 

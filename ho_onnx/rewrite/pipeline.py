@@ -46,16 +46,12 @@ from ..units import format_bytes
 from .insert import RewrittenModel
 from .passes import (
     ANALYSIS,
+    CONTRIB,
     DECISION,
     OUTPUT_FILES,
     REWRITTEN,
-    AnalysePass,
-    AnnotatePass,
-    DecidePass,
-    GuardPass,
-    InsertPass,
-    PlaceDataPass,
-    VerifySchedulePass,
+    analysis_steps,
+    rewrite_steps,
     run_steps,
 )
 
@@ -232,14 +228,13 @@ def _ort_validate(path: Path) -> None:
 def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps,
             shapes: Mapping[str, Sequence[int]] | None = None
             ) -> tuple[GraphAnalysis, Decision]:
-    from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
-
     shapes = {k: list(v) for k, v in (shapes or {}).items()}
+    dims = dims_from_shapes(loaded.proto, shapes, dims)
+    check, analyse_step, decide = analysis_steps(decider, dims, shapes=shapes,
+                                                 proto=loaded.proto)
     with steps.step("analyse"):
-        contrib = refuse_unknown_ops(loaded.proto)  # ops onnx cannot check: ORT must know them
-        dims = dims_from_shapes(loaded.proto, shapes, dims)
-        AnalysePass(dims, shapes=shapes, more_types=contrib_value_types if contrib else None,
-                    proto=loaded.proto)(loaded.model)
+        run_steps(loaded.model, check, analyse_step)  # ops onnx cannot check: ORT must know them
+        contrib = loaded.model.meta[CONTRIB]
         analysis: GraphAnalysis = loaded.model.meta[ANALYSIS]
     steps.say(f"analysed {len(analysis.order)} nodes, {len(analysis.tensors)} tensors "
               f"({steps.seconds['analyse']:.2f} s)"
@@ -251,7 +246,7 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         if unused:
             steps.say("note: " + unused_note(unused, used))
     with steps.step("decide"):
-        DecidePass(decider, dims, proto=loaded.proto)(loaded.model)
+        run_steps(loaded.model, decide)
         decision: Decision = loaded.model.meta[DECISION]
     for line in decision.summary(steps.seconds["decide"]):
         steps.say(line)
@@ -338,9 +333,8 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         decider = _timed_at_bottom(decider, loaded, dims, ranges, shapes)
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):
-            run_steps(loaded.model, InsertPass(), GuardPass(checks, ranges),
-                      VerifySchedulePass(), AnnotatePass(dims, ranges),
-                      PlaceDataPass(loaded.base_dir, Path(out_path)))
+            run_steps(loaded.model, *rewrite_steps(dims, loaded.base_dir, Path(out_path),
+                                                   checks=checks, ranges=ranges))
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))

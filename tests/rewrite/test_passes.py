@@ -101,17 +101,23 @@ def test_the_steps_are_passes_with_one_signature_and_compose(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("step,missing", [(1, "AnalysePass"), (2, "DecidePass"),
-                                          (4, "DecidePass"), (5, "InsertPass")])
+@pytest.mark.parametrize("step,missing", [("DecidePass", "AnalysePass"),
+                                          ("InsertPass", "DecidePass"),
+                                          ("GuardPass", "InsertPass"),
+                                          ("AnnotatePass", "DecidePass"),
+                                          ("PlaceDataPass", "InsertPass")])
 def test_a_step_without_its_input_names_the_pass_to_run_first(tmp_path, step, missing):
-    from ho_onnx.rewrite.passes import AnalysePass, rewrite_passes
+    from ho_onnx.rewrite.passes import AnalysePass, DecidePass, rewrite_passes
 
-    steps = rewrite_passes(ALL, {"N": 4}, tmp_path, tmp_path / "o.onnx")
+    steps = {type(s).__name__: s for s in rewrite_passes(ALL, {"N": 4}, tmp_path,
+                                                          tmp_path / "o.onnx")}
+    assert list(steps) == ["CheckOpsPass", "AnalysePass", "DecidePass", "InsertPass",
+                           "GuardPass", "VerifySchedulePass", "AnnotatePass", "PlaceDataPass"]
     model = ir.from_proto(chain_model())
-    if step >= 2:
+    if missing != "AnalysePass":
         AnalysePass({"N": 4})(model)
-    if step == 5:
-        ir.passes.Sequential(*steps[1:2])(model)
+    if missing == "InsertPass":
+        DecidePass(ALL, {"N": 4})(model)
     with pytest.raises(ir.passes.PreconditionError, match=missing):
         steps[step](model)
 
@@ -163,3 +169,19 @@ def test_offload_pass_names_every_missing_dim_at_once():
     with pytest.raises(UnboundDimError) as e:
         OffloadPass(decider, {})(model)
     assert "'batch'" in str(e.value) and "'seq'" in str(e.value), str(e.value)
+
+
+def test_offload_pass_is_the_pipelines_composition(tmp_path):
+    """Issue 35: OffloadPass runs the pipeline's own steps. It used to skip the op check (an
+    op neither onnx nor ORT knows went through), the types ORT infers for its own ops, and
+    the Guards of a range plan."""
+    from ho_onnx.errors import UnsupportedModelError
+
+    bad = chain_model()
+    bad.graph.node[1].op_type = "NoSuchOp"  # (the Relu: a standard-domain op nobody defines)
+    with pytest.raises(UnsupportedModelError, match="NoSuchOp"):
+        OffloadPass(ALL, {"N": 4})(ir.load(save(bad, tmp_path / "bad.onnx", external=True)))
+    model = ir.load(save(chain_model(), tmp_path / "m.onnx", external=True))
+    result = OffloadPass(ALL, {}, ranges={"N": (1, 8)})(model)
+    assert _cache_ops(result.model)["Guard"] == 1
+    assert result.model.metadata_props["ho_onnx.dim_ranges"] == "N=1..8"
