@@ -251,8 +251,8 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
     for line in decision.summary(steps.seconds["decide"]):
         steps.say(line)
     note = _overridable_note(analysis, decision.choice, dims)
-    if note:
-        steps.say(note)
+    for line in ([note] if note else []) + [f"note: {n}" for n in decision.choice.notes]:
+        steps.say(line)
     return analysis, decision
 
 

@@ -88,4 +88,9 @@ def kv_choice(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, 
             assert t.producer is not None
             choice.outputs.append(OutputOffload(name, nbytes, t.producer,
                                                 max(t.consumers, default=t.producer)))
+    if not choice.inputs and not choice.outputs and not choice.skipped:
+        choice.notes.append("kv: no KV cache found (no graph input whose reader produces a "
+                            "graph output like it, grown along one axis): nothing of it moves; "
+                            "export the model with past (Optimum's text-generation-with-past, "
+                            "the genai builder)")
     return choice

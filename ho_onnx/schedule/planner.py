@@ -547,6 +547,7 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
                 name, c.nbytes, c.producer, early, late, positions[(name, 0)]))
     WeightGroups.of(ctx.analysis).split(ctx.analysis, choice, ctx.dims)  # one per member
     choice.inputs, choice.outputs = list(ctx.kv.inputs), list(ctx.kv.outputs)
+    choice.notes = list(ctx.kv.notes)
     return choice
 
 

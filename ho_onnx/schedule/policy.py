@@ -69,6 +69,7 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     kv = kv_choice(analysis, options, dims or {}, distance_window(options.prefetch_distance))
     choice.inputs, choice.outputs = kv.inputs, kv.outputs
     choice.skipped.update(kv.skipped)
+    choice.notes += kv.notes
     return choice
 
 

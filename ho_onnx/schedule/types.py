@@ -130,6 +130,8 @@ class OffloadChoice:
     # The KV cache (schedule.kv): the caller's, in host memory between steps.
     inputs: list[InputOffload] = field(default_factory=list)
     outputs: list[OutputOffload] = field(default_factory=list)
+    # What the user should hear about the decision (an option that found nothing to do).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def offloaded_bytes(self) -> int:

@@ -175,3 +175,15 @@ def test_cli_offload_kv(tmp_path):
     meta = {p.key: p.value for p in onnx.load(str(dst), load_external_data=False).metadata_props}
     assert meta["ho_onnx.kv_pairs"] == ("past_key.0:present_key.0,past_value.0:present_value.0,"
                                         "past_key.1:present_key.1,past_value.1:present_value.1")
+
+
+def test_offload_kv_on_a_model_without_a_cache_says_so(tmp_path):
+    """``--offload-kv`` on a decoder exported without past: one note, not silence."""
+    src = tmp_path / "plain.onnx"
+    build_decoder(src, layers=1, hidden=32, heads=2, external_data=True)
+    for budget in ([], ["--budget", "1GiB"]):
+        r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"),
+                                      "--offload-kv", *budget, "--dim", "batch=1",
+                                      "--dim", "seq=4"])
+        assert r.exit_code == 0, r.output
+        assert "note: kv: no KV cache found" in r.output, r.output
