@@ -5,7 +5,8 @@
   subgraph of it reads from the main graph) is a graph input, an initializer or the output
   of an earlier node;
 * every ``Wait`` reads a ``Prefetch``'s data output, and nothing else does (no compute node,
-  no graph output: a reader must wait for the transfer);
+  no graph output: a reader must wait for the transfer); a routed pair is gated by the same
+  value (a closed gate skips the copy and the Wait's copy together);
 * every ``Store``'s token reaches a ``Detach`` (which releases what the Store stored) and
   that Detach's token a ``Prefetch``;
 * each copy channel's Prefetches are chained FIFO in file order: each one after the first on
@@ -53,6 +54,9 @@ def check_schedule(model: ir.Model) -> None:
             p = src.producer() if src is not None else None
             if p is None or not _is_prefetch(p) or src is not p.outputs[0]:
                 raise ScheduleError(f"Wait {_label(node)} does not read a Prefetch's output")
+            if _gate(node) is not _gate(p):  # (a closed gate skips both or neither)
+                raise ScheduleError(f"Wait {_label(node)} and its Prefetch {_label(p)} are "
+                                    "not gated by the same value")
         elif node.op_type in contract.PREFETCHES:
             _check_prefetch(node, last_on)
         elif node.op_type == contract.STORE:
@@ -62,6 +66,14 @@ def check_schedule(model: ir.Model) -> None:
         if p is not None and _is_prefetch(p):
             raise ScheduleError(f"graph output {v.name!r} is Prefetch {_label(p)}'s output, "
                                 "read without a Wait")
+
+
+def _gate(node: ir.Node) -> ir.Value | None:
+    """The gate of a routed Prefetch or Wait (attribute ``gated``: input 1), or None."""
+    attr = node.attributes.get(contract.ATTR_GATED)
+    if attr is None or attr.value != 1:
+        return None
+    return node.inputs[1] if len(node.inputs) > 1 else None
 
 
 def _check_sorted(node: ir.Node, i: int, position: dict[int, int], graph: ir.Graph) -> None:

@@ -195,3 +195,4 @@ def test_a_detach_keeps_ort_fusing_a_matmul_and_its_bias(tmp_path):
     ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     ops = {n.op_type for n in onnx.load(str(opt)).graph.node}
     assert ops & {"Gemm", "FusedGemm"} and "MatMul" not in ops, ops
+

@@ -263,3 +263,22 @@ moe (float[N, {H}] x) => (float[N, {H}] y) {{
     for n in (1, 4, 9):
         x = rng.standard_normal((n, H)).astype(np.float32)
         np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0])
+
+
+def test_the_verifier_refuses_a_wait_gated_apart_from_its_prefetch(tmp_path):
+    """A closed gate skips the copy; a Wait not gated with its Prefetch would copy what never
+    came (or skip what did): the schedule verifier names it."""
+    import onnx_ir as ir
+
+    from ho_onnx.errors import ScheduleError
+    from ho_onnx.rewrite.invariants import check_schedule
+
+    out = tmp_path / "moe.ho.onnx"
+    optimize(_model(tmp_path), out, OffloadOptions(activations=False, min_bytes=0), {"N": 1})
+    model = ir.load(out)
+    check_schedule(model)  # as written: every routed pair gated together
+    wait = next(n for n in model.graph if n.op_type == contract.WAIT
+                and contract.ATTR_GATED in n.attributes)
+    del wait.attributes[contract.ATTR_GATED]
+    with pytest.raises(ScheduleError, match="not gated by the same value"):
+        check_schedule(model)
