@@ -92,17 +92,6 @@ def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
             "no data can be made for it)")
 
 
-def check_tables(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
-                 shapes: Mapping[str, list[int]] | None = None) -> None:
-    """Refuse dims past the model's own position or mask tables with the one-line error
-    ``plan`` gives (``graph.dims.check_table_reads``, run by the analysis when dims are
-    bound): ``verify`` and ``profile`` ran into ORT's raw Gather and broadcast errors."""
-    if dims or shapes:
-        from ...graph.analyse import analyse
-
-        analyse(model, dims, shapes=shapes)
-
-
 def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
                   seed: int = 0, int_high: int = 8,
                   shapes: Mapping[str, list[int]] | None = None) -> dict[str, np.ndarray]:
