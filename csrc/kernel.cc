@@ -193,6 +193,9 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
                                "whole bytes (attributes location/offset/length/shape; tier "
                                "host; no sub-byte element type)");
   }
+  if (op.kind == OpKind::kGatherRows) {  // (the table's length was checked against shape)
+    k->row_bytes = k->blob->size() / static_cast<size_t>(k->shape[0]);
+  }
   if (k->gpu) {
     if (op.kind == OpKind::kStore) {
       int64_t host_bytes = op.reg->host_bytes;
@@ -415,9 +418,7 @@ void Kernel::gather_rows(OrtKernelContext* ctx) {
   const TensorInfo ti = tensor_info(api, ids);
   std::vector<int64_t> dims = ti.dims;
   dims.insert(dims.end(), shape.begin() + 1, shape.end());
-  uint64_t row_elems = 1;
-  for (size_t i = 1; i < shape.size(); ++i) row_elems *= static_cast<uint64_t>(shape[i]);
-  const size_t row = byte_size(row_elems, bits);
+  const size_t row = row_bytes;
   OrtValue* y = output(api, ctx, dims);
   if (ti.numel == 0 || row == 0) return;
   const auto* id = static_cast<const int64_t*>(tensor_data(api, ids));

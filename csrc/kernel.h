@@ -78,6 +78,7 @@ struct Kernel {
   std::vector<int64_t> shape;
   std::shared_ptr<const HostBlob> blob;        // host tier: bytes read at session creation
   std::shared_ptr<const DiskSource> disk;      // disk tier: read from the file at every run
+  size_t row_bytes = 0;  // GatherRows: bytes of one row of the table (fixed at creation)
 
   void compute(OrtKernelContext* ctx);
 

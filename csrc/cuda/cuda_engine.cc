@@ -860,9 +860,6 @@ class CudaEngine final : public Engine {
     return d;
   }
 
-  // A load for the Prefetch output `dst` (a freshly allocated output of the compute stream
-  // `cs`): returns the staging buffer it lands in, the load stream already ordered after
-  // the buffer's previous use.
   // One cudaMemcpyAsync of `bytes` at host `src` into staging on the load stream (the
   // hardware's rate from pinned memory), registered as the load of `dst`.
   void load_from_host(const void* src, size_t bytes, void* dst, const ExecContext& ctx,
@@ -885,6 +882,9 @@ class CudaEngine final : public Engine {
     add_pending(dst, std::move(p), ctx.kernel, ctx.kernel);
   }
 
+  // A load for the Prefetch output `dst` (a freshly allocated output of the compute stream
+  // `cs`): returns the staging buffer it lands in, the load stream already ordered after
+  // the buffer's previous use.
   StageBuf begin_load(Device& d, cudaStream_t cs, void* dst, size_t bytes) {
     {
       Released stale;  // a load of a failed run for the same block, never waited for
