@@ -842,7 +842,10 @@ def inspect(model: str, as_json: bool) -> None:
 def calibrate(out_json: str, base: str, data_file: str | None, size: int,
               directory: str | None) -> None:
     """Measure host->device / device->host copy rates (pinned, on a GPU; host memcpy on the
-    CPU) and the disk read rate (O_DIRECT), and write them as a machine file."""
+    CPU) and the disk read rate (O_DIRECT), and write them as a machine file. With --base
+    cpu (the CPU EP) also ONNX Runtime's own compute rates: a MatMul's FLOP/s, the rate a
+    one-row MatMul reads its weight at (a decode step's memory term) and the cost of one
+    node, so that plans are timed as this machine runs them."""
     from ho_onnx.target.ort.calibrate import calibrate as run
 
     _refuse_overwriting_inputs({"--out": out_json}, [data_file])
@@ -850,4 +853,8 @@ def calibrate(out_json: str, base: str, data_file: str | None, size: int,
     with _errors():
         r = run(out_json, base=base, file=data_file, size=size, directory=directory, log=_log)
     _echo(f"{out_json}: h2d {float(r['h2d_bw']) / 1e9:.2f} GB/s, d2h "  # type: ignore[arg-type]
-          f"{float(r['d2h_bw']) / 1e9:.2f} GB/s, disk {float(r['disk_bw']) / 1e9:.2f} GB/s")  # type: ignore[arg-type]
+          f"{float(r['d2h_bw']) / 1e9:.2f} GB/s, disk {float(r['disk_bw']) / 1e9:.2f} GB/s"  # type: ignore[arg-type]
+          + (f"; compute {float(r['peak_flops']) / 1e9:.1f} GFLOP/s, weight reads "  # type: ignore[arg-type]
+             f"{float(r['mem_bw']) / 1e9:.1f} GB/s, "  # type: ignore[arg-type]
+             f"{float(r['launch_overhead_s']) * 1e6:.2f} us per node"  # type: ignore[arg-type]
+             if "peak_flops" in r else ""))

@@ -1,9 +1,15 @@
-"""Calibration of the slow tiers' transfer rates on this machine.
+"""Calibration of the slow tiers' transfer rates on this machine, and on the CPU EP of its
+compute rates.
 
 ``measure_file_read`` is the disk tier's reference rate: sequential reads of one file in
 ``block``-byte positional reads, with the page cache bypassed (``O_DIRECT``, into a
 page-aligned buffer) so that the number is the device's, not memory's. ``measure_host_copy``
 is the host tier's: a large memcpy between two host buffers. Both return bytes per second.
+``measure_cpu_compute`` times ONNX Runtime's CPU EP itself (issue 38, honest CPU time: the
+``cpu`` preset's modest rates predicted 63.7 ms for a decode step measured at 10.3 ms): a
+large MatMul (FLOP/s), a one-row MatMul over a weight larger than the caches (the rate a
+decode step reads its weights at, the roofline's memory term) and a chain of tiny nodes (the
+cost of one node).
 """
 
 from __future__ import annotations
@@ -15,15 +21,19 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper
 
 from ...errors import HoOnnxError, Log, quiet
 from ...graph.save import free_bytes, new_temp, temporary_files, write_atomic
 from ...units import format_bytes
 
-__all__ = ["CalibrationError", "calibrate", "measure_file_read", "measure_host_copy"]
+__all__ = ["CalibrationError", "calibrate", "measure_cpu_compute", "measure_file_read",
+           "measure_host_copy"]
 
 _ALIGN = 4096
 
@@ -188,6 +198,64 @@ def measure_host_copy(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def _best_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int,
+              repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` runs of ``model`` (an onnx ModelProto) on ORT's
+    CPU EP with ``threads`` intra-op threads (0: ORT's default, as a session of the planned
+    model would have), after one warm-up run."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    s.run(None, feeds)
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        s.run(None, feeds)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _graph(nodes: list[onnx.NodeProto], inputs: dict[str, list[int]], output: str,
+           inits: Sequence[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    """A float graph of ``nodes`` with ``inputs`` (name: shape) and one ``output``."""
+    g = helper.make_graph(nodes, "calibrate",
+                          [helper.make_tensor_value_info(k, TensorProto.FLOAT, v)
+                           for k, v in inputs.items()],
+                          [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
+                          list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]:
+    """ONNX Runtime's CPU EP rates as machine fields: ``peak_flops`` (a 512x1024x1024 fp32
+    MatMul; ``efficiency`` 1: the rate is what ORT reaches), ``mem_bw`` (a one-row MatMul
+    over a 64 MiB weight: the bytes per second a decode step reads its weights at) and
+    ``launch_overhead_s`` (per node of a chain of 200 tiny Adds, less a chain of one)."""
+    rng = np.random.default_rng(0)
+    m, k, n = 512, 1024, 1024
+    mm = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [m, k], "b": [k, n]}, "c")
+    feeds = {"a": rng.random((m, k), np.float32), "b": rng.random((k, n), np.float32)}
+    flops = 2.0 * m * k * n / _best_run(mm, feeds, threads, repeats)
+    k, n = 2048, 8192
+    mv = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [1, k], "b": [k, n]}, "c")
+    feeds = {"a": rng.random((1, k), np.float32), "b": rng.random((k, n), np.float32)}
+    bw = 4.0 * k * n / _best_run(mv, feeds, threads, repeats)
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+
+    def chain(length: int) -> float:
+        nodes = [helper.make_node("Add", [f"x{i}", "one"], [f"x{i + 1}"]) for i in range(length)]
+        return _best_run(_graph(nodes, {"x0": [16]}, f"x{length}", [one]),
+                         {"x0": np.ones(16, np.float32)}, threads, repeats)
+
+    per_node = max(0.0, (chain(200) - chain(1)) / 199)
+    return {"peak_flops": flops, "efficiency": 1.0, "mem_bw": bw,
+            "launch_overhead_s": per_node}
+
+
 def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cpu",
               file: str | os.PathLike[str] | None = None, size: int = 1 << 30,
               directory: str | None = None, threads: int = 2,
@@ -220,6 +288,10 @@ def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cp
         say("measuring host memcpy (no CUDA device: the CPU EP's transfers are host copies)")
         bw = measure_host_copy()
         result.update({"h2d_bw": bw, "d2h_bw": bw, "h2d_source": "host memcpy"})
+        if base == "cpu":  # (a GPU preset's compute is the GPU's, not this CPU's)
+            say("measuring ONNX Runtime's CPU EP: a MatMul, a one-row MatMul, a node chain")
+            result.update(measure_cpu_compute())
+            result["compute_source"] = "onnxruntime CPU EP, default threads"
     if out_json is not None:
         import json
 

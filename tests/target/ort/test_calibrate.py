@@ -84,3 +84,26 @@ def test_a_bad_file_or_folder_is_refused_before_anything_is_measured(tmp_path: P
     with pytest.raises(calibrate.CalibrationError):
         calibrate.calibrate(None, log=said.append, **kw)
     assert not any("copies" in s or "memcpy" in s for s in said), said
+
+
+@pytest.mark.parametrize("base", ["cpu", "h100"])
+def test_cpu_compute_rates_are_measured_for_the_cpu_preset_only(tmp_path: Path, base):
+    """On the CPU preset ``calibrate`` also measures ORT's CPU EP (issue 38, honest CPU
+    time): FLOP/s, the weight-read rate of a one-row MatMul and the cost of a node, as machine
+    fields a planner loads; a GPU preset keeps its own compute rates (this CPU's would be
+    wrong there)."""
+    from ho_onnx.cost.machine import MACHINES, Machine
+
+    out = tmp_path / "m.json"
+    r = calibrate.calibrate(out, base=base, size=2 << 20, directory=str(tmp_path))
+    m = Machine.from_json(out)
+    compute = ("peak_flops", "mem_bw", "launch_overhead_s", "efficiency")
+    if base == "h100":
+        assert not set(compute) & set(r)
+        assert [getattr(m, f) for f in compute] == [getattr(MACHINES["h100"], f)
+                                                    for f in compute]
+        return
+    assert r["efficiency"] == m.efficiency == 1.0
+    assert m.peak_flops == r["peak_flops"] and 1e8 < m.peak_flops < 1e14
+    assert m.mem_bw == r["mem_bw"] and 1e8 < m.mem_bw < 1e13
+    assert m.launch_overhead_s == r["launch_overhead_s"] and 0 <= m.launch_overhead_s < 1e-3
