@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from .. import contract
 from ..errors import ModelLoadError, OutputPathError
@@ -64,24 +63,22 @@ class Sidecar:
 @dataclass
 class OutputFiles:
     """What :func:`save_model` writes: the finished model, the data files it references
-    (location relative to the output folder -> source file), the sidecar, and the nodes of
-    the main graph to stamp with each data file's final size and fingerprint (location ->
-    node indices: the weight Prefetches)."""
+    (location relative to the output folder -> source file), the sidecar, and the nodes to
+    stamp with each data file's final size and fingerprint (location -> the weight
+    Prefetches that read it)."""
 
-    finished: ir.Model | onnx.ModelProto  # the model; serialised only when written
+    model: ir.Model  # serialised only when written (:func:`to_written_proto`)
     data_files: dict[str, Path] = field(default_factory=dict)
     sidecar: Sidecar | None = None
-    stamps: dict[str, list[int]] = field(default_factory=dict)
+    stamps: dict[str, list[ir.Node]] = field(default_factory=dict)
 
-    @functools.cached_property
-    def model(self) -> onnx.ModelProto:
-        """The finished model as the proto that is written (made once, on first use)."""
-        if isinstance(self.finished, onnx.ModelProto):
-            return self.finished
-        # (a walk of the whole graph: the collector would traverse the live model again and
-        # again; 1,266 nodes: 43 -> 39 ms a save, best of 12; median 51 -> 40)
-        with gc_paused(), implied_types_hidden(self.finished):
-            return ir.to_proto(self.finished)
+
+def to_written_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as the proto that is written (external tensors as references)."""
+    # (a walk of the whole graph: the collector would traverse the live model again and
+    # again; 1,266 nodes: 43 -> 39 ms a save, best of 12; median 51 -> 40)
+    with gc_paused(), implied_types_hidden(model):
+        return ir.to_proto(model)
 
 
 @contextlib.contextmanager
@@ -119,31 +116,17 @@ def _implied_by_tensor(v: ir.Value) -> bool:
         shape.get_denotation(i) for i in range(len(shape))))
 
 
-def set_attr(node: onnx.NodeProto, name: str, value: object) -> None:
-    """Set (replace) attribute ``name`` of ``node``."""
-    for a in node.attribute:
-        if a.name == name:
-            node.attribute.remove(a)
-            break
-    node.attribute.append(helper.make_attribute(name, value))
-
-
-def data_stamps(stamps: dict[str, list[int]], path_of: Callable[[str], Path]
-                ) -> Iterator[tuple[list[int], int, str]]:
-    """(node positions, size, fingerprint) of each stamped data file, read from
+def stamp_data_files(stamps: dict[str, list[ir.Node]], path_of: Callable[[str], Path]
+                     ) -> None:
+    """Record on each node of ``stamps`` its data file's size and fingerprint, read from
     ``path_of(location)`` (the finished file; at most 17 blocks of 4 KiB each)."""
-    for loc, positions in stamps.items():
+    for loc, nodes in stamps.items():
         path = path_of(loc)
-        yield positions, path.stat().st_size, data_fingerprint(path)
-
-
-def stamp_data_files(model: onnx.ModelProto, stamps: dict[str, list[int]],
-                     path_of: Callable[[str], Path]) -> None:
-    """Record on each stamped node of ``model`` its data file's size and fingerprint."""
-    for positions, size, fp in data_stamps(stamps, path_of):
-        for i in positions:
-            set_attr(model.graph.node[i], contract.ATTR_DATA_SIZE, size)
-            set_attr(model.graph.node[i], contract.ATTR_DATA_FINGERPRINT, fp)
+        size = ir.AttrInt64(contract.ATTR_DATA_SIZE, path.stat().st_size)
+        fingerprint = ir.AttrString(contract.ATTR_DATA_FINGERPRINT, data_fingerprint(path))
+        for node in nodes:
+            node.attributes[size.name] = size
+            node.attributes[fingerprint.name] = fingerprint
 
 
 @dataclass
@@ -731,10 +714,10 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
             sidecar_tmp = _write_temp(out_dir, _temp_prefix(files.sidecar.name), temps,
                                       lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
         sidecar_name = files.sidecar.name if files.sidecar is not None else None
-        stamp_data_files(files.model, files.stamps,
+        stamp_data_files(files.stamps,
                          lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
                          else out_dir / loc)
-        blob = _serialise(files.model)
+        blob = _serialise(to_written_proto(files.model))
         model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
                                 lambda f: f.write(blob))
         if validate is None:

@@ -31,13 +31,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import onnx
 import onnx_ir as ir
 
 from .. import contract
-from ..graph.analyse import GraphAnalysis, TypeSource, analyse
+from ..graph.analyse import GraphAnalysis, TypeSource, analyse, tool_proto
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
-from ..graph.save import OutputFiles, data_stamps
+from ..graph.save import OutputFiles, stamp_data_files
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
 from .guard import insert_guards
@@ -78,18 +77,13 @@ def _need(model: ir.Model, key: str, producer: str) -> Any:
 class CheckOpsPass(ir.passes.InPlacePass):
     """Refuse a standard-domain op neither onnx nor this onnxruntime defines (and a training
     op whose inputs or outputs do not fit its schema); ``meta[CONTRIB]``: the ops only ORT
-    knows, whose types :class:`AnalysePass` then asks ORT's inference for. ``proto``: the
-    model as loaded (else serialised from the model, weights left external)."""
-
-    def __init__(self, proto: onnx.ModelProto | None = None) -> None:
-        super().__init__()
-        self.proto = proto
+    knows, whose types :class:`AnalysePass` then asks ORT's inference for. The checker reads
+    :func:`~ho_onnx.graph.analyse.tool_proto`."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from ..target.ort.contrib import refuse_unknown_ops
 
-        model.meta[CONTRIB] = refuse_unknown_ops(
-            self.proto if self.proto is not None else ir.to_proto(model))
+        model.meta[CONTRIB] = refuse_unknown_ops(tool_proto(model))
         return ir.passes.PassResult(model, modified=False)
 
 
@@ -99,11 +93,10 @@ class AnalysePass(ir.passes.InPlacePass):
 
     def __init__(self, dims: Mapping[str, int] | None = None, *,
                  shapes: Mapping[str, Sequence[int]] | None = None,
-                 more_types: TypeSource | None = None,
-                 proto: onnx.ModelProto | None = None) -> None:
+                 more_types: TypeSource | None = None) -> None:
         super().__init__()
         self.dims, self.shapes = dict(dims or {}), dict(shapes or {})
-        self.more_types, self.proto = more_types, proto
+        self.more_types = more_types
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         more = self.more_types
@@ -111,7 +104,7 @@ class AnalysePass(ir.passes.InPlacePass):
             from ..target.ort.contrib import contrib_value_types
 
             more = contrib_value_types
-        a = analyse(model, self.dims, shapes=self.shapes, more_types=more, proto=self.proto)
+        a = analyse(model, self.dims, shapes=self.shapes, more_types=more)
         model.meta[ANALYSIS] = a
         return ir.passes.PassResult(model, modified=a.order != sorted(a.order))
 
@@ -119,13 +112,12 @@ class AnalysePass(ir.passes.InPlacePass):
 class DecidePass(ir.passes.InPlacePass):
     """Decide what to offload (changes nothing in the graph). First, every symbolic dim of
     the tensors whose sizes the decider needs (``Decider.sized``) must be bound: one error
-    names all that ``dims`` lacks (and, with the model's ``proto``, the names of ``dims``
-    it does not use: likely misspellings)."""
+    names all that ``dims`` lacks (and the names of ``dims`` the model does not use: likely
+    misspellings)."""
 
-    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
-                 proto: onnx.ModelProto | None = None) -> None:
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None) -> None:
         super().__init__()
-        self.decider, self.dims, self.proto = decider, dict(dims or {}), proto
+        self.decider, self.dims = decider, dict(dims or {})
 
     def requires(self, model: ir.Model) -> None:
         _need(model, ANALYSIS, "AnalysePass")
@@ -133,7 +125,7 @@ class DecidePass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         analysis: GraphAnalysis = model.meta[ANALYSIS]
         require_dims((d for t in analysis.tensors.values() if self.decider.sized(t)
-                      for d in t.symbolic_dims()), self.dims, model=self.proto)
+                      for d in t.symbolic_dims()), self.dims, model=model)
         model.meta[DECISION] = self.decider.decide(analysis, self.dims)
         return ir.passes.PassResult(model, modified=False)
 
@@ -223,12 +215,10 @@ class PlaceDataPass(ir.passes.InPlacePass):
 
 
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
-                   shapes: Mapping[str, Sequence[int]] | None = None,
-                   proto: onnx.ModelProto | None = None) -> list[ir.passes.PassBase]:
-    """The steps before the graph changes: check the ops, analyse, decide (``proto``: the
-    model as loaded, read instead of a serialisation)."""
-    return [CheckOpsPass(proto), AnalysePass(dims, shapes=shapes, proto=proto),
-            DecidePass(decider, dims, proto=proto)]
+                   shapes: Mapping[str, Sequence[int]] | None = None
+                   ) -> list[ir.passes.PassBase]:
+    """The steps before the graph changes: check the ops, analyse, decide."""
+    return [CheckOpsPass(), AnalysePass(dims, shapes=shapes), DecidePass(decider, dims)]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
@@ -243,12 +233,11 @@ def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
 
 def rewrite_passes(decider: Decider, dims: Mapping[str, int], base_dir: Path, out_path: Path,
                    *, shapes: Mapping[str, Sequence[int]] | None = None,
-                   proto: onnx.ModelProto | None = None,
                    checks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
                    ranges: DimRanges | None = None) -> list[ir.passes.PassBase]:
     """Every step of one rewrite, in order: :func:`analysis_steps`, then
     :func:`rewrite_steps`."""
-    return [*analysis_steps(decider, dims, shapes=shapes, proto=proto),
+    return [*analysis_steps(decider, dims, shapes=shapes),
             *rewrite_steps(dims, base_dir, out_path, checks=checks, ranges=ranges)]
 
 
@@ -279,18 +268,12 @@ class OffloadPass(ir.passes.FunctionalPass):
         if not (choice.weights or choice.activations or choice.inputs or choice.outputs):
             return ir.passes.PassResult(work, modified=False)
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
-        checks = ranged_inputs(ir.to_proto(work), self.ranges) if self.ranges else {}
+        checks = ranged_inputs(work, self.ranges) if self.ranges else {}
         run_steps(work, *rewrite_steps(self.dims, base_dir, base_dir / "model.onnx",
                                        checks=checks, ranges=self.ranges))
         files: OutputFiles = work.meta[OUTPUT_FILES]
         assert files.sidecar is None  # every offloaded weight is external (checked above)
-        nodes = list(work.graph)
-        for positions, size, fp in data_stamps(files.stamps, lambda loc: base_dir / loc):
-            for i in positions:
-                nodes[i].attributes[contract.ATTR_DATA_SIZE] = ir.AttrInt64(
-                    contract.ATTR_DATA_SIZE, size)
-                nodes[i].attributes[contract.ATTR_DATA_FINGERPRINT] = ir.AttrString(
-                    contract.ATTR_DATA_FINGERPRINT, fp)
+        stamp_data_files(files.stamps, lambda loc: base_dir / loc)
         for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)

@@ -16,7 +16,7 @@ from ..contract import DOMAIN
 from ..cost.model import CostModel
 from ..cost.source import CostSource
 from ..errors import HoOnnxError, Log, OutputPathError, quiet
-from ..graph.analyse import GraphAnalysis
+from ..graph.analyse import GraphAnalysis, tool_proto
 from ..graph.check import contrib_ops
 from ..graph.dims import (
     DimRanges,
@@ -93,9 +93,8 @@ class _TimedAtBottom(CostSource):
         from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
 
         assert self.loaded is not None
-        contrib = refuse_unknown_ops(self.loaded.proto)
+        contrib = refuse_unknown_ops(tool_proto(self.loaded.model))
         a = analyse(self.loaded.model, self.bottom, shapes=dict(self.shapes),
-                    proto=self.loaded.proto,
                     more_types=contrib_value_types if contrib else None)
         if len(a.order) != len(analysis.order):  # (never expected: the same graph)
             return super().cost_model(analysis, dims)
@@ -187,7 +186,7 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
     else:
         loaded = load_model(model)
     if dim_ranges:
-        ranged_inputs(loaded.proto, dim_ranges)  # (a range no input has: refused here too)
+        ranged_inputs(loaded.model, dim_ranges)  # (a range no input has: refused here too)
     planner = _timed_at_bottom(BudgetPlanner(options, costs or CostSource()), loaded, dims,
                                dim_ranges or {}, shapes)
     analysis, decision = _decide(loaded, planner, dims,
@@ -208,8 +207,8 @@ def range_peaks(loaded: LoadedModel, plan: Plan, dims: Mapping[str, int],
 
     bottom = {**bind_ranges(dims, ranges), **{k: lo for k, (lo, _) in ranges.items()}}
     shapes = {k: list(v) for k, v in (shapes or {}).items()}
-    contrib = refuse_unknown_ops(loaded.proto)
-    a = analyse(loaded.model, bottom, shapes=shapes, proto=loaded.proto,
+    contrib = refuse_unknown_ops(tool_proto(loaded.model))
+    a = analyse(loaded.model, bottom, shapes=shapes,
                 more_types=contrib_value_types if contrib else None)
     return {"bottom": peaks_at(a, plan.choice, bottom),
             "top": (plan.baseline.peak_bytes, plan.planned.peak_bytes)}
@@ -229,9 +228,8 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
             shapes: Mapping[str, Sequence[int]] | None = None
             ) -> tuple[GraphAnalysis, Decision]:
     shapes = {k: list(v) for k, v in (shapes or {}).items()}
-    dims = dims_from_shapes(loaded.proto, shapes, dims)
-    check, analyse_step, decide = analysis_steps(decider, dims, shapes=shapes,
-                                                 proto=loaded.proto)
+    dims = dims_from_shapes(loaded.model, shapes, dims)
+    check, analyse_step, decide = analysis_steps(decider, dims, shapes=shapes)
     with steps.step("analyse"):
         run_steps(loaded.model, check, analyse_step)  # ops onnx cannot check: ORT must know them
         contrib = loaded.model.meta[CONTRIB]
@@ -241,7 +239,7 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
               + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
                  if contrib else ""))
     if dims:  # (not an error: a script may pass one set of dims to several models)
-        unused, used = unused_in_model(loaded.proto, dims, (
+        unused, used = unused_in_model(loaded.model, dims, (
             d for t in analysis.tensors.values() for d in t.symbolic_dims()))
         if unused:
             steps.say("note: " + unused_note(unused, used))
@@ -315,7 +313,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             loaded = load_model(in_path)
             check_output_path(loaded, out_path)  # fail before any work
             if ort_level is not None:
-                n_before = len(loaded.proto.graph.node)
+                n_before = len(loaded.model.graph)
                 pre = stack.enter_context(
                     _ort_optimized_beside(in_path, Path(out_path), ort_level))
                 loaded = load_model(pre)
@@ -325,11 +323,11 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph)} nodes, "
                   f"{len(loaded.model.graph.initializers)} initializers "
                   f"({steps.seconds['load']:.2f} s)")
-        if loaded.proto.training_info:  # (onnx_ir does not read it; found by hand)
-            steps.say(f"note: the model's training_info ({len(loaded.proto.training_info)} "
+        if loaded.training_info:  # (onnx_ir does not read it; found by hand)
+            steps.say(f"note: the model's training_info ({loaded.training_info} "
                       "entries) is not written to the output: the rewritten graph is for "
                       "inference")
-        checks = ranged_inputs(loaded.proto, ranges) if ranges else {}
+        checks = ranged_inputs(loaded.model, ranges) if ranges else {}
         decider = _timed_at_bottom(decider, loaded, dims, ranges, shapes)
         analysis, decision = _decide(loaded, decider, dims, steps, shapes)
         with steps.step("rewrite"):

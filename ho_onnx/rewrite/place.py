@@ -63,10 +63,8 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                          ir.AttrInt64(contract.ATTR_LENGTH, length)):
                 node.attributes[attr.name] = attr
         stamped.setdefault(loc, []).extend(nodes)
-    index = {node: i for i, node in enumerate(rewritten.model.graph)}
-    stamps = {loc: [index[n] for n in nodes] for loc, nodes in stamped.items()}
     return OutputFiles(rewritten.model, referenced,
-                       sidecar if sidecar.tensors else None, stamps)
+                       sidecar if sidecar.tensors else None, stamped)
 
 
 def _unlinked(location: str, folder: Path, file: Path) -> str:

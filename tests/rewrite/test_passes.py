@@ -88,7 +88,7 @@ def test_the_steps_are_passes_with_one_signature_and_compose(tmp_path):
     w1, w2 = (onnx.numpy_helper.to_array(t) for t in m.graph.initializer)
     loaded = load_model(save(m, tmp_path / "m.onnx"))
     out = tmp_path / "out" / "m.ho.onnx"
-    steps = rewrite_passes(ALL, {"N": 4}, loaded.base_dir, out, proto=loaded.proto)
+    steps = rewrite_passes(ALL, {"N": 4}, loaded.base_dir, out)
     assert all(isinstance(s, ir.passes.InPlacePass) for s in steps)
     result = ir.passes.PassManager(steps)(loaded.model)
     assert result.model is loaded.model and result.modified
@@ -99,6 +99,27 @@ def test_the_steps_are_passes_with_one_signature_and_compose(tmp_path):
     h1 = x @ w1
     want = 1 / (1 + np.exp(-np.maximum(np.maximum(h1, 0) @ w2, 0))) + h1
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_ir_from_load_to_save(tmp_path):
+    """The loaded model is the onnx_ir model alone (issue 35): the tools that read a proto
+    get the file as loaded while the graph is unchanged, a serialisation once the insertion
+    changed it, and the save stamps the weight Prefetches of the model itself."""
+    from ho_onnx.graph.analyse import tool_proto
+    from ho_onnx.graph.load import load_model
+    from ho_onnx.rewrite.passes import OUTPUT_FILES, analysis_steps, rewrite_steps, run_steps
+
+    loaded = load_model(save(chain_model(), tmp_path / "m.onnx", external=True))
+    assert not hasattr(loaded, "proto")
+    source = tool_proto(loaded.model)
+    run_steps(loaded.model, *analysis_steps(ALL, {"N": 4}))
+    assert tool_proto(loaded.model) is source  # (not serialised again to analyse)
+    run_steps(loaded.model, *rewrite_steps({"N": 4}, loaded.base_dir, tmp_path / "o.onnx"))
+    assert {n.domain for n in tool_proto(loaded.model).graph.node} >= {contract.DOMAIN}
+    files = loaded.model.meta[OUTPUT_FILES]
+    stamped = [n for nodes in files.stamps.values() for n in nodes]
+    assert stamped and files.model is loaded.model
+    assert all(isinstance(n, ir.Node) and n.graph is loaded.model.graph for n in stamped)
 
 
 @pytest.mark.parametrize("step,missing", [("DecidePass", "AnalysePass"),
