@@ -48,6 +48,8 @@ from .load import LoadedModel, resolve_data_path
 # (what, done bytes, total bytes); a total of 0: nothing to count (waiting for another
 # process), said once
 Progress = Callable[[str, int, int], None]
+# Validates a finished model: (the written file or its proto, the folder of its data files).
+Validation = Callable[[Path | onnx.ModelProto, Path], None]
 
 _CHUNK = 8 << 20
 
@@ -58,6 +60,15 @@ class Sidecar:
 
     name: str  # file name in the output folder
     tensors: list[tuple[TensorProto, int, int]] = field(default_factory=list)  # (t, off, len)
+
+
+def onnx_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
+    """``onnx.checker`` on the finished model (a :data:`Validation`): a written one by path,
+    so that its external data is checked where the output will find it."""
+    try:
+        onnx.checker.check_model(str(finished) if isinstance(finished, Path) else finished)
+    except onnx.checker.ValidationError as e:
+        raise OutputPathError(f"the rewritten model does not pass onnx.checker: {e}") from e
 
 
 @dataclass
@@ -71,6 +82,9 @@ class OutputFiles:
     data_files: dict[str, Path] = field(default_factory=dict)
     sidecar: Sidecar | None = None
     stamps: dict[str, list[ir.Node]] = field(default_factory=dict)
+    # How the finished model is validated: (the written file or the proto, the folder its
+    # data files are in); the rewrite's ValidatePass picks the target's check.
+    validate: Validation = onnx_validation
 
 
 def to_written_proto(model: ir.Model) -> onnx.ModelProto:
@@ -658,17 +672,16 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
 
 
 def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathLike[str], *,
-               progress: Progress | None = None,
-               validate: Callable[[Path], None] | None = None) -> SaveReport:
+               progress: Progress | None = None) -> SaveReport:
     """Write ``files`` for the output ``out_path`` of ``loaded`` (see module docstring).
 
-    The written model is validated before it is renamed into place: by ``onnx.checker``,
-    or by ``validate(path)`` when given (a runtime loading it, for models with operators
-    onnx cannot check; the sidecar is then already in place, the model not yet)."""
+    The written model is validated before it is renamed into place, by
+    :attr:`OutputFiles.validate` (``onnx.checker``, or a runtime loading it for models with
+    operators onnx cannot check), when its sidecar is already in place."""
     out = check_output_path(loaded, out_path)
     out_dir = output_folder(out)
     with new_folders(out_dir):
-        return _save(files, loaded, out, out_dir, progress, validate)
+        return _save(files, loaded, out, out_dir, progress)
 
 
 @contextlib.contextmanager
@@ -701,7 +714,7 @@ def _missing_folders(folder: Path) -> list[Path]:
 
 
 def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
-          progress: Progress | None, validate: Callable[[Path], None] | None) -> SaveReport:
+          progress: Progress | None) -> SaveReport:
     """The data files, the sidecar and the model, each renamed into place last."""
     report = SaveReport(model_path=out)
     with temporary_files(out_dir) as temps, _DataFiles() as data:
@@ -720,12 +733,6 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
         blob = _serialise(to_written_proto(files.model))
         model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
                                 lambda f: f.write(blob))
-        if validate is None:
-            try:  # by path, so external data is checked where the output will find it
-                onnx.checker.check_model(str(model_tmp))
-            except onnx.checker.ValidationError as e:
-                raise OutputPathError(
-                    f"the rewritten model does not pass onnx.checker: {e}") from e
         mode = _umask_mode()
         os.chmod(model_tmp, mode)
         with _folder_locked(out_dir):  # (one whole model + sidecar pair at a time)
@@ -736,8 +743,7 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
                 os.replace(sidecar_tmp, sidecar)
                 temps[temps.index(sidecar_tmp)] = sidecar  # removed if the model is not written
                 report.sidecar = sidecar
-            if validate is not None:
-                validate(model_tmp)
+            files.validate(model_tmp, out_dir)
             os.replace(model_tmp, out)
             temps.clear()  # everything is in place
     return report

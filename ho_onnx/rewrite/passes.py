@@ -15,7 +15,9 @@ The steps are in-place passes that hand their results to the next through ``mode
   (:mod:`~ho_onnx.rewrite.invariants`; always run after it: one walk of the graph);
 * :class:`AnnotatePass` -- records the decision in ``metadata_props``;
 * :class:`PlaceDataPass` -- finishes each weight Prefetch with where its bytes are;
-  ``meta[OUTPUT_FILES]`` (:class:`~ho_onnx.graph.save.OutputFiles`, what the save writes).
+  ``meta[OUTPUT_FILES]`` (:class:`~ho_onnx.graph.save.OutputFiles`, what the save writes);
+* :class:`ValidatePass` -- the target's check of the finished model: run by the save on the
+  written file, or here, in memory, when the data files are already in place.
 
 Each checks its precondition (the results it reads) and raises
 ``onnx_ir.passes.PreconditionError`` naming the pass that must run first.
@@ -31,12 +33,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 
 from .. import contract
+from ..errors import HoOnnxError, OutputPathError
 from ..graph.analyse import GraphAnalysis, TypeSource, analyse, tool_proto
+from ..graph.check import contrib_ops
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
-from ..graph.save import OutputFiles, stamp_data_files
+from ..graph.save import OutputFiles, stamp_data_files, to_written_proto
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
 from .guard import insert_guards
@@ -214,6 +219,46 @@ class PlaceDataPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(rewritten.weight_prefetches))
 
 
+class ValidatePass(ir.passes.InPlacePass):
+    """Pick the target's check of the finished model (``OutputFiles.validate``): ORT loading
+    it, with the cache ops' library, when it has operators onnx cannot check (ORT's contrib
+    ops), else ``onnx.checker``. The save runs it on the written file before renaming it
+    into place: the library opens each weight Prefetch's data file when ORT loads the model,
+    and a sidecar exists only once written. With ``data_dir`` (the data files already where
+    the model reads them, as :class:`OffloadPass` leaves them) the Prefetches are stamped
+    (:func:`~ho_onnx.graph.save.stamp_data_files`) and the model checked here, in memory."""
+
+    def __init__(self, data_dir: Path | None = None) -> None:
+        super().__init__()
+        self.data_dir = None if data_dir is None else Path(data_dir)
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, OUTPUT_FILES, "PlaceDataPass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        files: OutputFiles = model.meta[OUTPUT_FILES]
+        if contrib_ops(model, ignore=(contract.DOMAIN,)):
+            files.validate = ort_validation
+        if self.data_dir is None:
+            return ir.passes.PassResult(model, modified=False)
+        data_dir = self.data_dir
+        stamp_data_files(files.stamps, lambda loc: data_dir / loc)
+        files.validate(to_written_proto(model), data_dir)
+        return ir.passes.PassResult(model, modified=bool(files.stamps))
+
+
+def ort_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
+    """ORT loads the finished model, its weights' data files in ``data_dir`` (a
+    :data:`~ho_onnx.graph.save.Validation`: ``onnx.checker`` cannot judge contrib ops)."""
+    from ..target.ort.contrib import ort_check
+
+    try:
+        ort_check(finished, model_dir=data_dir) if isinstance(finished, onnx.ModelProto) \
+            else ort_check(finished)
+    except HoOnnxError as e:
+        raise OutputPathError(f"the rewritten model does not load in onnxruntime: {e}") from e
+
+
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
                    shapes: Mapping[str, Sequence[int]] | None = None
                    ) -> list[ir.passes.PassBase]:
@@ -223,12 +268,14 @@ def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
                   checks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
-                  ranges: DimRanges | None = None) -> list[ir.passes.PassBase]:
+                  ranges: DimRanges | None = None,
+                  data_dir: Path | None = None) -> list[ir.passes.PassBase]:
     """The steps that rewrite the decided model: insert, guard the ranges (``checks``:
     :func:`~ho_onnx.graph.dims.ranged_inputs`), verify, annotate, place the weights' bytes
-    for an output at ``out_path``."""
+    for an output at ``out_path``, validate (``data_dir``: :class:`ValidatePass`)."""
     return [InsertPass(), GuardPass(checks or {}, ranges or {}), VerifySchedulePass(),
-            AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path)]
+            AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path),
+            ValidatePass(data_dir)]
 
 
 def rewrite_passes(decider: Decider, dims: Mapping[str, int], base_dir: Path, out_path: Path,
@@ -245,8 +292,8 @@ class OffloadPass(ir.passes.FunctionalPass):
     """Offload the tensors ``decider`` chooses (symbolic dims bound by ``dims``; ``ranges``:
     one plan for every value of each range, guarded, as ``ho_onnx.optimize`` makes): the
     pipeline's own steps (:func:`analysis_steps`, :func:`rewrite_steps`) on a copy of the
-    model. What it does not do is write: ORT's validation of a model with contrib ops runs
-    when the pipeline saves one.
+    model, validated in memory against the input's data files (:class:`ValidatePass`); it
+    writes nothing.
 
     Precondition: every offloaded weight is in external data (an ``onnx_ir.ExternalTensor``,
     as ``onnx_ir.load`` gives for a model saved with external data): an inline weight has
@@ -270,10 +317,8 @@ class OffloadPass(ir.passes.FunctionalPass):
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
         checks = ranged_inputs(work, self.ranges) if self.ranges else {}
         run_steps(work, *rewrite_steps(self.dims, base_dir, base_dir / "model.onnx",
-                                       checks=checks, ranges=self.ranges))
-        files: OutputFiles = work.meta[OUTPUT_FILES]
-        assert files.sidecar is None  # every offloaded weight is external (checked above)
-        stamp_data_files(files.stamps, lambda loc: base_dir / loc)
+                                       checks=checks, ranges=self.ranges, data_dir=base_dir))
+        assert work.meta[OUTPUT_FILES].sidecar is None  # every offloaded weight is external
         for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)

@@ -12,12 +12,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..contract import DOMAIN
 from ..cost.model import CostModel
 from ..cost.source import CostSource
-from ..errors import HoOnnxError, Log, OutputPathError, quiet
+from ..errors import Log, quiet
 from ..graph.analyse import GraphAnalysis, tool_proto
-from ..graph.check import contrib_ops
 from ..graph.dims import (
     DimRanges,
     bind_ranges,
@@ -214,16 +212,6 @@ def range_peaks(loaded: LoadedModel, plan: Plan, dims: Mapping[str, int],
             "top": (plan.baseline.peak_bytes, plan.planned.peak_bytes)}
 
 
-def _ort_validate(path: Path) -> None:
-    """ORT loads the written model (with contrib ops, ``onnx.checker`` cannot judge it)."""
-    from ..target.ort.contrib import ort_check
-
-    try:
-        ort_check(path)
-    except HoOnnxError as e:
-        raise OutputPathError(f"the rewritten model does not load in onnxruntime: {e}") from e
-
-
 def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps,
             shapes: Mapping[str, Sequence[int]] | None = None
             ) -> tuple[GraphAnalysis, Decision]:
@@ -337,9 +325,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))
         with steps.step("save"):
-            report = save_model(files, loaded, out_path, progress=progress,
-                                validate=_ort_validate if contrib_ops(
-                                    files.model, ignore=(DOMAIN,)) else None)
+            report = save_model(files, loaded, out_path, progress=progress)
     steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"
               + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
     return OptimizeResult(analysis, decision, rewritten, report, steps.seconds)

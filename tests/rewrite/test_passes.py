@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.parser
 import onnx_ir as ir
 import onnx_ir.passes.common
 import pytest
@@ -126,14 +127,16 @@ def test_one_ir_from_load_to_save(tmp_path):
                                           ("InsertPass", "DecidePass"),
                                           ("GuardPass", "InsertPass"),
                                           ("AnnotatePass", "DecidePass"),
-                                          ("PlaceDataPass", "InsertPass")])
+                                          ("PlaceDataPass", "InsertPass"),
+                                          ("ValidatePass", "PlaceDataPass")])
 def test_a_step_without_its_input_names_the_pass_to_run_first(tmp_path, step, missing):
     from ho_onnx.rewrite.passes import AnalysePass, DecidePass, rewrite_passes
 
     steps = {type(s).__name__: s for s in rewrite_passes(ALL, {"N": 4}, tmp_path,
                                                           tmp_path / "o.onnx")}
     assert list(steps) == ["CheckOpsPass", "AnalysePass", "DecidePass", "InsertPass",
-                           "GuardPass", "VerifySchedulePass", "AnnotatePass", "PlaceDataPass"]
+                           "GuardPass", "VerifySchedulePass", "AnnotatePass", "PlaceDataPass",
+                           "ValidatePass"]
     model = ir.from_proto(chain_model())
     if missing != "AnalysePass":
         AnalysePass({"N": 4})(model)
@@ -206,3 +209,23 @@ def test_offload_pass_is_the_pipelines_composition(tmp_path):
     result = OffloadPass(ALL, {}, ranges={"N": (1, 8)})(model)
     assert _cache_ops(result.model)["Guard"] == 1
     assert result.model.metadata_props["ho_onnx.dim_ranges"] == "N=1..8"
+
+
+def test_offload_pass_validates_the_result_in_ort(tmp_path):
+    """OffloadPass runs the pipeline's ValidatePass too (issue 35: ORT's validation of a model
+    with contrib ops ran only when the pipeline saved one): a result ORT refuses (FastGelu
+    of int32, which onnx cannot judge) is an error naming ORT's reason, not a model handed
+    back."""
+    from ho_onnx.errors import OutputPathError
+
+    m = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 18, "com.microsoft" : 1]>
+    g (float[N, 16] x) => (int32[N, 16] y) {
+      h = MatMul(x, W1)
+      c = Cast<to = 6>(h)
+      y = com.microsoft.FastGelu(c)
+    }""")
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.ones((16, 16), np.float32), "W1"))
+    model = ir.load(save(m, tmp_path / "m.onnx", external=True))
+    with pytest.raises(OutputPathError, match=r"does not load in onnxruntime: .*FastGelu"):
+        OffloadPass(ALL, {"N": 4})(model)
