@@ -42,7 +42,8 @@ from ..graph.analyse import GraphAnalysis, TypeSource, analyse, tool_proto
 from ..graph.check import contrib_ops
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
 from ..graph.save import OutputFiles, stamp_data_files, to_written_proto
-from ..schedule.types import Decider, Decision
+from ..schedule.types import Decider, Decision, RunFacts
+from ..target.ort.arena import ORT
 from .annotate import annotate, plan_metadata
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
@@ -118,11 +119,14 @@ class DecidePass(ir.passes.InPlacePass):
     """Decide what to offload (changes nothing in the graph). First, every symbolic dim of
     the tensors whose sizes the decider needs (``Decider.sized``) must be bound: one error
     names all that ``dims`` lacks (and the names of ``dims`` the model does not use: likely
-    misspellings)."""
+    misspellings). The decider is handed ``run`` (``Decider.prepared``; by default ORT's
+    facts) when it takes it."""
 
-    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None) -> None:
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
+                 run: RunFacts | None = None) -> None:
         super().__init__()
         self.decider, self.dims = decider, dict(dims or {})
+        self.run = run if run is not None else RunFacts(ORT)
 
     def requires(self, model: ir.Model) -> None:
         _need(model, ANALYSIS, "AnalysePass")
@@ -131,7 +135,9 @@ class DecidePass(ir.passes.InPlacePass):
         analysis: GraphAnalysis = model.meta[ANALYSIS]
         require_dims((d for t in analysis.tensors.values() if self.decider.sized(t)
                       for d in t.symbolic_dims()), self.dims, model=model)
-        model.meta[DECISION] = self.decider.decide(analysis, self.dims)
+        prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
+        decider = self.decider if prepare is None else prepare(self.run)
+        model.meta[DECISION] = decider.decide(analysis, self.dims)
         return ir.passes.PassResult(model, modified=False)
 
 
@@ -260,10 +266,12 @@ def ort_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
 
 
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
-                   shapes: Mapping[str, Sequence[int]] | None = None
-                   ) -> list[ir.passes.PassBase]:
-    """The steps before the graph changes: check the ops, analyse, decide."""
-    return [CheckOpsPass(), AnalysePass(dims, shapes=shapes), DecidePass(decider, dims)]
+                   shapes: Mapping[str, Sequence[int]] | None = None,
+                   run: RunFacts | None = None) -> list[ir.passes.PassBase]:
+    """The steps before the graph changes: check the ops, analyse, decide (``run``: what
+    the decider is handed, :class:`DecidePass`)."""
+    return [CheckOpsPass(), AnalysePass(dims, shapes=shapes),
+            DecidePass(decider, dims, run=run)]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,

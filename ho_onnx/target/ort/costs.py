@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from ..graph.analyse import attribute_values, input_names, output_names
-from ..target.ort.training import TRAINING_OPS
+from ...graph.analyse import attribute_values, input_names, output_names
+from .training import TRAINING_OPS
 
 Shape = list[int] | None
 
