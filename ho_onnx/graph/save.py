@@ -31,10 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import TensorProto, numpy_helper
 
 from .. import contract
 from ..errors import ModelLoadError, OutputPathError
@@ -59,7 +57,8 @@ class Sidecar:
     """A data file written beside the model: each tensor's bytes at its offset."""
 
     name: str  # file name in the output folder
-    tensors: list[tuple[TensorProto, int, int]] = field(default_factory=list)  # (t, off, len)
+    # (initializer name, its tensor, offset, length): the bytes read only when written
+    tensors: list[tuple[str, ir.TensorProtocol, int, int]] = field(default_factory=list)
 
 
 def onnx_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
@@ -157,27 +156,6 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def _raw_bytes(t: TensorProto) -> bytes:
-    """The little-endian bytes ORT expects for an inline initializer (``t``, a copy of the
-    model's, is read as one vector: its values in order are all the bytes need, and numpy
-    holds at most 64 dims; found by hand: an empty rank-70 weight offloaded was numpy's
-    "unexpected ValueError")."""
-    if t.HasField("raw_data"):
-        return t.raw_data
-    dims = list(t.dims)
-    del t.dims[:]
-    t.dims.append(math.prod(dims))
-    try:
-        arr = numpy_helper.to_array(t)
-    finally:
-        del t.dims[:]
-        t.dims.extend(dims)
-    packed = numpy_helper.from_array(np.asarray(arr), t.name)
-    if packed.HasField("raw_data") and packed.data_type == t.data_type:
-        return packed.raw_data
-    raise OutputPathError(f"cannot serialise inline initializer {t.name!r} to raw bytes")
 
 
 _FICLONE = 0x40049409  # linux/fs.h: share the extents (copy-on-write clone)
@@ -850,14 +828,14 @@ def new_temp(folder: Path, prefix: str, temps: list[Path]) -> tuple[int, Path]:
 
 def _write_sidecar(f: Any, sidecar: Sidecar) -> None:
     pos = 0
-    for t, offset, length in sidecar.tensors:
-        data = _raw_bytes(t)
+    for name, t, offset, length in sidecar.tensors:
+        data = t.tobytes()  # (little-endian, as ORT reads it; typed fields read flat)
         if len(data) != length:  # (the input's fault: checked here, where the bytes are read)
-            raise ModelLoadError(f"initializer {t.name!r}: holds {len(data)} bytes, its type "
-                                 f"and shape {shape_text(list(t.dims))} need {length} (a "
-                                 "malformed model?)")
+            raise ModelLoadError(f"initializer {name!r}: holds {len(data)} bytes, its type "
+                                 f"and shape {shape_text(list(t.shape.numpy()))} need {length} "
+                                 "(a malformed model?)")
         if offset < pos:
-            raise OutputPathError(f"inline initializer {t.name!r}: {length} bytes do not fit "
+            raise OutputPathError(f"inline initializer {name!r}: {length} bytes do not fit "
                                   f"the sidecar layout (at {offset}, after {pos})")
         f.write(b"\0" * (offset - pos))
         f.write(data)

@@ -112,11 +112,9 @@ def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar
             continue
         if v.const_value is None:
             raise OutputPathError(f"offloaded weight {name!r} has no value")
-        t = ir.serde.serialize_tensor(v.const_value)
-        t.name = name
         length = _nbytes(v.const_value)
         pos += (-pos) % (_ALIGN_BIG if length >= _BIG else _ALIGN_SMALL)
-        sidecar.tensors.append((t, pos, length))
+        sidecar.tensors.append((name, v.const_value, pos, length))
         where[name] = (sidecar.name, pos, length)
         pos += length
     return where

@@ -39,7 +39,7 @@ def test_inline_weights_get_aligned_sidecar_slots(tmp_path):
     rw = _rewrite(m)
     files = place_weight_data(rw, tmp_path, tmp_path / "out.onnx")
     assert files.sidecar is not None and files.sidecar.name == "out.onnx.data"
-    slots = {t.name: (off, n) for t, off, n in files.sidecar.tensors}
+    slots = {name: (off, n) for name, _, off, n in files.sidecar.tensors}
     # 64 KiB and more: page aligned (O_DIRECT reads); smaller: 64-byte aligned
     assert slots == {"Small": (0, 1024), "Big": (4096, 16 * 1024 * 4)}
     assert not files.data_files and not list(tmp_path.iterdir())  # nothing written
