@@ -258,9 +258,9 @@ def ort_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
     :data:`~ho_onnx.graph.save.Validation`: ``onnx.checker`` cannot judge contrib ops)."""
     from ..target.ort.contrib import ort_check
 
-    try:
-        ort_check(finished, model_dir=data_dir) if isinstance(finished, onnx.ModelProto) \
-            else ort_check(finished)
+    try:  # (a written file: its own folder)
+        ort_check(finished, model_dir=data_dir if isinstance(finished, onnx.ModelProto)
+                  else None)
     except HoOnnxError as e:
         raise OutputPathError(f"the rewritten model does not load in onnxruntime: {e}") from e
 
