@@ -1,7 +1,7 @@
 """MoE decode benchmark (issue 37, item 5): bytes moved per decode token against the bytes of
-the experts the router chose, and tokens/s, for a Qwen3-MoE model built from a transformers
-config (random weights, nothing from a hub) and exported by Optimum
-(``text-generation-with-past``).
+the experts the router chose, and tokens/s, for a Qwen3-MoE (``--arch``: Qwen2-MoE, Mixtral)
+model built from a transformers config (random weights, nothing from a hub) and exported by
+Optimum (``text-generation-with-past``; ``models.moe_export``).
 
 Rows (every weight offloaded to the host tier, the KV cache left as exported):
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from models.moe_export import ARCHS  # noqa: E402  (the repository root, just added)
+
 PRESETS = {
     "cpu": {"layers": 4, "hidden": 256, "moe_ffn": 256, "experts": 8, "top_k": 2,
             "heads": 8, "kv_heads": 4, "vocab": 1024, "prompt": 64, "tokens": 24},
@@ -50,25 +51,13 @@ PRESETS = {
 }
 
 
-def export(cfg: dict[str, int], root: Path) -> Path:
-    """The Optimum export of a random-weight Qwen3-MoE of ``cfg``'s dims."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from optimum.exporters.onnx import main_export
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def export(cfg: dict[str, int], root: Path, arch: str) -> Path:
+    """The Optimum export of a random-weight ``arch`` decoder of ``cfg``'s dims."""
+    from models.moe_export import build_hf_moe, export_moe
 
-    torch.manual_seed(0)
-    hf = Qwen3MoeConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"],
-                        intermediate_size=2 * cfg["hidden"],
-                        moe_intermediate_size=cfg["moe_ffn"],
-                        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                        num_key_value_heads=cfg["kv_heads"],
-                        head_dim=cfg["hidden"] // cfg["heads"], num_experts=cfg["experts"],
-                        num_experts_per_tok=cfg["top_k"], max_position_embeddings=512)
-    Qwen3MoeForCausalLM(hf).eval().save_pretrained(root / "hf")
-    main_export(str(root / "hf"), output=str(root / "onnx"), task="text-generation-with-past",
-                device="cpu", do_validation=False)
-    return root / "onnx" / "model.onnx"
+    hf = build_hf_moe(root / "hf", arch, positions=512,
+                      **{k: v for k, v in cfg.items() if k not in ("prompt", "tokens")})
+    return export_moe(hf, root / "onnx", arch)
 
 
 def probe(src: Path, dims: dict[str, int], out: Path) -> tuple[Path, list[str], Any]:
@@ -134,7 +123,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
     from ho_onnx.target.ort.generate import _empty_past, kv_layout
 
     t0 = time.perf_counter()
-    src = export(cfg, root)
+    src = export(cfg, root, args.arch)
     print(f"exported {src} in {time.perf_counter() - t0:.0f} s", flush=True)
     dims = {"batch_size": 1, "sequence_length": 1,
             "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
@@ -203,14 +192,16 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
                 "ratio": moved / sel if sel else None,
                 "tok_s": 1 / statistics.median(row["step_s"])}
         del row["step_s"]
-    return {"config": cfg, "rows": list(rows.values()), "complete": True,
+    return {"arch": args.arch, "config": cfg, "rows": list(rows.values()), "complete": True,
             "resident_peak": peak, "budget": budget,
             "onnxruntime": ort.__version__}
 
 
 def print_table(doc: dict[str, Any]) -> None:
     cfg = doc["config"]
-    print(f"\nQwen3-MoE {cfg['layers']} layers, {cfg['experts']} experts top-{cfg['top_k']}, "
+    name = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral"}
+    print(f"\n{name[doc.get('arch', 'qwen3_moe')]} {cfg['layers']} layers, {cfg['experts']} "
+          f"experts top-{cfg['top_k']}, "
           f"hidden {cfg['hidden']}, expert width {cfg['moe_ffn']}; prompt {cfg['prompt']}, "
           f"{cfg['tokens']} decode steps")
     head = (f"{'row':<14}{'moved KiB/tok':>15}{'selected KiB/tok':>18}{'moved/selected':>16}"
@@ -233,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model (CI)")
+    ap.add_argument("--arch", choices=ARCHS, default="qwen3_moe",
+                    help="the architecture (models.moe_export): Qwen3-MoE, Qwen2-MoE (a "
+                         "shared expert beside the routed ones) or Mixtral")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     cfg = PRESETS["quick" if args.quick else "cpu"]

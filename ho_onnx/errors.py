@@ -46,6 +46,11 @@ class UnboundDimError(HoOnnxError):
     size)."""
 
 
+class PastTableError(UnboundDimError):
+    """A bound dim reads past one of the model's own tables (a learned position or causal-mask
+    table): the model cannot run at that value."""
+
+
 class UnsupportedModelError(HoOnnxError):
     """The model uses something the rewriter does not handle (opset, dtype, ...)."""
 

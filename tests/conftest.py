@@ -68,3 +68,23 @@ def ort_run_crash_model(tmp_path_factory) -> Path:
 
     return _crashes_ort(ort_run_crash_model(), tmp_path_factory.mktemp("ort_crash") / "mx.onnx",
                         _SESSION + "s.run(None, {'X': np.ones((3, 4), np.float32)})")
+
+
+@pytest.fixture(scope="session")
+def moe_export(tmp_path_factory):
+    """``moe_export(arch)``: the Optimum export (with past) of a random-weight ``arch``
+    decoder of ``models.moe_export.SMALL``, made once per session."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        pytest.importorskip("optimum.exporters.onnx")
+        pytest.importorskip("torch")
+        from models.moe_export import SMALL, build_hf_moe, export_moe
+
+        if arch not in made:
+            root = tmp_path_factory.mktemp(arch)
+            hf = build_hf_moe(root / "hf", arch, **SMALL)
+            made[arch] = export_moe(hf, root / "onnx", arch)
+        return made[arch]
+
+    return get

@@ -17,10 +17,12 @@ import moe_decode
 pytestmark = pytest.mark.slow
 
 
-def test_quick_run(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_quick_run(tmp_path, arch):
     out = tmp_path / "moe.json"
-    assert moe_decode.main(["--quick", "--json", str(out)]) == 0
+    assert moe_decode.main(["--quick", "--arch", arch, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["arch"] == arch
     rows = {r["row"]: r for r in doc["rows"]}
     assert set(rows) == {"resident", "all streamed", "routed", "routed, budget"}
     assert all(r["equal"] for r in rows.values())

@@ -348,6 +348,38 @@ def test_pool_size_classes():
     assert len({cls(n) for n in range(40_000, 45_000)}) <= 2
 
 
+@pytest.mark.parametrize("arena", [False, True])
+def test_failed_runs_between_a_prefetch_input_and_its_wait(tmp_path, arena):
+    """A run fails between a PrefetchInput (the KV cache: the caller's buffer) and its Wait,
+    at a new length each time, and the caller's array is freed right after: the pending
+    copy holds only that run's pointer and is never read after the run (under ASan a read
+    is a use-after-free). Good runs between them, with arrays of other lengths, are exact."""
+    nodes = [
+        hnode("PrefetchInput", ["past"], ["p"]),
+        helper.make_node("Gather", ["table", "idx"], ["g"]),  # idx 100: fails
+        hnode("Wait", ["p", "g"], ["pw"]),
+        helper.make_node("Add", ["pw", "one"], ["out"]),
+    ]
+    model = make_model(
+        nodes,
+        [helper.make_tensor_value_info("past", TensorProto.FLOAT, ["n"]),
+         helper.make_tensor_value_info("idx", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor("table", TensorProto.FLOAT, [4], [1, 2, 3, 4]),
+         helper.make_tensor("one", TensorProto.FLOAT, [1], [1])])
+    sess = session(save(model, tmp_path), arena=arena)
+    ops().reset_counters()
+    for i in range(20):
+        n = 1000 + 97 * i
+        with pytest.raises(Exception, match=r"Gather|indices"):
+            sess.run(None, {"past": np.full(n, float(i), np.float32),
+                            "idx": np.array([100], np.int64)})
+        past = np.arange(n + 13, dtype=np.float32) * 0.5 - float(i)
+        (out,) = sess.run(None, {"past": past, "idx": np.array([1], np.int64)})
+        np.testing.assert_array_equal(out, past + 1)
+    assert ops().counters()["prefetches"] == 40  # (the PrefetchInput ran in every run)
+
+
 def test_runs_of_changing_lengths_keep_about_one_runs_buffers_idle(tmp_path):
     """Issue 34 item 4: the pool kept a free buffer of every size it ever served (runs at
     512 lengths left 662 MiB idle where one run stores 17 MiB); now what it keeps idle is

@@ -22,7 +22,7 @@ from typing import cast
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import UnboundDimError
+from ..errors import PastTableError, UnboundDimError
 from ..units import INT64_MAX
 
 Dim = int | str | None
@@ -556,7 +556,7 @@ def check_table_reads(nodes: Iterable[ir.Node], shape_of: Callable[[str], Sequen
             continue
         axis, lo, hi, size, names = reads
         bound = [f"{n}={dims[n]}" for n in sorted(names) if n in dims]
-        raise UnboundDimError(
+        raise PastTableError(
             (f"dim {bound[0]} is" if len(bound) == 1 else f"dims {', '.join(bound)} are"
              if bound else "the bound dims are")
             + f" past what the model allows: node {node.name!r} ({node.op_type}) reads "

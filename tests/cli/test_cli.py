@@ -149,15 +149,18 @@ def test_a_dim_past_the_models_positions_is_one_line_at_plan_time(tmp_path):
     onnx.save_model(build_decoder(layers=1, hidden=16, heads=2, vocab=32, max_positions=64),
                     str(src))
     runner = CliRunner()
+    # (verify and profile too: they ran into ORT's raw Gather error)
     for args in (["plan", str(src), "--budget", "1GiB"],
-                 ["optimize", str(src), str(tmp_path / "o.onnx")]):
+                 ["optimize", str(src), str(tmp_path / "o.onnx")],
+                 ["verify", str(src), str(src)],
+                 ["profile", str(src), "--out", str(tmp_path / "p.json")]):
         r = runner.invoke(main, [*args, "--dim", "batch=1", "--dim", "seq=65"])
         assert r.exit_code == 2, r.output
         assert r.output.splitlines()[-1].startswith(
             "error: dim seq=65 is past what the model allows: node 'embed.pos' (Gather) "
             "reads 0..64 along axis 0 of the constant 'embed.pos.weight', which has 64"), r.output
         assert [x for x in r.output.splitlines() if "error" in x] == r.output.splitlines()[-1:]
-    assert not (tmp_path / "o.onnx").exists()
+    assert not (tmp_path / "o.onnx").exists() and not (tmp_path / "p.json").exists()
     r = runner.invoke(main, ["plan", str(src), "--budget", "1GiB", "--dim", "batch=1",
                              "--dim", "seq=1..64"])
     assert r.exit_code == 0, r.output

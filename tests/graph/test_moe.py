@@ -192,38 +192,48 @@ mlp (float[N, {H}] x) => (float[N, {H}] y) {{""" + _expert(0, "x") + "\n  y = Id
     assert json.loads(r.stdout)["moe"] is None
 
 
-def test_an_optimum_qwen3_moe_export_from_a_transformers_config(tmp_path, monkeypatch):
-    """A real export (Optimum, the loop over every expert unrolled, tokens gathered per
-    expert and scattered back; initializers named onnx::MatMul_N): the layers, k and expert
-    count the config has, each expert's gate/up/down weights, the router's own weight."""
-    pytest.importorskip("optimum.exporters.onnx")
-    torch = pytest.importorskip("torch")
-    from optimum.exporters.onnx import main_export
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_an_optimum_moe_export_from_a_transformers_config(moe_export, arch):
+    """Real exports (Optimum, each expert's tokens gathered and scattered back; initializers
+    named onnx::MatMul_N) of three architectures: the layers, k and expert count the config
+    has, each expert's gate/up/down weights, the router's own weight. Qwen2-MoE's shared
+    expert (every token, a sigmoid gate) is no routed expert."""
+    from models.moe_export import SMALL as cfg
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, num_experts=4,
-                         num_experts_per_tok=2, max_position_embeddings=64)
-    Qwen3MoeForCausalLM(cfg).eval().save_pretrained(tmp_path / "hf")
-    main_export(str(tmp_path / "hf"), output=str(tmp_path / "onnx"), task="text-generation",
-                device="cpu", do_validation=False)
-    model = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False)
-    a = analyse(model, {"batch_size": 1, "sequence_length": 8})
+    model = onnx.load(moe_export(arch), load_external_data=False)
+    a = analyse(model, {"batch_size": 1, "sequence_length": 8, "past_sequence_length": 4})
     layers = find_experts(a)
-    assert len(layers) == cfg.num_hidden_layers
+    assert len(layers) == cfg["layers"]
+    h, f = cfg["hidden"], cfg["moe_ffn"]
     weights = set()
     for layer in layers:
         assert (layer.form, layer.top_k, len(layer.experts)) == (
-            "unrolled", cfg.num_experts_per_tok, cfg.num_experts)
+            "unrolled", cfg["top_k"], cfg["experts"])
         router = a.nodes[a.tensors[layer.router_logits].producer]
         assert [a.tensors[n].shape for n in (v.name for v in router.inputs)
-                if a.tensors[n].is_initializer] == [(32, cfg.num_experts)]
+                if a.tensors[n].is_initializer] == [(h, cfg["experts"])]
         for e in layer.experts:
-            assert sorted(a.tensors[w].shape for w in e.weights) == [(16, 32), (32, 16),
-                                                                     (32, 16)]
-            assert e.nbytes == 3 * 32 * 16 * 4
+            assert sorted(a.tensors[w].shape for w in e.weights) == [(f, h), (h, f), (h, f)]
+            assert e.nbytes == 3 * h * f * 4
             weights.update(e.weights)
-    assert len(weights) == cfg.num_hidden_layers * cfg.num_experts * 3  # none counted twice
+    assert len(weights) == cfg["layers"] * cfg["experts"] * 3  # none counted twice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_the_export_patch_keeps_the_blocks_arithmetic(tmp_path, arch):
+    """``models.moe_export.all_experts`` (every expert traced, as Optimum does for
+    Qwen3-MoE) computes what transformers' own block computes."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from models.moe_export import all_experts, build_hf_moe
+
+    model = AutoModelForCausalLM.from_pretrained(build_hf_moe(tmp_path / "hf", arch)).eval()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        with all_experts(arch):
+            got = model(ids, use_cache=False).logits
+    assert torch.equal(got, want)

@@ -43,9 +43,9 @@ from ...graph.save import read_json, write_atomic
 from .isolate import check_timeout, run_isolated
 from .session import (
     OPT_LEVELS,
+    checked_inputs,
     model_for_ort,
     ort_opt_level,
-    random_inputs,
     require_providers,
     run_outputs,
 )
@@ -150,7 +150,7 @@ def profile_model(model_path: str | os.PathLike[str], out_json: str | os.PathLik
 
     dims = dict(dims or {})
     model = model_for_ort(model_path)
-    feeds = random_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
+    feeds = checked_inputs(model, dims, seed=seed, int_high=int_high, shapes=shapes)
     cache_ops = any(n.domain == DOMAIN for n in model.graph.node)  # an optimized model
     trace, used = _run_profiled(model_path, feeds, providers, opt_level, warmup, runs,
                                 intra_op_threads, log or quiet, cache_ops)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import Log, UnsupportedModelError, quiet
 from .isolate import check_timeout, run_isolated
-from .session import make_session, model_for_ort, random_inputs, run_outputs
+from .session import checked_inputs, make_session, model_for_ort, random_inputs, run_outputs
 
 
 @dataclass
@@ -180,7 +180,8 @@ def verify(original: str | os.PathLike[str], optimized: str | os.PathLike[str], 
     providers = providers or ["CPUExecutionProvider"]
     model = model_for_ort(original)
     model_for_ort(optimized)
-    random_inputs(model, dims, shapes=shapes)  # unbound dims fail here, not after loading
+    checked_inputs(model, dims, shapes=shapes)  # unbound dims (or past the model's tables)
+    # fail here, not after loading
     kw = {"providers": providers, "execution_order": execution_order,
           "prepacking": prepacking, "opt_level": opt_level}
     t = time.perf_counter()

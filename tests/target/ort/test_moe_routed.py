@@ -6,7 +6,6 @@ a real export), never only the library's counters."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -151,28 +150,16 @@ def test_a_closed_gate_with_a_missing_input_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_qwen3_moe_export_moves_only_the_routed_experts(tmp_path, monkeypatch):
-    """A real export (Optimum, text-generation-with-past): greedy tokens identical with every
-    weight offloaded, and at each decode step the expert bytes moved equal those of the
-    experts the router chose (its TopK indices, made graph outputs of a copy of the
-    unmodified model)."""
-    pytest.importorskip("optimum.exporters.onnx")
-    torch = pytest.importorskip("torch")
-    from optimum.exporters.onnx import main_export
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_a_moe_export_moves_only_the_routed_experts(tmp_path, moe_export, arch):
+    """Real exports (Optimum, text-generation-with-past; Qwen2-MoE with its shared expert,
+    Mixtral): greedy tokens identical with every weight offloaded, and at each decode step the
+    expert bytes moved equal those of the experts the router chose (its TopK indices, made
+    graph outputs of a copy of the unmodified model)."""
     from ho_onnx.target.ort.generate import greedy, kv_layout
+    from models.moe_export import SMALL
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, num_experts=8,
-                         num_experts_per_tok=2, max_position_embeddings=64)
-    Qwen3MoeForCausalLM(cfg).eval().save_pretrained(tmp_path / "hf")
-    main_export(str(tmp_path / "hf"), output=str(tmp_path / "onnx"),
-                task="text-generation-with-past", device="cpu", do_validation=False)
-    src = tmp_path / "onnx" / "model.onnx"
+    src = moe_export(arch)
     out = tmp_path / "opt" / "model.onnx"
     out.parent.mkdir()
     r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0),
@@ -207,7 +194,7 @@ def test_a_qwen3_moe_export_moves_only_the_routed_experts(tmp_path, monkeypatch)
     router_index = {layer.node: li for li, layer in enumerate(layers)}
     expert_of = {w: (router_index[node], col) for w, (node, col) in routed.expert_of.items()}
     assert set(gated) <= set(expert_of)
-    assert {c for _, c in expert_of.values()} == set(range(cfg.num_experts))
+    assert {c for _, c in expert_of.values()} == set(range(SMALL["experts"]))
     off = "ORT_DISABLE_ALL"  # (at basic: 4e-8 apart, the fused constant's rounding)
     ref, sess = (ort.InferenceSession(str(probe), _so(off), providers=["CPUExecutionProvider"]),
                  InferenceSession(out, sess_options=_so(off)))
@@ -234,7 +221,6 @@ def test_a_qwen3_moe_export_moves_only_the_routed_experts(tmp_path, monkeypatch)
         np.testing.assert_array_equal(got[0], plain_ref.run(None, feeds)[0])
         moved = sum(w.nbytes for name, w in gated.items() if expert_of[name] in chosen)
         assert counters()["bytes_loaded"] == plain + moved, token
-    os.environ.pop("HF_HUB_OFFLINE", None)
 
 
 def test_a_contrib_moe_with_its_experts_offloaded_is_exact(tmp_path):
