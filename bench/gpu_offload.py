@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ho_onnx import _ops
     from ho_onnx.rewrite.pipeline import CostSource, optimize, plan_model
+    from ho_onnx.schedule.arena import arena_memory
     from ho_onnx.schedule.options import OffloadOptions
-    from ho_onnx.schedule.ort_reuse import ort_memory
     from ho_onnx.schedule.simulate import simulate
     from models.decoder import build_decoder_once, decoder_config_bytes
 
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     measure("baseline", src, False)
     for row in rows:
         row["predicted_peak_bytes"] = base_peak
-        row["predicted_arena_bytes"] = int(ort_memory(base_analysis).max())
+        row["predicted_arena_bytes"] = int(arena_memory(base_analysis).max())
         row["predicted_s"] = row["predicted_s_host_ahead"] = base_plan.baseline.total_s
 
     budgets = [(f"ho {float(f):.0%}", int(float(f) * base_peak))
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\npeak = device bytes in use above those used before the session (cudaMemGetInfo, "
           "1 ms polling); arena max / tot = ORT's CUDA arena MaxInUse / TotalAllocated at the "
           "last Wait (AllocatorGetStats); pred = the planner's simulated tensor peak and time; "
-          "pred ORT = the arena ORT's buffer reuse needs (schedule/ort_reuse.py); pred host = "
+          "pred ORT = the arena ORT's buffer reuse needs (target/ort/arena.py); pred host = "
           "the plan's time with loads timed as the CUDA engine issues them (simulate's "
           "host_ahead).")
     if args.json:

@@ -92,7 +92,7 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
 
     def load_analyse():
         loaded = load_model(src)
-        return loaded, analyse(loaded.model, dims, proto=loaded.proto)
+        return loaded, analyse(loaded.model, dims)
 
     sec["load+analyse"], (loaded, a) = _best(load_analyse, args.repeat)
     sec["costs"], nc = _best(lambda: analytic_costs(a, machine, dims), args.repeat)

@@ -23,8 +23,8 @@ from ..graph.analyse import (
 from ..graph.dims import eval_dim
 from ..graph.dtypes import capped_numel
 from ..graph.gcpause import gc_paused
+from ..target.ort.costs import CONTRIB_COST_OPS, contrib_flops_bytes
 from ..target.ort.facts import never_runs
-from .contrib import CONTRIB_COST_OPS, contrib_flops_bytes
 from .machine import Machine
 from .model import NodeCosts
 
@@ -216,7 +216,7 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
     ``2 * out_elems * Cin/group * prod(kernel)``, Attention ``4 * elems(Q) * kv_len``,
     elementwise/normalization/softmax a few per output element, reductions one per input
     element, data movement 0, unknown ops one per output element; ORT's contrib ops of LLM
-    exports (GroupQueryAttention, MatMulNBits, ...) by :func:`~ho_onnx.cost.contrib.
+    exports (GroupQueryAttention, MatMulNBits, ...) by :func:`~ho_onnx.target.ort.costs.
     contrib_flops_bytes`. Unknown shapes count as 0
     (never an error); an unbound symbolic dim raises :class:`UnboundDimError` naming it.
     ``sizes``: bytes of the tensors already asked for (name -> bytes, filled in here), for

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +61,24 @@ class CostSource:
                          f"{what}; transfers on {machine.name}"
                          + ("; loads issued ahead of the GPU" if nc.gpu else ""),
                          host_ahead=nc.gpu, notes=tuple(nc.notes))
+
+
+@dataclass(frozen=True)
+class TimedAt(CostSource):
+    """A plan's times taken on another analysis of the same graph: ``analysed()`` at
+    ``dims`` (a range plan's, at the bottom of every range, issue 36: memory is planned at
+    the top, where it is largest, and prefetch windows are sized where compute is smallest,
+    a decode step, so they hide the copies there and, with more compute between the same
+    nodes, everywhere above). The nodes must be the same, in the same order."""
+
+    analysed: Callable[[], GraphAnalysis] | None = None
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def cost_model(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> CostModel:
+        a = self.analysed() if self.analysed is not None else analysis
+        if len(a.order) != len(analysis.order):  # (never expected: the same graph)
+            return super().cost_model(analysis, dims)
+        cm = super().cost_model(a, self.dims)
+        at = ",".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
+        return replace(cm, description=cm.description + f"; timed at the bottom of the ranges "
+                       f"({at}: windows sized where compute is least)")

@@ -287,6 +287,24 @@ def _copy_without_big_data(model: onnx.ModelProto, sk: onnx.ModelProto) -> None:
             t.CopyFrom(holder)
 
 
+# ``model.meta`` key of the file as loaded (graph.load), kept while no pass changed the graph.
+SOURCE_PROTO = "ho_onnx.source_proto"
+
+
+def tool_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a proto, for a tool that reads one (onnx's shape inference and checker,
+    ORT's inference): the file as loaded while the graph is as loaded (``meta[SOURCE_PROTO]``,
+    dropped by the first pass that changes it: :func:`forget_source`), else a weightless
+    serialisation (:func:`_weightless_proto`)."""
+    proto = model.meta.get(SOURCE_PROTO)
+    return proto if proto is not None else _weightless_proto(model)
+
+
+def forget_source(model: ir.Model) -> None:
+    """The graph of ``model`` changes: :func:`tool_proto` serialises it from now on."""
+    model.meta.pop(SOURCE_PROTO, None)
+
+
 def _weightless_proto(model: ir.Model) -> onnx.ModelProto:
     """``model`` as a proto without the bytes of its big inline initializers (external ones
     serialise as references): what shape inference and ORT's tools read."""
@@ -427,23 +445,21 @@ def _tensor_infos(graph: ir.Graph, nodes: Sequence[ir.Node],
 @gc_paused()
 def analyse(model: ir.Model | onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
             shapes: Mapping[str, Sequence[int]] | None = None,
-            more_types: TypeSource | None = None,
-            proto: onnx.ModelProto | None = None) -> GraphAnalysis:
+            more_types: TypeSource | None = None) -> GraphAnalysis:
     """Run the analyses on ``model`` (an ``onnx_ir`` model; a proto is converted). The main
     graph is sorted topologically in place when it is not; nothing else changes.
 
-    ``dims`` binds symbolic dims, ``shapes`` gives whole input shapes. ``proto``: the same
-    model as loaded (weights external or inline), read by shape inference instead of a
-    serialisation of ``model``. ``more_types`` is asked when onnx's inference leaves a node
-    output unknown or partly known (contrib ops): its types win where they tell more."""
+    ``dims`` binds symbolic dims, ``shapes`` gives whole input shapes. Shape inference reads
+    :func:`tool_proto`. ``more_types`` is asked when onnx's inference leaves a node output
+    unknown or partly known (contrib ops): its types win where they tell more."""
     check_bindings(dims, shapes)
     if isinstance(model, onnx.ModelProto):
         proto, model = model, ir.from_proto(model)
+    else:
+        proto = tool_proto(model)
     dims = dict(dims or {})
     shapes = dict(shapes or {})
     graph = model.graph
-    if proto is None:
-        proto = _weightless_proto(model)
     # bounded (.bounded): the worker infers on a weightless skeleton while this sorts and
     # walks the graph (started first: the sort and the walk are what it overlaps)
     pending = start_infer_shapes(_skeleton(proto, dims, shapes))

@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper
 
 from ..errors import UnsupportedModelError
@@ -45,7 +46,7 @@ def opset_versions(model: onnx.ModelProto) -> dict[str, int]:
     return {domain_name(i.domain): i.version for i in model.opset_import}
 
 
-def is_onnx_op(node: onnx.NodeProto, opsets: Mapping[str, int],
+def is_onnx_op(node: onnx.NodeProto | ir.Node, opsets: Mapping[str, int],
                functions: frozenset[tuple[str, str]] = frozenset()) -> bool:
     """Whether onnx defines ``node``'s operator at the model's opset (or the model defines
     it as a local function)."""
@@ -71,16 +72,13 @@ def _functions(model: onnx.ModelProto) -> frozenset[tuple[str, str]]:
     return frozenset((domain_name(f.domain), f.name) for f in model.functions)
 
 
-def nonstandard_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """Nodes (subgraphs included) whose operator onnx does not define at the model's opset."""
-    opsets, funcs = opset_versions(model), _functions(model)
-    return [n for g in iter_graphs(model.graph) for n in g.node
-            if not is_onnx_op(n, opsets, funcs)]
-
-
-def contrib_ops(model: onnx.ModelProto, ignore: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """Distinct ``(domain, op_type)`` onnx cannot check, except those of ``ignore`` domains."""
-    seen = {(domain_name(n.domain), n.op_type) for n in nonstandard_nodes(model)}
+def contrib_ops(model: ir.Model, ignore: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """Distinct ``(domain, op_type)`` of ``model`` (subgraphs included) that onnx cannot
+    check, except those of ``ignore`` domains."""
+    opsets = {domain_name(d): v for d, v in model.opset_imports.items()}
+    funcs = frozenset((domain_name(d), name) for d, name, _ in model.functions)
+    seen = {(domain_name(n.domain), n.op_type) for n in ir.traversal.RecursiveGraphIterator(
+        model.graph) if not is_onnx_op(n, opsets, funcs)}
     return sorted(k for k in seen if k[0] not in ignore)
 
 

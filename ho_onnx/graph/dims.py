@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import itertools
 import numbers
 import operator
 import re
@@ -19,12 +20,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import cast
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from ..errors import PastTableError, UnboundDimError
 from ..units import INT64_MAX
-from .protos import iter_graphs
 
 Dim = int | str | None
 
@@ -144,35 +143,28 @@ def free_names(dim: str) -> list[str] | None:
     return names
 
 
-def _dims_of(vi: onnx.ValueInfoProto) -> list[Dim] | None:
-    if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+def _dims_of(v: ir.Value) -> list[Dim] | None:
+    """The declared dims of tensor value ``v`` (None: not a tensor, or no shape)."""
+    if not isinstance(v.type, ir.TensorType) or v.shape is None:
         return None
-    out: list[Dim] = []
-    for d in vi.type.tensor_type.shape.dim:
-        if d.HasField("dim_value"):
-            out.append(d.dim_value)
-        elif d.dim_param:
-            out.append(d.dim_param)
-        else:
-            out.append(None)
-    return out
+    return [d if isinstance(d, int) else d.value for d in v.shape]
 
 
-def declared_dims(model: onnx.ModelProto, *, everywhere: bool = True) -> list[str]:
+def declared_dims(model: ir.Model, *, everywhere: bool = True) -> list[str]:
     """Every dim name the model declares, each once: what a ``--dim`` can bind. The inputs
-    and outputs of the main graph, and with ``everywhere`` those of every subgraph and every
-    graph's value_info (~12 µs an entry: an export's value_info can have tens of
-    thousands)."""
+    and outputs of the main graph, and with ``everywhere`` those of every subgraph and
+    every node output whose shape the model declares (its value_info)."""
     out: dict[str, None] = {}
-    graphs = iter_graphs(model.graph) if everywhere else (model.graph,)
-    for g in graphs:
-        infos = (*g.input, *g.output, *g.value_info) if everywhere else (*g.input, *g.output)
-        for vi in infos:
-            out.update((d, None) for d in _dims_of(vi) or () if isinstance(d, str))
+    for g in model.graphs() if everywhere else (model.graph,):
+        values: Iterable[ir.Value] = (*g.inputs, *g.outputs)
+        if everywhere:
+            values = itertools.chain(values, (v for n in g for v in n.outputs))
+        for v in values:
+            out.update((d, None) for d in _dims_of(v) or () if isinstance(d, str))
     return list(out)
 
 
-def unused_in_model(model: onnx.ModelProto, dims: Mapping[str, int],
+def unused_in_model(model: ir.Model, dims: Mapping[str, int],
                     dim_exprs: Iterable[str] = ()) -> tuple[list[str], list[str]]:
     """``(unused, used)``: names of ``dims`` that no dim of the model uses (nor one of
     ``dim_exprs``), and the names the model's dims use. The main graph's inputs and outputs
@@ -185,10 +177,10 @@ def unused_in_model(model: onnx.ModelProto, dims: Mapping[str, int],
     return unused, list(dict.fromkeys(n for d in exprs for n in free_names(d) or ()))
 
 
-def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+def graph_inputs(model: ir.Model) -> list[ir.Value]:
     """Graph inputs that are not initializers (what a caller feeds)."""
-    inits = {t.name for t in model.graph.initializer}
-    return [vi for vi in model.graph.input if vi.name not in inits]
+    inits = model.graph.initializers
+    return [v for v in model.graph.inputs if v.name not in inits]
 
 
 def check_bindings(dims: Mapping[str, int] | None,
@@ -206,7 +198,7 @@ def check_bindings(dims: Mapping[str, int] | None,
                                   f"{INT64_MAX})")
 
 
-def dims_from_shapes(model: onnx.ModelProto, shapes: Mapping[str, list[int]],
+def dims_from_shapes(model: ir.Model, shapes: Mapping[str, list[int]],
                      dims: Mapping[str, int] | None = None) -> dict[str, int]:
     """``dims`` plus every plain dim name a whole input shape binds (``--shape ids=1,8`` on
     ``ids[batch, seq]`` binds ``batch=1, seq=8``).
@@ -216,7 +208,7 @@ def dims_from_shapes(model: onnx.ModelProto, shapes: Mapping[str, list[int]],
     """
     check_bindings(dims, shapes)
     out = dict(dims or {})
-    by_name = {vi.name: vi for vi in graph_inputs(model)}
+    by_name = {str(v.name): v for v in graph_inputs(model)}
     for name, shape in shapes.items():
         if name not in by_name:
             raise UnboundDimError(f"--shape {name}=...: the model has no input {name!r} "
@@ -281,7 +273,7 @@ def unused_note(unused: Sequence[str], known: Iterable[str], where: str = "the m
 
 
 def require_dims(dim_exprs: Iterable[str], dims: Mapping[str, int], *,
-                 model: onnx.ModelProto | None = None) -> None:
+                 model: ir.Model | None = None) -> None:
     """Raise one :class:`UnboundDimError` naming every name ``dim_exprs`` need that ``dims``
     lacks (dims that are no expression are left to the caller: unknown sizes), and every
     name of ``dims`` that neither they nor ``model``'s declared dims use: likely the
@@ -325,7 +317,7 @@ def unbound_error(names: list[str], odd_inputs: Mapping[str, list[Dim]] | None =
     return UnboundDimError("; ".join(parts))
 
 
-def input_shapes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
+def input_shapes(model: ir.Model, dims: Mapping[str, int] | None = None,
                  shapes: Mapping[str, list[int]] | None = None, *,
                  unnamed: int | None = None) -> dict[str, list[int]]:
     """Concrete shape of every input a caller feeds: whole shapes from ``shapes``, symbolic
@@ -398,7 +390,7 @@ def bind_ranges(dims: Mapping[str, int], ranges: DimRanges | None) -> dict[str, 
     return out
 
 
-def ranged_inputs(model: onnx.ModelProto, ranges: DimRanges
+def ranged_inputs(model: ir.Model, ranges: DimRanges
                   ) -> dict[str, list[tuple[int, str]]]:
     """Graph input name -> ``(axis, dim name)`` of each of its dims that a range names: what
     the library checks at every run (``ai.hyperoffload`` ``Guard``). Raises
@@ -407,8 +399,8 @@ def ranged_inputs(model: onnx.ModelProto, ranges: DimRanges
     out: dict[str, list[tuple[int, str]]] = {}
     seen: set[str] = set()
     for vi in graph_inputs(model):
-        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if tt is None or tt.elem_type in (onnx.TensorProto.STRING, 0):
+        if not isinstance(vi.type, ir.TensorType) or vi.dtype in (ir.DataType.STRING,
+                                                                   ir.DataType.UNDEFINED):
             continue
         for axis, d in enumerate(_dims_of(vi) or ()):
             if isinstance(d, str) and d in ranges:

@@ -22,7 +22,7 @@ from onnx import TensorProto
 from ..contract import DOMAIN
 from ..errors import ExternalDataError, HoOnnxError, ModelLoadError, UnsupportedModelError
 from ..units import format_bytes
-from .analyse import all_graphs
+from .analyse import SOURCE_PROTO, all_graphs
 from .check import check_attribute_types, check_standard, size_error, tensor_data_error
 from .dtypes import ELEMENT_BITS, capped_nbytes
 from .forked import MIN_NODES as FORK_MIN_NODES
@@ -44,17 +44,19 @@ class ExternalRef:
 class LoadedModel:
     """A checked model without weight bytes, and the folder its external data is relative to.
 
-    ``model`` is the ``onnx_ir`` model the passes work on (external tensors refer to files
-    in ``base_dir``, never read while planning); ``proto`` the file as loaded and checked,
-    read where a proto is the right tool (shape inference, ORT's tools, output checks).
-    ``keepalive``: an object that owns the files (a temporary folder), kept as long as this.
+    ``model`` is the ``onnx_ir`` model every step works on, from load to save (external
+    tensors refer to files in ``base_dir``, never read while planning); the file as loaded
+    serves the tools that read a proto while its graph is unchanged
+    (:func:`~ho_onnx.graph.analyse.tool_proto`). ``training_info``: the entries of the
+    file's ``training_info``, which ``onnx_ir`` does not read. ``keepalive``: an object that
+    owns the files (a temporary folder), kept as long as this.
     """
 
-    proto: onnx.ModelProto
     model: ir.Model
     path: Path
     base_dir: Path
     keepalive: object = field(default=None, repr=False)
+    training_info: int = 0
     # The external-data files as loaded (location -> an initializer stored there), before
     # any pass moved initializers: what an output must never overwrite.
     data_locations: dict[str, str] = field(default_factory=dict, repr=False)
@@ -432,5 +434,6 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True,
         checking.cancel()
         raise
     checking.wait()
-    return LoadedModel(proto=model, model=model_ir, path=p, base_dir=base_dir,
-                       data_locations=locations)
+    model_ir.meta[SOURCE_PROTO] = model  # (what the tools read until a pass changes the graph)
+    return LoadedModel(model=model_ir, path=p, base_dir=base_dir, data_locations=locations,
+                       training_info=len(model.training_info))

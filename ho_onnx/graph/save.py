@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import json
 import math
 import os
@@ -32,10 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import TensorProto, helper, numpy_helper
 
 from .. import contract
 from ..errors import ModelLoadError, OutputPathError
@@ -49,6 +46,8 @@ from .load import LoadedModel, resolve_data_path
 # (what, done bytes, total bytes); a total of 0: nothing to count (waiting for another
 # process), said once
 Progress = Callable[[str, int, int], None]
+# Validates a finished model: (the written file or its proto, the folder of its data files).
+Validation = Callable[[Path | onnx.ModelProto, Path], None]
 
 _CHUNK = 8 << 20
 
@@ -58,30 +57,41 @@ class Sidecar:
     """A data file written beside the model: each tensor's bytes at its offset."""
 
     name: str  # file name in the output folder
-    tensors: list[tuple[TensorProto, int, int]] = field(default_factory=list)  # (t, off, len)
+    # (initializer name, its tensor, offset, length): the bytes read only when written
+    tensors: list[tuple[str, ir.TensorProtocol, int, int]] = field(default_factory=list)
+
+
+def onnx_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
+    """``onnx.checker`` on the finished model (a :data:`Validation`): a written one by path,
+    so that its external data is checked where the output will find it."""
+    try:
+        onnx.checker.check_model(str(finished) if isinstance(finished, Path) else finished)
+    except onnx.checker.ValidationError as e:
+        raise OutputPathError(f"the rewritten model does not pass onnx.checker: {e}") from e
 
 
 @dataclass
 class OutputFiles:
     """What :func:`save_model` writes: the finished model, the data files it references
-    (location relative to the output folder -> source file), the sidecar, and the nodes of
-    the main graph to stamp with each data file's final size and fingerprint (location ->
-    node indices: the weight Prefetches)."""
+    (location relative to the output folder -> source file), the sidecar, and the nodes to
+    stamp with each data file's final size and fingerprint (location -> the weight
+    Prefetches that read it)."""
 
-    finished: ir.Model | onnx.ModelProto  # the model; serialised only when written
+    model: ir.Model  # serialised only when written (:func:`to_written_proto`)
     data_files: dict[str, Path] = field(default_factory=dict)
     sidecar: Sidecar | None = None
-    stamps: dict[str, list[int]] = field(default_factory=dict)
+    stamps: dict[str, list[ir.Node]] = field(default_factory=dict)
+    # How the finished model is validated: (the written file or the proto, the folder its
+    # data files are in); the rewrite's ValidatePass picks the target's check.
+    validate: Validation = onnx_validation
 
-    @functools.cached_property
-    def model(self) -> onnx.ModelProto:
-        """The finished model as the proto that is written (made once, on first use)."""
-        if isinstance(self.finished, onnx.ModelProto):
-            return self.finished
-        # (a walk of the whole graph: the collector would traverse the live model again and
-        # again; 1,266 nodes: 43 -> 39 ms a save, best of 12; median 51 -> 40)
-        with gc_paused(), implied_types_hidden(self.finished):
-            return ir.to_proto(self.finished)
+
+def to_written_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as the proto that is written (external tensors as references)."""
+    # (a walk of the whole graph: the collector would traverse the live model again and
+    # again; 1,266 nodes: 43 -> 39 ms a save, best of 12; median 51 -> 40)
+    with gc_paused(), implied_types_hidden(model):
+        return ir.to_proto(model)
 
 
 @contextlib.contextmanager
@@ -119,31 +129,17 @@ def _implied_by_tensor(v: ir.Value) -> bool:
         shape.get_denotation(i) for i in range(len(shape))))
 
 
-def set_attr(node: onnx.NodeProto, name: str, value: object) -> None:
-    """Set (replace) attribute ``name`` of ``node``."""
-    for a in node.attribute:
-        if a.name == name:
-            node.attribute.remove(a)
-            break
-    node.attribute.append(helper.make_attribute(name, value))
-
-
-def data_stamps(stamps: dict[str, list[int]], path_of: Callable[[str], Path]
-                ) -> Iterator[tuple[list[int], int, str]]:
-    """(node positions, size, fingerprint) of each stamped data file, read from
+def stamp_data_files(stamps: dict[str, list[ir.Node]], path_of: Callable[[str], Path]
+                     ) -> None:
+    """Record on each node of ``stamps`` its data file's size and fingerprint, read from
     ``path_of(location)`` (the finished file; at most 17 blocks of 4 KiB each)."""
-    for loc, positions in stamps.items():
+    for loc, nodes in stamps.items():
         path = path_of(loc)
-        yield positions, path.stat().st_size, data_fingerprint(path)
-
-
-def stamp_data_files(model: onnx.ModelProto, stamps: dict[str, list[int]],
-                     path_of: Callable[[str], Path]) -> None:
-    """Record on each stamped node of ``model`` its data file's size and fingerprint."""
-    for positions, size, fp in data_stamps(stamps, path_of):
-        for i in positions:
-            set_attr(model.graph.node[i], contract.ATTR_DATA_SIZE, size)
-            set_attr(model.graph.node[i], contract.ATTR_DATA_FINGERPRINT, fp)
+        size = ir.AttrInt64(contract.ATTR_DATA_SIZE, path.stat().st_size)
+        fingerprint = ir.AttrString(contract.ATTR_DATA_FINGERPRINT, data_fingerprint(path))
+        for node in nodes:
+            node.attributes[size.name] = size
+            node.attributes[fingerprint.name] = fingerprint
 
 
 @dataclass
@@ -160,27 +156,6 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def _raw_bytes(t: TensorProto) -> bytes:
-    """The little-endian bytes ORT expects for an inline initializer (``t``, a copy of the
-    model's, is read as one vector: its values in order are all the bytes need, and numpy
-    holds at most 64 dims; found by hand: an empty rank-70 weight offloaded was numpy's
-    "unexpected ValueError")."""
-    if t.HasField("raw_data"):
-        return t.raw_data
-    dims = list(t.dims)
-    del t.dims[:]
-    t.dims.append(math.prod(dims))
-    try:
-        arr = numpy_helper.to_array(t)
-    finally:
-        del t.dims[:]
-        t.dims.extend(dims)
-    packed = numpy_helper.from_array(np.asarray(arr), t.name)
-    if packed.HasField("raw_data") and packed.data_type == t.data_type:
-        return packed.raw_data
-    raise OutputPathError(f"cannot serialise inline initializer {t.name!r} to raw bytes")
 
 
 _FICLONE = 0x40049409  # linux/fs.h: share the extents (copy-on-write clone)
@@ -675,17 +650,16 @@ def check_output_path(loaded: LoadedModel, out_path: str | os.PathLike[str]) -> 
 
 
 def save_model(files: OutputFiles, loaded: LoadedModel, out_path: str | os.PathLike[str], *,
-               progress: Progress | None = None,
-               validate: Callable[[Path], None] | None = None) -> SaveReport:
+               progress: Progress | None = None) -> SaveReport:
     """Write ``files`` for the output ``out_path`` of ``loaded`` (see module docstring).
 
-    The written model is validated before it is renamed into place: by ``onnx.checker``,
-    or by ``validate(path)`` when given (a runtime loading it, for models with operators
-    onnx cannot check; the sidecar is then already in place, the model not yet)."""
+    The written model is validated before it is renamed into place, by
+    :attr:`OutputFiles.validate` (``onnx.checker``, or a runtime loading it for models with
+    operators onnx cannot check), when its sidecar is already in place."""
     out = check_output_path(loaded, out_path)
     out_dir = output_folder(out)
     with new_folders(out_dir):
-        return _save(files, loaded, out, out_dir, progress, validate)
+        return _save(files, loaded, out, out_dir, progress)
 
 
 @contextlib.contextmanager
@@ -718,7 +692,7 @@ def _missing_folders(folder: Path) -> list[Path]:
 
 
 def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
-          progress: Progress | None, validate: Callable[[Path], None] | None) -> SaveReport:
+          progress: Progress | None) -> SaveReport:
     """The data files, the sidecar and the model, each renamed into place last."""
     report = SaveReport(model_path=out)
     with temporary_files(out_dir) as temps, _DataFiles() as data:
@@ -731,18 +705,12 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
             sidecar_tmp = _write_temp(out_dir, _temp_prefix(files.sidecar.name), temps,
                                       lambda f: _write_sidecar(f, files.sidecar))  # type: ignore[arg-type]
         sidecar_name = files.sidecar.name if files.sidecar is not None else None
-        stamp_data_files(files.model, files.stamps,
+        stamp_data_files(files.stamps,
                          lambda loc: sidecar_tmp if sidecar_tmp is not None and loc == sidecar_name
                          else out_dir / loc)
-        blob = _serialise(files.model)
+        blob = _serialise(to_written_proto(files.model))
         model_tmp = _write_temp(out_dir, _temp_prefix(out.name), temps,
                                 lambda f: f.write(blob))
-        if validate is None:
-            try:  # by path, so external data is checked where the output will find it
-                onnx.checker.check_model(str(model_tmp))
-            except onnx.checker.ValidationError as e:
-                raise OutputPathError(
-                    f"the rewritten model does not pass onnx.checker: {e}") from e
         mode = _umask_mode()
         os.chmod(model_tmp, mode)
         with _folder_locked(out_dir):  # (one whole model + sidecar pair at a time)
@@ -753,8 +721,7 @@ def _save(files: OutputFiles, loaded: LoadedModel, out: Path, out_dir: Path,
                 os.replace(sidecar_tmp, sidecar)
                 temps[temps.index(sidecar_tmp)] = sidecar  # removed if the model is not written
                 report.sidecar = sidecar
-            if validate is not None:
-                validate(model_tmp)
+            files.validate(model_tmp, out_dir)
             os.replace(model_tmp, out)
             temps.clear()  # everything is in place
     return report
@@ -861,14 +828,14 @@ def new_temp(folder: Path, prefix: str, temps: list[Path]) -> tuple[int, Path]:
 
 def _write_sidecar(f: Any, sidecar: Sidecar) -> None:
     pos = 0
-    for t, offset, length in sidecar.tensors:
-        data = _raw_bytes(t)
+    for name, t, offset, length in sidecar.tensors:
+        data = t.tobytes()  # (little-endian, as ORT reads it; typed fields read flat)
         if len(data) != length:  # (the input's fault: checked here, where the bytes are read)
-            raise ModelLoadError(f"initializer {t.name!r}: holds {len(data)} bytes, its type "
-                                 f"and shape {shape_text(list(t.dims))} need {length} (a "
-                                 "malformed model?)")
+            raise ModelLoadError(f"initializer {name!r}: holds {len(data)} bytes, its type "
+                                 f"and shape {shape_text(list(t.shape.numpy()))} need {length} "
+                                 "(a malformed model?)")
         if offset < pos:
-            raise OutputPathError(f"inline initializer {t.name!r}: {length} bytes do not fit "
+            raise OutputPathError(f"inline initializer {name!r}: {length} bytes do not fit "
                                   f"the sidecar layout (at {offset}, after {pos})")
         f.write(b"\0" * (offset - pos))
         f.write(data)

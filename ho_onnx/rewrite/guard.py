@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import onnx_ir as ir
 
 from .. import contract
+from ..graph.analyse import forget_source
 from ..graph.dims import DimRanges
 from .insert import Names
 
@@ -25,6 +26,7 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
     first = next((n for n in graph if n.domain == contract.DOMAIN), None)
     if first is None or not checks:
         return 0
+    forget_source(model)
     inputs = {v.name: v for v in graph.inputs}
     names = Names(graph)
     guards = []

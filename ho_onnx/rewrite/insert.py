@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from .. import contract, kinds
-from ..graph.analyse import GraphAnalysis, TensorInfo, all_graphs, attribute_values
+from ..graph.analyse import GraphAnalysis, TensorInfo, all_graphs, attribute_values, forget_source
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
 from ..schedule.eligibility import cuda_host_tensors
@@ -386,6 +386,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> Rewritte
                          "rewritten; analyse the model again")
     analysis.derived[_SPENT] = True
     model = analysis.model
+    forget_source(model)
     em = _Emitter(analysis, Names(analysis.model.graph))
     for w in choice.weights:
         em.offload_weight(w)

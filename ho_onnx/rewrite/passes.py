@@ -15,7 +15,9 @@ The steps are in-place passes that hand their results to the next through ``mode
   (:mod:`~ho_onnx.rewrite.invariants`; always run after it: one walk of the graph);
 * :class:`AnnotatePass` -- records the decision in ``metadata_props``;
 * :class:`PlaceDataPass` -- finishes each weight Prefetch with where its bytes are;
-  ``meta[OUTPUT_FILES]`` (:class:`~ho_onnx.graph.save.OutputFiles`, what the save writes).
+  ``meta[OUTPUT_FILES]`` (:class:`~ho_onnx.graph.save.OutputFiles`, what the save writes);
+* :class:`ValidatePass` -- the target's check of the finished model: run by the save on the
+  written file, or here, in memory, when the data files are already in place.
 
 Each checks its precondition (the results it reads) and raises
 ``onnx_ir.passes.PreconditionError`` naming the pass that must run first.
@@ -35,10 +37,13 @@ import onnx
 import onnx_ir as ir
 
 from .. import contract
-from ..graph.analyse import GraphAnalysis, TypeSource, analyse
+from ..errors import HoOnnxError, OutputPathError
+from ..graph.analyse import GraphAnalysis, TypeSource, analyse, tool_proto
+from ..graph.check import contrib_ops
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
-from ..graph.save import OutputFiles, data_stamps
-from ..schedule.types import Decider, Decision
+from ..graph.save import OutputFiles, stamp_data_files, to_written_proto
+from ..schedule.types import Decider, Decision, RunFacts
+from ..target.ort.arena import ORT
 from .annotate import annotate, plan_metadata
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
@@ -78,18 +83,13 @@ def _need(model: ir.Model, key: str, producer: str) -> Any:
 class CheckOpsPass(ir.passes.InPlacePass):
     """Refuse a standard-domain op neither onnx nor this onnxruntime defines (and a training
     op whose inputs or outputs do not fit its schema); ``meta[CONTRIB]``: the ops only ORT
-    knows, whose types :class:`AnalysePass` then asks ORT's inference for. ``proto``: the
-    model as loaded (else serialised from the model, weights left external)."""
-
-    def __init__(self, proto: onnx.ModelProto | None = None) -> None:
-        super().__init__()
-        self.proto = proto
+    knows, whose types :class:`AnalysePass` then asks ORT's inference for. The checker reads
+    :func:`~ho_onnx.graph.analyse.tool_proto`."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from ..target.ort.contrib import refuse_unknown_ops
 
-        model.meta[CONTRIB] = refuse_unknown_ops(
-            self.proto if self.proto is not None else ir.to_proto(model))
+        model.meta[CONTRIB] = refuse_unknown_ops(tool_proto(model))
         return ir.passes.PassResult(model, modified=False)
 
 
@@ -99,11 +99,10 @@ class AnalysePass(ir.passes.InPlacePass):
 
     def __init__(self, dims: Mapping[str, int] | None = None, *,
                  shapes: Mapping[str, Sequence[int]] | None = None,
-                 more_types: TypeSource | None = None,
-                 proto: onnx.ModelProto | None = None) -> None:
+                 more_types: TypeSource | None = None) -> None:
         super().__init__()
         self.dims, self.shapes = dict(dims or {}), dict(shapes or {})
-        self.more_types, self.proto = more_types, proto
+        self.more_types = more_types
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         more = self.more_types
@@ -111,7 +110,7 @@ class AnalysePass(ir.passes.InPlacePass):
             from ..target.ort.contrib import contrib_value_types
 
             more = contrib_value_types
-        a = analyse(model, self.dims, shapes=self.shapes, more_types=more, proto=self.proto)
+        a = analyse(model, self.dims, shapes=self.shapes, more_types=more)
         model.meta[ANALYSIS] = a
         return ir.passes.PassResult(model, modified=a.order != sorted(a.order))
 
@@ -119,13 +118,15 @@ class AnalysePass(ir.passes.InPlacePass):
 class DecidePass(ir.passes.InPlacePass):
     """Decide what to offload (changes nothing in the graph). First, every symbolic dim of
     the tensors whose sizes the decider needs (``Decider.sized``) must be bound: one error
-    names all that ``dims`` lacks (and, with the model's ``proto``, the names of ``dims``
-    it does not use: likely misspellings)."""
+    names all that ``dims`` lacks (and the names of ``dims`` the model does not use: likely
+    misspellings). The decider is handed ``run`` (``Decider.prepared``; by default ORT's
+    facts) when it takes it."""
 
     def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
-                 proto: onnx.ModelProto | None = None) -> None:
+                 run: RunFacts | None = None) -> None:
         super().__init__()
-        self.decider, self.dims, self.proto = decider, dict(dims or {}), proto
+        self.decider, self.dims = decider, dict(dims or {})
+        self.run = run if run is not None else RunFacts(ORT)
 
     def requires(self, model: ir.Model) -> None:
         _need(model, ANALYSIS, "AnalysePass")
@@ -133,8 +134,10 @@ class DecidePass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         analysis: GraphAnalysis = model.meta[ANALYSIS]
         require_dims((d for t in analysis.tensors.values() if self.decider.sized(t)
-                      for d in t.symbolic_dims()), self.dims, model=self.proto)
-        model.meta[DECISION] = self.decider.decide(analysis, self.dims)
+                      for d in t.symbolic_dims()), self.dims, model=model)
+        prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
+        decider = self.decider if prepare is None else prepare(self.run)
+        model.meta[DECISION] = decider.decide(analysis, self.dims)
         return ir.passes.PassResult(model, modified=False)
 
 
@@ -222,33 +225,74 @@ class PlaceDataPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(rewritten.weight_prefetches))
 
 
+class ValidatePass(ir.passes.InPlacePass):
+    """Pick the target's check of the finished model (``OutputFiles.validate``): ORT loading
+    it, with the cache ops' library, when it has operators onnx cannot check (ORT's contrib
+    ops), else ``onnx.checker``. The save runs it on the written file before renaming it
+    into place: the library opens each weight Prefetch's data file when ORT loads the model,
+    and a sidecar exists only once written. With ``data_dir`` (the data files already where
+    the model reads them, as :class:`OffloadPass` leaves them) the Prefetches are stamped
+    (:func:`~ho_onnx.graph.save.stamp_data_files`) and the model checked here, in memory."""
+
+    def __init__(self, data_dir: Path | None = None) -> None:
+        super().__init__()
+        self.data_dir = None if data_dir is None else Path(data_dir)
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, OUTPUT_FILES, "PlaceDataPass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        files: OutputFiles = model.meta[OUTPUT_FILES]
+        if contrib_ops(model, ignore=(contract.DOMAIN,)):
+            files.validate = ort_validation
+        if self.data_dir is None:
+            return ir.passes.PassResult(model, modified=False)
+        data_dir = self.data_dir
+        stamp_data_files(files.stamps, lambda loc: data_dir / loc)
+        files.validate(to_written_proto(model), data_dir)
+        return ir.passes.PassResult(model, modified=bool(files.stamps))
+
+
+def ort_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
+    """ORT loads the finished model, its weights' data files in ``data_dir`` (a
+    :data:`~ho_onnx.graph.save.Validation`: ``onnx.checker`` cannot judge contrib ops)."""
+    from ..target.ort.contrib import ort_check
+
+    try:  # (a written file: its own folder)
+        ort_check(finished, model_dir=data_dir if isinstance(finished, onnx.ModelProto)
+                  else None)
+    except HoOnnxError as e:
+        raise OutputPathError(f"the rewritten model does not load in onnxruntime: {e}") from e
+
+
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
                    shapes: Mapping[str, Sequence[int]] | None = None,
-                   proto: onnx.ModelProto | None = None) -> list[ir.passes.PassBase]:
-    """The steps before the graph changes: check the ops, analyse, decide (``proto``: the
-    model as loaded, read instead of a serialisation)."""
-    return [CheckOpsPass(proto), AnalysePass(dims, shapes=shapes, proto=proto),
-            DecidePass(decider, dims, proto=proto)]
+                   run: RunFacts | None = None) -> list[ir.passes.PassBase]:
+    """The steps before the graph changes: check the ops, analyse, decide (``run``: what
+    the decider is handed, :class:`DecidePass`)."""
+    return [CheckOpsPass(), AnalysePass(dims, shapes=shapes),
+            DecidePass(decider, dims, run=run)]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
                   checks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
-                  ranges: DimRanges | None = None) -> list[ir.passes.PassBase]:
+                  ranges: DimRanges | None = None,
+                  data_dir: Path | None = None) -> list[ir.passes.PassBase]:
     """The steps that rewrite the decided model: insert, guard the ranges (``checks``:
     :func:`~ho_onnx.graph.dims.ranged_inputs`), verify, annotate, place the weights' bytes
-    for an output at ``out_path``."""
+    for an output at ``out_path``, validate (``data_dir``: :class:`ValidatePass`)."""
     return [InsertPass(), GuardPass(checks or {}, ranges or {}), VerifySchedulePass(),
-            AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path)]
+            AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path),
+            ValidatePass(data_dir)]
 
 
 def rewrite_passes(decider: Decider, dims: Mapping[str, int], base_dir: Path, out_path: Path,
                    *, shapes: Mapping[str, Sequence[int]] | None = None,
-                   proto: onnx.ModelProto | None = None,
                    checks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
                    ranges: DimRanges | None = None) -> list[ir.passes.PassBase]:
     """Every step of one rewrite, in order: :func:`analysis_steps`, then
     :func:`rewrite_steps`."""
-    return [*analysis_steps(decider, dims, shapes=shapes, proto=proto),
+    return [*analysis_steps(decider, dims, shapes=shapes),
             *rewrite_steps(dims, base_dir, out_path, checks=checks, ranges=ranges)]
 
 
@@ -256,8 +300,8 @@ class OffloadPass(ir.passes.FunctionalPass):
     """Offload the tensors ``decider`` chooses (symbolic dims bound by ``dims``; ``ranges``:
     one plan for every value of each range, guarded, as ``ho_onnx.optimize`` makes): the
     pipeline's own steps (:func:`analysis_steps`, :func:`rewrite_steps`) on a copy of the
-    model. What it does not do is write: ORT's validation of a model with contrib ops runs
-    when the pipeline saves one.
+    model, validated in memory against the input's data files (:class:`ValidatePass`); it
+    writes nothing.
 
     Precondition: every offloaded weight is in external data (an ``onnx_ir.ExternalTensor``,
     as ``onnx_ir.load`` gives for a model saved with external data): an inline weight has
@@ -279,18 +323,10 @@ class OffloadPass(ir.passes.FunctionalPass):
         if not (choice.weights or choice.activations or choice.inputs or choice.outputs):
             return ir.passes.PassResult(work, modified=False)
         base_dir = _external_base_dir(work, {w.name for w in choice.weights})
-        checks = ranged_inputs(ir.to_proto(work), self.ranges) if self.ranges else {}
+        checks = ranged_inputs(work, self.ranges) if self.ranges else {}
         run_steps(work, *rewrite_steps(self.dims, base_dir, base_dir / "model.onnx",
-                                       checks=checks, ranges=self.ranges))
-        files: OutputFiles = work.meta[OUTPUT_FILES]
-        assert files.sidecar is None  # every offloaded weight is external (checked above)
-        nodes = list(work.graph)
-        for positions, size, fp in data_stamps(files.stamps, lambda loc: base_dir / loc):
-            for i in positions:
-                nodes[i].attributes[contract.ATTR_DATA_SIZE] = ir.AttrInt64(
-                    contract.ATTR_DATA_SIZE, size)
-                nodes[i].attributes[contract.ATTR_DATA_FINGERPRINT] = ir.AttrString(
-                    contract.ATTR_DATA_FINGERPRINT, fp)
+                                       checks=checks, ranges=self.ranges, data_dir=base_dir))
+        assert work.meta[OUTPUT_FILES].sidecar is None  # every offloaded weight is external
         for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)

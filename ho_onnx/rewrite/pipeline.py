@@ -4,20 +4,18 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..contract import DOMAIN
-from ..cost.model import CostModel
 from ..cost.source import CostSource
-from ..errors import HoOnnxError, Log, OutputPathError, quiet
-from ..graph.analyse import GraphAnalysis
-from ..graph.check import contrib_ops
+from ..errors import Log, quiet
+from ..graph.analyse import GraphAnalysis, tool_proto
 from ..graph.dims import (
     DimRanges,
     bind_ranges,
@@ -41,7 +39,8 @@ from ..schedule.eligibility import OVERRIDABLE_REASON
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import BudgetPlanner, Plan
 from ..schedule.policy import ExplicitPolicy
-from ..schedule.types import Decider, Decision, OffloadChoice
+from ..schedule.types import Decider, Decision, OffloadChoice, RunFacts
+from ..target.ort.arena import ORT
 from ..units import format_bytes
 from .insert import RewrittenModel
 from .passes import (
@@ -76,45 +75,26 @@ class OptimizeResult:
         return self.decision if isinstance(self.decision, Plan) else None
 
 
-@dataclass(frozen=True)
-class _TimedAtBottom(CostSource):
-    """A range plan's times, taken at the bottom of every range (issue 36): memory is
-    planned at the top, where it is largest, and prefetch windows are sized where compute
-    is smallest (a decode step), so they hide the copies there and, with more compute
-    between the same nodes, everywhere above. The model is analysed again at the bottom
-    (``range_peaks`` does the same); the nodes are the same, in the same order."""
+def _analysed_at(loaded: LoadedModel, dims: Mapping[str, int],
+                 shapes: Mapping[str, Sequence[int]] | None) -> GraphAnalysis:
+    """``loaded``'s model analysed again at ``dims`` (the nodes the same, in the same
+    order; the types of the ops only ORT knows from ORT's inference)."""
+    from ..graph.analyse import analyse
+    from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
 
-    loaded: LoadedModel | None = None
-    bottom: Mapping[str, int] = field(default_factory=dict)
-    shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
-
-    def cost_model(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> CostModel:
-        from ..graph.analyse import analyse
-        from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
-
-        assert self.loaded is not None
-        contrib = refuse_unknown_ops(self.loaded.proto)
-        a = analyse(self.loaded.model, self.bottom, shapes=dict(self.shapes),
-                    proto=self.loaded.proto,
-                    more_types=contrib_value_types if contrib else None)
-        if len(a.order) != len(analysis.order):  # (never expected: the same graph)
-            return super().cost_model(analysis, dims)
-        cm = super().cost_model(a, self.bottom)
-        at = ",".join(f"{k}={v}" for k, v in sorted(self.bottom.items()))
-        return replace(cm, description=cm.description + f"; timed at the bottom of the ranges "
-                       f"({at}: windows sized where compute is least)")
+    contrib = refuse_unknown_ops(tool_proto(loaded.model))
+    return analyse(loaded.model, dims, shapes={k: list(v) for k, v in (shapes or {}).items()},
+                   more_types=contrib_value_types if contrib else None)
 
 
-def _timed_at_bottom(decider: Decider, loaded: LoadedModel, dims: Mapping[str, int],
-                     ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None) -> Decider:
-    """``decider``, a budget planner of a range plan timed at the bottom of the ranges."""
-    if not ranges or not isinstance(decider, BudgetPlanner) \
-            or not isinstance(decider.costs, CostSource):
-        return decider
+def _run_facts(loaded: LoadedModel, dims: Mapping[str, int], ranges: DimRanges,
+               shapes: Mapping[str, Sequence[int]] | None) -> RunFacts:
+    """What a decider is handed for this run: ORT's facts and, for a range plan, the model
+    analysed at the bottom of the ranges (its times)."""
+    if not ranges:
+        return RunFacts(ORT)
     bottom = {**dims, **{k: lo for k, (lo, _) in ranges.items()}}
-    timed = _TimedAtBottom(decider.costs.machine, decider.costs.profile, loaded, bottom,
-                           {k: list(v) for k, v in (shapes or {}).items()})
-    return replace(decider, costs=timed)
+    return RunFacts(ORT, functools.partial(_analysed_at, loaded, bottom, shapes), bottom)
 
 
 def decider_for(options: OffloadOptions, costs: CostSource | None = None) -> Decider:
@@ -187,11 +167,9 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
     else:
         loaded = load_model(model)
     if dim_ranges:
-        ranged_inputs(loaded.proto, dim_ranges)  # (a range no input has: refused here too)
-    planner = _timed_at_bottom(BudgetPlanner(options, costs or CostSource()), loaded, dims,
-                               dim_ranges or {}, shapes)
-    analysis, decision = _decide(loaded, planner, dims,
-                                 steps, shapes)
+        ranged_inputs(loaded.model, dim_ranges)  # (a range no input has: refused here too)
+    analysis, decision = _decide(loaded, BudgetPlanner(options, costs or CostSource()), dims,
+                                 steps, shapes, _run_facts(loaded, dims, dim_ranges or {}, shapes))
     assert isinstance(decision, Plan)
     return loaded, analysis, decision
 
@@ -202,36 +180,20 @@ def range_peaks(loaded: LoadedModel, plan: Plan, dims: Mapping[str, int],
     """``{"bottom": (unmodified, planned), "top": (...)}``: fast-tier peaks of ``plan``
     (made by :func:`plan_model` with ``ranges``, at their top) at the bottom of every range
     and at the top. The bottom is analysed again (shapes inferred at that binding)."""
-    from ..graph.analyse import analyse
     from ..schedule.lifetimes import peaks_at
-    from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
 
     bottom = {**bind_ranges(dims, ranges), **{k: lo for k, (lo, _) in ranges.items()}}
-    shapes = {k: list(v) for k, v in (shapes or {}).items()}
-    contrib = refuse_unknown_ops(loaded.proto)
-    a = analyse(loaded.model, bottom, shapes=shapes, proto=loaded.proto,
-                more_types=contrib_value_types if contrib else None)
+    a = _analysed_at(loaded, bottom, shapes)
     return {"bottom": peaks_at(a, plan.choice, bottom),
             "top": (plan.baseline.peak_bytes, plan.planned.peak_bytes)}
 
 
-def _ort_validate(path: Path) -> None:
-    """ORT loads the written model (with contrib ops, ``onnx.checker`` cannot judge it)."""
-    from ..target.ort.contrib import ort_check
-
-    try:
-        ort_check(path)
-    except HoOnnxError as e:
-        raise OutputPathError(f"the rewritten model does not load in onnxruntime: {e}") from e
-
-
 def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps,
-            shapes: Mapping[str, Sequence[int]] | None = None
+            shapes: Mapping[str, Sequence[int]] | None, run: RunFacts
             ) -> tuple[GraphAnalysis, Decision]:
     shapes = {k: list(v) for k, v in (shapes or {}).items()}
-    dims = dims_from_shapes(loaded.proto, shapes, dims)
-    check, analyse_step, decide = analysis_steps(decider, dims, shapes=shapes,
-                                                 proto=loaded.proto)
+    dims = dims_from_shapes(loaded.model, shapes, dims)
+    check, analyse_step, decide = analysis_steps(decider, dims, shapes=shapes, run=run)
     with steps.step("analyse"):
         run_steps(loaded.model, check, analyse_step)  # ops onnx cannot check: ORT must know them
         contrib = loaded.model.meta[CONTRIB]
@@ -241,7 +203,7 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
               + (f"; ORT ops onnx cannot check: {', '.join(op for _, op in contrib)}"
                  if contrib else ""))
     if dims:  # (not an error: a script may pass one set of dims to several models)
-        unused, used = unused_in_model(loaded.proto, dims, (
+        unused, used = unused_in_model(loaded.model, dims, (
             d for t in analysis.tensors.values() for d in t.symbolic_dims()))
         if unused:
             steps.say("note: " + unused_note(unused, used))
@@ -315,7 +277,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             loaded = load_model(in_path)
             check_output_path(loaded, out_path)  # fail before any work
             if ort_level is not None:
-                n_before = len(loaded.proto.graph.node)
+                n_before = len(loaded.model.graph)
                 pre = stack.enter_context(
                     _ort_optimized_beside(in_path, Path(out_path), ort_level))
                 loaded = load_model(pre)
@@ -325,13 +287,13 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph)} nodes, "
                   f"{len(loaded.model.graph.initializers)} initializers "
                   f"({steps.seconds['load']:.2f} s)")
-        if loaded.proto.training_info:  # (onnx_ir does not read it; found by hand)
-            steps.say(f"note: the model's training_info ({len(loaded.proto.training_info)} "
+        if loaded.training_info:  # (onnx_ir does not read it; found by hand)
+            steps.say(f"note: the model's training_info ({loaded.training_info} "
                       "entries) is not written to the output: the rewritten graph is for "
                       "inference")
-        checks = ranged_inputs(loaded.proto, ranges) if ranges else {}
-        decider = _timed_at_bottom(decider, loaded, dims, ranges, shapes)
-        analysis, decision = _decide(loaded, decider, dims, steps, shapes)
+        checks = ranged_inputs(loaded.model, ranges) if ranges else {}
+        analysis, decision = _decide(loaded, decider, dims, steps, shapes,
+                                     _run_facts(loaded, dims, ranges, shapes))
         with steps.step("rewrite"):
             run_steps(loaded.model, *rewrite_steps(dims, loaded.base_dir, Path(out_path),
                                                    checks=checks, ranges=ranges))
@@ -339,9 +301,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))
         with steps.step("save"):
-            report = save_model(files, loaded, out_path, progress=progress,
-                                validate=_ort_validate if contrib_ops(
-                                    files.model, ignore=(DOMAIN,)) else None)
+            report = save_model(files, loaded, out_path, progress=progress)
     steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"
               + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
     return OptimizeResult(analysis, decision, rewritten, report, steps.seconds)

@@ -63,10 +63,8 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                          ir.AttrInt64(contract.ATTR_LENGTH, length)):
                 node.attributes[attr.name] = attr
         stamped.setdefault(loc, []).extend(nodes)
-    index = {node: i for i, node in enumerate(rewritten.model.graph)}
-    stamps = {loc: [index[n] for n in nodes] for loc, nodes in stamped.items()}
     return OutputFiles(rewritten.model, referenced,
-                       sidecar if sidecar.tensors else None, stamps)
+                       sidecar if sidecar.tensors else None, stamped)
 
 
 def _unlinked(location: str, folder: Path, file: Path) -> str:
@@ -114,11 +112,9 @@ def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar
             continue
         if v.const_value is None:
             raise OutputPathError(f"offloaded weight {name!r} has no value")
-        t = ir.serde.serialize_tensor(v.const_value)
-        t.name = name
         length = _nbytes(v.const_value)
         pos += (-pos) % (_ALIGN_BIG if length >= _BIG else _ALIGN_SMALL)
-        sidecar.tensors.append((t, pos, length))
+        sidecar.tensors.append((name, v.const_value, pos, length))
         where[name] = (sidecar.name, pos, length)
         pos += length
     return where

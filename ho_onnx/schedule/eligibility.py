@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import onnx
 
 from .. import kinds
-from ..cost.contrib import weight_groups
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.dtypes import ELEMENT_BITS
 from ..kinds import TensorKind
+from ..target.ort.costs import weight_groups
 from ..target.ort.facts import UNSUPPORTED_REASON, UNSUPPORTED_TYPES, reads_only_shape
 from ..target.ort.placement import (
     HOST_INPUT_REASON,
@@ -138,7 +138,7 @@ def long_gaps(producer: int, uses: Sequence[int], min_gap: int) -> list[tuple[in
 @dataclass(frozen=True)
 class WeightGroups:
     """Initializers that are offloaded and reloaded as one unit (a MatMulNBits packed weight
-    with its scales and zero points: :func:`~ho_onnx.cost.contrib.weight_groups`)."""
+    with its scales and zero points: :func:`~ho_onnx.target.ort.costs.weight_groups`)."""
 
     members: dict[str, tuple[str, ...]]  # primary -> all members, primary first
     primary_of: dict[str, str]  # companion -> primary

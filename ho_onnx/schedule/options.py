@@ -60,7 +60,7 @@ class OffloadOptions:
       ``max_extra``, ``max_extra_s``: tries and seconds of the look-ahead that offloads one
       more tensor to rescue a stalled reload.
       ``arena_refits``: ORT's arena holds more than the live tensors (its allocation planner
-      keeps reused buffers across gaps, :mod:`~ho_onnx.schedule.ort_reuse`); while that
+      keeps reused buffers across gaps, :mod:`~ho_onnx.schedule.arena`); while that
       replayed arena peak exceeds ``budget``, plan again for a budget lowered by the excess,
       at most this many times (0: fit the tensor count only). The replay is ORT's arena
       with memory patterns off, as ``ho_onnx.InferenceSession`` runs.

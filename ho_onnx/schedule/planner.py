@@ -23,10 +23,10 @@
    open gets one more tensor offloaded there, kept only if the re-simulated time drops.
 5. **Prediction**: :func:`ho_onnx.schedule.simulate.simulate` of the final schedule.
 6. **ORT's arena**: the simulation counts tensors, ORT's allocation planner holds reused
-   buffers longer (:mod:`.ort_reuse`). While that replayed arena peak exceeds the budget,
-   the plan is made again for a budget lowered by the excess (``options.arena_refits``
-   times at most); the plan keeps the user's budget and records the budget it was made
-   for and the arena it predicts.
+   buffers longer (:mod:`.arena`, by the target's rules: ``target``). While that replayed
+   arena peak exceeds the budget, the plan is made again for a budget lowered by the
+   excess (``options.arena_refits`` times at most); the plan keeps the user's budget and
+   records the budget it was made for and the arena it predicts.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every
 candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
@@ -47,11 +47,14 @@ import numpy as np
 
 from .. import kinds
 from ..cost.model import CostModel
-from ..cost.source import CostSource
+from ..cost.source import CostSource, TimedAt
 from ..errors import HoOnnxError, UnsupportedModelError
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.gcpause import gc_paused
+from ..target.base import Target
+from ..target.ort.arena import ORT
 from ..units import format_bytes
+from .arena import arena_memory
 from .eligibility import (
     OVERRIDABLE_REASON,
     Routed,
@@ -78,9 +81,8 @@ from .lifetimes import (
     schedule_memory,
 )
 from .options import OffloadOptions
-from .ort_reuse import ort_memory
 from .simulate import Simulation, simulate
-from .types import ActivationOffload, Decision, OffloadChoice, Tier, WeightOffload
+from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, Tier, WeightOffload
 
 
 class InfeasibleBudgetError(HoOnnxError):
@@ -174,15 +176,23 @@ class Plan(Decision):
 class BudgetPlanner:
     """:class:`~ho_onnx.schedule.types.Decider` of the budget planner: ``costs`` is a
     :class:`CostModel` of the graph it will see, or a :class:`CostSource` that makes one
-    for each graph."""
+    for each graph; ``target``: the runtime's facts (its arena, replayed)."""
 
     options: OffloadOptions
     costs: CostModel | CostSource
+    target: Target = ORT
 
     def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Plan:
         costs = self.costs if isinstance(self.costs, CostModel) else \
             self.costs.cost_model(analysis, dims)
-        return plan(analysis, self.options, costs, dims)
+        return plan(analysis, self.options, costs, dims, target=self.target)
+
+    def prepared(self, run: RunFacts) -> BudgetPlanner:
+        """For ``run``'s target; a range plan's times taken at the bottom of the ranges."""
+        costs = self.costs
+        if run.bottom is not None and isinstance(costs, CostSource):
+            costs = TimedAt(costs.machine, costs.profile, run.bottom, run.bottom_dims)
+        return replace(self, costs=costs, target=run.target)
 
     def sized(self, t: TensorInfo) -> bool:
         """Every size: the simulated peak counts every tensor."""
@@ -603,8 +613,9 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
 
 @gc_paused()
 def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-         dims: Mapping[str, int] | None = None) -> Plan:
-    """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring).
+         dims: Mapping[str, int] | None = None, *, target: Target = ORT) -> Plan:
+    """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring;
+    ``target``: the runtime whose arena is replayed).
 
     Raises :class:`InfeasibleBudgetError` whose ``min_budget`` is a budget this planner
     meets (the smallest from the largest-gap estimate up, :func:`_met_budget`), and
@@ -614,7 +625,7 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
                                     "offload under a budget")
     basis = _Basis.of(analysis, opts, costs, dims)  # shared by the plan and its refits
     first = _plan(analysis, opts, costs, dims, search=True, basis=basis)
-    return _fit_arena(analysis, opts, costs, dims, first, basis)
+    return _fit_arena(analysis, opts, costs, dims, first, basis, runtime=target)
 
 
 @dataclass
@@ -659,8 +670,9 @@ class _Basis:
 
 
 def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-               dims: Mapping[str, int] | None, first: Plan, basis: _Basis) -> Plan:
-    """``first``, or a plan for a lower budget whose replayed ORT arena fits ``opts.budget``
+               dims: Mapping[str, int] | None, first: Plan, basis: _Basis, *,
+               runtime: Target) -> Plan:
+    """``first``, or a plan for a lower budget whose replayed arena fits ``opts.budget``
     (module docstring, 6): the one with the smallest arena of at most ``opts.arena_refits``
     more tries, each for a budget lowered by the last excess (at least 1/256 of the budget,
     so that a few steps converge) but not below the smallest budget the planner said it
@@ -668,7 +680,8 @@ def _fit_arena(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     budget = first.budget
 
     def replayed(p: Plan) -> int:
-        return int(ort_memory(analysis, p.choice, dims, basis.residency).max())
+        return int(arena_memory(analysis, p.choice, dims, basis.residency,
+                                target=runtime).max())
 
     best, arena = first, replayed(first)
     target, last, floor = budget, arena, 1

@@ -21,7 +21,7 @@ from .eligibility import (
 )
 from .kv import distance_window, kv_choice
 from .options import OffloadOptions
-from .types import ActivationOffload, Decision, OffloadChoice, WeightOffload
+from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, WeightOffload
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class ExplicitPolicy:
         return (not t.is_initializer and self.options.activations
                 and bool(self.options.min_bytes_or_default)) or (
                     self.options.kv and t.kv_peer is not None)
+
+    def prepared(self, run: RunFacts) -> ExplicitPolicy:
+        """Itself: the options say what moves; no target fact changes that."""
+        return self
 
 
 def describe(options: OffloadOptions) -> str:

@@ -8,12 +8,13 @@ budget planner) makes one from a :class:`~ho_onnx.graph.analyse.GraphAnalysis`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .. import kinds
 from ..graph.analyse import GraphAnalysis, TensorInfo
+from ..target.base import Target
 
 # A registered tier's name (ho_onnx.kinds: host, disk, and any tier registered there).
 Tier = str
@@ -183,11 +184,27 @@ class Decision:
         return []
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What the pipeline hands a decider for one run (:meth:`Decider.prepared`): the
+    target's facts (``target``: callbacks, :class:`~ho_onnx.target.base.Target`) and, for a
+    plan made for ranges of dims, ``bottom``: the model analysed at the bottom of every range
+    (``bottom_dims``), where compute is least: the times a range plan sizes its prefetch
+    windows by (issue 36)."""
+
+    target: Target
+    bottom: Callable[[], GraphAnalysis] | None = None
+    bottom_dims: Mapping[str, int] = field(default_factory=dict)
+
+
 class Decider(Protocol):
     """The decision seam: which tensors leave the fast tier and when their reloads start.
 
     Implemented by :class:`~ho_onnx.schedule.policy.ExplicitPolicy` and
     :class:`~ho_onnx.schedule.planner.BudgetPlanner`; a decider never modifies ``analysis``.
+    The pipeline checks the dims of the tensors it sizes (:meth:`sized`), logs its
+    decision's :meth:`Decision.summary`, and hands it the run's facts (:meth:`prepared`,
+    optional: a decider without it decides as it is).
     """
 
     def decide(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> Decision:
@@ -197,4 +214,8 @@ class Decider(Protocol):
     def sized(self, t: TensorInfo) -> bool:
         """Whether :meth:`decide` needs ``t``'s size: the pipeline names every symbolic dim
         of such tensors that ``dims`` leaves unbound, in one error, before deciding."""
+        ...
+
+    def prepared(self, run: RunFacts) -> Decider:
+        """This decider for one run of the pipeline, with what ``run`` gives it."""
         ...

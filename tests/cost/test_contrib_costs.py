@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
-from ho_onnx.cost.contrib import contrib_flops_bytes, weight_groups
+from ho_onnx.target.ort.costs import contrib_flops_bytes, weight_groups
 
 HEADER = '<ir_version: 8, opset_import: ["" : 21, "com.microsoft" : 1]>'
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.parser
+import onnx_ir as ir
 import pytest
 
 from ho_onnx.errors import UnboundDimError
@@ -31,21 +32,25 @@ g (int64[batch_size, sequence_length] input_ids,
 """
 
 
-def with_past() -> onnx.ModelProto:
+def with_past_proto() -> onnx.ModelProto:
     model = onnx.parser.parse_model(WITH_PAST)  # (ONNX text has no expression dims)
     model.graph.input[1].type.tensor_type.shape.dim[1].dim_param = (
         "past_sequence_length + sequence_length")
     return model
 
 
-def paddle_like() -> onnx.ModelProto:
+def with_past() -> ir.Model:
+    return ir.from_proto(with_past_proto())
+
+
+def paddle_like() -> ir.Model:
     """An input whose dynamic dims have no name, another named '?' (as Paddle exports)."""
     model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
     g (float[1, 3, H, W] x, float[N] z) => (float[1, 3, H, W] y) { y = Identity (x) }""")
     x = model.graph.input[0].type.tensor_type.shape.dim
     x[2].ClearField("dim_param")  # no name at all
     x[3].dim_param = "?"
-    return model
+    return ir.from_proto(model)
 
 
 def test_parse_shapes():
@@ -164,9 +169,11 @@ def test_declared_dims_and_inputs_hint():
     profile) names a --dim none of the inputs use, and not those a --shape bound."""
     from ho_onnx.graph.dims import declared_dims
 
-    model = with_past()
-    model.graph.value_info.append(onnx.helper.make_tensor_value_info(
+    proto = with_past_proto()
+    proto.graph.node.append(onnx.helper.make_node("Identity", ["past_key"], ["v"]))
+    proto.graph.value_info.append(onnx.helper.make_tensor_value_info(
         "v", onnx.TensorProto.FLOAT, ["hidden_len"]))
+    model = ir.from_proto(proto)
     assert declared_dims(model) == ["batch_size", "sequence_length",
                                     "past_sequence_length + sequence_length",
                                     "past_sequence_length", "hidden_len"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.parser
 import onnx_ir as ir
 import onnx_ir.passes.common
 import pytest
@@ -88,7 +89,7 @@ def test_the_steps_are_passes_with_one_signature_and_compose(tmp_path):
     w1, w2 = (onnx.numpy_helper.to_array(t) for t in m.graph.initializer)
     loaded = load_model(save(m, tmp_path / "m.onnx"))
     out = tmp_path / "out" / "m.ho.onnx"
-    steps = rewrite_passes(ALL, {"N": 4}, loaded.base_dir, out, proto=loaded.proto)
+    steps = rewrite_passes(ALL, {"N": 4}, loaded.base_dir, out)
     assert all(isinstance(s, ir.passes.InPlacePass) for s in steps)
     result = ir.passes.PassManager(steps)(loaded.model)
     assert result.model is loaded.model and result.modified
@@ -101,18 +102,41 @@ def test_the_steps_are_passes_with_one_signature_and_compose(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_one_ir_from_load_to_save(tmp_path):
+    """The loaded model is the onnx_ir model alone (issue 35): the tools that read a proto
+    get the file as loaded while the graph is unchanged, a serialisation once the insertion
+    changed it, and the save stamps the weight Prefetches of the model itself."""
+    from ho_onnx.graph.analyse import tool_proto
+    from ho_onnx.graph.load import load_model
+    from ho_onnx.rewrite.passes import OUTPUT_FILES, analysis_steps, rewrite_steps, run_steps
+
+    loaded = load_model(save(chain_model(), tmp_path / "m.onnx", external=True))
+    assert not hasattr(loaded, "proto")
+    source = tool_proto(loaded.model)
+    run_steps(loaded.model, *analysis_steps(ALL, {"N": 4}))
+    assert tool_proto(loaded.model) is source  # (not serialised again to analyse)
+    run_steps(loaded.model, *rewrite_steps({"N": 4}, loaded.base_dir, tmp_path / "o.onnx"))
+    assert {n.domain for n in tool_proto(loaded.model).graph.node} >= {contract.DOMAIN}
+    files = loaded.model.meta[OUTPUT_FILES]
+    stamped = [n for nodes in files.stamps.values() for n in nodes]
+    assert stamped and files.model is loaded.model
+    assert all(isinstance(n, ir.Node) and n.graph is loaded.model.graph for n in stamped)
+
+
 @pytest.mark.parametrize("step,missing", [("DecidePass", "AnalysePass"),
                                           ("InsertPass", "DecidePass"),
                                           ("GuardPass", "InsertPass"),
                                           ("AnnotatePass", "DecidePass"),
-                                          ("PlaceDataPass", "InsertPass")])
+                                          ("PlaceDataPass", "InsertPass"),
+                                          ("ValidatePass", "PlaceDataPass")])
 def test_a_step_without_its_input_names_the_pass_to_run_first(tmp_path, step, missing):
     from ho_onnx.rewrite.passes import AnalysePass, DecidePass, rewrite_passes
 
     steps = {type(s).__name__: s for s in rewrite_passes(ALL, {"N": 4}, tmp_path,
                                                           tmp_path / "o.onnx")}
     assert list(steps) == ["CheckOpsPass", "AnalysePass", "DecidePass", "InsertPass",
-                           "GuardPass", "VerifySchedulePass", "AnnotatePass", "PlaceDataPass"]
+                           "GuardPass", "VerifySchedulePass", "AnnotatePass", "PlaceDataPass",
+                           "ValidatePass"]
     model = ir.from_proto(chain_model())
     if missing != "AnalysePass":
         AnalysePass({"N": 4})(model)
@@ -185,3 +209,23 @@ def test_offload_pass_is_the_pipelines_composition(tmp_path):
     result = OffloadPass(ALL, {}, ranges={"N": (1, 8)})(model)
     assert _cache_ops(result.model)["Guard"] == 1
     assert result.model.metadata_props["ho_onnx.dim_ranges"] == "N=1..8"
+
+
+def test_offload_pass_validates_the_result_in_ort(tmp_path):
+    """OffloadPass runs the pipeline's ValidatePass too (issue 35: ORT's validation of a model
+    with contrib ops ran only when the pipeline saved one): a result ORT refuses (FastGelu
+    of int32, which onnx cannot judge) is an error naming ORT's reason, not a model handed
+    back."""
+    from ho_onnx.errors import OutputPathError
+
+    m = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 18, "com.microsoft" : 1]>
+    g (float[N, 16] x) => (int32[N, 16] y) {
+      h = MatMul(x, W1)
+      c = Cast<to = 6>(h)
+      y = com.microsoft.FastGelu(c)
+    }""")
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.ones((16, 16), np.float32), "W1"))
+    model = ir.load(save(m, tmp_path / "m.onnx", external=True))
+    with pytest.raises(OutputPathError, match=r"does not load in onnxruntime: .*FastGelu"):
+        OffloadPass(ALL, {"N": 4})(model)

@@ -366,3 +366,49 @@ def test_a_third_decider_gets_the_dims_check_and_its_log_lines(tmp_path):
     lines: list[str] = []
     r = optimize(src, tmp_path / "b.onnx", Third(), {"batch": 1, "seq": 4}, log=lines.append)
     assert f"mine: {len(r.choice.activations)} activations" in lines and r.choice.activations
+
+
+def test_the_pipeline_hands_deciders_the_targets_facts(tmp_path):
+    """Issue 35: ORT's facts reach the deciders through the Decider protocol
+    (``prepared(RunFacts)``), not by imports of their own: the pipeline hands every run ORT's
+    (and, for a range plan, the model analysed at the bottom of the ranges), and a budget
+    planner handed another runtime's arena rules plans for that arena."""
+    from dataclasses import replace
+
+    from ho_onnx.cost.model import CostModel
+    from ho_onnx.graph.analyse import analyse
+    from ho_onnx.graph.load import load_model
+    from ho_onnx.schedule.planner import BudgetPlanner
+    from ho_onnx.schedule.policy import ExplicitPolicy
+    from ho_onnx.schedule.types import RunFacts
+    from ho_onnx.target.ort.arena import ORT
+
+    runs: list[RunFacts] = []
+    policy = ExplicitPolicy(OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=1))
+
+    class Recording:
+        def decide(self, analysis, dims):
+            return policy.decide(analysis, dims)
+
+        def sized(self, t):
+            return policy.sized(t)
+
+        def prepared(self, run):
+            runs.append(run)
+            return self
+
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, layers=1, hidden=32, heads=2)
+    optimize(src, tmp_path / "a.onnx", Recording(), {"batch": 1, "seq": 4})
+    optimize(src, tmp_path / "b.onnx", Recording(), {"batch": 1}, dim_ranges={"seq": (2, 8)})
+    assert [r.target for r in runs] == [ORT, ORT] and runs[0].bottom is None
+    assert runs[1].bottom_dims == {"batch": 1, "seq": 2}
+    assert runs[1].bottom is not None and runs[1].bottom().tensors  # analysed at seq=2
+
+    a = analyse(load_model(src).model, DIMS)
+    huge = 1 << 40  # a runtime whose allocator holds one huge buffer for the whole run
+    other = replace(ORT, name="other", replay=lambda values, n: [(0, n - 1, huge)])
+    planner = BudgetPlanner(OffloadOptions(budget=1 << 30, arena_refits=0),
+                            CostModel([1e-6] * len(a.order), lambda *_: 1e-6))
+    assert planner.decide(a, DIMS).arena_bytes < huge
+    assert planner.prepared(RunFacts(other)).decide(a, DIMS).arena_bytes >= huge

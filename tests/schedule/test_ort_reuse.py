@@ -1,5 +1,6 @@
-"""ORT's buffer reuse replayed (``schedule/ort_reuse.py``), checked against ORT's own CPU
-arena: the samples every Wait takes (``ho_onnx.sample_arena=1`` + ``arena_trace``)."""
+"""ORT's buffer reuse replayed (``schedule/arena.py`` by ``target/ort/arena.py``'s rules),
+checked against ORT's own CPU arena: the samples every Wait takes (``ho_onnx.sample_arena=1``
++ ``arena_trace``)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from ho_onnx import _ops
 from ho_onnx.contract import CONFIG_SAMPLE_ARENA
 from ho_onnx.graph.analyse import analyse
 from ho_onnx.rewrite.pipeline import optimize
+from ho_onnx.schedule.arena import arena_buffer_intervals, arena_memory
 from ho_onnx.schedule.lifetimes import schedule_memory
 from ho_onnx.schedule.options import OffloadOptions
-from ho_onnx.schedule.ort_reuse import ort_buffer_intervals, ort_memory
 from ho_onnx.target.ort import runtime
 
 MIB = 1 << 20
@@ -33,12 +34,12 @@ def _gap(tmp_path):
 def test_a_reused_buffer_is_held_across_the_gap():
     a = analyse(_model())
     tensors = schedule_memory(a, None)
-    reused = ort_memory(a, None)
+    reused = arena_memory(a, None)
     static = MIB  # W (x is read at step 0 only)
     pos = a.tensors["t4"].producer
     assert tensors[pos] - static == 4 * MIB
     assert reused[pos] - static == 6 * MIB
-    intervals, held = ort_buffer_intervals(a, None)
+    intervals, held = arena_buffer_intervals(a, None)
     assert held == static
     # x, t1, t2, t3, t4, m, y: s1 and s2 take t2's and t1's buffers (s1 is still read when m
     # is allocated: ORT frees a node's inputs after allocating its outputs; y is a graph
@@ -56,8 +57,8 @@ def test_replay_matches_the_arena_ort_reports(tmp_path):
     r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=1))
     assert r.decision.choice.weights, "W must be offloaded so that a Wait samples the arena"
     choice = r.decision.choice
-    _, held = ort_buffer_intervals(r.analysis, choice)
-    predicted = int(ort_memory(r.analysis, choice).max()) - held
+    _, held = arena_buffer_intervals(r.analysis, choice)
+    predicted = int(arena_memory(r.analysis, choice).max()) - held
     tensor_count = int(schedule_memory(r.analysis, choice).max()) - held
 
     so = ort.SessionOptions()
@@ -111,7 +112,7 @@ def test_memory_patterns_are_off_so_the_arena_stays_the_replay(tmp_path):
     src = _gap(tmp_path)
     out = tmp_path / "gap.ho.onnx"
     r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=1))
-    predicted = int(ort_memory(r.analysis, r.decision.choice).max())
+    predicted = int(arena_memory(r.analysis, r.decision.choice).max())
     default = _max_in_use_over_runs(out, 5)
     if default[-1] < 0:
         pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
@@ -205,7 +206,7 @@ def test_the_planner_fits_ort_arena_not_just_the_tensors(tmp_path):
     measured, got = _measured_arena(out, {"x": x})
     if measured is None:
         pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
-    _, held = ort_buffer_intervals(r.analysis, r.decision.choice)
+    _, held = arena_buffer_intervals(r.analysis, r.decision.choice)
     assert measured + held <= budget + (64 << 10), (measured, held)
     so = ort.SessionOptions()  # MLAS packs a constant W: another summation order
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -139,9 +139,11 @@ def symbolic_types(inferred: bytes) -> dict[str, onnx.TypeProto]:
     return types
 
 
-def ort_check(path: str | os.PathLike[str], library: str | None = None, *,
-              isolate: bool = True) -> list[str]:
-    """Validate a written model by ORT loading its graph, weights as typed inputs.
+def ort_check(path: str | os.PathLike[str] | onnx.ModelProto, library: str | None = None, *,
+              model_dir: Path | None = None, isolate: bool = True) -> list[str]:
+    """Validate a finished model by ORT loading its graph, weights as typed inputs: a
+    written one (``path``), or one in memory (a proto) whose weight Prefetches read data
+    files in ``model_dir``.
 
     ``library`` (default: ho-onnx's) is registered so cache operators and their types are
     judged too. A runtime that is no training build (plain ``onnxruntime``) lacks ORT's
@@ -152,10 +154,11 @@ def ort_check(path: str | os.PathLike[str], library: str | None = None, *,
     :class:`UnsupportedModelError` with ORT's first line on failure (or when ORT crashes:
     it runs in a child process unless ``isolate`` is false).
     """
-    p = Path(path)
+    in_memory = isinstance(path, onnx.ModelProto)
+    name = "the rewritten model" if in_memory else repr(str(path))
     if isolate:
-        stood_in = run_isolated(ort_check, p, library, isolate=False,
-                                what=f"loading the written model {str(p)!r}")
+        stood_in = run_isolated(ort_check, path, library, model_dir=model_dir, isolate=False,
+                                what=f"loading {name}")
         if stood_in:
             _log.warning("note: the written model's training ops (%s) are checked against "
                          "ho-onnx's table only: this onnxruntime does not register them "
@@ -164,7 +167,10 @@ def ort_check(path: str | os.PathLike[str], library: str | None = None, *,
         return stood_in
     import onnxruntime as ort
 
-    model = onnx.load(str(p), load_external_data=False)
+    if isinstance(path, onnx.ModelProto):
+        model, folder = path, Path(model_dir or ".")
+    else:
+        model, folder = onnx.load(str(path), load_external_data=False), Path(path).parent
     sk = weights_as_inputs(model, keep_bytes=0)
     stood_in: list[str] = []
     if not runtime_trains():
@@ -176,12 +182,12 @@ def ort_check(path: str | os.PathLike[str], library: str | None = None, *,
         from .runtime import library_path
 
         library = library_path()
-    so.add_session_config_entry("ho_onnx.model_dir", str(p.resolve().parent))
+    so.add_session_config_entry("ho_onnx.model_dir", str(folder.resolve()))
     so.register_custom_ops_library(library)
     try:
         ort.InferenceSession(sk.SerializeToString(), sess_options=so,
                              providers=["CPUExecutionProvider"])
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-        raise UnsupportedModelError(f"onnxruntime does not load {str(p)!r}: {msg}") from None
+        raise UnsupportedModelError(f"onnxruntime does not load {name}: {msg}") from None
     return stood_in

@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from ...errors import HoOnnxError, PastTableError, UnsupportedModelError
-from ...graph.dims import input_shapes, is_mask_input, shape_text
+from ...graph.dims import graph_inputs, input_shapes, is_mask_input, shape_text
 from ...graph.load import check_text, read_proto, validate_weight_data
 from ...units import INT64_MAX, format_bytes
 
@@ -92,6 +93,18 @@ def _check_feed_shape(name: str, shape: list[int], itemsize: int) -> None:
             "no data can be made for it)")
 
 
+def signature(model: onnx.ModelProto | ir.Model) -> ir.Model:
+    """The inputs a caller feeds ``model`` (a file ORT is given), as an ``onnx_ir`` model of
+    no nodes: what :func:`~ho_onnx.graph.dims.input_shapes` reads, without reading the
+    graph."""
+    if isinstance(model, ir.Model):
+        return model
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [ir.serde.deserialize_value_info_proto(vi, None) for vi in model.graph.input
+              if vi.name not in inits]
+    return ir.Model(ir.Graph(inputs, [], nodes=[]), ir_version=model.ir_version)
+
+
 def checked_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
                    shapes: Mapping[str, list[int]] | None = None,
                    **kw: Any) -> dict[str, np.ndarray]:
@@ -113,8 +126,8 @@ def checked_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None
     return feeds
 
 
-def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, *,
-                  seed: int = 0, int_high: int = 8,
+def random_inputs(model: onnx.ModelProto | ir.Model, dims: Mapping[str, int] | None = None,
+                  *, seed: int = 0, int_high: int = 8,
                   shapes: Mapping[str, list[int]] | None = None) -> dict[str, np.ndarray]:
     """Random feeds for every graph input that is not an initializer.
 
@@ -123,31 +136,29 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
     integers uniform in ``[0, int_high)`` (keeps indices such as token ids in range),
     booleans fair coins, strings ``"s<integer>"`` of such integers; attention masks are ones.
     """
-    dims = dict(dims or {})
-    all_shapes = input_shapes(model, dims, shapes, unnamed=1)
+    sig = signature(model)
+    all_shapes = input_shapes(sig, dict(dims or {}), shapes, unnamed=1)
     rng = np.random.default_rng(seed)
-    inits = {t.name for t in model.graph.initializer}
     feeds: dict[str, np.ndarray] = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        if not vi.type.HasField("tensor_type"):
-            raise UnsupportedModelError(f"input {vi.name!r} is not a tensor: cannot make data")
-        elem = vi.type.tensor_type.elem_type
-        shape = all_shapes.get(vi.name, [])
+    for v in graph_inputs(sig):
+        name = str(v.name)
+        if not isinstance(v.type, ir.TensorType):
+            raise UnsupportedModelError(f"input {name!r} is not a tensor: cannot make data")
+        elem = int(v.type.dtype)
+        shape = all_shapes.get(name, [])
         if elem == onnx.TensorProto.STRING:  # (found by hand: refused, so no verify)
-            _check_feed_shape(vi.name, shape, 16)
+            _check_feed_shape(name, shape, 16)
             words = rng.integers(0, int_high, size=shape).ravel()
-            feeds[vi.name] = np.array([f"s{w}" for w in words], dtype=object).reshape(shape)
+            feeds[name] = np.array([f"s{w}" for w in words], dtype=object).reshape(shape)
             continue
         if elem not in _NP_TYPES:
             raise UnsupportedModelError(
-                f"input {vi.name!r} has element type "
+                f"input {name!r} has element type "
                 f"{onnx.TensorProto.DataType.Name(elem)}, for which no random data is made"
             )
         np_type = _NP_TYPES[elem]
-        _check_feed_shape(vi.name, shape, np.dtype(np_type).itemsize)
-        if is_mask_input(vi.name):
+        _check_feed_shape(name, shape, np.dtype(np_type).itemsize)
+        if is_mask_input(name):
             arr = np.ones(shape, dtype=np_type)
         elif np_type is np.bool_:
             arr = rng.random(shape) < 0.5
@@ -157,7 +168,7 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
             # (and never past int64: numpy draws them as int64)
             high = min(int_high, int(np.iinfo(np_type).max) + 1, INT64_MAX + 1)
             arr = rng.integers(0, high, size=shape).astype(np_type)
-        feeds[vi.name] = np.asarray(arr)
+        feeds[name] = np.asarray(arr)
     return feeds
 
 

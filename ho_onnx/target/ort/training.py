@@ -11,7 +11,7 @@ type rule of each output and a cost (FLOPs per element of one tensor). It serves
 * shape inference without the training runtime: :func:`with_stand_ins` replaces each
   training node by standard nodes whose outputs have the same types (never run: ONNX's and
   ORT's inference, and ORT loading a written model to validate the rest of it, read them);
-* the cost model (:func:`~ho_onnx.cost.contrib.contrib_flops_bytes`).
+* the cost model (:func:`~ho_onnx.target.ort.costs.contrib_flops_bytes`).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("optimum.onnxruntime")
 pytest.importorskip("transformers")
 
-from ho_onnx.cost.contrib import weight_groups
 from ho_onnx.graph.check import check_standard
 from ho_onnx.target.ort.contrib import contrib_value_types, ort_check
+from ho_onnx.target.ort.costs import weight_groups
 from models.genai_export import build_hf_llama, export_genai, genai_greedy
 from models.optimum_export import export_optimum, optimum_greedy
 

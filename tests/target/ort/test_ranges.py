@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
@@ -124,7 +125,7 @@ def test_range_checks():
             bind_ranges({}, bad)
     with pytest.raises(UnboundDimError, match=r"given as 4 and as the range 1\.\.8"):
         bind_ranges({"seq": 4}, {"seq": (1, 8)})
-    model = build_decoder()
+    model = ir.from_proto(build_decoder())
     assert ranged_inputs(model, {"seq": (1, 8)}) == {"input_ids": [(1, "seq")]}
     with pytest.raises(UnboundDimError, match=r"'sq': no graph input has this dim.*seq"):
         ranged_inputs(model, {"sq": (1, 8)})

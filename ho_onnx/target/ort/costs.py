@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from ..graph.analyse import attribute_values, input_names, output_names
-from ..target.ort.training import TRAINING_OPS
+from ...graph.analyse import attribute_values
+from .training import TRAINING_OPS
 
 Shape = list[int] | None
 
@@ -157,48 +157,46 @@ def weight_groups(graph: ir.Graph) -> list[tuple[str, ...]]:
     Groups sharing a member are merged (a tied embedding feeds a GatherBlockQuantized and
     the lm_head MatMulNBits with the same packed table and scales; a weight seen through a
     Reshape/Identity/(Un)Squeeze/Flatten of it counts as itself). Only groups of two or
-    more initializers are returned, in graph order.
+    more initializers are returned, in graph order. Found on the use-def chains: the
+    union-find is over the values, not their names.
     """
-    inits = set(graph.initializers)
-    # A view of an initializer (the builder's tied table is Reshape(lm_head weight)) stands
-    # for the initializer itself.
-    view_of = {output_names(n)[0]: input_names(n)[0] for n in graph
-               if n.op_type in _VIEW_OPS and n.inputs and input_names(n)[0] in inits
-               and n.outputs}
-    parent: dict[str, str] = {}
+    inits = set(graph.initializers.values())
+    parent: dict[ir.Value, ir.Value] = {}
 
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
+    def find(x: ir.Value) -> ir.Value:
+        while parent.setdefault(x, x) is not x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
-    order: dict[str, int] = {}
-    primaries: set[str] = set()
+    order: dict[ir.Value, int] = {}
+    primaries: set[ir.Value] = set()
     for node in graph:
         rule = _GROUPED.get(node.op_type)
-        if rule is None or node.domain != "com.microsoft":
+        if rule is None or node.domain != "com.microsoft" or len(node.inputs) <= rule[0]:
             continue
-        main, others = rule
-        names = input_names(node)
-        if len(names) <= main:
-            continue
-        w = view_of.get(names[main], names[main])
-        if w not in inits:
+        w = _weight(node.inputs[rule[0]], inits)
+        if w is None:
             continue
         primaries.add(w)
         order.setdefault(w, len(order))
-        for i in others:
-            if len(names) > i and names[i] in inits:
-                order.setdefault(names[i], len(order))
-                parent[find(names[i])] = find(w)
-    groups: dict[str, list[str]] = {}
-    for name in sorted(order, key=order.__getitem__):
-        groups.setdefault(find(name), []).append(name)
-    out = []
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        members.sort(key=lambda m: (m not in primaries, order[m]))
-        out.append(tuple(members))
-    return out
+        for x in (node.inputs[i] for i in rule[1] if i < len(node.inputs)):
+            if x is not None and x in inits:
+                order.setdefault(x, len(order))
+                parent[find(x)] = find(w)
+    groups: dict[ir.Value, list[ir.Value]] = {}
+    for v in sorted(order, key=order.__getitem__):
+        groups.setdefault(find(v), []).append(v)
+    return [tuple(m.name or "" for m in sorted(members, key=lambda m: (m not in primaries,
+                                                                     order[m])))
+            for members in groups.values() if len(members) >= 2]
+
+
+def _weight(v: ir.Value | None, inits: set[ir.Value]) -> ir.Value | None:
+    """The initializer ``v`` is, or is a view of (the builder's tied table is
+    Reshape(lm_head weight)); None for any other value."""
+    node = v.producer() if v is not None else None
+    if node is not None and node.op_type in _VIEW_OPS and node.inputs \
+            and node.inputs[0] in inits:
+        v = node.inputs[0]
+    return v if v in inits else None

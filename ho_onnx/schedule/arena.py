@@ -1,0 +1,110 @@
+"""The arena a schedule needs: which values a runtime's allocator sees at each step of the
+schedule with a choice's offloads, replayed by the target's rules
+(:class:`~ho_onnx.target.base.Target`; ONNX Runtime's: :mod:`ho_onnx.target.ort.arena`).
+
+The allocator can hold more than the live tensors (a reused buffer stays allocated across
+the gap between two users): the planner's simulation counts tensors (:mod:`.lifetimes`);
+this module counts the runtime's buffers, for the prediction of its arena peak, which the
+planner then fits to the budget (``OffloadOptions.arena_refits``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..graph.analyse import GraphAnalysis, input_names, output_names
+from ..target.base import ArenaValue, Target
+from ..target.ort.arena import ORT
+from .lifetimes import Interval, Residency, memory_profile, resident_intervals
+from .types import OffloadChoice
+
+
+def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
+            dims: Mapping[str, int] | None, residency: Residency | None, target: Target
+            ) -> tuple[dict[str, ArenaValue], int]:
+    """The values the allocator sees at each step of the schedule with ``choice``, and the
+    bytes held for the whole run (the initializers that stay)."""
+    spans, sizes = residency or resident_intervals(analysis, dims)
+    n = len(analysis.order)
+    key = target.reuse_key
+    moved_w = {w.name: w for w in (choice.weights if choice else ())}
+    moved_a = {a.name: a for a in (choice.activations if choice else ())}
+    moved_in = {i.name: i for i in (choice.inputs if choice else ())}
+    moved_out = {o.name: o for o in (choice.outputs if choice else ())}
+    values: dict[str, ArenaValue] = {}
+    static = 0
+    for name, (s, e) in spans.items():
+        t = analysis.tensors[name]
+        if t.is_initializer and name not in moved_w:
+            static += sizes[name]
+        elif name in moved_in or name in moved_out:
+            continue  # the KV cache: its copies below
+        elif t.is_graph_input:  # the caller's buffer (or ORT's copy of it): never reused
+            values[name] = ArenaValue(s, e, sizes[name], None)
+        elif name in moved_a:
+            a, k = moved_a[name], key(t.elem_type, t.shape)
+            b = a.nbytes or 0
+            values[name] = ArenaValue(s, a.last_early, b, k)
+            values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, k)
+        elif not t.is_initializer:
+            k = None if t.is_graph_output else key(t.elem_type, t.shape)
+            values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
+    for w in moved_w.values():
+        t = analysis.tensors[w.name]
+        k = key(t.elem_type, t.shape)
+        for j, (c, p) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
+            values[f"{w.name}\0{j}"] = ArenaValue(p, c, w.nbytes, k)
+    for i in moved_in.values():  # each Wait's output: a buffer the allocator may reuse
+        k = key(analysis.tensors[i.name].elem_type, analysis.tensors[i.name].shape)
+        for j, (c, p) in enumerate(zip(i.consumers, i.prefetch_at, strict=True)):
+            values[f"{i.name}\0{j}"] = ArenaValue(p, c, i.nbytes, k)
+    for o in moved_out.values():  # an intermediate until its Emit (then the caller's)
+        k = key(analysis.tensors[o.name].elem_type, analysis.tensors[o.name].shape)
+        values[o.name] = ArenaValue(o.producer, o.last, o.nbytes, k)
+    _alias(analysis, values, spans, moved_w, target)
+    return values, static
+
+
+def _alias(analysis: GraphAnalysis, values: dict[str, ArenaValue],
+           spans: Mapping[str, tuple[int, int]], moved_w: Mapping[str, object],
+           target: Target) -> None:
+    """Mark the views (:attr:`Target.alias_input`) in ``values``, in place."""
+    for pos, node in enumerate(analysis.nodes):
+        src = target.alias_input(node.domain or "", node.op_type)
+        if src is None:
+            continue
+        ins, outs = input_names(node), output_names(node)
+        if src >= len(ins) or not outs or outs[0] not in values:
+            continue
+        v = values[outs[0]]
+        if ins[src] in values and values[ins[src]].start <= pos:
+            v.alias_of = ins[src]
+        elif ins[src] in spans and analysis.tensors[ins[src]].is_initializer \
+                and ins[src] not in moved_w:
+            v.nbytes = 0  # a view of an initializer, held for the whole run
+
+
+def arena_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None = None,
+                           dims: Mapping[str, int] | None = None,
+                           residency: Residency | None = None, *, target: Target = ORT
+                           ) -> tuple[list[Interval], int]:
+    """Interval and bytes of every buffer ``target``'s allocator holds for the schedule with
+    ``choice``'s offloads, and the bytes held for the whole run (resident initializers).
+    ``residency``: :func:`~.lifetimes.resident_intervals` under ``dims``, when known."""
+    values, static = _values(analysis, choice, dims, residency, target)
+    return target.replay(values, len(analysis.order)), static
+
+
+def arena_memory(analysis: GraphAnalysis, choice: OffloadChoice | None = None,
+                 dims: Mapping[str, int] | None = None,
+                 residency: Residency | None = None, *, target: Target = ORT) -> np.ndarray:
+    """Bytes ``target``'s arena holds per step of the schedule with ``choice`` (its buffer
+    reuse replayed)."""
+    intervals, static = arena_buffer_intervals(analysis, choice, dims, residency,
+                                               target=target)
+    n = len(analysis.order)
+    if not intervals:
+        return np.full(n, static, dtype=np.int64)
+    return memory_profile(n, intervals) + static
