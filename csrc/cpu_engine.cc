@@ -31,6 +31,7 @@
 #include "common.h"
 #include "disk_io.h"
 #include "engine.h"
+#include "fault_hooks.h"
 #include "host_memory.h"
 #include "run_records.h"
 #include "weight_file.h"
@@ -41,8 +42,8 @@ namespace {
 
 // Store ids are unique in the process, so a token of another engine is never mistaken.
 std::atomic<uint64_t> g_next_store_id{1};
-void debug_delay() {
-  const int64_t us = debug().delay_us.load(std::memory_order_relaxed);
+void fault_delay() {
+  const int64_t us = faults::delay_us();
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
 
@@ -257,7 +258,7 @@ class CpuEngine final : public Engine {
         const uint64_t q = std::min(end, (pos / chunk + 1) * chunk);
         disk_->submit(
             [t, w, pos, q, to = out + (pos - begin), first = i == 0] {
-              if (first) debug_delay();
+              if (first) fault_delay();
               std::string error;
               if (!t->failed()) {
                 try {
@@ -285,7 +286,7 @@ class CpuEngine final : public Engine {
     auto rec = std::make_shared<CpuStored>(std::move(shape), bytes, type);
     if (bytes != 0) {
       rec->buffer = pool_->acquire(bytes);
-      debug_delay();
+      fault_delay();
       // Synchronous: `src` is ORT's and may be freed as soon as this run fails.
       copy_in_compute(ctx, rec->buffer->data(), src, bytes);
       counters().bytes_stored += bytes;
@@ -374,7 +375,7 @@ class CpuEngine final : public Engine {
             .count());
     if (!error.empty()) fail(ORT_FAIL, "transfer failed: " + error);
     // skip_wait (tests): the consumers see what the Prefetch left (poison, if set).
-    if (debug().skip_wait.load(std::memory_order_relaxed)) return;
+    if (faults::skip_wait()) return;
     if (bytes != 0) {
       copy_in_compute(ctx, out, src, bytes);
       counters().bytes_loaded += bytes;
@@ -387,7 +388,7 @@ class CpuEngine final : public Engine {
   // `counted`: this call is the op's first call into the engine (run tracking counts each
   // op once per Compute).
   void add_pending(void* dst, Pending p, const ExecContext& ctx, bool counted = true) {
-    if (p.bytes != 0 && debug().poison.load(std::memory_order_relaxed)) {
+    if (p.bytes != 0 && faults::poison()) {
       std::memset(dst, 0xFF, p.bytes);  // ORT's buffer, inside this Compute: allowed
     }
     if (p.bytes == 0) return;  // nothing to wait for (the Wait returns at once)

@@ -57,6 +57,7 @@
 #include "../common.h"
 #include "../disk_io.h"
 #include "../engine.h"
+#include "../fault_hooks.h"
 #include "../run_records.h"
 #include "../weight_file.h"
 #include "cuda_api.h"
@@ -527,12 +528,12 @@ void spin(int64_t us, cudaStream_t s) {
   if (us > 0) check(cuda::launch_spin(us * 1000, s), "spin kernel launch (debug hook)");
 }
 
-// Record timing events around a copy when debug().cuda_timing is on.
+// Record timing events around a copy when tracing().cuda_timing is on.
 class CopyTimer {
  public:
   CopyTimer(Device& d, cudaStream_t s, uint64_t bytes, bool h2d)
       : s_(s), bytes_(bytes), h2d_(h2d), device_(d.id) {
-    if (!debug().cuda_timing.load(std::memory_order_relaxed)) return;
+    if (!tracing().cuda_timing.load(std::memory_order_relaxed)) return;
     start_ = d.timing->acquire();
     end_ = d.timing->acquire();
     check(cudaEventRecord(*start_, s_), "cudaEventRecord (timing)");
@@ -661,7 +662,7 @@ class CudaEngine final : public Engine {
     auto t = std::make_shared<GpuDiskTransfer>(p, parts, dp);
     char* out = static_cast<char*>(p.stage->data());
     uint64_t pos = begin;
-    const int64_t delay = debug().delay_us.load(std::memory_order_relaxed);
+    const int64_t delay = faults::delay_us();
     for (size_t i = 0; i < parts; ++i) {
       const uint64_t q = std::min(end, (pos / chunk + 1) * chunk);
       disk_->submit(
@@ -692,12 +693,12 @@ class CudaEngine final : public Engine {
       counters().host_pool_bytes_in_use += static_cast<int64_t>(bytes);
       // `x` is written by earlier kernels of the compute stream: the copy starts after them.
       // HAZARD (d).
-      if (!debug().skip_store_start.load(std::memory_order_relaxed)) {
+      if (!faults::skip_store_start()) {
         Lease ready = d.events->acquire();
         check(cudaEventRecord(*ready, cs), "cudaEventRecord (store ready)");
         check(cudaStreamWaitEvent(d.d2h.get(), *ready, 0), "cudaStreamWaitEvent (store ready)");
       }  // the wait is enqueued: the event may be recorded again
-      spin(debug().delay_us.load(std::memory_order_relaxed), d.d2h.get());
+      spin(faults::delay_us(), d.d2h.get());
       CopyTimer timer(d, d.d2h.get(), bytes, false);
       check(cudaMemcpyAsync(rec->slot->data, src, bytes, cudaMemcpyDeviceToHost, d.d2h.get()),
             "cudaMemcpyAsync (store, device to host)");
@@ -731,7 +732,7 @@ class CudaEngine final : public Engine {
     // HAZARD (b): ORT may free `x` right after this op and hand its block to the next
     // allocation; the compute stream must not pass this point before the device-to-host
     // copy has read `x`.
-    if (rec->stored && !debug().skip_detach_wait.load(std::memory_order_relaxed)) {
+    if (rec->stored && !faults::skip_detach_wait()) {
       check(cudaStreamWaitEvent(cs, *rec->stored, 0), "cudaStreamWaitEvent (detach)");
     }
     if (ctx.out != nullptr && reinterpret_cast<uintptr_t>(ctx.out) != key) {
@@ -769,7 +770,7 @@ class CudaEngine final : public Engine {
     // The host copy must be complete (the store's d2h copy) before it is read back.
     check(cudaStreamWaitEvent(d.h2d.get(), *rec->stored, 0), "cudaStreamWaitEvent (stored)");
     p.done = d.events->acquire();
-    spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
+    spin(faults::delay_us(), d.h2d.get());
     CopyTimer timer(d, d.h2d.get(), bytes, true);
     check(cudaMemcpyAsync(p.stage->data(), rec->slot->data, bytes, cudaMemcpyHostToDevice,
                           d.h2d.get()),
@@ -827,17 +828,17 @@ class CudaEngine final : public Engine {
     // staging (a stream-side wait only: the host returns at once). `z` is ORT's, written in
     // this op's stream order: the lifetime rule holds on the GPU. The test hook removes the
     // wait only (the copy still runs, and reads the poison when it runs too early).
-    if (!debug().skip_wait_event.load(std::memory_order_relaxed) &&
-        !debug().skip_wait.load(std::memory_order_relaxed)) {
+    if (!faults::skip_wait_event() &&
+        !faults::skip_wait()) {
       check(cudaStreamWaitEvent(cs, *p.done, 0), "cudaStreamWaitEvent (wait)");
     }
     // Test hook: the compute stream reaches this copy late, so a next load that does not
     // wait for the staging fence (a) overwrites the buffer before the copy read it.
-    spin(debug().compute_delay_us.load(std::memory_order_relaxed), cs);
+    spin(faults::compute_delay_us(), cs);
     check(cudaMemcpyAsync(z, p.stage->data(), bytes, cudaMemcpyDeviceToDevice, cs),
           "cudaMemcpyAsync (staging to wait output)");
     counters().cuda_bytes_d2d += bytes;
-    if (debug().poison.load(std::memory_order_relaxed)) {
+    if (faults::poison()) {
       // Test hook: between its uses a staging buffer holds 0xFF, so a copy out of it that
       // is not ordered after its load (c), or a load not ordered after the previous read
       // (a), shows as NaN instead of stale but plausible bytes.
@@ -872,7 +873,7 @@ class CudaEngine final : public Engine {
     p.stage = begin_load(d, cs, dst, bytes);
     p.bytes = bytes;
     p.done = d.events->acquire();
-    spin(debug().delay_us.load(std::memory_order_relaxed), d.h2d.get());
+    spin(faults::delay_us(), d.h2d.get());
     CopyTimer timer(d, d.h2d.get(), bytes, true);
     check(cudaMemcpyAsync(p.stage->data(), src, bytes, cudaMemcpyHostToDevice, d.h2d.get()), what);
     timer.done();
@@ -890,15 +891,15 @@ class CudaEngine final : public Engine {
       Released stale;  // a load of a failed run for the same block, never waited for
       records_.drop_load(dst, &stale);
     }
-    spin(debug().compute_delay_us.load(std::memory_order_relaxed), cs);
-    if (debug().poison.load(std::memory_order_relaxed)) {
+    spin(faults::compute_delay_us(), cs);
+    if (faults::poison()) {
       check(cudaMemsetAsync(dst, 0xFF, bytes, cs), "cudaMemsetAsync (poison)");
     }
     // HAZARD (a), now on the staging buffer: the copy never writes `dst` (ORT's), but it
     // must not overwrite a staging buffer before the last copy that used it (a Wait's copy
     // out of it on some compute stream, or a load of a failed run) is done.
     StageBuf sb = d.loads->acquire(bytes);
-    if (sb->fence && !debug().skip_staging_fence.load(std::memory_order_relaxed)) {
+    if (sb->fence && !faults::skip_staging_fence()) {
       check(cudaStreamWaitEvent(d.h2d.get(), *sb->fence, 0), "cudaStreamWaitEvent (staging reuse)");
     }
     sb->fence.reset();  // the wait is enqueued: the event may go back to the pool

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
+from native_util import testing_ops
 from onnx import TensorProto, helper
 from threads import run_threads
 
@@ -195,11 +196,11 @@ def test_waits_matter_on_the_disk_channel(tmp_path):
     w = _data(tmp_path, n, 4)
     sess = runtime.InferenceSession(_model(tmp_path, n=n, offset=4, copies=3))
     x = np.ones(n, np.float32)
-    runtime._ops().set_debug(delay_us=20_000, poison=True)
+    testing_ops().set_debug(delay_us=20_000, poison=True)
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ((x + w) + w) + w)
-    runtime._ops().set_debug(delay_us=20_000, poison=True, skip_wait=True)
+    testing_ops().set_debug(delay_us=20_000, poison=True, skip_wait=True)
     assert np.isnan(sess.run(None, {"x": x})[0]).all()  # the transfer never landed
-    runtime._ops().set_debug()
+    testing_ops().set_debug()
     time.sleep(0.1)
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ((x + w) + w) + w)
 
@@ -242,7 +243,7 @@ def test_unwaited_disk_reads_are_dropped_with_the_engine(tmp_path, young_heap):
     sess = runtime.InferenceSession(str(tmp_path / "m.onnx"))
     gc.collect()
     alive = _c()["engines_alive"]
-    runtime._ops().set_debug(delay_us=50_000, poison=True)
+    testing_ops().set_debug(delay_us=50_000, poison=True)
     (out,) = sess.run(None, {})
     assert np.isnan(out)
     t0 = time.perf_counter()
