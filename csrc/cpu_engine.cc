@@ -1,5 +1,5 @@
-// CPU-EP engine: host store + host pool, and a disk channel whose I/O threads read disk-tier
-// weights from their data files (disk_io.h) into library-owned staging buffers.
+// CPU-EP engine: host store + host pool, and an I/O channel whose threads read streamed
+// weights (the disk tier: tiers.h, disk_io.h) into library-owned staging buffers.
 //
 // Transfer lifetime rule (docs/design.md): no asynchronous work ever reads or writes memory
 // that ORT owns. Every copy into or out of an ORT buffer happens inside the Compute call
@@ -34,7 +34,7 @@
 #include "fault_hooks.h"
 #include "host_memory.h"
 #include "run_records.h"
-#include "weight_file.h"
+#include "tiers.h"
 
 namespace ho {
 
@@ -100,19 +100,7 @@ class CpuStored final : public StoredTensor {
   ONNXTensorElementDataType type_;
 };
 
-class CpuDiskWeight final : public DiskSource {
- public:
-  CpuDiskWeight(std::shared_ptr<DiskFile> file, uint64_t offset, size_t length, std::string name)
-      : file(std::move(file)), offset(offset), length(length), who("weight '" + name + "'") {}
-  size_t size() const override { return length; }
-
-  const std::shared_ptr<DiskFile> file;
-  const uint64_t offset;
-  const size_t length;
-  const std::string who;  // for messages
-};
-
-// One disk read into a staging buffer of the engine, split into chunks served by the I/O
+// One streamed read (tiers.h) into a staging buffer of the engine, split into chunks served by the I/O
 // threads. The chunk jobs hold the transfer (and so the staging buffer) until they ran:
 // nothing they write is ORT's.
 class DiskTransfer {
@@ -165,7 +153,7 @@ struct Pending {
   size_t bytes = 0;
   std::shared_ptr<const HostBlob> blob;    // host tier
   std::shared_ptr<CpuStored> stored;       // a stored activation
-  std::shared_ptr<DiskTransfer> disk;      // disk tier
+  std::shared_ptr<DiskTransfer> disk;      // a streamed tier (disk)
   const void* input = nullptr;             // a graph input of the run (read by its Wait)
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
@@ -204,9 +192,9 @@ class CpuEngine final : public Engine {
     counters().engines_alive -= 1;
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, const std::string& content,
-                                              int64_t offset, int64_t length) override {
-    return host_store_.load(file, content, offset, length);
+  std::shared_ptr<const HostBlob> load_weight(const WeightSource& src,
+                                              const std::string& content) override {
+    return host_store_.load(src, content);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
@@ -228,28 +216,21 @@ class CpuEngine final : public Engine {
     add_pending(dst, std::move(p), ctx);
   }
 
-  std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& file,
-                                                     int64_t offset, int64_t length,
-                                                     const std::string& name) override {
-    std::shared_ptr<DiskFile> f = files_.open_range(*file, offset, length);
-    return std::make_shared<CpuDiskWeight>(std::move(f), static_cast<uint64_t>(offset),
-                                           static_cast<size_t>(length), name);
-  }
+  void prepare_streamed() override {}  // (the channel is the engine's from the start)
 
-  void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
-                     const ExecContext& ctx) override {
+  void prefetch_streamed(const std::shared_ptr<const WeightSource>& w, void* dst,
+                         const ExecContext& ctx) override {
     counters().prefetches += 1;
-    auto w = std::static_pointer_cast<const CpuDiskWeight>(src);
-    const size_t bytes = w->length;
+    const size_t bytes = w->size();
     Pending p;
     p.bytes = bytes;
     if (bytes != 0) {
       // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
       // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
-      const size_t pad = static_cast<size_t>(w->offset % kStagingAlign);
+      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
       const uint64_t chunk = disk_chunk_bytes();
-      const uint64_t begin = w->offset;
-      const uint64_t end = w->offset + bytes;
+      const uint64_t begin = w->offset();
+      const uint64_t end = begin + bytes;
       const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
       auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
       char* out = t->data();
@@ -262,10 +243,7 @@ class CpuEngine final : public Engine {
               std::string error;
               if (!t->failed()) {
                 try {
-                  DiskBusy busy;
-                  if (w->file->read(pos, static_cast<size_t>(q - pos), to, nullptr, w->who)) {
-                    counters().bytes_read_disk += q - pos;
-                  }
+                  w->read(pos, static_cast<size_t>(q - pos), to);
                 } catch (const std::exception& e) {
                   error = std::string("disk channel: ") + e.what();
                 }
@@ -407,7 +385,6 @@ class CpuEngine final : public Engine {
                      pool_->run_started();
                      staging_->run_started();
                    }};
-  DiskFiles files_;  // open data files, shared by weights
   std::unique_ptr<Channel> disk_ = std::make_unique<Channel>("disk", disk_io_threads());
 };
 

@@ -59,7 +59,8 @@
 #include "../engine.h"
 #include "../fault_hooks.h"
 #include "../run_records.h"
-#include "../weight_file.h"
+#include "../tiers.h"
+#include "../weak_cache.h"
 #include "cuda_api.h"
 #include "cuda_util.h"
 #include "host_logic.h"
@@ -356,23 +357,15 @@ class PinnedWeights {
  public:
   explicit PinnedWeights(std::shared_ptr<CopyDrain> drain) : drain_(std::move(drain)) {}
 
-  std::shared_ptr<const HostBlob> load(const WeightFile& file, const std::string& content,
-                                       int64_t offset, int64_t length) {
-    if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
-    const std::string key =
-        content + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = blobs_.find(key);
-    if (it != blobs_.end()) {
-      if (std::shared_ptr<const HostBlob> held = it->second.lock()) return held;
-    }
-    if (blobs_.size() >= 2 * swept_size_ + 64) {  // (amortized: drop expired entries)
-      for (auto e = blobs_.begin(); e != blobs_.end();) {
-        e = e->second.expired() ? blobs_.erase(e) : std::next(e);
-      }
-      swept_size_ = blobs_.size();
-    }
-    const auto n = static_cast<size_t>(length);
+  std::shared_ptr<const HostBlob> load(const WeightSource& src, const std::string& content) {
+    return blobs_.get(weight_key(src, content),
+                      [&]() -> std::shared_ptr<const HostBlob> { return place(src); });
+  }
+
+ private:
+  // Pins `src`'s bytes (under the cache's lock: the packer's chunk is shared).
+  std::shared_ptr<const HostBlob> place(const WeightSource& src) {
+    const size_t n = src.size();
     const cuda_logic::WeightPacker::Placement p = packer_.place(n);
     std::shared_ptr<cuda::PinnedBlock> block;
     char* dst = nullptr;
@@ -385,13 +378,10 @@ class PinnedWeights {
       dst = block->data() + p.offset;
     }
     // Straight into pinned memory: no pageable copy in between.
-    if (n != 0) pread_exact(file.fd(), dst, n, static_cast<uint64_t>(offset), file.path());
-    auto blob = std::make_shared<PinnedBlob>(std::move(block), dst, n);
-    blobs_[key] = blob;  // (replaces an expired entry)
-    return blob;
+    if (n != 0) src.read(src.offset(), n, dst);
+    return std::make_shared<PinnedBlob>(std::move(block), dst, n);
   }
 
- private:
   // A pinned block whose release first drains the copy streams.
   std::shared_ptr<cuda::PinnedBlock> pinned(size_t bytes) {
     std::shared_ptr<CopyDrain> drain = drain_;
@@ -406,11 +396,9 @@ class PinnedWeights {
   }
 
   std::shared_ptr<CopyDrain> drain_;
-  size_t swept_size_ = 0;
-  std::mutex mu_;
   cuda_logic::WeightPacker packer_;
   std::shared_ptr<cuda::PinnedBlock> chunk_;  // the chunk small weights are packed into
-  std::map<std::string, std::weak_ptr<const HostBlob>> blobs_;
+  WeakCache<const HostBlob> blobs_;
 };
 
 // ---- records -------------------------------------------------------------------------
@@ -446,17 +434,6 @@ class GpuStored final : public StoredTensor {
   size_t bytes_;
   ONNXTensorElementDataType type_;
   std::shared_ptr<Ring> ring_;
-};
-
-class GpuDiskWeight final : public DiskSource {
- public:
-  GpuDiskWeight(std::shared_ptr<DiskFile> file, uint64_t offset, size_t length, std::string name)
-      : file(std::move(file)), offset(offset), length(length), who("weight '" + name + "'") {}
-  size_t size() const override { return length; }
-  const std::shared_ptr<DiskFile> file;
-  const uint64_t offset;
-  const size_t length;
-  const std::string who;
 };
 
 // A load in flight, keyed by its destination. `done` is recorded on the h2d stream after
@@ -608,9 +585,9 @@ class CudaEngine final : public Engine {
     ring_->reserve(cap);  // one pinned segment for a whole run, at session creation
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, const std::string& content,
-                                              int64_t offset, int64_t length) override {
-    return weights_->load(file, content, offset, length);
+  std::shared_ptr<const HostBlob> load_weight(const WeightSource& src,
+                                              const std::string& content) override {
+    return weights_->load(src, content);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
@@ -624,24 +601,16 @@ class CudaEngine final : public Engine {
     load_from_host(src, bytes, dst, ctx, "cudaMemcpyAsync (graph input, host to device)");
   }
 
-  std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& wf,
-                                                     int64_t offset, int64_t length,
-                                                     const std::string& name) override {
-    std::shared_ptr<DiskFile> file = files_.open_range(*wf, offset, length);
-    {
-      std::lock_guard<std::mutex> lock(disk_mu_);
-      if (!disk_) disk_ = std::make_unique<Channel>("cuda-disk", disk_io_threads());
-      has_disk_ = true;
-    }
-    return std::make_shared<GpuDiskWeight>(std::move(file), static_cast<uint64_t>(offset),
-                                           static_cast<size_t>(length), name);
+  void prepare_streamed() override {
+    std::lock_guard<std::mutex> lock(disk_mu_);
+    if (!disk_) disk_ = std::make_unique<Channel>("cuda-disk", disk_io_threads());
+    has_disk_ = true;
   }
 
-  void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
-                     const ExecContext& ctx) override {
+  void prefetch_streamed(const std::shared_ptr<const WeightSource>& w, void* dst,
+                         const ExecContext& ctx) override {
     counters().prefetches += 1;
-    auto w = std::static_pointer_cast<const GpuDiskWeight>(src);
-    const size_t bytes = w->length;
+    const size_t bytes = w->size();
     if (bytes == 0) return;
     Device& d = dev(ctx.device);
     const auto cs = static_cast<cudaStream_t>(ctx.stream);
@@ -654,8 +623,8 @@ class CudaEngine final : public Engine {
     p.issued = std::make_shared<Completion>();
     p.cancelled = std::make_shared<std::atomic<bool>>(false);
     const uint64_t chunk = disk_chunk_bytes();
-    const uint64_t begin = w->offset;
-    const uint64_t end = w->offset + bytes;
+    const uint64_t begin = w->offset();
+    const uint64_t end = begin + bytes;
     const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
     Device* dp = &d;
     add_pending(dst, p, ctx.kernel, ctx.kernel);
@@ -915,8 +884,8 @@ class CudaEngine final : public Engine {
 
   static bool any_record(const GpuStored&) { return true; }  // (the key is an address)
 
-  // One chunk of a disk load, on an I/O thread: file -> pinned staging -> dst.
-  static void disk_part(Device& d, const GpuDiskWeight& w, uint64_t p, uint64_t q, char* dst,
+  // One chunk of a streamed load, on an I/O thread: source -> pinned staging -> dst.
+  static void disk_part(Device& d, const WeightSource& w, uint64_t p, uint64_t q, char* dst,
                         int64_t delay_us) {
     cuda::set_device(d.id);  // an I/O thread: every CUDA call below is on d's device
     Staging& staging = d.need_staging();
@@ -927,11 +896,7 @@ class CudaEngine final : public Engine {
       ~Back() { s.release(b); }
     } back{staging, b};
     const size_t n = static_cast<size_t>(q - p);
-    {
-      DiskBusy busy;
-      w.file->read(p, n, b->mem->data(), nullptr, w.who);
-    }
-    counters().bytes_read_disk += n;
+    w.read(p, n, b->mem->data());
     counters().bytes_loaded += n;
     spin(delay_us, d.h2d.get());
     CopyTimer timer(d, d.h2d.get(), n, true);
@@ -954,8 +919,7 @@ class CudaEngine final : public Engine {
   std::shared_ptr<CopyDrain> drain_ = std::make_shared<CopyDrain>();
   std::unique_ptr<PinnedWeights> weights_ = std::make_unique<PinnedWeights>(drain_);
   std::mutex disk_mu_;  // guards disk_ / has_disk_
-  DiskFiles files_;
-  std::atomic<bool> has_disk_{false};  // set at session creation by a disk-tier weight
+  std::atomic<bool> has_disk_{false};  // set at session creation by a streamed weight
   std::unique_ptr<Channel> disk_;
 };
 
