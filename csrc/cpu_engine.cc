@@ -100,8 +100,8 @@ class CpuStored final : public StoredTensor {
   ONNXTensorElementDataType type_;
 };
 
-// One streamed read (tiers.h) into a staging buffer of the engine, split into chunks served by the I/O
-// threads. The chunk jobs hold the transfer (and so the staging buffer) until they ran:
+// One streamed read (tiers.h) into a staging buffer of the engine, split into chunks served
+// by the I/O threads. The chunk jobs hold the transfer (and so the staging buffer) until they ran:
 // nothing they write is ORT's.
 class DiskTransfer {
  public:
@@ -228,17 +228,13 @@ class CpuEngine final : public Engine {
       // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
       // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
       const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
-      const uint64_t chunk = disk_chunk_bytes();
-      const uint64_t begin = w->offset();
-      const uint64_t end = begin + bytes;
-      const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
-      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
+      const Chunks c = chunks_of(*w, disk_chunk_bytes());
+      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, c.count());
       char* out = t->data();
-      uint64_t pos = begin;
-      for (size_t i = 0; i < parts; ++i) {
-        const uint64_t q = std::min(end, (pos / chunk + 1) * chunk);
+      for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q) {
+        q = c.after(pos);
         disk_->submit(
-            [t, w, pos, q, to = out + (pos - begin), first = i == 0] {
+            [t, w, pos, q, to = out + (pos - c.begin), first = pos == c.begin] {
               if (first) fault_delay();
               std::string error;
               if (!t->failed()) {
@@ -251,7 +247,6 @@ class CpuEngine final : public Engine {
               t->part_done(std::move(error));
             },
             nullptr);
-        pos = q;
       }
       p.disk = std::move(t);
     }

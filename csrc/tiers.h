@@ -48,6 +48,26 @@ class WeightSource {
   std::string who_;
 };
 
+// The chunks a streamed load reads, in order: [begin, end) cut at multiples of `chunk` of
+// the source (a chunk's reads stay aligned as the source is: O_DIRECT), each a job of the
+// I/O channel. Empty for an empty range.
+struct Chunks {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  uint64_t chunk = 1;
+  size_t count() const {
+    return end == begin ? 0 : static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
+  }
+  // The end of the chunk that starts at `pos`.
+  uint64_t after(uint64_t pos) const {
+    const uint64_t cut = (pos / chunk + 1) * chunk;
+    return cut < end ? cut : end;
+  }
+};
+inline Chunks chunks_of(const WeightSource& src, uint64_t chunk) {
+  return Chunks{src.offset(), src.offset() + src.size(), chunk};
+}
+
 struct WeightTier {
   const char* name;     // the Prefetch's `tier` attribute (absent: the first entry, host)
   bool in_host_memory;  // true: the host store holds it; false: streamed at every Prefetch

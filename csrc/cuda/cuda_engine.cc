@@ -160,20 +160,16 @@ class CudaEngine final : public Engine {
     Pending& p = s->p;
     p.issued = std::make_shared<Completion>();
     p.cancelled = std::make_shared<std::atomic<bool>>(false);
-    const uint64_t chunk = disk_chunk_bytes();
-    const uint64_t begin = w->offset();
-    const uint64_t end = begin + bytes;
-    const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
+    const Chunks c = chunks_of(*w, disk_chunk_bytes());
     Device* dp = &s->d;
     add_pending(dst, p, ctx.kernel, ctx.kernel);
-    auto t = std::make_shared<StreamedTransfer>(p, parts, dp);
+    auto t = std::make_shared<StreamedTransfer>(p, c.count(), dp);
     char* out = static_cast<char*>(p.stage->data());
-    uint64_t pos = begin;
     const int64_t delay = faults::delay_us();
-    for (size_t i = 0; i < parts; ++i) {
-      const uint64_t q = std::min(end, (pos / chunk + 1) * chunk);
+    for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q) {
+      q = c.after(pos);
       disk_->submit(
-          [t, w, dp, pos, q, o = out + (pos - begin), delay, first = i == 0] {
+          [t, w, dp, pos, q, o = out + (pos - c.begin), delay, first = pos == c.begin] {
             std::string error;
             try {
               if (!t->stop()) read_chunk(*dp, *w, pos, q, o, first ? delay : 0);
@@ -183,7 +179,6 @@ class CudaEngine final : public Engine {
             t->part_done(std::move(error));
           },
           nullptr);
-      pos = q;
     }
   }
 

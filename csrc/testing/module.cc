@@ -390,23 +390,17 @@ class TestRunRecords {
   }
 
   py::dict drop_load(uintptr_t dst) {
-    Records::Released r;
-    records_.drop_load(address(dst), &r);
-    return released(r);
+    return releasing([&](Records::Released* r) { records_.drop_load(address(dst), r); });
   }
 
   py::dict clear() {
-    Records::Released r;
-    records_.clear(&r);
-    return released(r);
+    return releasing([&](Records::Released* r) { records_.clear(r); });
   }
 
   size_t seen() { return records_.seen_count(); }
 
   py::dict forget(uintptr_t kernel) {
-    Records::Released r;
-    records_.forget(address(kernel), &r);
-    return released(r);
+    return releasing([&](Records::Released* r) { records_.forget(address(kernel), r); });
   }
 
   py::dict counts() {
@@ -435,6 +429,13 @@ class TestRunRecords {
   const void* on(uint64_t thread, uintptr_t kernel) {
     threads_.now = thread;
     return address(kernel);
+  }
+  // What the call `f(&released)` released.
+  template <typename F>
+  static py::dict releasing(F&& f) {
+    Records::Released r;
+    f(&r);
+    return released(r);
   }
   static py::dict released(const Records::Released& r) {
     std::vector<int64_t> stored, loads;
