@@ -175,9 +175,9 @@ def measure_onnx(model: str, optimized: bool, runs: int, feeds_path: str,
     if optimized:
         # One more run with timing events around every copy: the copies' own GPU time.
         _ops.cuda_transfer_times(reset=True)
-        _ops.set_debug(cuda_timing=True)
+        _ops.set_trace(cuda_timing=True)
         s.run(None, feeds)
-        _ops.set_debug()
+        _ops.set_trace()
         t = _ops.cuda_transfer_times(reset=True)
         out["h2d_copy_s"] = t["h2d_s"]
         out["h2d_achieved_bw"] = t["h2d_bytes"] / t["h2d_s"] if t["h2d_s"] > 0 else None

@@ -1,5 +1,5 @@
-// The library's own C API (ho_onnx_c_api.h): counters, build facts, test hooks and CUDA
-// helpers for hosts, the Python module ho_onnx._ops among them. No exception crosses it.
+// The library's own C API (ho_onnx_c_api.h): counters, build facts, measurement switches and
+// CUDA helpers for hosts, the Python module ho_onnx._ops among them. No exception crosses it.
 #include "ho_onnx_c_api.h"
 
 #include <cstdio>
@@ -8,8 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "c_api_error.h"
 #include "common.h"
 #include "disk_io.h"
+#include "fault_hooks.h"
 #include "ort_abi.h"
 #include "registration.h"
 #if HO_ONNX_WITH_CUDA
@@ -72,6 +74,7 @@ std::string build_info_json() {
   j += ", \"c_api_version\": " + std::to_string(HO_ONNX_C_API_VERSION);
   j += std::string(", \"cuda_compiled\": ") + (HO_ONNX_WITH_CUDA ? "true" : "false");
   j += ", \"cxx_compiler\": \"" + json_escape(HO_ONNX_CXX_COMPILER) + "\"";
+  j += std::string(", \"test_hooks\": ") + (HO_ONNX_TEST_HOOKS ? "true" : "false");
   j += ", \"element_types\": [";
   for (const ho::ElemType* t = ho::elem_types(); t->bits != 0; ++t) {
     if (t != ho::elem_types()) j += ", ";
@@ -139,31 +142,22 @@ int no_cuda(const char* what) {
 }
 #endif
 
-// Debug settings by name: flags take value != 0, durations are clamped at 0.
-struct DebugFlag {
+// The measurement switches by name (HoOnnx_SetTrace).
+struct TraceSwitch {
   const char* name;
-  std::atomic<bool> ho::Debug::*flag;
+  std::atomic<bool> ho::Tracing::*flag;
 };
-struct DebugDuration {
-  const char* name;
-  std::atomic<int64_t> ho::Debug::*us;
-};
-const DebugFlag kDebugFlags[] = {
-    {"poison", &ho::Debug::poison},
-    {"skip_wait", &ho::Debug::skip_wait},
-    {"skip_staging_fence", &ho::Debug::skip_staging_fence},
-    {"skip_detach_wait", &ho::Debug::skip_detach_wait},
-    {"skip_wait_event", &ho::Debug::skip_wait_event},
-    {"skip_store_start", &ho::Debug::skip_store_start},
-    {"cuda_timing", &ho::Debug::cuda_timing},
-    {"arena_trace", &ho::Debug::arena_trace},
-};
-const DebugDuration kDebugDurations[] = {
-    {"delay_us", &ho::Debug::delay_us},
-    {"compute_delay_us", &ho::Debug::compute_delay_us},
+const TraceSwitch kTraceSwitches[] = {
+    {"cuda_timing", &ho::Tracing::cuda_timing},
+    {"arena_trace", &ho::Tracing::arena_trace},
 };
 
 }  // namespace
+
+namespace ho {
+void c_api_clear_error() { g_last_error.clear(); }
+int c_api_failed(const std::string& msg) { return failed(msg); }
+}  // namespace ho
 
 extern "C" {
 
@@ -229,23 +223,16 @@ void HoOnnx_ResetCounters(void) {
   c.cuda_bytes_d2d = 0;
 }
 
-int HoOnnx_SetDebug(const char* name, int64_t value) {
-  if (name == nullptr) return failed("HoOnnx_SetDebug: name is NULL");
-  ho::Debug& d = ho::debug();
+int HoOnnx_SetTrace(const char* name, int on) {
+  if (name == nullptr) return failed("HoOnnx_SetTrace: name is NULL");
   g_last_error.clear();
-  for (const DebugFlag& f : kDebugFlags) {
-    if (std::strcmp(name, f.name) == 0) {
-      (d.*f.flag) = value != 0;
-      return 0;
-    }
-  }
-  for (const DebugDuration& t : kDebugDurations) {
+  for (const TraceSwitch& t : kTraceSwitches) {
     if (std::strcmp(name, t.name) == 0) {
-      (d.*t.us) = value < 0 ? 0 : value;
+      (ho::tracing().*t.flag) = on != 0;
       return 0;
     }
   }
-  return failed(std::string("HoOnnx_SetDebug: unknown setting '") + name + "'");
+  return failed(std::string("HoOnnx_SetTrace: unknown switch '") + name + "'");
 }
 
 int HoOnnx_CudaDeviceCount(void) {

@@ -58,9 +58,9 @@ Counters& counters() {
   return c;
 }
 
-Debug& debug() {
-  static Debug d;
-  return d;
+Tracing& tracing() {
+  static Tracing t;
+  return t;
 }
 
 namespace {

@@ -1,4 +1,4 @@
-// Shared helpers: errors, element types, process-wide counters and debug hooks.
+// Shared helpers: errors, element types, process-wide counters and measurement switches.
 #pragma once
 
 #include <onnxruntime_c_api.h>
@@ -99,31 +99,16 @@ Counters& counters();
 // parent, whose transfer threads (and CUDA context) did not survive the fork.
 uint64_t fork_generation();
 
-// Test hooks (module.cc: set_debug).
-struct Debug {
-  std::atomic<int64_t> delay_us{0};
-  std::atomic<bool> poison{false};
-  // CPU engine: the Wait does not wait (nor copy). CUDA engine: same as skip_wait_event.
-  std::atomic<bool> skip_wait{false};
-  // CUDA engine only, one flag per ordering edge (docs/cuda.md, "The hazards"):
-  //  skip_staging_fence (a): a load does not wait for its staging buffer's fence;
-  //  skip_detach_wait   (b): Detach does not make the compute stream wait for the store;
-  //  skip_wait_event    (c): Wait copies staging -> z without waiting for the load;
-  //  skip_store_start   (d): a Store's copy does not wait for the compute stream (x written).
-  // compute_delay_us: a spin kernel on the compute stream at every Prefetch (before the
-  // poison memset) and at every Wait (before its copy out of staging).
-  // cuda_timing: timing events around every copy (cuda_transfer_times).
-  // arena_trace: every arena sample (ho_onnx.sample_arena=1) is also kept, with its Wait's
-  // node name, in order (arena_trace(); at most kArenaTraceCap samples).
-  std::atomic<bool> skip_staging_fence{false};
-  std::atomic<bool> skip_detach_wait{false};
-  std::atomic<bool> skip_wait_event{false};
-  std::atomic<bool> skip_store_start{false};
-  std::atomic<int64_t> compute_delay_us{0};
+// Measurement switches (HoOnnx_SetTrace), both off by default. Fault injection for tests
+// is not here: fault_hooks.h (testing builds only).
+//  cuda_timing: timing events around every copy of the CUDA engine (cuda_transfer_times);
+//  arena_trace: every arena sample (ho_onnx.sample_arena=1) is also kept, with its Wait's
+//  node name, in order (HoOnnx_ArenaTrace; at most kArenaTraceCap samples).
+struct Tracing {
   std::atomic<bool> cuda_timing{false};
   std::atomic<bool> arena_trace{false};
 };
-Debug& debug();
+Tracing& tracing();
 
 // The 16-byte token a Store writes: [id, magic].
 constexpr uint64_t kTokenMagic = 0x4b545f584e4e4f48ULL;  // "HONNX_TK" little-endian

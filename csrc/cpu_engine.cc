@@ -1,5 +1,5 @@
-// CPU-EP engine: host store + host pool, and a disk channel whose I/O threads read disk-tier
-// weights from their data files (disk_io.h) into library-owned staging buffers.
+// CPU-EP engine: host store + host pool, and an I/O channel whose threads read streamed
+// weights (the disk tier: tiers.h, disk_io.h) into library-owned staging buffers.
 //
 // Transfer lifetime rule (docs/design.md): no asynchronous work ever reads or writes memory
 // that ORT owns. Every copy into or out of an ORT buffer happens inside the Compute call
@@ -31,9 +31,10 @@
 #include "common.h"
 #include "disk_io.h"
 #include "engine.h"
+#include "fault_hooks.h"
 #include "host_memory.h"
 #include "run_records.h"
-#include "weight_file.h"
+#include "tiers.h"
 
 namespace ho {
 
@@ -41,8 +42,8 @@ namespace {
 
 // Store ids are unique in the process, so a token of another engine is never mistaken.
 std::atomic<uint64_t> g_next_store_id{1};
-void debug_delay() {
-  const int64_t us = debug().delay_us.load(std::memory_order_relaxed);
+void fault_delay() {
+  const int64_t us = faults::delay_us();
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
 
@@ -99,20 +100,8 @@ class CpuStored final : public StoredTensor {
   ONNXTensorElementDataType type_;
 };
 
-class CpuDiskWeight final : public DiskSource {
- public:
-  CpuDiskWeight(std::shared_ptr<DiskFile> file, uint64_t offset, size_t length, std::string name)
-      : file(std::move(file)), offset(offset), length(length), who("weight '" + name + "'") {}
-  size_t size() const override { return length; }
-
-  const std::shared_ptr<DiskFile> file;
-  const uint64_t offset;
-  const size_t length;
-  const std::string who;  // for messages
-};
-
-// One disk read into a staging buffer of the engine, split into chunks served by the I/O
-// threads. The chunk jobs hold the transfer (and so the staging buffer) until they ran:
+// One streamed read (tiers.h) into a staging buffer of the engine, split into chunks served
+// by the I/O threads. The chunk jobs hold the transfer (and so the staging buffer) until they ran:
 // nothing they write is ORT's.
 class DiskTransfer {
  public:
@@ -164,7 +153,7 @@ struct Pending {
   size_t bytes = 0;
   std::shared_ptr<const HostBlob> blob;    // host tier
   std::shared_ptr<CpuStored> stored;       // a stored activation
-  std::shared_ptr<DiskTransfer> disk;      // disk tier
+  std::shared_ptr<DiskTransfer> disk;      // a streamed tier (disk)
   const void* input = nullptr;             // a graph input of the run (read by its Wait)
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
@@ -203,9 +192,9 @@ class CpuEngine final : public Engine {
     counters().engines_alive -= 1;
   }
 
-  std::shared_ptr<const HostBlob> load_weight(const WeightFile& file, const std::string& content,
-                                              int64_t offset, int64_t length) override {
-    return host_store_.load(file, content, offset, length);
+  std::shared_ptr<const HostBlob> load_weight(const WeightSource& src,
+                                              const std::string& content) override {
+    return host_store_.load(src, content);
   }
 
   void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
@@ -227,44 +216,30 @@ class CpuEngine final : public Engine {
     add_pending(dst, std::move(p), ctx);
   }
 
-  std::shared_ptr<const DiskSource> open_disk_weight(const std::shared_ptr<WeightFile>& file,
-                                                     int64_t offset, int64_t length,
-                                                     const std::string& name) override {
-    std::shared_ptr<DiskFile> f = files_.open_range(*file, offset, length);
-    return std::make_shared<CpuDiskWeight>(std::move(f), static_cast<uint64_t>(offset),
-                                           static_cast<size_t>(length), name);
-  }
+  void prepare_streamed() override {}  // (the channel is the engine's from the start)
 
-  void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
-                     const ExecContext& ctx) override {
+  void prefetch_streamed(const std::shared_ptr<const WeightSource>& w, void* dst,
+                         const ExecContext& ctx) override {
     counters().prefetches += 1;
-    auto w = std::static_pointer_cast<const CpuDiskWeight>(src);
-    const size_t bytes = w->length;
+    const size_t bytes = w->size();
     Pending p;
     p.bytes = bytes;
     if (bytes != 0) {
       // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
       // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
-      const size_t pad = static_cast<size_t>(w->offset % kStagingAlign);
-      const uint64_t chunk = disk_chunk_bytes();
-      const uint64_t begin = w->offset;
-      const uint64_t end = w->offset + bytes;
-      const size_t parts = static_cast<size_t>((end - 1) / chunk - begin / chunk + 1);
-      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
+      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
+      const Chunks c = chunks_of(*w, disk_chunk_bytes());
+      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, c.count());
       char* out = t->data();
-      uint64_t pos = begin;
-      for (size_t i = 0; i < parts; ++i) {
-        const uint64_t q = std::min(end, (pos / chunk + 1) * chunk);
+      for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q) {
+        q = c.after(pos);
         disk_->submit(
-            [t, w, pos, q, to = out + (pos - begin), first = i == 0] {
-              if (first) debug_delay();
+            [t, w, pos, q, to = out + (pos - c.begin), first = pos == c.begin] {
+              if (first) fault_delay();
               std::string error;
               if (!t->failed()) {
                 try {
-                  DiskBusy busy;
-                  if (w->file->read(pos, static_cast<size_t>(q - pos), to, nullptr, w->who)) {
-                    counters().bytes_read_disk += q - pos;
-                  }
+                  w->read(pos, static_cast<size_t>(q - pos), to);
                 } catch (const std::exception& e) {
                   error = std::string("disk channel: ") + e.what();
                 }
@@ -272,7 +247,6 @@ class CpuEngine final : public Engine {
               t->part_done(std::move(error));
             },
             nullptr);
-        pos = q;
       }
       p.disk = std::move(t);
     }
@@ -285,7 +259,7 @@ class CpuEngine final : public Engine {
     auto rec = std::make_shared<CpuStored>(std::move(shape), bytes, type);
     if (bytes != 0) {
       rec->buffer = pool_->acquire(bytes);
-      debug_delay();
+      fault_delay();
       // Synchronous: `src` is ORT's and may be freed as soon as this run fails.
       copy_in_compute(ctx, rec->buffer->data(), src, bytes);
       counters().bytes_stored += bytes;
@@ -374,7 +348,7 @@ class CpuEngine final : public Engine {
             .count());
     if (!error.empty()) fail(ORT_FAIL, "transfer failed: " + error);
     // skip_wait (tests): the consumers see what the Prefetch left (poison, if set).
-    if (debug().skip_wait.load(std::memory_order_relaxed)) return;
+    if (faults::skip_wait()) return;
     if (bytes != 0) {
       copy_in_compute(ctx, out, src, bytes);
       counters().bytes_loaded += bytes;
@@ -387,7 +361,7 @@ class CpuEngine final : public Engine {
   // `counted`: this call is the op's first call into the engine (run tracking counts each
   // op once per Compute).
   void add_pending(void* dst, Pending p, const ExecContext& ctx, bool counted = true) {
-    if (p.bytes != 0 && debug().poison.load(std::memory_order_relaxed)) {
+    if (p.bytes != 0 && faults::poison()) {
       std::memset(dst, 0xFF, p.bytes);  // ORT's buffer, inside this Compute: allowed
     }
     if (p.bytes == 0) return;  // nothing to wait for (the Wait returns at once)
@@ -406,7 +380,6 @@ class CpuEngine final : public Engine {
                      pool_->run_started();
                      staging_->run_started();
                    }};
-  DiskFiles files_;  // open data files, shared by weights
   std::unique_ptr<Channel> disk_ = std::make_unique<Channel>("disk", disk_io_threads());
 };
 

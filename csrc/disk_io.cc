@@ -454,17 +454,8 @@ std::shared_ptr<DiskFile> DiskFiles::open_range(const WeightFile& wf, int64_t of
                                                 int64_t length) {
   if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
   const std::string& realpath = wf.path();
-  std::shared_ptr<DiskFile> file;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::weak_ptr<DiskFile>& slot =
-        files_[wf.key() + '\n' + wf.model_dir() + '\n' + wf.location()];
-    file = slot.lock();
-    if (!file) {
-      file = DiskFile::open(wf);
-      slot = file;
-    }
-  }
+  std::shared_ptr<DiskFile> file = files_.get(
+      wf.key() + '\n' + wf.model_dir() + '\n' + wf.location(), [&] { return DiskFile::open(wf); });
   const uint64_t size = wf.size();  // fstat of the validated descriptor, just now
   const auto off = static_cast<uint64_t>(offset);
   const auto len = static_cast<uint64_t>(length);

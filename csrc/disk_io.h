@@ -27,6 +27,8 @@
 #include <sys/types.h>
 #include <utility>
 
+#include "weak_cache.h"
+
 namespace ho {
 
 // Size of one disk read job (a transfer is split into chunks that the I/O threads serve in
@@ -104,7 +106,7 @@ class DiskBusy {
   DiskBusy& operator=(const DiskBusy&) = delete;
 };
 
-// The data files an engine reads, shared by its disk-tier weights.
+// The data files the disk tier reads, shared by its weights (one per process: tiers.cc).
 class DiskFiles {
  public:
   // The validated file `file`, checked to hold bytes [offset, offset + length). Shared by
@@ -113,8 +115,7 @@ class DiskFiles {
   std::shared_ptr<DiskFile> open_range(const WeightFile& file, int64_t offset, int64_t length);
 
  private:
-  std::mutex mu_;
-  std::map<std::string, std::weak_ptr<DiskFile>> files_;
+  WeakCache<DiskFile> files_;
 };
 
 }  // namespace ho

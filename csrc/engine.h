@@ -5,8 +5,8 @@
 // destroyed (worker threads joined, memory freed) with the last of them.
 //
 // The CPU engine (cpu_engine.cc) copies into and out of ORT's buffers only inside the ops'
-// Compute calls (the transfer lifetime rule, docs/design.md) and reads disk-tier weights on
-// a channel of I/O threads (disk_io.h) into its own staging buffers. The CUDA engine
+// Compute calls (the transfer lifetime rule, docs/design.md) and reads streamed weights
+// (the disk tier: tiers.h) on a channel of I/O threads into its own staging buffers. The CUDA engine
 // (csrc/cuda/cuda_engine.cc, docs/cuda.md) implements the same interface: `ExecContext::stream`
 // carries the kernel's compute stream and the copies are cudaMemcpyAsync on copy streams,
 // ordered with the compute stream by events. On the GPU EP a Store token lives in device
@@ -26,7 +26,7 @@
 
 namespace ho {
 
-class WeightFile;
+class WeightSource;
 
 // Per-call context a kernel passes to the engine.
 struct ExecContext {
@@ -53,19 +53,11 @@ struct StoreKey {
   uint64_t tag = 0;
 };
 
-// Bytes of one weight, read once from its external data file into host memory.
+// Bytes of one weight of a tier in host memory (tiers.h), read once into the host store.
 class HostBlob {
  public:
   virtual ~HostBlob() = default;
   virtual const void* data() const = 0;
-  virtual size_t size() const = 0;
-};
-
-// A weight of the disk tier: a validated byte range of an open external-data file, read
-// from the file at every Prefetch (never held in the host store).
-class DiskSource {
- public:
-  virtual ~DiskSource() = default;
   virtual size_t size() const = 0;
 };
 
@@ -89,29 +81,29 @@ class Engine {
   const uint64_t generation = fork_generation();
   bool forked_away() const { return generation != fork_generation(); }
 
-  // Host store: the `length` bytes at `offset` of the open file `file` (already validated),
-  // read at most once per engine while a caller holds them, shared by every caller asking
-  // for the same range of the same content (`content`: Registration::content_key).
-  virtual std::shared_ptr<const HostBlob> load_weight(const WeightFile& file,
-                                                      const std::string& content, int64_t offset,
-                                                      int64_t length) = 0;
+  // The two movements of a weight (tiers.h: a tier's entry says which one it takes; the
+  // engines never see the tier itself).
+
+  // A tier in host memory: the bytes of `src` read into the host store at most once per
+  // engine while a caller holds them, shared by every caller asking for the same range of
+  // the same content (`content`: Registration::content_key of the data file).
+  virtual std::shared_ptr<const HostBlob> load_weight(const WeightSource& src,
+                                                      const std::string& content) = 0;
 
   // Start copying `blob` into `dst` (fast tier) on the load channel; keyed by `dst`.
   virtual void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
                                const ExecContext& ctx) = 0;
 
-  // Disk tier: keep the open file `file` (already validated) for the `length` bytes at
-  // `offset` without reading them; checks the open file's size again. `name` (the weight)
-  // goes into error messages.
-  virtual std::shared_ptr<const DiskSource> open_disk_weight(
-      const std::shared_ptr<WeightFile>& file, int64_t offset, int64_t length,
-      const std::string& name) = 0;
+  // A streamed tier, at session creation: set up the I/O channel (and its staging) that
+  // prefetch_streamed reads on, so that runs allocate nothing.
+  virtual void prepare_streamed() = 0;
 
-  // Start reading `src` from its file into `dst` (fast tier) on the disk channel (background
-  // I/O threads, FIFO); keyed by `dst` like every load. A read error (e.g. the file was
-  // truncated after the session was created) is reported by the matching wait().
-  virtual void prefetch_disk(const std::shared_ptr<const DiskSource>& src, void* dst,
-                             const ExecContext& ctx) = 0;
+  // Start reading `src` (WeightSource::read, in chunks) into `dst` (fast tier) on the I/O
+  // channel (background I/O threads, FIFO); keyed by `dst` like every load. A read error
+  // (e.g. the file was truncated after the session was created) is reported by the
+  // matching wait().
+  virtual void prefetch_streamed(const std::shared_ptr<const WeightSource>& src, void* dst,
+                                 const ExecContext& ctx) = 0;
 
   // Start copying the `bytes` bytes at `src`, a tensor the run holds in host memory (a graph
   // input the caller passed: its past KV cache), into `dst` (fast tier) on the load channel;

@@ -4,9 +4,9 @@
  * OrtApi::RegisterCustomOpsLibrary_V2 (C) or Ort::SessionOptions::RegisterCustomOpsLibrary
  * (C++), which calls its RegisterCustomOps entry point. Nothing below is needed for that.
  *
- * These functions expose the library's process-wide state (counters, build facts, test
- * hooks, CUDA helpers) to hosts that want it; the Python module ho_onnx._ops is one such
- * host. Plain C, no ORT types; every function is thread-safe. Functions returning int
+ * These functions expose the library's process-wide state (counters, build facts,
+ * measurement switches, CUDA helpers) to hosts that want it; the Python module ho_onnx._ops
+ * is one such host. Plain C, no ORT types; every function is thread-safe. Functions returning int
  * return 0 on success and -1 on failure, with the reason in HoOnnx_LastError().
  */
 #ifndef HO_ONNX_C_API_H_
@@ -26,7 +26,7 @@ extern "C" {
 #endif
 
 /* Version of this C API (the functions and structs below). */
-#define HO_ONNX_C_API_VERSION 1
+#define HO_ONNX_C_API_VERSION 2
 
 HO_ONNX_EXPORT int HoOnnx_ApiVersion(void);
 
@@ -37,7 +37,8 @@ HO_ONNX_EXPORT const char* HoOnnx_LastError(void);
 /* Build facts as a JSON object (static storage, never freed): version, ort_api_version
  * (of the ORT headers it was compiled with), ort_api_required (the ORT C API version it
  * asks the runtime for) and ort_min_version (the onnxruntime release that brought it),
- * c_api_version, cuda_compiled, cxx_compiler, element_types (those the library has; a
+ * c_api_version, cuda_compiled, cxx_compiler, test_hooks (a testing build:
+ * csrc/fault_hooks.h), element_types (those the library has; a
  * runtime older than a type's introduction does not get ops for it). */
 HO_ONNX_EXPORT const char* HoOnnx_BuildInfoJson(void);
 
@@ -48,10 +49,11 @@ HO_ONNX_EXPORT size_t HoOnnx_GetCounters(const char** names, int64_t* values, si
 /* Reset the monotonic counters (bytes, counts, wait time); the memory gauges are kept. */
 HO_ONNX_EXPORT void HoOnnx_ResetCounters(void);
 
-/* Test hooks (all 0 by default): "delay_us", "poison", "skip_wait", "skip_staging_fence",
- * "skip_detach_wait", "skip_wait_event", "skip_store_start", "compute_delay_us",
- * "cuda_timing", "arena_trace" (see csrc/common.h). -1 for an unknown name. */
-HO_ONNX_EXPORT int HoOnnx_SetDebug(const char* name, int64_t value);
+/* Measurement switches (both off by default): "cuda_timing" (time every copy of the CUDA
+ * engine: HoOnnx_CudaTransferTimes), "arena_trace" (keep every arena sample:
+ * HoOnnx_ArenaTrace). `on` != 0 turns one on. -1 for an unknown name. (Fault injection for
+ * tests is in testing builds only: csrc/testing/ho_onnx_testing.h.) */
+HO_ONNX_EXPORT int HoOnnx_SetTrace(const char* name, int on);
 
 /* CUDA helpers. Without a CUDA build they fail (CudaDeviceCount returns 0). */
 HO_ONNX_EXPORT int HoOnnx_CudaDeviceCount(void);

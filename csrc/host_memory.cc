@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "common.h"
+#include "tiers.h"
 #include "weight_file.h"
 
 namespace ho {
@@ -44,31 +45,15 @@ HostBytes::~HostBytes() {
   if (data_ != nullptr) ::operator delete(data_, std::align_val_t(align_));
 }
 
-std::shared_ptr<const HostBlob> HostStore::load(const WeightFile& file,
-                                                const std::string& content, int64_t offset,
-                                                int64_t length) {
-  if (offset < 0 || length < 0) fail(ORT_INVALID_ARGUMENT, "negative offset or length");
-  const std::string key =
-      content + "\n" + std::to_string(offset) + "\n" + std::to_string(length);
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = blobs_.find(key);
-  if (it != blobs_.end()) {
-    if (std::shared_ptr<const HostBlob> held = it->second.lock()) return held;
-  }
-  // Entries whose bytes no session holds any more are dropped: amortized, once the map has
-  // doubled since the last sweep (a model's session creation loads each weight once).
-  if (blobs_.size() >= 2 * swept_size_ + 64) {
-    for (auto e = blobs_.begin(); e != blobs_.end();) {
-      e = e->second.expired() ? blobs_.erase(e) : std::next(e);
+std::shared_ptr<const HostBlob> HostStore::load(const WeightSource& src,
+                                                const std::string& content) {
+  return blobs_.get(weight_key(src, content), [&]() -> std::shared_ptr<const HostBlob> {
+    auto blob = std::make_shared<FileBlob>(src.size());
+    if (src.size() != 0) {
+      src.read(src.offset(), src.size(), static_cast<char*>(blob->mutable_data()));
     }
-    swept_size_ = blobs_.size();
-  }
-
-  auto blob = std::make_shared<FileBlob>(static_cast<size_t>(length));
-  pread_exact(file.fd(), static_cast<char*>(blob->mutable_data()), static_cast<size_t>(length),
-              static_cast<uint64_t>(offset), file.path());
-  blobs_[key] = blob;  // (replaces an expired entry)
-  return blob;
+    return blob;
+  });
 }
 
 PoolBuffer::PoolBuffer(std::shared_ptr<HostPool> pool, std::unique_ptr<HostBytes> bytes,

@@ -1,4 +1,4 @@
-// Host memory of the slow tier: a store of weight bytes read from files, and a size-keyed
+// Host memory of the slow tier: a store of weight bytes read from their tier, and a size-keyed
 // pool of buffers for stored activations. Both keep the process-wide counters up to date.
 #pragma once
 
@@ -13,6 +13,7 @@
 
 #include "engine.h"
 #include "pool_class.h"
+#include "weak_cache.h"
 
 namespace ho {
 
@@ -32,22 +33,19 @@ class HostBytes {
   size_t align_ = 64;
 };
 
-class WeightFile;
+class WeightSource;
 
-// Weights: (content key, offset, length) -> bytes, read once from the open file while
-// some caller holds them. Entries are weak: the bytes go with the last session that uses
+// Weights: (content key, offset, length) -> bytes, read once from their source (tiers.h)
+// while some caller holds them. Entries are weak: the bytes go with the last session that uses
 // them (a model re-optimized in place and hot-swapped keeps one version's weights, not
 // every version's), and the content key (Registration::content_key) keeps a new version of
 // a file, or a reused inode, from being served an earlier version's bytes.
 class HostStore {
  public:
-  std::shared_ptr<const HostBlob> load(const WeightFile& file, const std::string& content,
-                                       int64_t offset, int64_t length);
+  std::shared_ptr<const HostBlob> load(const WeightSource& src, const std::string& content);
 
  private:
-  std::mutex mu_;
-  std::map<std::string, std::weak_ptr<const HostBlob>> blobs_;
-  size_t swept_size_ = 0;  // entries after the last sweep of expired ones
+  WeakCache<const HostBlob> blobs_;
 };
 
 class HostPool;

@@ -9,6 +9,7 @@
 
 #include "common.h"
 #include "ort_tensor.h"
+#include "tiers.h"
 #include "weight_file.h"
 #if HO_ONNX_WITH_CUDA
 #include "cuda/cuda_api.h"
@@ -66,7 +67,7 @@ std::string weight_name(const OrtApi* api, const OrtKernelInfo* info, const std:
 // The attributes that place a weight in its file: tier, offset, length and shape (into
 // `shape`), checked against each other.
 struct WeightRange {
-  std::string tier = "host";  // absent: the host store
+  const WeightTier* tier = weight_tiers();  // absent: the default tier (tiers.h)
   int64_t offset = 0;
   int64_t length = 0;
 };
@@ -74,8 +75,12 @@ struct WeightRange {
 WeightRange weight_range(const OrtApi* api, const OrtKernelInfo* info, int bits,
                          std::vector<int64_t>* shape, const WeightError& bad) {
   WeightRange r;
-  if (attr_string(api, info, "tier", &r.tier) && r.tier != "host" && r.tier != "disk") {
-    bad(ORT_INVALID_ARGUMENT, "unknown tier '" + r.tier + "' (host or disk)");
+  std::string tier;
+  if (attr_string(api, info, "tier", &tier)) {
+    r.tier = find_tier(tier);
+    if (r.tier == nullptr) {
+      bad(ORT_INVALID_ARGUMENT, "unknown tier '" + tier + "' (" + tier_names() + ")");
+    }
   }
   if (!attr_int(api, info, "offset", &r.offset)) bad(ORT_INVALID_ARGUMENT, "attribute 'offset' missing");
   if (!attr_int(api, info, "length", &r.length)) bad(ORT_INVALID_ARGUMENT, "attribute 'length' missing");
@@ -226,10 +231,12 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
   const WeightRange r = weight_range(api, info, op.bits, &shape, bad);
   std::shared_ptr<WeightFile> file = weight_file(api, info, *op.reg, location, r, bad);
   try {
-    if (r.tier == "disk") {
-      disk = engine->open_disk_weight(file, r.offset, r.length, name);
+    std::shared_ptr<const WeightSource> src = r.tier->open(file, r.offset, r.length, name);
+    if (r.tier->in_host_memory) {
+      blob = engine->load_weight(*src, op.reg->content_key(*file));
     } else {
-      blob = engine->load_weight(*file, op.reg->content_key(*file), r.offset, r.length);
+      engine->prepare_streamed();
+      streamed = std::move(src);
     }
   } catch (const Error& e) {
     bad(e.code(), e.what());
@@ -361,13 +368,13 @@ void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
   if (gate_closed(ctx)) {  // an expert no token was routed to: nothing moves
     output(api, ctx, shape);
     counters().gated_skips += 1;
-    counters().bytes_gated += disk ? disk->size() : blob->size();
+    counters().bytes_gated += streamed ? streamed->size() : blob->size();
     produce_issued(api, ctx);
     return;
   }
   OrtValue* y = output(api, ctx, shape);
-  if (disk) {
-    engine->prefetch_disk(disk, disk->size() ? tensor_data(api, y) : nullptr, ec);
+  if (streamed) {
+    engine->prefetch_streamed(streamed, streamed->size() ? tensor_data(api, y) : nullptr, ec);
   } else {
     engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);
   }

@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "ort_abi.h"
 #include "registration.h"
+#include "tiers.h"
 
 namespace ho {
 
@@ -76,8 +77,10 @@ struct Kernel {
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
   std::vector<int64_t> shape;
-  std::shared_ptr<const HostBlob> blob;        // host tier: bytes read at session creation
-  std::shared_ptr<const DiskSource> disk;      // disk tier: read from the file at every run
+  // Its bytes, by its tier's movement (tiers.h): in the engine's host store (host), or read
+  // from its source at every run (disk).
+  std::shared_ptr<const HostBlob> blob;
+  std::shared_ptr<const WeightSource> streamed;
   size_t row_bytes = 0;  // GatherRows: bytes of one row of the table (fixed at creation)
 
   void compute(OrtKernelContext* ctx);

@@ -1,32 +1,20 @@
-// The pybind11 module ho_onnx._ops: build facts, counters, CUDA helpers and test hooks.
-// Everything about the ORT custom ops comes from the custom-op library libho_onnx_ops.so
-// through its C API (ho_onnx_c_api.h): the module links to it, and ORT later loads that
-// same file, so both see one copy of its process-wide state. The test hooks of the CUDA
-// engine's host-side logic (cuda/host_logic.h, header-only) and of both engines' run-owned
-// records (run_records.h, header-only) are compiled here.
+// The pybind11 module ho_onnx._ops: build facts, counters, measurement switches and CUDA
+// helpers. Everything about the ORT custom ops comes from the custom-op library
+// libho_onnx_ops.so through its C API (ho_onnx_c_api.h): the module links to it, and ORT
+// later loads that same file, so both see one copy of its process-wide state. Nothing for
+// tests is here: fault hooks and harnesses are the testing build's ho_onnx._ops_testing
+// (csrc/testing/module.cc).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <optional>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <utility>
 #include <vector>
 
-#include "cuda/host_logic.h"
 #include "fnv1a.h"
-#include "pool_class.h"
 #include "ho_onnx_c_api.h"
-#include "run_records.h"
+#include "py_switches.h"
 
 namespace py = pybind11;
 
@@ -71,24 +59,12 @@ uint64_t fnv1a64(uint64_t h, const py::buffer& data) {
   return ho::fnv1a64(h, p, n);
 }
 
-// Every test hook of HoOnnx_SetDebug: set_debug(**kw) sets those named and resets the rest.
-const char* const kDebugHooks[] = {"delay_us",         "poison",          "skip_wait",
-                                   "skip_staging_fence", "skip_detach_wait", "skip_wait_event",
-                                   "skip_store_start", "compute_delay_us", "cuda_timing",
-                                   "arena_trace"};
+// The measurement switches of HoOnnx_SetTrace: set_trace(**kw) sets those named and resets
+// the rest.
+const char* const kTraceSwitches[] = {"cuda_timing", "arena_trace"};
 
-void set_debug(const py::kwargs& kw) {
-  for (auto item : kw) {
-    const std::string name = py::str(item.first);
-    bool known = false;
-    for (const char* h : kDebugHooks) known = known || name == h;
-    if (!known) throw py::type_error("set_debug: unknown hook '" + name + "'");
-  }
-  for (const char* h : kDebugHooks) {
-    int64_t v = 0;
-    if (kw.contains(h)) v = py::cast<int64_t>(kw[h]);
-    check(HoOnnx_SetDebug(h, v));
-  }
+void set_trace(const py::kwargs& kw) {
+  ho_py::set_switches<bool>(kw, kTraceSwitches, HoOnnx_SetTrace, "set_trace", "switch");
 }
 
 py::tuple cuda_mem_info(int device) {
@@ -158,416 +134,6 @@ py::dict cuda_transfer_times(bool reset) {
   return d;
 }
 
-// ---------------------------------------------------------------------------------------
-// Test hooks of the CUDA engine's host-side logic (csrc/cuda/host_logic.h), compiled in
-// every build. The event is the only stand-in: a number from a counter, and a fence is a
-// flag the test (or a completer thread) sets - the pool and ring code is the engine's own.
-
-namespace cl = ho::cuda_logic;
-
-struct CountingEvents {
-  using Event = int64_t;
-  std::shared_ptr<std::atomic<int64_t>> next = std::make_shared<std::atomic<int64_t>>(0);
-  std::shared_ptr<std::atomic<int64_t>> destroyed = std::make_shared<std::atomic<int64_t>>(0);
-  int64_t create() const { return ++*next; }
-  void destroy(int64_t) const noexcept { ++*destroyed; }
-};
-using TestPool = cl::EventPool<CountingEvents>;
-
-struct TestLease {
-  TestPool::Lease lease;
-  int64_t id() const {
-    if (!lease) throw std::runtime_error("lease released");
-    return *lease;
-  }
-  void release() { lease.reset(); }
-};
-
-class TestEventPool {
- public:
-  TestEventPool() : pool_(std::make_shared<TestPool>(traits_)) {}
-  TestLease acquire() { return TestLease{pool_->acquire()}; }
-  void prewarm(size_t n) { pool_->prewarm(n); }
-  size_t created() const { return pool_->created(); }
-  size_t free_count() const { return pool_->free_count(); }
-  size_t outstanding() const { return pool_->outstanding(); }
-  int64_t destroyed() const { return traits_.destroyed->load(); }
-  void close() { pool_.reset(); }  // destroy the pool (events come back from live leases)
-  // `threads` threads each acquire up to `hold` events, release them, `iters` times.
-  // Returns the largest number of events on loan at once (seen by the threads).
-  size_t stress(int threads, int iters, int hold) {
-    py::gil_scoped_release nogil;
-    std::atomic<size_t> out{0}, peak{0};
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([&] {
-        for (int i = 0; i < iters; ++i) {
-          std::vector<TestPool::Lease> held;
-          for (int h = 0; h < hold; ++h) {
-            held.push_back(pool_->acquire());
-            const size_t now = ++out;
-            size_t p = peak.load();
-            while (now > p && !peak.compare_exchange_weak(p, now)) {}
-          }
-          out -= held.size();
-          held.clear();
-        }
-      });
-    }
-    for (auto& t : ts) t.join();
-    return peak.load();
-  }
-
- private:
-  CountingEvents traits_;
-  std::shared_ptr<TestPool> pool_;
-};
-
-struct FlagFence {
-  std::shared_ptr<std::atomic<bool>> done;
-  bool ready() const { return done->load(); }
-};
-using TestRing = cl::SlotRing<FlagFence>;
-
-// TestSlotRing::concurrent: threads acquiring and releasing slots of one ring while a
-// completer thread sets each release's fence `fence_us` later; counts the overlaps of bytes
-// handed out with bytes still in use (acquired and not yet fenced).
-class RingStress {
- public:
-  RingStress(TestRing& ring, int64_t fence_us) : ring_(ring), fence_us_(fence_us) {}
-
-  std::atomic<int64_t> overlaps{0};
-  size_t peak_busy = 0;
-
-  // Whether every thread finished within `timeout_s`.
-  bool run(int threads, int runs, const std::vector<size_t>& sizes, double timeout_s) {
-    std::thread completer([this] { complete_fences(); });
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([&, this] {
-        for (int r = 0; r < runs; ++r) one_run(sizes);
-        ++finished_;
-      });
-    }
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(timeout_s);
-    while (finished_.load() < threads && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    const bool all = finished_.load() == threads;
-    for (auto& t : ts) t.join();  // they finish: acquire never waits
-    {
-      std::lock_guard<std::mutex> lock(q_mu_);
-      stop_ = true;
-    }
-    completer.join();
-    return all;
-  }
-
- private:
-  // One run: a slot per size, then each released with a fence due `fence_us_` later.
-  void one_run(const std::vector<size_t>& sizes) {
-    std::vector<TestRing::Slot> mine;
-    for (size_t sz : sizes) {
-      const TestRing::Slot s = ring_.acquire(sz);
-      busy(s);
-      mine.push_back(s);
-    }
-    for (const TestRing::Slot& s : mine) {
-      auto flag = std::make_shared<std::atomic<bool>>(false);
-      ring_.release(s, FlagFence{flag});
-      std::lock_guard<std::mutex> lock(q_mu_);
-      queue_.push_back({std::chrono::steady_clock::now() + std::chrono::microseconds(fence_us_),
-                        {flag, s}});
-    }
-  }
-
-  void busy(const TestRing::Slot& s) {
-    std::lock_guard<std::mutex> lock(busy_mu_);
-    auto it = busy_.lower_bound({s.segment, 0});
-    for (; it != busy_.end() && it->first.first == s.segment; ++it) {
-      const size_t a = it->first.second, b = it->second;
-      if (s.offset < b && a < s.offset + s.size) ++overlaps;
-    }
-    busy_[{s.segment, s.offset}] = s.offset + s.size;
-    busy_bytes_ += s.size;
-    peak_busy = std::max(peak_busy, busy_bytes_);
-  }
-
-  void unbusy(const TestRing::Slot& s) {
-    std::lock_guard<std::mutex> lock(busy_mu_);
-    busy_.erase({s.segment, s.offset});
-    busy_bytes_ -= s.size;
-  }
-
-  // The completer thread: sets each fence when it is due, until stopped with none left.
-  void complete_fences() {
-    std::unique_lock<std::mutex> lock(q_mu_);
-    while (true) {
-      const auto now = std::chrono::steady_clock::now();
-      while (!queue_.empty() && queue_.front().first <= now) {
-        unbusy(queue_.front().second.second);  // before the flag: the ring may reuse it now
-        queue_.front().second.first->store(true);
-        queue_.pop_front();
-      }
-      if (stop_ && queue_.empty()) break;
-      q_cv_.wait_for(lock, std::chrono::microseconds(100));
-    }
-  }
-
-  TestRing& ring_;
-  const int64_t fence_us_;
-  std::atomic<int> finished_{0};
-  std::mutex busy_mu_;
-  // Bytes in use from the user's side: from acquire until the fence completed.
-  std::map<std::pair<size_t, size_t>, size_t> busy_;  // (segment, offset) -> end
-  size_t busy_bytes_ = 0;
-  std::mutex q_mu_;
-  std::condition_variable q_cv_;
-  // FIFO: every fence is due `fence_us` after its release.
-  std::deque<std::pair<std::chrono::steady_clock::time_point,
-                       std::pair<std::shared_ptr<std::atomic<bool>>, TestRing::Slot>>>
-      queue_;
-  bool stop_ = false;
-};
-
-class TestSlotRing {
- public:
-  TestSlotRing(size_t align, size_t growth)
-      : ring_(std::make_unique<TestRing>(
-            [this](size_t bytes) {
-              segment_bytes_.push_back(bytes);
-              return std::unique_ptr<cl::RingMemory>();
-            },
-            align, growth)) {}
-
-  void reserve(size_t bytes) { ring_->reserve(bytes); }
-
-  py::dict acquire(size_t size) {
-    const TestRing::Slot s = ring_->acquire(size);
-    slots_[s.id] = s;
-    py::dict d;
-    d["id"] = s.id;
-    d["segment"] = s.segment;
-    d["offset"] = s.offset;
-    d["size"] = s.size;
-    return d;
-  }
-
-  // Release slot `id`, reusable once fence `fence` completes (fence < 0: at once).
-  void release(uint64_t id, int64_t fence) {
-    auto it = slots_.find(id);
-    if (it == slots_.end()) throw std::runtime_error("unknown slot id");
-    std::optional<FlagFence> f;
-    if (fence >= 0) {
-      auto& flag = fences_[fence];
-      if (!flag) flag = std::make_shared<std::atomic<bool>>(false);
-      f = FlagFence{flag};
-    }
-    ring_->release(it->second, std::move(f));
-    slots_.erase(it);
-  }
-
-  void complete(int64_t fence) {
-    auto& flag = fences_[fence];
-    if (!flag) flag = std::make_shared<std::atomic<bool>>(false);
-    flag->store(true);
-  }
-
-  void reap() { ring_->reap(); }
-
-  py::dict stats() const {
-    const TestRing::Stats st = ring_->stats();
-    py::dict d;
-    d["segments"] = st.segments;
-    d["capacity"] = st.capacity;
-    d["in_use"] = st.in_use;
-    d["live"] = st.live;
-    d["released"] = st.released;
-    d["acquired_total"] = st.acquired_total;
-    d["reclaimed_total"] = st.reclaimed_total;
-    d["segment_bytes"] = segment_bytes_;
-    return d;
-  }
-
-  // Concurrent runs: `threads` threads each do `runs` runs; a run acquires one slot per
-  // entry of `sizes` (a Store), then releases each with a fence that a completer thread sets
-  // `fence_us` later (the copy reading it). The ring must never hand out bytes whose fence
-  // has not completed, and acquire must never block. Returns the ring stats and the number
-  // of overlaps seen (must be 0) and whether every thread finished within `timeout_s`.
-  py::dict concurrent(int threads, int runs, std::vector<size_t> sizes, int64_t fence_us,
-                      double timeout_s) {
-    RingStress stress(*ring_, fence_us);
-    {
-      py::gil_scoped_release nogil;
-      const bool all = stress.run(threads, runs, sizes, timeout_s);
-      ring_->reap();
-      finished_in_time_ = all;
-    }
-    py::dict d = stats();
-    d["overlaps"] = stress.overlaps.load();
-    d["peak_busy"] = stress.peak_busy;  // most bytes acquired and not yet fenced, at one time
-    d["finished_in_time"] = finished_in_time_;
-    return d;
-  }
-
- private:
-  std::vector<size_t> segment_bytes_;
-  std::unique_ptr<TestRing> ring_;
-  std::map<uint64_t, TestRing::Slot> slots_;
-  std::map<int64_t, std::shared_ptr<std::atomic<bool>>> fences_;
-  bool finished_in_time_ = false;
-};
-
-py::dict pack_weights(const std::vector<size_t>& sizes) {
-  cl::WeightPacker p;
-  py::list places;
-  for (size_t n : sizes) {
-    const cl::WeightPacker::Placement pl = p.place(n);
-    py::dict d;
-    d["own_block"] = pl.own_block;
-    d["block_bytes"] = pl.block_bytes;
-    d["chunk"] = pl.chunk;
-    d["offset"] = pl.offset;
-    places.append(d);
-  }
-  py::dict d;
-  d["reserved"] = p.reserved();
-  d["payload"] = p.payload();
-  d["chunks"] = p.chunks();
-  d["placements"] = places;
-  return d;
-}
-
-// RunRecords (run_records.h) with simulated threads: each call names its thread and
-// kernel (0: none); a thread ends when the test says so. Records are named by integers;
-// calls return what they released as {"stored": [names], "loads": [names]}, sorted.
-class TestRunRecords {
- public:
-  struct Stored {
-    ho::Owner owner;
-    int64_t name = 0;
-    int64_t tag = 0;
-  };
-  struct Load {
-    ho::Owner owner;
-    int64_t name = 0;
-    std::vector<int64_t>* abandoned = nullptr;
-    void abandon() { abandoned->push_back(name); }
-  };
-  using Records = ho::RunRecords<Stored, Load>;
-
-  void end_thread(uint64_t thread) { threads_.ended.push_back(thread); }
-
-  py::dict put_stored(uint64_t key, int64_t name, int64_t tag, uint64_t thread,
-                      uintptr_t kernel, uintptr_t creator) {
-    Records::Released r;
-    auto rec = std::make_shared<Stored>();
-    rec->name = name;
-    rec->tag = tag;
-    records_.put_stored(key, rec, on(thread, kernel), &r, address(creator));
-    return released(r);
-  }
-
-  // (name of the record or None, released); take: removed as well.
-  py::tuple find_stored(uint64_t key, int64_t tag, uint64_t thread, uintptr_t kernel,
-                        bool take) {
-    Records::Released r;
-    auto accept = [tag](const Stored& s) { return s.tag == tag; };
-    const void* k = on(thread, kernel);
-    std::shared_ptr<Stored> rec = take ? records_.take_stored(key, k, accept, &r)
-                                       : records_.find_stored(key, k, accept, &r);
-    return py::make_tuple(rec ? py::cast(rec->name) : py::none(), released(r));
-  }
-
-  py::tuple move_stored(uint64_t key, uint64_t to, int64_t tag, uint64_t thread,
-                        uintptr_t kernel) {
-    Records::Released r;
-    auto accept = [tag](const Stored& s) { return s.tag == tag; };
-    std::shared_ptr<Stored> rec = records_.move_stored(key, to, on(thread, kernel), accept, &r);
-    return py::make_tuple(rec ? py::cast(rec->name) : py::none(), released(r));
-  }
-
-  py::dict put_load(uintptr_t dst, int64_t name, uint64_t thread, uintptr_t kernel,
-                    uintptr_t creator) {
-    Records::Released r;
-    Load load;
-    load.name = name;
-    load.abandoned = &abandoned_;
-    records_.put_load(address(dst), std::move(load), on(thread, kernel), &r, address(creator));
-    return released(r);
-  }
-
-  py::tuple take_load(uintptr_t dst, uint64_t thread, uintptr_t kernel) {
-    Records::Released r;
-    std::optional<Load> load = records_.take_load(address(dst), on(thread, kernel), &r);
-    return py::make_tuple(load ? py::cast(load->name) : py::none(), released(r));
-  }
-
-  py::dict drop_load(uintptr_t dst) {
-    Records::Released r;
-    records_.drop_load(address(dst), &r);
-    return released(r);
-  }
-
-  py::dict clear() {
-    Records::Released r;
-    records_.clear(&r);
-    return released(r);
-  }
-
-  size_t seen() { return records_.seen_count(); }
-
-  py::dict forget(uintptr_t kernel) {
-    Records::Released r;
-    records_.forget(address(kernel), &r);
-    return released(r);
-  }
-
-  py::dict counts() {
-    py::dict d;
-    d["stored"] = records_.stored_count();
-    d["loads"] = records_.load_count();
-    d["abandoned"] = abandoned_;
-    return d;
-  }
-
- private:
-  struct SimThreads final : ho::ThreadSource {
-    uint64_t now = 0;
-    uint64_t epochs = 0;
-    std::vector<uint64_t> ended;
-    uint64_t current() override { return now; }
-    uint64_t next_epoch() override { return ++epochs; }
-    size_t ended_count() override { return ended.size(); }
-    size_t ended_since(size_t seen, std::vector<uint64_t>* out) override {
-      out->insert(out->end(), ended.begin() + static_cast<std::ptrdiff_t>(seen), ended.end());
-      return ended.size();
-    }
-  };
-
-  static const void* address(uintptr_t a) { return reinterpret_cast<const void*>(a); }
-  const void* on(uint64_t thread, uintptr_t kernel) {
-    threads_.now = thread;
-    return address(kernel);
-  }
-  static py::dict released(const Records::Released& r) {
-    std::vector<int64_t> stored, loads;
-    for (const auto& s : r.stored) stored.push_back(s->name);
-    for (const auto& l : r.loads) loads.push_back(l.name);
-    std::sort(stored.begin(), stored.end());  // (map order is not the test's business)
-    std::sort(loads.begin(), loads.end());
-    py::dict d;
-    d["stored"] = stored;
-    d["loads"] = loads;
-    return d;
-  }
-
-  SimThreads threads_;  // (declared before records_, which reads it when constructed)
-  std::vector<int64_t> abandoned_;
-  Records records_{threads_};
-};
-
 }  // namespace
 
 // Over 60 lines: the module's table of bindings, one m.def per Python name with its
@@ -582,7 +148,7 @@ PYBIND11_MODULE(_ops, m) {
   m.attr("__version__") = build_info()["version"];
   m.def("build_info", &build_info,
         "Build facts: version, ort_api_version, c_api_version, cuda_compiled, cxx_compiler, "
-        "element_types.");
+        "test_hooks, element_types.");
   m.def("cuda_device_count", &cuda_device_count,
         "CUDA devices visible (0 without a CUDA build, a driver or a device).");
   m.def("counters", &counters, "Process-wide transfer and memory counters.");
@@ -591,18 +157,13 @@ PYBIND11_MODULE(_ops, m) {
         "data-file fingerprint, as the library computes it.");
   m.def("reset_counters", &reset_counters,
         "Reset the monotonic counters (bytes, counts, wait time); gauges are kept.");
-  m.def("set_debug", &set_debug,
-        "Test hooks, each 0 unless named (set_debug() resets all): delay_us (spin/sleep "
-        "before every transfer), poison (fill Prefetch outputs, and on CUDA the staging "
-        "buffers after use, with 0xFF), skip_wait (CPU: Wait neither waits nor copies; CUDA: "
-        "= skip_wait_event). CUDA only, one per ordering edge (docs/cuda.md): "
-        "skip_staging_fence (a), skip_detach_wait (b), skip_wait_event (c), "
-        "skip_store_start (d); compute_delay_us (spin on the compute stream at each "
-        "Prefetch and before each Wait's copy), cuda_timing (time every copy: "
-        "cuda_transfer_times), arena_trace (keep every arena sample: arena_trace).");
+  m.def("set_trace", &set_trace,
+        "Measurement switches, each off unless named (set_trace() turns all off): "
+        "cuda_timing (time every copy of the CUDA engine: cuda_transfer_times), arena_trace "
+        "(keep every arena sample: arena_trace).");
   m.def("arena_trace", &arena_trace, py::arg("reset") = true,
         "ORT arena samples (node, in_use, max_in_use, total_allocated; bytes) taken at each "
-        "Wait, oldest first, while set_debug(arena_trace=True) and the session has "
+        "Wait, oldest first, while set_trace(arena_trace=True) and the session has "
         "ho_onnx.sample_arena=1.");
   m.def("cuda_mem_info", &cuda_mem_info, py::arg("device") = 0,
         "(free, total) bytes of a CUDA device (cudaMemGetInfo: every allocation on the "
@@ -613,56 +174,5 @@ PYBIND11_MODULE(_ops, m) {
         "cudaMemcpyAsync of `bytes`, in four groups 50 ms apart after a warm-up): "
         "dict(h2d_bw, d2h_bw, bytes, device, device_name).");
   m.def("cuda_transfer_times", &cuda_transfer_times, py::arg("reset") = true,
-        "Bytes and GPU seconds of the engine's copies timed while set_debug(cuda_timing=True).");
-
-  py::class_<TestLease>(m, "_test_EventLease")
-      .def_property_readonly("id", &TestLease::id)
-      .def("release", &TestLease::release);
-  py::class_<TestEventPool>(m, "_test_EventPool")
-      .def(py::init<>())
-      .def("acquire", &TestEventPool::acquire)
-      .def("prewarm", &TestEventPool::prewarm)
-      .def("created", &TestEventPool::created)
-      .def("free_count", &TestEventPool::free_count)
-      .def("outstanding", &TestEventPool::outstanding)
-      .def("destroyed", &TestEventPool::destroyed)
-      .def("close", &TestEventPool::close)
-      .def("stress", &TestEventPool::stress, py::arg("threads"), py::arg("iters"),
-           py::arg("hold"));
-  py::class_<TestSlotRing>(m, "_test_SlotRing")
-      .def(py::init<size_t, size_t>(), py::arg("align") = ho::cuda_logic::kRingAlign,
-           py::arg("growth") = ho::cuda_logic::kRingGrowth)
-      .def("reserve", &TestSlotRing::reserve)
-      .def("acquire", &TestSlotRing::acquire)
-      .def("release", &TestSlotRing::release, py::arg("id"), py::arg("fence") = -1)
-      .def("complete", &TestSlotRing::complete)
-      .def("reap", &TestSlotRing::reap)
-      .def("stats", &TestSlotRing::stats)
-      .def("concurrent", &TestSlotRing::concurrent, py::arg("threads"), py::arg("runs"),
-           py::arg("sizes"), py::arg("fence_us"), py::arg("timeout_s") = 30.0);
-  py::class_<TestRunRecords>(m, "_test_RunRecords")
-      .def(py::init<>())
-      .def("end_thread", &TestRunRecords::end_thread)
-      .def("put_stored", &TestRunRecords::put_stored, py::arg("key"), py::arg("name"),
-           py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0,
-           py::arg("creator") = 0)
-      .def("find_stored", &TestRunRecords::find_stored, py::arg("key"), py::arg("tag") = 0,
-           py::arg("thread") = 1, py::arg("kernel") = 0, py::arg("take") = false)
-      .def("move_stored", &TestRunRecords::move_stored, py::arg("key"), py::arg("to"),
-           py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0)
-      .def("put_load", &TestRunRecords::put_load, py::arg("dst"), py::arg("name"),
-           py::arg("thread") = 1, py::arg("kernel") = 0, py::arg("creator") = 0)
-      .def("take_load", &TestRunRecords::take_load, py::arg("dst"), py::arg("thread") = 1,
-           py::arg("kernel") = 0)
-      .def("drop_load", &TestRunRecords::drop_load)
-      .def("clear", &TestRunRecords::clear)
-      .def("forget", &TestRunRecords::forget)
-      .def("seen", [](TestRunRecords& t) { return t.seen(); })
-      .def("counts", &TestRunRecords::counts);
-  m.def("_test_pool_size_class", &ho::pool_size_class,
-        "The size class the host pool rounds a request of `size` bytes up to.");
-  m.def("_test_ring_capacity", &ho::cuda_logic::ring_capacity,
-        "First ring segment for a plan storing `host_bytes` bytes of activations per run.");
-  m.def("_test_pack_weights", &pack_weights,
-        "Where the pinned weight store puts weights of the given sizes (WeightPacker).");
+        "Bytes and GPU seconds of the engine's copies timed while set_trace(cuda_timing=True).");
 }

@@ -191,7 +191,7 @@ void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* allo
       break;
     }
   }
-  if (!debug().arena_trace.load()) return;
+  if (!tracing().arena_trace.load()) return;
   try {  // (a test hook: a sample that cannot be kept is dropped, the run goes on)
     one.where = where;
     std::lock_guard<std::mutex> lock(g_trace_mu);

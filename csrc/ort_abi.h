@@ -71,7 +71,7 @@ bool kernel_config_entry(const KernelConfigApi& k, const OrtApi* api, const OrtK
                          const char* key, std::string* value);
 
 // Records InUse / MaxInUse / TotalAllocated of `alloc` into the ort_arena_* counters, and
-// with debug().arena_trace also into the trace under `where` (the sampling node's name).
+// with tracing().arena_trace also into the trace under `where` (the sampling node's name).
 // Never fails (a measurement, not a transfer).
 void sample_arena(const StatsApi& s, const OrtApi* api, const OrtAllocator* alloc,
                   const std::string& where);

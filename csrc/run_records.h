@@ -76,8 +76,8 @@ class RunRecords {
   // `on_run_start`: called (under the records' lock: it must not call back) whenever a run
   // starts on some thread.
   explicit RunRecords(ThreadSource& threads, std::function<void()> on_run_start = {})
-      : threads_(threads), ended_seen_(threads.ended_count()),
-        on_run_start_(std::move(on_run_start)) {}
+      : threads_(threads), on_run_start_(std::move(on_run_start)),
+        ended_seen_(threads.ended_count()) {}
   RunRecords(const RunRecords&) = delete;
   RunRecords& operator=(const RunRecords&) = delete;
 

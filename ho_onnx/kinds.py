@@ -10,8 +10,9 @@ reload from it takes (:class:`Link`: the cost model's direction name and the
 Prefetches queue on in the rewritten graph, and whether its bytes occupy host memory
 (counted in ``host_bytes`` and against ``--host-budget``; loaded through the CUDA engine's
 device staging buffers). ``host`` and ``disk`` are registered here; a further tier is one
-more :func:`register_tier` call (and its engine support in ``csrc/``: docs/design.md,
-"Adding a tensor kind or a tier").
+more :func:`register_tier` call, and for the library to run it one entry of the same name in
+the C++ registry ``csrc/tiers.cc`` with its I/O class (docs/design.md, "Adding a tensor kind
+or a tier").
 
 **Kinds** (:class:`TensorKind`): what sort of tensor a candidate is. Each entry says which
 tensors are its candidates (``matches``, first match by ``priority``), which option enables

@@ -148,7 +148,7 @@ build() {
   local pyb
   pyb=$("$PY" -m pybind11 --cmakedir) || { say "pybind11 is not installed"; return 1; }
   timeout "$(left)" cmake -S "$ROOT" -B /tmp/ho_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DHO_ONNX_WITH_CUDA=ON -DHO_ONNX_ORT_INCLUDE_DIR="$hdr" -Dpybind11_DIR="$pyb" \
+    -DHO_ONNX_WITH_CUDA=ON -DHO_ONNX_TESTING=ON -DHO_ONNX_ORT_INCLUDE_DIR="$hdr" -Dpybind11_DIR="$pyb" \
     -DPython_EXECUTABLE="$(command -v "$PY")" >"$OUT/build.log" 2>&1 &&
     timeout "$(left)" cmake --build /tmp/ho_build >>"$OUT/build.log" 2>&1 &&
     cmake --install /tmp/ho_build --prefix /tmp/ho_install >>"$OUT/build.log" 2>&1 ||

@@ -16,13 +16,13 @@ if [[ -z "$ort_inc" ]]; then  # reuse the headers the regular build fetched, if 
   done
 fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DHO_ONNX_SANITIZE=ON -DHO_ONNX_WITH_CUDA=OFF \
+  -DHO_ONNX_SANITIZE=ON -DHO_ONNX_WITH_CUDA=OFF -DHO_ONNX_TESTING=ON \
   -DPython_EXECUTABLE="$py" \
   -Dpybind11_DIR="$("$py" -c 'import pybind11; print(pybind11.get_cmake_dir())')" \
   ${ort_inc:+-DHO_ONNX_ORT_INCLUDE_DIR="$ort_inc"} > "$build.log" 2>&1 \
   || { cat "$build.log"; exit 1; }
 cmake --build "$build" >> "$build.log" 2>&1 || { tail -50 "$build.log"; exit 1; }
-lib=$(ls "$build"/_ops*.so)
+lib=$(ls "$build"/_ops.*.so)
 asan=$(gcc -print-file-name=libasan.so)
 echo "test_native: $lib (ASan + UBSan), LD_PRELOAD=$asan" >&2
 export HO_ONNX_TEST_OPS="$PWD/$lib"

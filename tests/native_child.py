@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
-from native_util import N, ops, session, session_options, write_failure_model
+from native_util import N, ops, session, session_options, testing_ops, write_failure_model
 
 
 def interleave(args: argparse.Namespace) -> dict:
@@ -30,7 +30,7 @@ def interleave(args: argparse.Namespace) -> dict:
                                       with_detach=not args.no_detach)
         so = session_options(Path(tmp), arena=bool(args.arena), order=args.order)
         sess = session(path, so)
-        ops().set_debug(delay_us=args.delay_us)
+        testing_ops().set_debug(delay_us=args.delay_us)
         stats = {"good": 0, "bad": 0, "wrong": 0, "other": 0}
         lock = threading.Lock()
 
@@ -56,7 +56,7 @@ def interleave(args: argparse.Namespace) -> dict:
             t.start()
         for t in pool:
             t.join()
-        ops().set_debug()
+        testing_ops().set_debug()
         # Python's join() returns before the thread's C++ thread-locals are destroyed (which
         # is when the engine learns that the thread's runs are over): give them a moment.
         time.sleep(0.3)

@@ -5,7 +5,8 @@ the tests against another build of the library (the sanitizer build, or an old c
     HO_ONNX_TEST_OPS=/path/to/_ops.cpython-311-x86_64-linux-gnu.so pytest tests/...
 
 loads that file as ``ho_onnx._ops`` before anything else imports it (conftest.py calls
-``load_ops_override``), so the ops, the counters and the debug hooks all come from it.
+``load_ops_override``), so the ops, the counters and the fault hooks (``testing_ops``, the
+``_ops_testing`` beside it) all come from it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,28 @@ def ops():
     from ho_onnx import _ops
 
     return _ops
+
+
+def testing_ops():
+    """``ho_onnx._ops_testing``: the fault hooks (``set_debug``) and the harnesses of the
+    header-only C++ logic, built only in a testing build (HO_ONNX_TESTING=ON: an editable
+    install, scripts/test_native.sh, scripts/gpu_run.sh). Loaded from beside the ``_ops`` in
+    use (HO_ONNX_TEST_OPS's build too), so both reach one copy of the library; a build
+    without it fails the test that asks for it."""
+    mod = sys.modules.get("ho_onnx._ops_testing")
+    if mod is not None:
+        return mod
+    beside = Path(ops().__file__).parent
+    found = sorted(beside.glob("_ops_testing.*.so"))
+    if not found:
+        raise RuntimeError(f"no ho_onnx._ops_testing in {beside}: not a testing build of the "
+                           "library (CMake HO_ONNX_TESTING=ON; editable installs are)")
+    spec = importlib.util.spec_from_file_location("ho_onnx._ops_testing", found[0])
+    assert spec is not None and spec.loader is not None, found[0]
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ho_onnx._ops_testing"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def hnode(op: str, inputs: list[str], outputs: list[str], **attrs) -> onnx.NodeProto:

@@ -13,6 +13,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -47,9 +48,21 @@ def _dynamic_section(lib: str) -> str:
                           text=True).stdout
 
 
-def _c_api_functions() -> set[str]:
-    header = Path(ho_onnx.include_dir(), "ho_onnx_c_api.h").read_text()
-    return set(re.findall(r"HO_ONNX_EXPORT [^;(]*?\b(HoOnnx_\w+)\(", header))
+REPO = HERE.parent
+# The testing C API (csrc/testing/ho_onnx_testing.h): exported by testing builds only.
+TESTING_HEADER = REPO / "csrc" / "testing" / "ho_onnx_testing.h"
+
+
+def _c_api_functions(header: Path | None = None) -> set[str]:
+    text = Path(header or Path(ho_onnx.include_dir(), "ho_onnx_c_api.h")).read_text()
+    return set(re.findall(r"HO_ONNX_EXPORT [^;(]*?\b(HoOnnx\w*_\w+)\(", text))
+
+
+def _exported_surface() -> set[str]:
+    """What the library should export: the ORT entry point, the documented C API and, in a
+    testing build (build_info()["test_hooks"]), the testing C API."""
+    testing = _c_api_functions(TESTING_HEADER) if ho_onnx.build_info()["test_hooks"] else set()
+    return {"RegisterCustomOps", *_c_api_functions(), *testing}
 
 
 def test_library_is_installed_with_its_headers():
@@ -68,8 +81,42 @@ def test_library_is_installed_with_its_headers():
 def test_exports_only_the_ort_entry_point_and_the_c_api():
     functions = _c_api_functions()
     assert len(functions) >= 9, functions  # the header parse found the API
+    assert all(f.startswith("HoOnnx_") for f in functions), functions
+    assert _c_api_functions(TESTING_HEADER) == {"HoOnnxTest_SetFault"}
     exported = _dynamic_symbols(ho_onnx.library_path(), "--defined-only")
-    assert exported == {"RegisterCustomOps", *functions}
+    assert exported == _exported_surface()
+
+
+@pytest.mark.slow
+def test_the_shipped_library_has_no_fault_hooks(tmp_path):
+    """The library as a wheel builds it (HO_ONNX_TESTING off; CPU part, no Python module):
+    exactly the ORT entry point and the documented C API exported, no testing C API, no
+    fault-hook table, and build_info says so (the tests' own library is a testing build)."""
+    cmake = _tool("cmake")
+    ort_inc = Path(ho_onnx.include_dir(), "onnxruntime")
+    build = tmp_path / "shipped"
+    configure = [cmake, "-S", str(REPO), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DHO_ONNX_WITH_CUDA=OFF", f"-DHO_ONNX_ORT_INCLUDE_DIR={ort_inc}",
+                 "-DCMAKE_DISABLE_FIND_PACKAGE_Python=ON"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    for cmd in (configure, [cmake, "--build", str(build), "--target", "ho_onnx_ops"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    lib = build / "libho_onnx_ops.so"
+    exported = _dynamic_symbols(str(lib), "--defined-only")
+    assert exported == {"RegisterCustomOps", *_c_api_functions()}
+    assert not [s for s in _dynamic_symbols(str(lib)) if "HoOnnxTest" in s]
+    assert "hook_table" not in subprocess.run([_tool("nm"), "-C", str(lib)], text=True,
+                                              capture_output=True, check=True).stdout
+    # its build facts, read in a child (a second copy of the library stays out of this process)
+    read = ("import ctypes, sys; so = ctypes.CDLL(sys.argv[1]); "
+            "so.HoOnnx_BuildInfoJson.restype = ctypes.c_char_p; "
+            "print(so.HoOnnx_BuildInfoJson().decode())")
+    r = subprocess.run([sys.executable, "-c", read, str(lib)], capture_output=True, text=True,
+                       timeout=60, check=True)
+    info = json.loads(r.stdout)
+    assert info["test_hooks"] is False and info["cuda_compiled"] is False
 
 
 def test_library_has_no_python_in_it():
@@ -101,7 +148,7 @@ def test_pybind_module_links_the_library_next_to_it():
 def test_c_api_through_ctypes_matches_the_module():
     lib = ctypes.CDLL(ho_onnx.library_path())  # the already loaded copy
     lib.HoOnnx_ApiVersion.restype = ctypes.c_int
-    assert lib.HoOnnx_ApiVersion() == ho_onnx.build_info()["c_api_version"] == 1
+    assert lib.HoOnnx_ApiVersion() == ho_onnx.build_info()["c_api_version"] == 2
     lib.HoOnnx_BuildInfoJson.restype = ctypes.c_char_p
     assert json.loads(lib.HoOnnx_BuildInfoJson()) == ho_onnx.build_info()
     lib.HoOnnx_GetCounters.restype = ctypes.c_size_t
@@ -111,11 +158,18 @@ def test_c_api_through_ctypes_matches_the_module():
     values = (ctypes.c_int64 * n)()
     assert lib.HoOnnx_GetCounters(names, values, ctypes.c_size_t(n)) == n
     assert [s.decode() for s in names] == list(ho_onnx.counters())
-    lib.HoOnnx_SetDebug.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    lib.HoOnnx_SetTrace.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.HoOnnx_LastError.restype = ctypes.c_char_p
-    assert lib.HoOnnx_SetDebug(b"no_such_hook", 1) == -1
+    assert lib.HoOnnx_SetTrace(b"delay_us", 1) == -1  # a fault hook: not a switch of the API
+    assert b"delay_us" in lib.HoOnnx_LastError()
+    assert lib.HoOnnx_SetTrace(b"arena_trace", 0) == 0
+    assert lib.HoOnnx_LastError() == b""
+    # the testing C API of a testing build (the tests' own: editable install, test_native.sh)
+    assert ho_onnx.build_info()["test_hooks"] is True
+    lib.HoOnnxTest_SetFault.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    assert lib.HoOnnxTest_SetFault(b"no_such_hook", 1) == -1
     assert b"no_such_hook" in lib.HoOnnx_LastError()
-    assert lib.HoOnnx_SetDebug(b"delay_us", 0) == 0
+    assert lib.HoOnnxTest_SetFault(b"delay_us", 0) == 0
     assert lib.HoOnnx_LastError() == b""
 
 

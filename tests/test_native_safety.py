@@ -28,6 +28,7 @@ from native_util import (
     save,
     session,
     session_options,
+    testing_ops,
     weight_attrs,
     write_failure_model,
     write_moving_failure_model,
@@ -86,12 +87,12 @@ def test_missing_wait_is_caught_by_poison(tmp_path):
     x = np.ones(N, np.float32)
     feeds = {"x": x, "idx": np.array([1], np.int64)}
     try:
-        ops().set_debug(poison=True, skip_wait=True, delay_us=2000)
+        testing_ops().set_debug(poison=True, skip_wait=True, delay_us=2000)
         (bad,) = sess.run(None, feeds)
-        ops().set_debug(poison=True, delay_us=2000)
+        testing_ops().set_debug(poison=True, delay_us=2000)
         (good,) = sess.run(None, feeds)
     finally:
-        ops().set_debug()
+        testing_ops().set_debug()
     assert not np.array_equal(bad, x + w)
     np.testing.assert_array_equal(good, x + w)
 
@@ -337,7 +338,7 @@ def test_hot_swapped_versions_release_their_weights(tmp_path):
 def test_pool_size_classes():
     """At least the bytes asked, at most 1/8 more (plus 64-byte rounding), monotonic, so
     runs of nearby lengths share buffers."""
-    cls = ops()._test_pool_size_class
+    cls = testing_ops().pool_size_class
     sizes = [0, 1, 63, 64, 65, 511, 512, 513, 1000, 4096, 4097, 5000, 123_457, 1 << 20,
              (1 << 20) + 1, 3 * (1 << 30) + 7, (1 << 62) + 5]
     prev = 0
@@ -395,7 +396,7 @@ def test_runs_of_changing_lengths_keep_about_one_runs_buffers_idle(tmp_path):
         np.testing.assert_array_equal(z, np.maximum(x, 0))
     c = ops().counters()
     assert c["host_pool_bytes_in_use"] == in_use
-    one_run = ops()._test_pool_size_class(4 * max(lengths))
+    one_run = testing_ops().pool_size_class(4 * max(lengths))
     assert c["host_pool_bytes_reserved"] - base <= 2 * one_run, (
         c["host_pool_bytes_reserved"] - base, one_run)
     # the same length again and again: nothing more is reserved
@@ -415,7 +416,7 @@ def test_repeated_runs_reuse_their_buffers(tmp_path, threads):
 
     path, _ = write_moving_failure_model(tmp_path)
     x = np.ones(50_000, np.float32)
-    one = ops()._test_pool_size_class(x.nbytes)
+    one = testing_ops().pool_size_class(x.nbytes)
     base = ops().counters()
     sess = session(path)
 
@@ -630,12 +631,12 @@ def test_cache_ops_inside_loop_and_if_bodies(tmp_path, kind, tier):
             results.append(s.run(None, {"x": x})[0])
 
     try:  # (poisoned Prefetch outputs and slow copies: a missing wait would show)
-        ops().set_debug(poison=True, delay_us=200)
+        testing_ops().set_debug(poison=True, delay_us=200)
         run_threads(runs, 2)
-        ops().set_debug(poison=True, delay_us=200, skip_wait=True)
+        testing_ops().set_debug(poison=True, delay_us=200, skip_wait=True)
         skipped = s.run(None, {"x": x})[0]
     finally:
-        ops().set_debug()
+        testing_ops().set_debug()
     assert len(results) == 10
     for got in results:
         for row in (got if kind == "loop" else [got]):

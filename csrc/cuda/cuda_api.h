@@ -36,7 +36,7 @@ struct CudaCalibration {
 // Pinned <-> device copy rates of `bytes` per copy. Throws.
 CudaCalibration cuda_calibrate(size_t bytes, int device, int repeats);
 
-// Time spent by the engine's copies while debug().cuda_timing is on (timing events around
+// Time spent by the engine's copies while tracing().cuda_timing is on (timing events around
 // every cudaMemcpyAsync of a transfer; drained, i.e. waited for, by this call).
 struct CudaTransferTimes {
   uint64_t h2d_bytes = 0;

@@ -67,14 +67,14 @@ def test_replay_matches_the_arena_ort_reports(tmp_path):
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     s = runtime.InferenceSession(str(out), sess_options=so, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
-    _ops.set_debug(arena_trace=True)
+    _ops.set_trace(arena_trace=True)
     try:
         _ops.arena_trace()
         for _ in range(2):
             s.run(None, {"x": x})
         trace = _ops.arena_trace()
     finally:
-        _ops.set_debug()
+        _ops.set_trace()
     if not trace or trace[-1]["max_in_use"] < 0:
         pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
     assert [t["node"] for t in trace] == ["ho.wait.W.0"] * 2
@@ -92,14 +92,14 @@ def _max_in_use_over_runs(path, runs: int, **kw) -> list[int]:
                                  **kw)
     x = np.ones((512, 512), np.float32)
     seen = []
-    _ops.set_debug(arena_trace=True)
+    _ops.set_trace(arena_trace=True)
     try:
         _ops.arena_trace()
         for _ in range(runs):
             s.run(None, {"x": x})
             seen.append(_ops.arena_trace()[-1]["max_in_use"])
     finally:
-        _ops.set_debug()
+        _ops.set_trace()
     return seen
 
 
@@ -137,16 +137,16 @@ def _sampling_session(tmp_path):
 
 def test_trace_is_off_unless_asked(tmp_path):
     s, x = _sampling_session(tmp_path)
-    _ops.set_debug()
+    _ops.set_trace()
     _ops.arena_trace()
     s.run(None, {"x": x})
     assert _ops.arena_trace() == []
     try:  # the same run with the hook on does sample (else the check above proves nothing)
-        _ops.set_debug(arena_trace=True)
+        _ops.set_trace(arena_trace=True)
         s.run(None, {"x": x})
         trace = _ops.arena_trace()
     finally:
-        _ops.set_debug()
+        _ops.set_trace()
     if trace and trace[0]["max_in_use"] < 0:
         pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
     assert [t["node"] for t in trace] == ["ho.wait.W.0"]
@@ -162,7 +162,7 @@ def _measured_arena(path, feeds) -> tuple[int | None, list[np.ndarray]]:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.add_session_config_entry("session.disable_prepacking", "1")  # (as in the plain run)
     s = runtime.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-    _ops.set_debug(arena_trace=True)
+    _ops.set_trace(arena_trace=True)
     try:
         _ops.arena_trace()
         s.run(None, feeds)
@@ -170,7 +170,7 @@ def _measured_arena(path, feeds) -> tuple[int | None, list[np.ndarray]]:
         out = s.run(None, feeds)
         trace = _ops.arena_trace()
     finally:
-        _ops.set_debug()
+        _ops.set_trace()
     assert trace, "no Wait sampled the arena"
     return None if trace[0]["max_in_use"] < 0 else trace[0]["max_in_use"], out
 
@@ -223,13 +223,13 @@ def test_trace_reset_forgets_only_the_samples_copied(tmp_path):
     import ho_onnx
 
     s, x = _sampling_session(tmp_path)
-    _ops.set_debug(arena_trace=True)
+    _ops.set_trace(arena_trace=True)
     try:
         _ops.arena_trace()
         for _ in range(3):
             s.run(None, {"x": x})
     finally:
-        _ops.set_debug()
+        _ops.set_trace()
 
     class Sample(ctypes.Structure):
         _fields_ = [("node", ctypes.c_char * 128), ("in_use", ctypes.c_int64),

@@ -2,7 +2,7 @@
 
 The ORT custom-op library ``libho_onnx_ops.so`` (no Python in it; C/C++ hosts load the same
 file) implements the cache operators of domain ``ai.hyperoffload`` (see docs/design.md). The
-Python module ``ho_onnx._ops`` (counters, build facts, test hooks) links to it and is
+Python module ``ho_onnx._ops`` (counters, build facts, measurement switches) links to it and is
 imported before ORT loads it, so both see the same process-wide state.
 """
 

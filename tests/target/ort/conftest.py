@@ -1,4 +1,5 @@
-"""Fixtures of the ORT target tests: the library's debug hooks reset around a test."""
+"""Fixtures of the ORT target tests: the library's fault hooks and measurement switches reset
+around a test."""
 
 from __future__ import annotations
 
@@ -6,17 +7,20 @@ import gc
 import time
 
 import pytest
+from native_util import testing_ops
 
 from ho_onnx.target.ort import runtime
 
 
 @pytest.fixture
 def no_debug_hooks():
-    """Debug hooks off before and after; transfers of a deliberately broken run may still be
-    landing afterwards, so wait for them."""
-    runtime._ops().set_debug()
+    """Fault hooks and measurement switches off before and after; transfers of a deliberately
+    broken run may still be landing afterwards, so wait for them."""
+    testing_ops().set_debug()
+    runtime._ops().set_trace()
     yield
-    runtime._ops().set_debug()
+    testing_ops().set_debug()
+    runtime._ops().set_trace()
     time.sleep(0.05)
 
 

@@ -2,7 +2,7 @@
 
 Every test here needs an NVIDIA GPU, a CUDA build of the library and onnxruntime-gpu; each
 is marked ``gpu`` and skipped with the reason otherwise (``scripts/gpu_run.sh`` runs them on
-a GPU machine). The debug hooks (``_ops.set_debug``) make a missing event edge visible
+a GPU machine). The fault hooks (``_ops_testing.set_debug``) make a missing event edge visible
 instead of rare: ``poison`` fills every Prefetch output with 0xFF before its copy, ``delay_us``
 spins the copy streams before each copy, ``compute_delay_us`` spins the compute stream at
 each Prefetch, and one ``skip_*`` flag per ordering edge removes exactly that edge
@@ -24,7 +24,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 import pytest
-from native_util import write_moving_failure_model
+from native_util import testing_ops, write_moving_failure_model
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
 from threads import run_threads
 
@@ -34,6 +34,7 @@ from ho_onnx.target.ort import runtime
 from models.decoder import build_decoder
 
 _ops = runtime._ops()
+_testing = testing_ops()  # the fault hooks (a testing build: native_util.testing_ops)
 CUDA_EP = "CUDAExecutionProvider"
 
 
@@ -58,9 +59,11 @@ FORCE_ALL = OffloadOptions(min_bytes=0, min_gap=1, prefetch_distance=2)
 
 @pytest.fixture(autouse=True)
 def _no_debug_hooks():
-    _ops.set_debug()
+    _testing.set_debug()
+    _ops.set_trace()
     yield
-    _ops.set_debug()
+    _testing.set_debug()
+    _ops.set_trace()
     gc.collect()
 
 
@@ -342,7 +345,7 @@ def test_issued_chain_stays_on_cuda(tmp_path):
     onnx.save(m, str(path))
     s = _session(path, optimized=True)
     x = rng.random(numel).astype(np.float32)
-    _ops.set_debug(poison=True, delay_us=5_000)
+    _testing.set_debug(poison=True, delay_us=5_000)
     with _OnCuda(path, runs=3) as oc:
         for _ in range(3):
             res = s.run(None, {"x": x})
@@ -424,7 +427,7 @@ def _mismatches(src, opt, runs: int, seed0: int = 0, broken: bool = False) -> in
 @pytest.mark.slow
 def test_stress_with_a_busy_device(decoder):
     src, opt, _ = decoder
-    _ops.set_debug(poison=True)  # an unordered read sees 0xFF (NaN), not stale data
+    _testing.set_debug(poison=True)  # an unordered read sees 0xFF (NaN), not stale data
     with _BusyDevice(src):
         assert _mismatches(src, opt, runs=300) == 0
 
@@ -433,9 +436,9 @@ def _assert_hazard(decoder, skip: str, **debug: object) -> None:
     """With the hazard edge ``skip`` removed (and ``debug`` slowing one side) outputs are
     wrong; with it kept, under the same slowing, they are right."""
     src, opt, _ = decoder
-    _ops.set_debug(**debug, **{skip: True})
+    _testing.set_debug(**debug, **{skip: True})
     assert _mismatches(src, opt, runs=3, broken=True) >= 1
-    _ops.set_debug(**debug)
+    _testing.set_debug(**debug)
     assert _mismatches(src, opt, runs=3) == 0
 
 
@@ -475,7 +478,7 @@ def test_concurrent_runs(decoder):
     src, opt, _ = decoder
     ref = _session(src, optimized=False)
     s = _session(opt, optimized=True)
-    _ops.set_debug(poison=True)
+    _testing.set_debug(poison=True)
     refs = {i: ref.run(None, _feeds(i))[0] for i in range(40)}
     errors: list[str] = []
     oc = _OnCuda(opt, runs=4 * 25)
@@ -636,11 +639,11 @@ def test_transfer_times_match_bytes_loaded(decoder):
     s = _session(opt, optimized=True)
     s.run(None, _feeds(0))
     _ops.cuda_transfer_times(reset=True)
-    _ops.set_debug(cuda_timing=True)
+    _ops.set_trace(cuda_timing=True)
     c0 = _ops.counters()
     b0, h2d0, d2h0 = c0["bytes_loaded"], c0["cuda_bytes_h2d"], c0["cuda_bytes_d2h"]
     s.run(None, _feeds(1))
-    _ops.set_debug()
+    _ops.set_trace()
     t = _ops.cuda_transfer_times(reset=True)
     c = _ops.counters()
     assert t["h2d_bytes"] == c["bytes_loaded"] - b0 == c["cuda_bytes_h2d"] - h2d0

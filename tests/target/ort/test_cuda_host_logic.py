@@ -1,10 +1,10 @@
 """Host-side logic of the CUDA engine, tested without a GPU.
 
 The event pool, the pinned ring of stored activations, the ring's sizing from the plan and
-the pinned weight packing are header-only C++ (csrc/cuda/host_logic.h) compiled into every
-build and reached through ``_ops._test_*`` hooks. Only the CUDA event is stood in for: the
-pool's events are numbers, and a ring fence is a flag that the test (or a completer thread,
-standing for the copy that reads the slot) sets.
+the pinned weight packing are header-only C++ (csrc/cuda/host_logic.h), CUDA build or not,
+reached through the harnesses of ``ho_onnx._ops_testing`` (a testing build). Only the CUDA
+event is stood in for: the pool's events are numbers, and a ring fence is a flag that the
+test (or a completer thread, standing for the copy that reads the slot) sets.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 import pytest
+from native_util import testing_ops
 
 from ho_onnx import contract
 from ho_onnx.target.ort import runtime
 
 _ops = runtime._ops()
+_testing = testing_ops()  # the harnesses (a testing build: native_util.testing_ops)
 KIB = 1 << 10
 MIB = 1 << 20
 
@@ -65,7 +67,7 @@ def test_counters_have_cuda_gauges():
 # ---- event pool ----------------------------------------------------------------------------
 
 def test_event_pool_acquire_release_reuse():
-    p = _ops._test_EventPool()
+    p = _testing.EventPool()
     a, b = p.acquire(), p.acquire()
     assert a.id != b.id
     assert (p.created(), p.outstanding(), p.free_count()) == (2, 2, 0)
@@ -83,7 +85,7 @@ def test_event_pool_acquire_release_reuse():
 
 
 def test_event_pool_prewarm_means_no_creation_on_the_hot_path():
-    p = _ops._test_EventPool()
+    p = _testing.EventPool()
     p.prewarm(8)
     assert p.created() == 8
     for _ in range(100):  # "runs" that hold up to 8 events at a time
@@ -94,7 +96,7 @@ def test_event_pool_prewarm_means_no_creation_on_the_hot_path():
 
 
 def test_event_pool_destroys_every_event_once():
-    p = _ops._test_EventPool()
+    p = _testing.EventPool()
     p.prewarm(3)
     live = [p.acquire() for _ in range(5)]  # 3 reused + 2 created
     assert p.created() == 5
@@ -106,7 +108,7 @@ def test_event_pool_destroys_every_event_once():
 
 
 def test_event_pool_concurrent():
-    p = _ops._test_EventPool()
+    p = _testing.EventPool()
     peak = p.stress(threads=8, iters=2000, hold=3)
     assert 1 <= peak <= 24
     assert p.outstanding() == 0
@@ -118,7 +120,7 @@ def test_event_pool_concurrent():
 # ---- ring ----------------------------------------------------------------------------------
 
 def test_ring_slots_are_aligned_and_in_order():
-    r = _ops._test_SlotRing(align=256, growth=1 * MIB)
+    r = _testing.SlotRing(align=256, growth=1 * MIB)
     r.reserve(4096)
     a = r.acquire(1000)
     b = r.acquire(1)
@@ -133,7 +135,7 @@ def test_ring_slots_are_aligned_and_in_order():
 
 def _ring_with_slots(n: int) -> tuple[Any, list[dict]]:
     """A slot ring of one 4 KiB segment (256-byte alignment) with ``n`` 1 KiB slots taken."""
-    r = _ops._test_SlotRing(align=256, growth=4096)
+    r = _testing.SlotRing(align=256, growth=4096)
     r.reserve(4096)
     return r, [r.acquire(1024) for _ in range(n)]
 
@@ -186,7 +188,7 @@ def test_ring_wraps_around():
 
 
 def test_ring_double_release_is_refused():
-    r = _ops._test_SlotRing()
+    r = _testing.SlotRing()
     s = r.acquire(100)
     r.release(s["id"])
     with pytest.raises(RuntimeError):
@@ -198,8 +200,8 @@ STORE_SIZES = [64 * KIB + 4 * i * KIB + 12 for i in range(40)] + [3 * MIB, 5 * M
 
 def test_ring_sized_from_the_plan_never_grows_over_sequential_runs():
     host_bytes = sum(STORE_SIZES)
-    r = _ops._test_SlotRing()
-    r.reserve(_ops._test_ring_capacity(host_bytes))
+    r = _testing.SlotRing()
+    r.reserve(_testing.ring_capacity(host_bytes))
     fence = 0
     for _run in range(50):
         slots = [r.acquire(n) for n in STORE_SIZES]  # one Store per entry
@@ -216,20 +218,20 @@ def test_ring_sized_from_the_plan_never_grows_over_sequential_runs():
 
 
 def test_ring_capacity_from_plan_bytes():
-    assert _ops._test_ring_capacity(0) == 0
+    assert _testing.ring_capacity(0) == 0
     for sizes in (STORE_SIZES, [64 * KIB + 1] * 1000, [1 << 30, 12345678]):
         total = sum(sizes)
-        cap = _ops._test_ring_capacity(total)
+        cap = _testing.ring_capacity(total)
         assert cap % (64 * KIB) == 0
         assert sum(_align(n, 256) for n in sizes) <= cap  # one run fits with padding
         assert cap <= total * 1.01 + 128 * KIB  # and not much more
-    caps = [_ops._test_ring_capacity(n) for n in range(0, 10 * MIB, 333_333)]
+    caps = [_testing.ring_capacity(n) for n in range(0, 10 * MIB, 333_333)]
     assert caps == sorted(caps)
 
 
 def test_ring_concurrent_runs_grow_by_segments_without_deadlock_or_overlap():
-    r = _ops._test_SlotRing()
-    cap = _ops._test_ring_capacity(sum(STORE_SIZES))
+    r = _testing.SlotRing()
+    cap = _testing.ring_capacity(sum(STORE_SIZES))
     r.reserve(cap)
     threads = 8
     res = r.concurrent(threads=threads, runs=30, sizes=STORE_SIZES, fence_us=300,
@@ -250,7 +252,7 @@ def test_ring_concurrent_runs_grow_by_segments_without_deadlock_or_overlap():
 
 def test_ring_concurrent_tiny_ring_still_terminates():
     # A ring far too small for the demand: acquire never waits, it grows.
-    r = _ops._test_SlotRing(align=256, growth=4096)
+    r = _testing.SlotRing(align=256, growth=4096)
     r.reserve(4096)
     res = r.concurrent(threads=4, runs=20, sizes=[1000, 3000, 200, 4096], fence_us=100)
     assert res["finished_in_time"] and res["overlaps"] == 0
@@ -271,7 +273,7 @@ def _decoder_sizes(**kw) -> list[int]:
 ])
 def test_pinned_weights_within_1_1x(cfg):
     sizes = _decoder_sizes(**cfg)
-    res = _ops._test_pack_weights(sizes)
+    res = _testing.pack_weights(sizes)
     assert res["payload"] == sum(sizes)
     assert res["reserved"] <= 1.1 * res["payload"], res["reserved"] / res["payload"]
     # Large weights get their own block; small ones share chunks without overlap.
@@ -291,7 +293,7 @@ def test_pinned_weights_within_1_1x(cfg):
 def test_pinned_weights_small_model_bound():
     # Tiny weights only: one partly filled 4 MiB chunk at most beyond 1.07x.
     sizes = [1024, 3000, 70_000, 200_000] * 10
-    res = _ops._test_pack_weights(sizes)
+    res = _testing.pack_weights(sizes)
     assert res["reserved"] <= 1.07 * sum(sizes) + 4 * MIB
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,10 +20,11 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
+from native_util import testing_ops
 from onnx import TensorProto, helper
 from threads import run_threads
 
-from ho_onnx import contract
+from ho_onnx import contract, kinds
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.target.ort import runtime
@@ -158,6 +160,30 @@ def test_hostile_or_bad_disk_weights_refused_at_creation(hostile_model_dir, kwar
     assert sess.run(None, {"x": np.zeros(16, np.float32)})[0].shape == (16,)
 
 
+def test_the_librarys_tier_registry_is_the_python_one(tmp_path):
+    """csrc/tiers.cc has an entry of the same name for every tier of ho_onnx/kinds.py, and
+    moves it as ``in_host_memory`` says (read into the host store at session creation, or
+    read from its source at every run); an unknown name is refused naming exactly those."""
+    n = 1024
+    w = _data(tmp_path, n, 0)
+    x = np.zeros(n, np.float32)
+    for t in kinds.tiers():
+        store0 = _c()["host_store_bytes"]
+        sess = runtime.InferenceSession(_model(tmp_path, n=n, tier=t.name,
+                                               file_name=f"{t.name}.onnx"))
+        held = _c()["host_store_bytes"] - store0
+        runtime.reset_counters()
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], w)
+        read = _c()["bytes_read_disk"]
+        assert (held, read) == ((4 * n, 0) if t.in_host_memory else (0, 4 * n)), t.name
+        del sess
+    with pytest.raises(Exception, match="unknown tier 'flash'") as info:
+        runtime.InferenceSession(_model(tmp_path, n=n, tier="flash", file_name="flash.onnx"))
+    listed = re.search(r"unknown tier 'flash' \(([^)]*)\)", str(info.value))
+    assert listed is not None, str(info.value)
+    assert re.split(r", | or ", listed.group(1)) == list(kinds.tier_names())
+
+
 def test_truncated_before_creation_is_refused(tmp_path):
     n = 1000
     _data(tmp_path, n, 100)
@@ -195,11 +221,11 @@ def test_waits_matter_on_the_disk_channel(tmp_path):
     w = _data(tmp_path, n, 4)
     sess = runtime.InferenceSession(_model(tmp_path, n=n, offset=4, copies=3))
     x = np.ones(n, np.float32)
-    runtime._ops().set_debug(delay_us=20_000, poison=True)
+    testing_ops().set_debug(delay_us=20_000, poison=True)
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ((x + w) + w) + w)
-    runtime._ops().set_debug(delay_us=20_000, poison=True, skip_wait=True)
+    testing_ops().set_debug(delay_us=20_000, poison=True, skip_wait=True)
     assert np.isnan(sess.run(None, {"x": x})[0]).all()  # the transfer never landed
-    runtime._ops().set_debug()
+    testing_ops().set_debug()
     time.sleep(0.1)
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ((x + w) + w) + w)
 
@@ -242,7 +268,7 @@ def test_unwaited_disk_reads_are_dropped_with_the_engine(tmp_path, young_heap):
     sess = runtime.InferenceSession(str(tmp_path / "m.onnx"))
     gc.collect()
     alive = _c()["engines_alive"]
-    runtime._ops().set_debug(delay_us=50_000, poison=True)
+    testing_ops().set_debug(delay_us=50_000, poison=True)
     (out,) = sess.run(None, {})
     assert np.isnan(out)
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 import pytest
+from native_util import testing_ops
 from threads import run_threads
 
 from ho_onnx import contract
@@ -88,7 +89,7 @@ def test_consumer_reading_prefetch_output_sees_garbage(tmp_path, order):
     path = _model(tmp_path, body, f"float[{N}] out, float[{N}] bad")
     sess = runtime.InferenceSession(path, execution_order=order)
     x = np.ones(N, np.float32)
-    runtime._ops().set_debug(delay_us=20000, poison=True)
+    testing_ops().set_debug(delay_us=20000, poison=True)
     out, bad = sess.run(None, {"x": x})
     np.testing.assert_array_equal(out, _weight(tmp_path) + x)
     assert np.isnan(bad).all()  # 0xFF bytes: the transfer had not landed
@@ -99,7 +100,7 @@ def test_proper_schedule_is_right_with_slow_transfers(tmp_path, order):
     w = _weight(tmp_path)
     sess = runtime.InferenceSession(_model(tmp_path, PROPER), execution_order=order)
     x = np.random.default_rng(0).random(N).astype(np.float32)
-    runtime._ops().set_debug(delay_us=20000, poison=True)
+    testing_ops().set_debug(delay_us=20000, poison=True)
     for _ in range(3):
         (out,) = sess.run(None, {"x": x})
         np.testing.assert_array_equal(out, _expected(x, w))
@@ -110,9 +111,9 @@ def test_skip_wait_breaks_the_proper_schedule(tmp_path, order):
     w = _weight(tmp_path)
     sess = runtime.InferenceSession(_model(tmp_path, PROPER), execution_order=order)
     x = np.random.default_rng(0).random(N).astype(np.float32)
-    runtime._ops().set_debug(delay_us=20000, poison=True, skip_wait=True)
+    testing_ops().set_debug(delay_us=20000, poison=True, skip_wait=True)
     (out,) = sess.run(None, {"x": x})
-    runtime._ops().set_debug()
+    testing_ops().set_debug()
     time.sleep(0.1)
     # a skipped Wait cancels its transfer (nothing lands late), so consumers read the poison
     assert np.isnan(out).all()
@@ -133,7 +134,7 @@ def test_unwaited_transfers_are_cancelled_with_the_engine(tmp_path, young_heap):
     sess = runtime.InferenceSession(_model(tmp_path, body, "float out"))
     gc.collect()
     alive = runtime.counters()["engines_alive"]
-    runtime._ops().set_debug(delay_us=50_000, poison=True)
+    testing_ops().set_debug(delay_us=50_000, poison=True)
     (out,) = sess.run(None, {"x": np.ones(N, np.float32)})
     assert np.isnan(out)
     t0 = time.perf_counter()
@@ -408,7 +409,7 @@ def test_bad_sample_arena_entry_is_refused(tmp_path):
 
 
 def test_set_debug_names_one_flag_per_edge():
-    ops = runtime._ops()
+    ops = testing_ops()
     for flag in ("skip_staging_fence", "skip_detach_wait", "skip_wait_event", "skip_store_start"):
         ops.set_debug(**{flag: True})  # accepted (CUDA engine only)
     ops.set_debug()

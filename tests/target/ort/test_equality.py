@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
+from native_util import testing_ops
 from threads import run_threads
 
 from ho_onnx import contract
@@ -210,7 +211,7 @@ def test_waits_matter(tmp_path):
     opt = tmp_path / "dec.ho.onnx"
     optimize(src, opt, FORCE_ALL, DIMS)
     _without_waits(opt, tmp_path / "nowait.onnx")
-    ops_mod = runtime._ops()
+    ops_mod = testing_ops()
     ops_mod.set_debug(delay_us=2000, poison=True)
     assert _passes(src, opt)
     assert not _passes(src, tmp_path / "nowait.onnx")

@@ -15,6 +15,7 @@ import onnx.parser
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
+from native_util import testing_ops
 
 from ho_onnx import InferenceSession, contract, counters, reset_counters
 from ho_onnx.cli import main
@@ -22,7 +23,6 @@ from ho_onnx.errors import HoOnnxError
 from ho_onnx.graph.analyse import analyse
 from ho_onnx.rewrite.pipeline import optimize, plan_model
 from ho_onnx.schedule.options import OffloadOptions
-from ho_onnx.target.ort import runtime
 from ho_onnx.target.ort.generate import greedy, kv_layout
 from ho_onnx.target.ort.verify import verify
 from models.decoder import build_decoder
@@ -144,11 +144,11 @@ def test_a_skipped_wait_gives_wrong_kv(tmp_path):
     want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)
     sess = InferenceSession(out)
     np.testing.assert_array_equal(sess.run(None, feeds)[0], want[0])
-    runtime._ops().set_debug(poison=True, skip_wait=True)
+    testing_ops().set_debug(poison=True, skip_wait=True)
     try:
         bad = sess.run(None, feeds)
     finally:
-        runtime._ops().set_debug()
+        testing_ops().set_debug()
     assert not np.array_equal(bad[1], want[1])  # present_key.0 = Concat(past (poison), new)
 
 

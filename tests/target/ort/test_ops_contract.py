@@ -13,7 +13,7 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 import pytest
-from native_util import hnode, make_model
+from native_util import hnode, make_model, testing_ops
 from onnx import TensorProto, helper
 
 from ho_onnx import contract
@@ -70,9 +70,9 @@ def weight_attrs(location, offset, length, shape, name="W"):
 
 @pytest.fixture(autouse=True)
 def _no_debug_hooks():
-    runtime._ops().set_debug()
+    testing_ops().set_debug()
     yield
-    runtime._ops().set_debug()
+    testing_ops().set_debug()
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,7 +476,7 @@ def test_issued_output_orders_the_next_prefetch(tmp_path, order, declare_last):
     m = _issued_chain_model(n, numel=numel, declare_last=declare_last)
     sess = runtime.InferenceSession(save(m, tmp_path), execution_order=order)
     x = rng.random(numel).astype(np.float32)
-    runtime._ops().set_debug(delay_us=2000, poison=True)  # a late copy would show as NaN
+    testing_ops().set_debug(delay_us=2000, poison=True)  # a late copy would show as NaN
     for _ in range(3):
         res = sess.run(None, {"x": x})
         for i in range(n):

@@ -12,14 +12,13 @@ record found at the key of a new one is replaced (a failed run's, at a reused ad
 
 from __future__ import annotations
 
-from ho_onnx.target.ort import runtime
+from native_util import testing_ops
 
-_ops = runtime._ops()
 NONE = {"stored": [], "loads": []}
 
 
 def _records():
-    return _ops._test_RunRecords()
+    return testing_ops().RunRecords()
 
 
 def test_a_kernel_seen_twice_starts_the_next_run_and_releases_the_earlier_one():
