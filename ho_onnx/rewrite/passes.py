@@ -40,6 +40,7 @@ from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, r
 from ..graph.save import OutputFiles, data_stamps
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
+from .branches import BRANCHES, InsertBranchesPass, PlanBranchesPass, ReportBranchesPass
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
 from .invariants import check_schedule
@@ -228,7 +229,8 @@ def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
     """The steps before the graph changes: check the ops, analyse, decide (``proto``: the
     model as loaded, read instead of a serialisation)."""
     return [CheckOpsPass(proto), AnalysePass(dims, shapes=shapes, proto=proto),
-            DecidePass(decider, dims, proto=proto)]
+            ir.passes.Sequential(PlanBranchesPass(decider, dims, shapes=shapes),
+                                 DecidePass(decider, dims, proto=proto), ReportBranchesPass())]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
@@ -237,7 +239,8 @@ def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
     """The steps that rewrite the decided model: insert, guard the ranges (``checks``:
     :func:`~ho_onnx.graph.dims.ranged_inputs`), verify, annotate, place the weights' bytes
     for an output at ``out_path``."""
-    return [InsertPass(), GuardPass(checks or {}, ranges or {}), VerifySchedulePass(),
+    return [InsertPass(), InsertBranchesPass(), GuardPass(checks or {}, ranges or {}),
+            VerifySchedulePass(),
             AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path)]
 
 
@@ -276,9 +279,13 @@ class OffloadPass(ir.passes.FunctionalPass):
         work = model.clone()
         run_steps(work, *analysis_steps(self.decider, self.dims))
         choice = work.meta[DECISION].choice
-        if not (choice.weights or choice.activations or choice.inputs or choice.outputs):
+        inner = [w.name for b in work.meta.get(BRANCHES, ([], {}))[0] if b.decision
+                 for w in b.decision.choice.weights]
+        if not (choice.weights or choice.activations or choice.inputs or choice.outputs
+                or inner):
             return ir.passes.PassResult(work, modified=False)
-        base_dir = _external_base_dir(work, {w.name for w in choice.weights})
+        base_dir = _external_base_dir(work, {w.name for w in choice.weights} | {
+            n for n in inner if n in work.graph.initializers})
         checks = ranged_inputs(ir.to_proto(work), self.ranges) if self.ranges else {}
         run_steps(work, *rewrite_steps(self.dims, base_dir, base_dir / "model.onnx",
                                        checks=checks, ranges=self.ranges))
@@ -291,7 +298,7 @@ class OffloadPass(ir.passes.FunctionalPass):
                     contract.ATTR_DATA_SIZE, size)
                 nodes[i].attributes[contract.ATTR_DATA_FINGERPRINT] = ir.AttrString(
                     contract.ATTR_DATA_FINGERPRINT, fp)
-        for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
+        for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES, BRANCHES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)
 

@@ -64,7 +64,8 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                 node.attributes[attr.name] = attr
         stamped.setdefault(loc, []).extend(nodes)
     index = {node: i for i, node in enumerate(rewritten.model.graph)}
-    stamps = {loc: [index[n] for n in nodes] for loc, nodes in stamped.items()}
+    # (the main graph's Prefetches; those inside If branches go unstamped)
+    stamps = {loc: [index[n] for n in nodes if n in index] for loc, nodes in stamped.items()}
     return OutputFiles(rewritten.model, referenced,
                        sidecar if sidecar.tensors else None, stamps)
 

@@ -1,0 +1,442 @@
+"""Planning inside ``If`` branches (an Optimum merged decoder: the main graph is one ``If``
+whose two branches are whole decoders reading the weights from the outer scope).
+
+Each ``If`` branch of the main graph is planned as a graph of its own, by the pipeline's own
+steps (:class:`~.passes.AnalysePass`, :class:`~.passes.DecidePass`, then
+:func:`~.insert.insert_cache_ops`): while it is analysed, decided and rewritten, every value
+it reads from the main graph is stood in for by a *proxy* of the branch (a main-graph
+initializer by an initializer of the same name and tensor, anything else by a graph input of
+the same name and type); afterwards the proxies go and the branch reads the outer values
+again, its cache ops included. A Prefetch inside a branch thus loads an offloaded main-graph
+initializer; both branches may reload the same weight, whose initializer leaves the main
+graph once.
+
+* **Memory**: the ``If`` holds one branch at a time; each branch is planned for the budget
+  less what the main graph holds at the ``If`` (baseline) that the branch does not read.
+* **Every reader or none**: a weight is offloaded only when every scope that reads it
+  offloads it: a weight the main graph reads itself (the main graph keeps what a subgraph
+  reads resident), or that a Loop/Scan body or a nested subgraph reads (not planned), stays
+  resident in every branch; a weight one branch keeps resident is pinned in the others, and
+  those are planned again (a few rounds; what still disagrees then stays resident).
+* The main graph is planned without the weights its branches offload (they are not resident
+  outside the ``If``); its choice records, for every weight a subgraph reads, where it went
+  or why it stayed (``skipped``), and a note per branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+from .. import contract
+from ..errors import HoOnnxError
+from ..graph.analyse import GraphAnalysis, TensorInfo, subgraphs
+from ..schedule.lifetimes import resident_intervals
+from ..schedule.planner import InfeasibleBudgetError, Plan
+from ..schedule.types import Decider, Decision
+from ..units import format_bytes
+from .insert import Names, RewrittenModel, insert_cache_ops
+
+BRANCHES = "ho_onnx.branches"  # model.meta key: the planned branches (list[Branch])
+_ROUNDS = 4  # plans of the branches at most, while they disagree on a weight
+
+
+def _mib(b: int) -> str:
+    return format_bytes(b, "MiB", 2)
+
+
+@dataclass
+class Branch:
+    """One ``If`` branch of the main graph, planned as a graph of its own."""
+
+    owner: ir.Node  # the If of the main graph
+    attr: str  # then_branch / else_branch
+    graph: ir.Graph
+    outer: dict[str, ir.Value]  # what it reads from the main graph, by name
+    weights: frozenset[str] = frozenset()  # those of ``outer`` that are initializers there
+    proxies: dict[str, ir.Value] = field(default_factory=dict)  # name -> its stand-in
+    model: ir.Model | None = None  # the branch as a model of its own (shares ``graph``)
+    decision: Decision | None = None
+    budget: int | None = None  # what it was planned for (None: the explicit policy)
+    main_bytes: int = 0  # what the main graph holds at the If besides the branch's reads
+    pinned: dict[str, str] = field(default_factory=dict)  # weight -> why it stays resident
+    opsets: dict[str, int] = field(default_factory=dict)  # the main graph's
+    saved_opsets: dict[str, int] = field(default_factory=dict)  # its own, while installed
+
+    @property
+    def label(self) -> str:
+        return f"If {self.owner.name or '<unnamed>'!r} {self.attr}"
+
+    @property
+    def analysis(self) -> GraphAnalysis:
+        from .passes import ANALYSIS
+
+        assert self.model is not None
+        return self.model.meta[ANALYSIS]
+
+    def offloaded(self) -> set[str]:
+        """Main-graph initializers the branch's decision offloads."""
+        assert self.decision is not None
+        return {w.name for w in self.decision.choice.weights} & self.weights
+
+
+def _proxy(v: ir.Value, info: TensorInfo | None) -> ir.Value:
+    """A stand-in of the outer value ``v`` inside a branch (an initializer keeps its tensor)."""
+    if v.is_initializer():
+        return ir.Value(name=v.name, type=v.type, shape=v.shape, const_value=v.const_value)
+    type_, shape = v.type, v.shape
+    if type_ is None and info is not None and info.elem_type is not None:
+        type_ = ir.TensorType(ir.DataType(info.elem_type))
+        shape = None if info.shape is None else ir.Shape(list(info.shape))
+    return ir.Value(name=v.name, type=type_, shape=shape)
+
+
+def install(b: Branch) -> None:
+    """Put the proxies in place of the outer values in ``b``'s graph (and the main graph's
+    opsets on it, what its model serialises)."""
+    g = b.graph
+    b.saved_opsets = dict(g.opset_imports)
+    g.opset_imports.update(b.opsets)
+    for name, outer in b.outer.items():
+        p = b.proxies[name]
+        if name in b.weights:
+            g.register_initializer(p)
+        else:
+            g.inputs.append(p)
+        _rewire(outer, p, g)
+
+
+def uninstall(b: Branch) -> None:
+    """The outer values back in place of the proxies (cache ops included)."""
+    g = b.graph
+    for name, outer in b.outer.items():
+        p = b.proxies[name]
+        _rewire(p, outer, g)
+        if g.initializers.get(name) is p:
+            g.initializers.pop(name)
+        if p in g.inputs:
+            g.inputs.remove(p)
+    g.opset_imports.clear()
+    g.opset_imports.update(b.saved_opsets)
+
+
+def _rewire(old: ir.Value, new: ir.Value, g: ir.Graph) -> None:
+    """Readers of ``old`` among ``g``'s own nodes (and ``g``'s outputs) read ``new``."""
+    for node, i in list(old.uses()):
+        if node.graph is g:
+            node.replace_input_with(i, new)
+    for k, v in enumerate(g.outputs):
+        if v is old:
+            g.outputs[k] = new
+
+
+def _reads_outer(g: ir.Graph, main: ir.Graph) -> dict[str, ir.Value]:
+    """Values of ``main`` that ``g``'s own nodes or outputs read."""
+    out: dict[str, ir.Value] = {}
+    for v in (*(x for n in g for x in n.inputs), *g.outputs):
+        if v is None or not v.name:
+            continue
+        p = v.producer()
+        if (p.graph if p is not None else v.graph) is main:
+            out[v.name] = v
+    return out
+
+
+def find_branches(analysis: GraphAnalysis) -> tuple[list[Branch], dict[str, str]]:
+    """The plannable ``If`` branches of the main graph, and why each main-graph weight
+    that an unplanned subgraph reads stays resident (Loop/Scan bodies, nested subgraphs)."""
+    main = analysis.model.graph
+    branches: list[Branch] = []
+    refused: dict[str, str] = {}
+    for node in analysis.nodes:
+        for attr, a in node.attributes.data.items():
+            if a.type is not ir.AttributeType.GRAPH:
+                continue
+            g = a.value
+            nested = any(True for n in g for _ in subgraphs(n))
+            outer = _reads_outer(g, main)
+            if node.op_type == "If" and node.domain in ("", "ai.onnx") and not nested:
+                proxies = {n: _proxy(v, analysis.tensors.get(n)) for n, v in outer.items()}
+                weights = frozenset(n for n, v in outer.items() if v.is_initializer())
+                branches.append(Branch(node, attr, g, outer, weights, proxies))
+                continue
+            why = (f"read inside {node.op_type} {node.name or '<unnamed>'!r}'s {attr}, "
+                   + ("which holds a nested subgraph (only If branches without one are "
+                      "planned)" if node.op_type == "If" else
+                      f"a {node.op_type} body (Loop/Scan bodies are not planned)"))
+            reads = _deep_reads(g, main)
+            refused.update((n, why) for n in reads if n in main.initializers)
+    return branches, refused
+
+
+def _deep_reads(g: ir.Graph, main: ir.Graph) -> set[str]:
+    """Names of ``main``'s values read anywhere in ``g`` (nested graphs included)."""
+    names: set[str] = set()
+    for node in ir.traversal.RecursiveGraphIterator(g):
+        names.update(v.name for v in node.inputs
+                     if v is not None and v.name and v.name in main.initializers)
+    return names
+
+
+def branch_decider(decider: Decider, budget: int | None) -> Decider | None:
+    """``decider`` for one branch: its options with ``budget`` (where it has one) and the
+    KV cache left to the main graph; None for a decider whose options are unknown."""
+    options = getattr(decider, "options", None)
+    if options is None or not dataclasses.is_dataclass(decider):
+        return None
+    opts = dataclasses.replace(options, kv=False,
+                               **({"budget": budget} if options.budget is not None else {}))
+    return dataclasses.replace(decider, options=opts)  # type: ignore[type-var]
+
+
+def main_bytes_at(analysis: GraphAnalysis, b: Branch, dims: Mapping[str, int]) -> int:
+    """Bytes the main graph holds at ``b``'s If (unmodified schedule) that ``b`` itself
+    does not count: neither what it reads nor the If's outputs."""
+    pos = analysis.nodes.index(b.owner)
+    spans, sizes = resident_intervals(analysis, dims)
+    own = set(b.outer) | {v.name for v in b.owner.outputs}
+    return sum(sizes.get(n, 0) for n, (lo, hi) in spans.items()
+               if lo <= pos <= hi and n not in own)
+
+
+def _pin(b: Branch, names: Iterable[str]) -> None:
+    """Keep ``names`` resident in ``b``'s plan (ineligible: read by a subgraph)."""
+    tensors = b.analysis.tensors
+    for n in names:
+        t = tensors.get(n)
+        if t is not None and t.consumers and not t.implicit_consumers:
+            t.implicit_consumers = [t.consumers[0]]
+
+
+def _analyse(b: Branch, main: ir.Model, dims: Mapping[str, int],
+             shapes: Mapping[str, Sequence[int]], contrib: Any) -> None:
+    from .passes import CONTRIB, AnalysePass, run_steps
+
+    b.model = ir.Model(b.graph, ir_version=main.ir_version)
+    b.model.meta[CONTRIB] = contrib
+    run_steps(b.model, AnalysePass(dims, shapes={k: v for k, v in shapes.items()
+                                                 if k in b.outer}))
+
+
+def _decide(b: Branch, decider: Decider, dims: Mapping[str, int]) -> None:
+    from .passes import DECISION, DecidePass, run_steps
+
+    assert b.model is not None
+    _pin(b, b.pinned)
+    try:
+        run_steps(b.model, DecidePass(decider, dims))
+    except InfeasibleBudgetError as e:
+        raise InfeasibleBudgetError(
+            f"{b.label} (planned as a graph of its own for the budget less "
+            f"{_mib(b.main_bytes)} the main graph holds there): {e}",
+            e.min_budget + b.main_bytes) from None
+    b.decision = b.model.meta[DECISION]
+    for n, why in b.pinned.items():
+        if n in b.decision.choice.skipped:
+            b.decision.choice.skipped[n] = why
+
+
+def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, int], *,
+                  shapes: Mapping[str, Sequence[int]] | None = None, contrib: Any = None
+                  ) -> tuple[list[Branch], dict[str, str]]:
+    """Analyse and decide every plannable If branch of ``analysis``' model (module
+    docstring); (the branches, why each weight an unplanned subgraph reads stays). The
+    main analysis then no longer counts the weights the branches offload."""
+    main = analysis.model
+    branches, refused = find_branches(analysis)
+    if not branches:
+        return branches, refused
+    for n, t in analysis.tensors.items():  # read by the main graph itself: stays resident
+        if t.is_initializer and t.consumers and t.implicit_consumers:
+            refused.setdefault(n, "also read by the main graph, which keeps a weight a "
+                                  "subgraph reads resident")
+    budget = getattr(getattr(decider, "options", None), "budget", None)
+    for b in branches:
+        b.main_bytes = main_bytes_at(analysis, b, dims) if budget is not None else 0
+        b.budget = None if budget is None else budget - b.main_bytes
+        b.pinned = {n: why for n, why in refused.items() if n in b.outer}
+        b.opsets = dict(main.opset_imports)
+        install(b)
+        try:
+            _analyse(b, main, dims, shapes or {}, contrib)
+        finally:
+            uninstall(b)
+    _agree(branches, decider, dims)
+    offloaded = set.union(*(b.offloaded() for b in branches))
+    for n in offloaded:  # outside the If they are not resident: the main plan skips them
+        analysis.tensors[n].implicit_consumers = []
+    return branches, refused
+
+
+def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int]) -> None:
+    """Decide every branch, again while one offloads a weight another keeps resident (that
+    weight is then pinned in all); after :data:`_ROUNDS`, disagreements stay resident."""
+    todo = list(branches)
+    for _ in range(_ROUNDS):
+        for b in todo:
+            sub = branch_decider(decider, b.budget)
+            if sub is None:
+                raise HoOnnxError(f"{b.label}: the decider {type(decider).__name__} cannot "
+                                  "plan an If branch (it has no options to plan one with)")
+            install(b)
+            try:
+                _decide(b, sub, dims)
+            finally:
+                uninstall(b)
+        todo = [b for b in branches if _pin_disagreements(branches, b)]
+        if not todo:
+            return
+    for b in branches:  # (still disagreeing: resident everywhere)
+        if _pin_disagreements(branches, b):
+            assert b.decision is not None
+            keep = [w for w in b.decision.choice.weights if w.name not in b.pinned]
+            b.decision.choice.weights[:] = keep
+            b.decision.choice.skipped.update(b.pinned)
+
+
+def _pin_disagreements(branches: list[Branch], b: Branch) -> bool:
+    """Pin in ``b`` each weight it offloads that another branch reading it keeps resident;
+    whether any was new."""
+    new = False
+    for n in sorted(b.offloaded()):
+        for other in branches:
+            if other is not b and n in other.outer and n not in other.offloaded() \
+                    and n not in b.pinned:
+                b.pinned[n] = f"stays resident in {other.label}, which reads it too"
+                new = True
+    return new
+
+
+def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -> None:
+    """Record in the main graph's choice where each weight a subgraph reads went: a note per
+    planned branch, the reason of each that stayed resident (in place)."""
+    c = main.choice
+    offloaded = set().union(*(b.offloaded() for b in branches)) if branches else set()
+    for n in offloaded:
+        c.skipped.pop(n, None)
+    for b in branches:
+        assert b.decision is not None
+        bc = b.decision.choice
+        for n in b.weights - offloaded:
+            why = b.pinned.get(n) or bc.skipped.get(n) or "stays resident in the branch's plan"
+            c.skipped.setdefault(n, f"{b.label}: {why}")
+            if c.skipped[n].startswith("read by a subgraph"):
+                c.skipped[n] = f"{b.label}: {why}"
+        c.notes.append(_branch_note(b))
+    for n, why in refused.items():
+        c.skipped[n] = why
+    loops = {why for why in refused.values() if "not planned" in why}
+    if loops:
+        c.notes.append(f"{sum(1 for w in refused.values() if w in loops)} weights read inside "
+                       "Loop/Scan bodies or nested subgraphs stay resident: only If branches "
+                       "are planned")
+
+
+def _branch_note(b: Branch) -> str:
+    """What one branch's plan offloads, and its predicted peak against its budget."""
+    assert b.decision is not None and b.model is not None
+    c = b.decision.choice
+    mine = b.offloaded()
+    text = (f"{b.label} planned as a graph of its own ({len(b.analysis.nodes)} nodes): "
+            f"offloading {len(c.weights)} weights ({_mib(sum(w.nbytes for w in c.weights))}"
+            f", {len(mine)} of them main-graph initializers) and {len(c.activations)} "
+            f"activations ({_mib(sum(a.nbytes or 0 for a in c.activations))})")
+    d = b.decision
+    if isinstance(d, Plan):
+        text += (f"; peak {_mib(d.baseline.peak_bytes)} -> {_mib(d.planned.peak_bytes)} "
+                 f"(its budget {_mib(d.budget)}: the budget less {_mib(b.main_bytes)} the "
+                 "main graph holds at the If)" + ("" if d.fits else "; OVER its budget"))
+    return text
+
+
+def insert_branches(branches: list[Branch], rewritten: RewrittenModel) -> int:
+    """Insert each branch's cache ops into its graph (fresh names unique in every scope of
+    the model), the offloaded main-graph initializers out of the main graph (once), their
+    Prefetches added to ``rewritten``; the number of cache ops inserted."""
+    main = rewritten.model.graph
+    count = 0
+    for b in branches:
+        assert b.decision is not None and b.model is not None
+        c = b.decision.choice
+        if not (c.weights or c.activations):
+            continue
+        reserved = Names(main).used
+        install(b)
+        try:
+            done = insert_cache_ops(b.analysis, c, reserved=reserved)
+        finally:
+            uninstall(b)
+        for name, v in done.weights.items():
+            if name in b.weights:
+                v = main.initializers.pop(name) if name in main.initializers \
+                    else rewritten.weights[name]
+            rewritten.weights[name] = v
+            rewritten.weight_prefetches.setdefault(name, []).extend(
+                done.weight_prefetches.get(name, []))
+        count += done.cache_nodes
+    if count and contract.DOMAIN not in rewritten.model.opset_imports:
+        rewritten.model.opset_imports[contract.DOMAIN] = contract.OPSET_VERSION
+    return count
+
+
+def metadata(branches: list[Branch]) -> dict[str, str]:
+    """What the output records of the branches' plans (``ho_onnx.branch_*``)."""
+    weights = [w for b in branches if b.decision is not None for w in b.decision.choice.weights]
+    acts = [a for b in branches if b.decision is not None for a in b.decision.choice.activations]
+    return {"branches_planned": ",".join(b.label for b in branches),
+            "branch_offloaded_weights": str(len({w.name for w in weights})),
+            "branch_offloaded_activations": str(len(acts)),
+            "branch_offloaded_bytes": str(sum({w.name: w.nbytes for w in weights}.values())
+                                          + sum(a.nbytes or 0 for a in acts))}
+
+
+class PlanBranchesPass(ir.passes.InPlacePass):
+    """Plan every If branch of the main graph as a graph of its own (:func:`plan_branches`,
+    ``meta[BRANCHES]``), before the main graph is decided; changes nothing in the graph."""
+
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
+                 shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        super().__init__()
+        self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from .passes import ANALYSIS, CONTRIB, _need
+
+        analysis: GraphAnalysis = _need(model, ANALYSIS, "AnalysePass")
+        model.meta[BRANCHES] = plan_branches(analysis, self.decider, self.dims,
+                                             shapes=self.shapes, contrib=model.meta.get(CONTRIB))
+        return ir.passes.PassResult(model, modified=False)
+
+
+class ReportBranchesPass(ir.passes.InPlacePass):
+    """Record the branches' plans in the main decision (:func:`report`)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from .passes import DECISION, _need
+
+        decision: Decision = _need(model, DECISION, "DecidePass")
+        branches, refused = model.meta.get(BRANCHES, ([], {}))
+        if branches or refused:
+            report(branches, refused, decision)
+        return ir.passes.PassResult(model, modified=False)
+
+
+class InsertBranchesPass(ir.passes.InPlacePass):
+    """Insert the branches' cache ops (:func:`insert_branches`) after the main graph's, and
+    record what they offload in ``metadata_props``."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from .annotate import annotate
+        from .passes import REWRITTEN, _need
+
+        rewritten: RewrittenModel = _need(model, REWRITTEN, "InsertPass")
+        branches, _ = model.meta.get(BRANCHES, ([], {}))
+        n = insert_branches(branches, rewritten) if branches else 0
+        rewritten.cache_nodes += n
+        if branches:
+            annotate(model, metadata(branches))
+        return ir.passes.PassResult(model, modified=n > 0)
