@@ -36,8 +36,9 @@ from .. import contract
 from ..errors import HoOnnxError
 from ..graph.analyse import GraphAnalysis, TensorInfo, subgraphs
 from ..schedule.lifetimes import resident_intervals
+from ..schedule.options import OffloadOptions
 from ..schedule.planner import InfeasibleBudgetError, Plan
-from ..schedule.types import Decider, Decision
+from ..schedule.types import Decider, Decision, OffloadChoice
 from ..units import format_bytes
 from .insert import Names, RewrittenModel, insert_cache_ops
 
@@ -65,6 +66,7 @@ class Branch:
     main_bytes: int = 0  # what the main graph holds at the If besides the branch's reads
     pinned: dict[str, str] = field(default_factory=dict)  # weight -> why it stays resident
     opsets: dict[str, int] = field(default_factory=dict)  # the main graph's
+    decider: Decider | None = None  # what planned it
     saved_opsets: dict[str, int] = field(default_factory=dict)  # its own, while installed
 
     @property
@@ -193,14 +195,23 @@ def branch_decider(decider: Decider, budget: int | None) -> Decider | None:
     return dataclasses.replace(decider, options=opts)  # type: ignore[type-var]
 
 
-def main_bytes_at(analysis: GraphAnalysis, b: Branch, dims: Mapping[str, int]) -> int:
+def main_bytes_at(analysis: GraphAnalysis, b: Branch, dims: Mapping[str, int],
+                  skip: Iterable[str] = ()) -> int:
     """Bytes the main graph holds at ``b``'s If (unmodified schedule) that ``b`` itself
-    does not count: neither what it reads nor the If's outputs."""
+    does not count: neither what it reads, nor the If's outputs, nor ``skip``."""
     pos = analysis.nodes.index(b.owner)
     spans, sizes = resident_intervals(analysis, dims)
-    own = set(b.outer) | {v.name for v in b.owner.outputs}
+    own = {*b.outer, *skip, *(v.name for v in b.owner.outputs)}
     return sum(sizes.get(n, 0) for n, (lo, hi) in spans.items()
                if lo <= pos <= hi and n not in own)
+
+
+def _sibling_bytes(b: Branch, branches: list[Branch], sizes: Mapping[str, int]) -> int:
+    """Bytes of the weights only ``b``'s sibling branches read that stay resident (while
+    ``b`` runs they are in the fast tier too)."""
+    gone = set().union(*(o.offloaded() for o in branches if o.decision is not None))
+    names = set().union(*(o.weights for o in branches if o.owner is b.owner)) - b.weights
+    return sum(sizes.get(n, 0) for n in names - gone)
 
 
 def _pin(b: Branch, names: Iterable[str]) -> None:
@@ -233,7 +244,7 @@ def _decide(b: Branch, decider: Decider, dims: Mapping[str, int]) -> None:
         raise InfeasibleBudgetError(
             f"{b.label} (planned as a graph of its own for the budget less "
             f"{_mib(b.main_bytes)} the main graph holds there): {e}",
-            e.min_budget + b.main_bytes) from None
+            e.min_budget + b.main_bytes) from None  # (the smallest the If itself needs)
     b.decision = b.model.meta[DECISION]
     for n, why in b.pinned.items():
         if n in b.decision.choice.skipped:
@@ -254,10 +265,11 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
         if t.is_initializer and t.consumers and t.implicit_consumers:
             refused.setdefault(n, "also read by the main graph, which keeps a weight a "
                                   "subgraph reads resident")
-    budget = getattr(getattr(decider, "options", None), "budget", None)
+    sizes = {n: analysis.tensors[n].nbytes(dims) or 0
+             for b in branches for n in b.weights}
     for b in branches:
-        b.main_bytes = main_bytes_at(analysis, b, dims) if budget is not None else 0
-        b.budget = None if budget is None else budget - b.main_bytes
+        siblings = set().union(*(o.weights for o in branches if o.owner is b.owner))
+        b.main_bytes = main_bytes_at(analysis, b, dims, siblings)
         b.pinned = {n: why for n, why in refused.items() if n in b.outer}
         b.opsets = dict(main.opset_imports)
         install(b)
@@ -265,20 +277,31 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
             _analyse(b, main, dims, shapes or {}, contrib)
         finally:
             uninstall(b)
-    _agree(branches, decider, dims)
+    _agree(branches, decider, dims, sizes)
     offloaded = set.union(*(b.offloaded() for b in branches))
     for n in offloaded:  # outside the If they are not resident: the main plan skips them
         analysis.tensors[n].implicit_consumers = []
     return branches, refused
 
 
-def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int]) -> None:
-    """Decide every branch, again while one offloads a weight another keeps resident (that
-    weight is then pinned in all); after :data:`_ROUNDS`, disagreements stay resident."""
-    todo = list(branches)
+def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
+           sizes: Mapping[str, int]) -> None:
+    """Decide every branch, then offload each weight one branch offloads in every branch
+    that reads it (:func:`_force`: memory only falls there). A branch's budget is the
+    budget less what the main graph holds at its If and the weights only its siblings read
+    that stay resident (none assumed at first); a branch whose budget that lowers is
+    planned again (at most :data:`_ROUNDS` times)."""
+    total = getattr(getattr(decider, "options", None), "budget", None)
     for _ in range(_ROUNDS):
-        for b in todo:
-            sub = branch_decider(decider, b.budget)
+        again = False
+        for b in branches:
+            budget = None if total is None else total - b.main_bytes - (
+                _sibling_bytes(b, branches, sizes) if b.decision is not None else 0)
+            if b.decision is not None and (budget is None or budget >= (b.budget or 0)):
+                continue
+            again = True
+            b.budget = budget
+            sub = b.decider = branch_decider(decider, budget)
             if sub is None:
                 raise HoOnnxError(f"{b.label}: the decider {type(decider).__name__} cannot "
                                   "plan an If branch (it has no options to plan one with)")
@@ -287,28 +310,42 @@ def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int]) ->
                 _decide(b, sub, dims)
             finally:
                 uninstall(b)
-        todo = [b for b in branches if _pin_disagreements(branches, b)]
-        if not todo:
+        if not again:
             return
-    for b in branches:  # (still disagreeing: resident everywhere)
-        if _pin_disagreements(branches, b):
-            assert b.decision is not None
-            keep = [w for w in b.decision.choice.weights if w.name not in b.pinned]
-            b.decision.choice.weights[:] = keep
-            b.decision.choice.skipped.update(b.pinned)
+        _force_shared(branches, dims)
 
 
-def _pin_disagreements(branches: list[Branch], b: Branch) -> bool:
-    """Pin in ``b`` each weight it offloads that another branch reading it keeps resident;
-    whether any was new."""
-    new = False
-    for n in sorted(b.offloaded()):
-        for other in branches:
-            if other is not b and n in other.outer and n not in other.offloaded() \
-                    and n not in b.pinned:
-                b.pinned[n] = f"stays resident in {other.label}, which reads it too"
-                new = True
-    return new
+def _force_shared(branches: list[Branch], dims: Mapping[str, int]) -> None:
+    """Offload in every branch that reads it each weight some branch offloads."""
+    offloaded = set().union(*(b.offloaded() for b in branches))
+    for b in branches:
+        assert b.decision is not None
+        missing = (offloaded & b.weights) - b.offloaded() - set(b.pinned)
+        if missing:
+            _force(b, sorted(missing), dims)
+
+
+def _force(b: Branch, names: Sequence[str], dims: Mapping[str, int]) -> None:
+    """Offload ``names`` in ``b`` too, each reload the explicit policy's distance before its
+    reader (``b``'s plan kept them resident: its predicted peak only falls)."""
+    from ..schedule.eligibility import WeightGroups
+    from ..schedule.policy import _weight
+
+    assert b.decision is not None
+    a, c = b.analysis, b.decision.choice
+    opts = dataclasses.replace(getattr(b.decider, "options", None) or OffloadOptions(),
+                               budget=None, host_budget=None, min_bytes=0)
+    groups = WeightGroups.of(a)
+    extra = OffloadChoice()
+    for n in names:
+        if n not in groups.primary_of:  # (a companion moves with its primary)
+            _weight(a, a.tensors[n], opts, dims, extra, groups)
+    groups.split(a, extra, dims)
+    c.weights += extra.weights
+    for w in extra.weights:
+        c.skipped.pop(w.name, None)
+    c.notes.append(f"{len(extra.weights)} weights offloaded too since another branch "
+                   "offloads them (every reader of an offloaded weight reloads it)")
 
 
 def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -> None:
@@ -348,8 +385,11 @@ def _branch_note(b: Branch) -> str:
     d = b.decision
     if isinstance(d, Plan):
         text += (f"; peak {_mib(d.baseline.peak_bytes)} -> {_mib(d.planned.peak_bytes)} "
-                 f"(its budget {_mib(d.budget)}: the budget less {_mib(b.main_bytes)} the "
-                 "main graph holds at the If)" + ("" if d.fits else "; OVER its budget"))
+                 f"(its budget {_mib(d.budget)}: the budget less what the main graph and "
+                 "the other branches' resident weights hold at the If)"
+                 + ("" if d.fits else "; OVER its budget"))
+    if len(c.notes):
+        text += "; " + "; ".join(c.notes)
     return text
 
 
@@ -431,7 +471,7 @@ class InsertBranchesPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from .annotate import annotate
-        from .passes import REWRITTEN, _need
+        from .passes import DECISION, REWRITTEN, _need
 
         rewritten: RewrittenModel = _need(model, REWRITTEN, "InsertPass")
         branches, _ = model.meta.get(BRANCHES, ([], {}))
@@ -439,4 +479,19 @@ class InsertBranchesPass(ir.passes.InPlacePass):
         rewritten.cache_nodes += n
         if branches:
             annotate(model, metadata(branches))
+            if DECISION in model.meta:
+                _count_weights(model.meta[DECISION].choice, branches)
         return ir.passes.PassResult(model, modified=n > 0)
+
+
+def _count_weights(choice: OffloadChoice, branches: list[Branch]) -> None:
+    """The weights the branches offloaded, once each, added to the main graph's ``choice``
+    after its insertion (what the run reports and records: offloaded weights and bytes, the
+    host store's bytes; their positions are their branch's)."""
+    have = {w.name for w in choice.weights}
+    for b in branches:
+        assert b.decision is not None
+        for w in b.decision.choice.weights:
+            if w.name not in have:
+                have.add(w.name)
+                choice.weights.append(w)
