@@ -360,9 +360,8 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
         bc = b.decision.choice
         for n in b.weights - offloaded:
             why = b.pinned.get(n) or bc.skipped.get(n) or "stays resident in the branch's plan"
-            c.skipped.setdefault(n, f"{b.label}: {why}")
-            if c.skipped[n].startswith("read by a subgraph"):
-                c.skipped[n] = f"{b.label}: {why}"
+            if n not in c.skipped or c.skipped[n].startswith("read by a subgraph"):
+                c.skipped[n] = f"{why} (in {b.label})"
         c.notes.append(_branch_note(b))
     for n, why in refused.items():
         c.skipped[n] = why
@@ -443,10 +442,15 @@ class PlanBranchesPass(ir.passes.InPlacePass):
         super().__init__()
         self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from .passes import ANALYSIS, CONTRIB, _need
+    def requires(self, model: ir.Model) -> None:
+        from .passes import ANALYSIS, _need
 
-        analysis: GraphAnalysis = _need(model, ANALYSIS, "AnalysePass")
+        _need(model, ANALYSIS, "AnalysePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from .passes import ANALYSIS, CONTRIB
+
+        analysis: GraphAnalysis = model.meta[ANALYSIS]
         model.meta[BRANCHES] = plan_branches(analysis, self.decider, self.dims,
                                              shapes=self.shapes, contrib=model.meta.get(CONTRIB))
         return ir.passes.PassResult(model, modified=False)
@@ -455,13 +459,20 @@ class PlanBranchesPass(ir.passes.InPlacePass):
 class ReportBranchesPass(ir.passes.InPlacePass):
     """Record the branches' plans in the main decision (:func:`report`)."""
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def requires(self, model: ir.Model) -> None:
         from .passes import DECISION, _need
 
-        decision: Decision = _need(model, DECISION, "DecidePass")
+        _need(model, DECISION, "DecidePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from .passes import DECISION
+
+        decision: Decision = model.meta[DECISION]
         branches, refused = model.meta.get(BRANCHES, ([], {}))
         if branches or refused:
             report(branches, refused, decision)
+        decision.parts = [(b.label, b.decision, [n.name or n.op_type for n in b.analysis.nodes])
+                          for b in branches if b.decision is not None]
         return ir.passes.PassResult(model, modified=False)
 
 
@@ -469,11 +480,16 @@ class InsertBranchesPass(ir.passes.InPlacePass):
     """Insert the branches' cache ops (:func:`insert_branches`) after the main graph's, and
     record what they offload in ``metadata_props``."""
 
+    def requires(self, model: ir.Model) -> None:
+        from .passes import REWRITTEN, _need
+
+        _need(model, REWRITTEN, "InsertPass")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from .annotate import annotate
-        from .passes import DECISION, REWRITTEN, _need
+        from .passes import DECISION, REWRITTEN
 
-        rewritten: RewrittenModel = _need(model, REWRITTEN, "InsertPass")
+        rewritten: RewrittenModel = model.meta[REWRITTEN]
         branches, _ = model.meta.get(BRANCHES, ([], {}))
         n = insert_branches(branches, rewritten) if branches else 0
         rewritten.cache_nodes += n

@@ -226,11 +226,12 @@ class PlaceDataPass(ir.passes.InPlacePass):
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
                    shapes: Mapping[str, Sequence[int]] | None = None,
                    proto: onnx.ModelProto | None = None) -> list[ir.passes.PassBase]:
-    """The steps before the graph changes: check the ops, analyse, decide (``proto``: the
-    model as loaded, read instead of a serialisation)."""
+    """The steps before the graph changes: check the ops, analyse, decide (the If branches
+    first, :mod:`.branches`; ``proto``: the model as loaded, read instead of a
+    serialisation)."""
     return [CheckOpsPass(proto), AnalysePass(dims, shapes=shapes, proto=proto),
-            ir.passes.Sequential(PlanBranchesPass(decider, dims, shapes=shapes),
-                                 DecidePass(decider, dims, proto=proto), ReportBranchesPass())]
+            PlanBranchesPass(decider, dims, shapes=shapes),
+            DecidePass(decider, dims, proto=proto), ReportBranchesPass()]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,

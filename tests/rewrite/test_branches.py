@@ -4,14 +4,18 @@ branches, bit-exact with graph optimizations off."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from click.testing import CliRunner
 from graphs import save, text_model
 
 from ho_onnx import contract
+from ho_onnx.cli import main
 from ho_onnx.errors import ScheduleError
 from ho_onnx.rewrite.invariants import check_schedule
 from ho_onnx.rewrite.pipeline import optimize, plan_model
@@ -130,6 +134,15 @@ def test_budget_plan_offloads_inside_branches(tmp_path):
     _, _, plan = plan_model(src, opts, DIMS)
     notes = [n for n in plan.choice.notes if "then_branch planned" in n]
     assert notes and "offloading 0 weights" not in notes[0]
+    r = CliRunner().invoke(main, ["plan", str(src), "--budget", str(opts.budget),
+                                  "--min-bytes", "0", "--offload", "weights", "--dim", "N=4"])
+    assert r.exit_code == 0, r.output
+    table = r.stdout[r.stdout.index("then_branch (its own plan"):]
+    assert "reload" in table and "offloaded: 0 weights" not in table  # its transfers
+    r = CliRunner().invoke(main, ["plan", str(src), "--budget", str(opts.budget), "--json",
+                                  "--min-bytes", "0", "--offload", "weights", "--dim", "N=4"])
+    branches = json.loads(r.stdout)["branches"]
+    assert branches[next(k for k in branches if "then_branch" in k)]["offloaded"]["weights"]
     out = tmp_path / "o.onnx"
     r = optimize(src, out, opts, DIMS)
     assert r.choice.weights  # offloaded inside the branches
