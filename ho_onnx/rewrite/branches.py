@@ -12,12 +12,12 @@ initializer; both branches may reload the same weight, whose initializer leaves 
 graph once.
 
 * **Memory**: the ``If`` holds one branch at a time; each branch is planned for the budget
-  less what the main graph holds at the ``If`` (baseline) that the branch does not read.
-* **Every reader or none**: a weight is offloaded only when every scope that reads it
-  offloads it: a weight the main graph reads itself (the main graph keeps what a subgraph
-  reads resident), or that a Loop/Scan body or a nested subgraph reads (not planned), stays
-  resident in every branch; a weight one branch keeps resident is pinned in the others, and
-  those are planned again (a few rounds; what still disagrees then stays resident).
+  less what the main graph holds at the ``If`` (baseline) that the branch does not read,
+  less the weights only its siblings read that stay resident.
+* **Every reader or none**: a weight one branch offloads is offloaded in every branch that
+  reads it (memory only falls where that branch's plan kept it); a weight the main graph
+  reads itself (the main graph keeps what a subgraph reads resident), or that a Loop/Scan
+  body or a nested subgraph reads (not planned), stays resident in every branch.
 * The main graph is planned without the weights its branches offload (they are not resident
   outside the ``If``); its choice records, for every weight a subgraph reads, where it went
   or why it stayed (``skipped``), and a note per branch.
@@ -33,7 +33,7 @@ from typing import Any
 import onnx_ir as ir
 
 from .. import contract
-from ..errors import HoOnnxError
+from ..errors import HoOnnxError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo, subgraphs
 from ..schedule.lifetimes import resident_intervals
 from ..schedule.options import OffloadOptions
@@ -42,8 +42,9 @@ from ..schedule.types import Decider, Decision, OffloadChoice
 from ..units import format_bytes
 from .insert import Names, RewrittenModel, insert_cache_ops
 
-BRANCHES = "ho_onnx.branches"  # model.meta key: the planned branches (list[Branch])
-_ROUNDS = 4  # plans of the branches at most, while they disagree on a weight
+BRANCHES = "ho_onnx.branches"  # model.meta key: (planned branches, refused weights' reasons)
+_ROUNDS = 4  # plans of the branches at most, while their budgets fall
+_MIN_NODES = 32  # a branch without weights of its own or outer ones: planned from this size
 
 
 def _mib(b: int) -> str:
@@ -161,10 +162,11 @@ def find_branches(analysis: GraphAnalysis) -> tuple[list[Branch], dict[str, str]
             g = a.value
             nested = any(True for n in g for _ in subgraphs(n))
             outer = _reads_outer(g, main)
+            weights = frozenset(n for n, v in outer.items() if v.is_initializer())
             if node.op_type == "If" and node.domain in ("", "ai.onnx") and not nested:
-                proxies = {n: _proxy(v, analysis.tensors.get(n)) for n, v in outer.items()}
-                weights = frozenset(n for n, v in outer.items() if v.is_initializer())
-                branches.append(Branch(node, attr, g, outer, weights, proxies))
+                if weights or len(g.initializers) or len(g) >= _MIN_NODES:
+                    proxies = {n: _proxy(v, analysis.tensors.get(n)) for n, v in outer.items()}
+                    branches.append(Branch(node, attr, g, outer, weights, proxies))
                 continue
             why = (f"read inside {node.op_type} {node.name or '<unnamed>'!r}'s {attr}, "
                    + ("which holds a nested subgraph (only If branches without one are "
@@ -225,6 +227,7 @@ def _pin(b: Branch, names: Iterable[str]) -> None:
 
 def _analyse(b: Branch, main: ir.Model, dims: Mapping[str, int],
              shapes: Mapping[str, Sequence[int]], contrib: Any) -> None:
+    """``b``'s graph (proxies in place) as a model of its own, analysed by AnalysePass."""
     from .passes import CONTRIB, AnalysePass, run_steps
 
     b.model = ir.Model(b.graph, ir_version=main.ir_version)
@@ -234,6 +237,7 @@ def _analyse(b: Branch, main: ir.Model, dims: Mapping[str, int],
 
 
 def _decide(b: Branch, decider: Decider, dims: Mapping[str, int]) -> None:
+    """``b.decision``: DecidePass on ``b``'s model, its pinned weights kept resident."""
     from .passes import DECISION, DecidePass, run_steps
 
     assert b.model is not None
@@ -267,7 +271,7 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
                                   "subgraph reads resident")
     sizes = {n: analysis.tensors[n].nbytes(dims) or 0
              for b in branches for n in b.weights}
-    for b in branches:
+    for b in list(branches):
         siblings = set().union(*(o.weights for o in branches if o.owner is b.owner))
         b.main_bytes = main_bytes_at(analysis, b, dims, siblings)
         b.pinned = {n: why for n, why in refused.items() if n in b.outer}
@@ -275,8 +279,16 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
         install(b)
         try:
             _analyse(b, main, dims, shapes or {}, contrib)
+        except UnboundDimError:
+            raise
+        except HoOnnxError as e:  # (its weights stay resident, as before branches were planned)
+            branches.remove(b)
+            refused.update((n, f"read inside {b.label}, whose analysis failed: {e}")
+                           for n in b.weights)
         finally:
             uninstall(b)
+    if not branches:
+        return branches, refused
     _agree(branches, decider, dims, sizes)
     offloaded = set.union(*(b.offloaded() for b in branches))
     for n in offloaded:  # outside the If they are not resident: the main plan skips them
