@@ -65,6 +65,7 @@ class Branch:
     decision: Decision | None = None
     budget: int | None = None  # what it was planned for (None: the explicit policy)
     main_bytes: int = 0  # what the main graph holds at the If besides the branch's reads
+    held: int = 0  # that and its siblings' resident weights, once the branches agree
     pinned: dict[str, str] = field(default_factory=dict)  # weight -> why it stays resident
     opsets: dict[str, int] = field(default_factory=dict)  # the main graph's
     decider: Decider | None = None  # what planned it
@@ -290,6 +291,8 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
     if not branches:
         return branches, refused
     _agree(branches, decider, dims, sizes)
+    for b in branches:
+        b.held = b.main_bytes + _sibling_bytes(b, branches, sizes)
     offloaded = set.union(*(b.offloaded() for b in branches))
     for n in offloaded:  # outside the If they are not resident: the main plan skips them
         analysis.tensors[n].implicit_consumers = []
@@ -377,6 +380,11 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
         c.notes.append(_branch_note(b))
     for n, why in refused.items():
         c.skipped[n] = why
+    peaks = if_peaks(branches)
+    if peaks:
+        c.notes.append("predicted peak with the If branches: " + ", ".join(
+            f"If {k!r} {_mib(v)}" for k, v in peaks.items()) + " (its larger branch's plan "
+            "and what the main graph holds there)")
     loops = {why for why in refused.values() if "not planned" in why}
     if loops:
         c.notes.append(f"{sum(1 for w in refused.values() if w in loops)} weights read inside "
@@ -434,6 +442,17 @@ def insert_branches(branches: list[Branch], rewritten: RewrittenModel) -> int:
     return count
 
 
+def if_peaks(branches: list[Branch]) -> dict[str, int]:
+    """Predicted fast-tier peak of each If whose branches a budget planned: its larger
+    branch's planned peak with what the main graph and the siblings hold there."""
+    out: dict[str, int] = {}
+    for b in branches:
+        if isinstance(b.decision, Plan):
+            name = b.owner.name or "<unnamed>"
+            out[name] = max(out.get(name, 0), b.held + b.decision.planned.peak_bytes)
+    return out
+
+
 def metadata(branches: list[Branch]) -> dict[str, str]:
     """What the output records of the branches' plans (``ho_onnx.branch_*``)."""
     weights = [w for b in branches if b.decision is not None for w in b.decision.choice.weights]
@@ -442,7 +461,9 @@ def metadata(branches: list[Branch]) -> dict[str, str]:
             "branch_offloaded_weights": str(len({w.name for w in weights})),
             "branch_offloaded_activations": str(len(acts)),
             "branch_offloaded_bytes": str(sum({w.name: w.nbytes for w in weights}.values())
-                                          + sum(a.nbytes or 0 for a in acts))}
+                                          + sum(a.nbytes or 0 for a in acts)),
+            **({"branch_predicted_peak_bytes": str(max(peaks.values()))}
+               if (peaks := if_peaks(branches)) else {})}
 
 
 class PlanBranchesPass(ir.passes.InPlacePass):

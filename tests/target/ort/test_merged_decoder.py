@@ -127,10 +127,11 @@ def test_offload_all_writes_cache_ops_in_the_branches(merged, tmp_path):
 def test_optimize_api_counts_the_branch_offloads(merged, tmp_path):
     out = tmp_path / "api"
     out.mkdir()
-    r = optimize(merged / MERGED, out / MERGED,
-                 OffloadOptions(budget=_weight_bytes(merged) // 2, min_bytes=0), DIMS)
+    budget = _weight_bytes(merged) // 2
+    r = optimize(merged / MERGED, out / MERGED, OffloadOptions(budget=budget, min_bytes=0), DIMS)
     assert r.choice.weights and r.rewritten.cache_nodes > 0
     meta = {p.key: p.value for p in onnx.load(str(out / MERGED),
                                                 load_external_data=False).metadata_props}
     assert int(meta["ho_onnx.branch_offloaded_weights"]) == len(r.choice.weights)
     assert int(meta["ho_onnx.offloaded_weights"]) == len(r.choice.weights)
+    assert int(meta["ho_onnx.branch_predicted_peak_bytes"]) <= budget  # the If's peak
