@@ -17,6 +17,7 @@ from .. import contract
 from ..errors import OutputPathError
 from ..graph.analyse import all_graphs
 from ..graph.dtypes import dense_nbytes
+from ..graph.fingerprint import data_fingerprint
 from ..graph.gcpause import gc_paused
 from ..graph.load import ExternalRef, resolve_data_path
 from ..graph.save import OutputFiles, Sidecar, output_folder
@@ -64,10 +65,25 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
                 node.attributes[attr.name] = attr
         stamped.setdefault(loc, []).extend(nodes)
     index = {node: i for i, node in enumerate(rewritten.model.graph)}
-    # (the main graph's Prefetches; those inside If branches go unstamped)
     stamps = {loc: [index[n] for n in nodes if n in index] for loc, nodes in stamped.items()}
+    for loc, nodes in stamped.items():  # Prefetches inside If branches: stamped here
+        inner = [n for n in nodes if n not in index]
+        src = None if sidecar.tensors and loc == sidecar.name else (
+            (out_dir / loc) if kept else referenced.get(loc))
+        if inner and src is not None:  # (not the sidecar, which is not written yet)
+            _stamp(inner, src)
     return OutputFiles(rewritten.model, referenced,
                        sidecar if sidecar.tensors else None, stamps)
+
+
+def _stamp(nodes: list[ir.Node], path: Path) -> None:
+    """Stamp ``nodes`` with the size and fingerprint of ``path``, the data file they read
+    (or the one the output's copy is made from)."""
+    size, fp = path.stat().st_size, data_fingerprint(path)
+    for node in nodes:
+        node.attributes[contract.ATTR_DATA_SIZE] = ir.AttrInt64(contract.ATTR_DATA_SIZE, size)
+        node.attributes[contract.ATTR_DATA_FINGERPRINT] = ir.AttrString(
+            contract.ATTR_DATA_FINGERPRINT, fp)
 
 
 def _unlinked(location: str, folder: Path, file: Path) -> str:

@@ -17,6 +17,7 @@ from graphs import save, text_model
 from ho_onnx import contract
 from ho_onnx.cli import main
 from ho_onnx.errors import ScheduleError
+from ho_onnx.graph.fingerprint import data_fingerprint
 from ho_onnx.rewrite.invariants import check_schedule
 from ho_onnx.rewrite.pipeline import optimize, plan_model
 from ho_onnx.schedule.options import OffloadOptions
@@ -169,3 +170,18 @@ def test_the_verifier_checks_branch_bodies(tmp_path):
     wait.replace_input_with(0, pf.inputs[0])  # a Wait that reads no Prefetch
     with pytest.raises(ScheduleError, match="does not read a Prefetch"):
         check_schedule(model)
+
+
+def test_branch_prefetches_are_stamped_with_their_data_file(tmp_path):
+    src = save(text_model(BOTH, W=(32, 32), A=(32, 32)), tmp_path / "m.onnx", external=True)
+    out = tmp_path / "out" / "o.onnx"
+    optimize(src, out, EXPLICIT, DIMS)
+    stamped = [n for g in _branches(out).values() for n in g.node
+               if n.op_type == contract.PREFETCH]
+    assert len(stamped) == 3
+    for n in stamped:
+        a = {x.name: x for x in n.attribute}
+        data = out.parent / a[contract.ATTR_LOCATION].s.decode()
+        assert a[contract.ATTR_DATA_SIZE].i == data.stat().st_size
+        assert a[contract.ATTR_DATA_FINGERPRINT].s.decode() == data_fingerprint(data)
+    _same_in_ort(src, out)
