@@ -185,3 +185,17 @@ def test_branch_prefetches_are_stamped_with_their_data_file(tmp_path):
         assert a[contract.ATTR_DATA_SIZE].i == data.stat().st_size
         assert a[contract.ATTR_DATA_FINGERPRINT].s.decode() == data_fingerprint(data)
     _same_in_ort(src, out)
+
+
+def test_the_functional_pass_offloads_inside_branches(tmp_path):
+    from ho_onnx.rewrite.passes import OffloadPass
+    from ho_onnx.schedule.policy import ExplicitPolicy
+
+    src = save(text_model(BOTH, W=(32, 32), A=(32, 32)), tmp_path / "m.onnx", external=True)
+    model = ir.load(str(src))
+    result = OffloadPass(ExplicitPolicy(EXPLICIT), DIMS)(model)
+    assert result.modified and "W" in model.graph.initializers  # the input is untouched
+    out = tmp_path / "o.onnx"  # beside the input: its data file resolves as before
+    onnx.save(ir.to_proto(result.model), str(out))
+    assert _prefetched(_branches(out)["else_branch"]) == ["W"]
+    _same_in_ort(src, out)
