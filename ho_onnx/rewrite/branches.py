@@ -35,6 +35,7 @@ import onnx_ir as ir
 from .. import contract
 from ..errors import HoOnnxError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo, subgraphs
+from ..schedule.eligibility import OVERRIDABLE_REASON
 from ..schedule.lifetimes import resident_intervals
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import InfeasibleBudgetError, Plan
@@ -69,6 +70,7 @@ class Branch:
     pinned: dict[str, str] = field(default_factory=dict)  # weight -> why it stays resident
     opsets: dict[str, int] = field(default_factory=dict)  # the main graph's
     decider: Decider | None = None  # what planned it
+    stale: bool = False  # it offloads a weight another branch must keep: plan it again
     saved_opsets: dict[str, int] = field(default_factory=dict)  # its own, while installed
 
     @property
@@ -266,8 +268,10 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
     branches, refused = find_branches(analysis)
     if not branches:
         return branches, refused
-    for n, t in analysis.tensors.items():  # read by the main graph itself: stays resident
-        if t.is_initializer and t.consumers and t.implicit_consumers:
+    for n, t in analysis.tensors.items():
+        if t.is_initializer and t.is_graph_input and t.implicit_consumers:
+            refused.setdefault(n, OVERRIDABLE_REASON)  # (a caller may feed it)
+        elif t.is_initializer and t.consumers and t.implicit_consumers:  # (main reads it)
             refused.setdefault(n, "also read by the main graph, which keeps a weight a "
                                   "subgraph reads resident")
     sizes = {n: analysis.tensors[n].nbytes(dims) or 0
@@ -312,9 +316,10 @@ def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
         for b in branches:
             budget = None if total is None else total - b.main_bytes - (
                 _sibling_bytes(b, branches, sizes) if b.decision is not None else 0)
-            if b.decision is not None and (budget is None or budget >= (b.budget or 0)):
+            if b.decision is not None and not b.stale and (
+                    budget is None or budget >= (b.budget or 0)):
                 continue
-            again = True
+            again, b.stale = True, False
             b.budget = budget
             sub = b.decider = branch_decider(decider, budget)
             if sub is None:
@@ -328,26 +333,41 @@ def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
         if not again:
             return
         _force_shared(branches, dims)
+    for b in branches:  # (rounds spent: what some branch must keep resident, none offloads)
+        assert b.decision is not None
+        c = b.decision.choice
+        c.weights[:] = [w for w in c.weights if w.name not in b.pinned]
+        c.skipped.update((n, why) for n, why in b.pinned.items() if n in b.weights)
 
 
 def _force_shared(branches: list[Branch], dims: Mapping[str, int]) -> None:
-    """Offload in every branch that reads it each weight some branch offloads."""
+    """Offload in every branch that reads it each weight some branch offloads; one that a
+    branch cannot offload (a branch output, a CUDA host read, ...) is pinned resident in
+    all, and the branches that offloaded it are planned again."""
     offloaded = set().union(*(b.offloaded() for b in branches))
     for b in branches:
         assert b.decision is not None
         missing = (offloaded & b.weights) - b.offloaded() - set(b.pinned)
-        if missing:
-            _force(b, sorted(missing), dims)
+        for n, why in (_force(b, sorted(missing), dims) if missing else {}).items():
+            for o in branches:
+                if n in o.weights:
+                    o.pinned[n] = f"{why} (in {b.label})"
+                    o.stale = o.stale or n in o.offloaded()
 
 
-def _force(b: Branch, names: Sequence[str], dims: Mapping[str, int]) -> None:
+def _force(b: Branch, names: Sequence[str], dims: Mapping[str, int]) -> dict[str, str]:
     """Offload ``names`` in ``b`` too, each reload the explicit policy's distance before its
-    reader (``b``'s plan kept them resident: its predicted peak only falls)."""
-    from ..schedule.eligibility import WeightGroups
+    reader (``b``'s plan kept them resident: its predicted peak only falls); those it cannot
+    offload, with the reason."""
+    from ..schedule.eligibility import WeightGroups, ineligible, placement_reasons
     from ..schedule.policy import _weight
 
     assert b.decision is not None
     a, c = b.analysis, b.decision.choice
+    placement = placement_reasons(a)
+    refused = {n: why for n in names
+               if (why := ineligible(a.tensors[n]) or placement.get(n)) is not None}
+    names = [n for n in names if n not in refused]
     opts = dataclasses.replace(getattr(b.decider, "options", None) or OffloadOptions(),
                                budget=None, host_budget=None, min_bytes=0)
     groups = WeightGroups.of(a)
@@ -359,8 +379,10 @@ def _force(b: Branch, names: Sequence[str], dims: Mapping[str, int]) -> None:
     c.weights += extra.weights
     for w in extra.weights:
         c.skipped.pop(w.name, None)
-    c.notes.append(f"{len(extra.weights)} weights offloaded too since another branch "
-                   "offloads them (every reader of an offloaded weight reloads it)")
+    if extra.weights:
+        c.notes.append(f"{len(extra.weights)} weights offloaded too since another branch "
+                       "offloads them (every reader of an offloaded weight reloads it)")
+    return refused
 
 
 def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -> None:
@@ -374,9 +396,10 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
         assert b.decision is not None
         bc = b.decision.choice
         for n in b.weights - offloaded:
-            why = b.pinned.get(n) or bc.skipped.get(n) or "stays resident in the branch's plan"
+            why = b.pinned.get(n) or (  # (a pinned weight's reason names its branch)
+                f"{bc.skipped.get(n, 'stays resident in the plan')} (in {b.label})")
             if n not in c.skipped or c.skipped[n].startswith("read by a subgraph"):
-                c.skipped[n] = f"{why} (in {b.label})"
+                c.skipped[n] = why
         c.notes.append(_branch_note(b))
     for n, why in refused.items():
         c.skipped[n] = why

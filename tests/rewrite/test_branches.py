@@ -20,6 +20,7 @@ from ho_onnx.errors import ScheduleError
 from ho_onnx.graph.fingerprint import data_fingerprint
 from ho_onnx.rewrite.invariants import check_schedule
 from ho_onnx.rewrite.pipeline import optimize, plan_model
+from ho_onnx.schedule.eligibility import OVERRIDABLE_REASON
 from ho_onnx.schedule.options import OffloadOptions
 from ho_onnx.target.ort.runtime import InferenceSession
 
@@ -199,3 +200,31 @@ def test_the_functional_pass_offloads_inside_branches(tmp_path):
     onnx.save(ir.to_proto(result.model), str(out))
     assert _prefetched(_branches(out)["else_branch"]) == ["W"]
     _same_in_ort(src, out)
+
+
+def test_a_weight_one_branch_cannot_offload_stays_resident_in_all(tmp_path):
+    """The else-branch reads W as Reshape's shape (read in host memory by a CUDA kernel:
+    never offloaded); the then-branch, which could reload it, keeps it resident too."""
+    m = text_model("""
+    g (float[4, 32] x, bool c) => (float[?, ?] y) {
+      y = If(c) <then_branch = t () => (float[1, 2] u) { f = Cast <to = 1> (W)
+                                                         u = Unsqueeze(f, zero) },
+                 else_branch = e () => (float[8, 16] v) { v = Reshape(x, W) }>
+    }
+    """, W=np.array([8, 16], np.int64), zero=np.array([0], np.int64))
+    src = save(m, tmp_path / "m.onnx")
+    out = tmp_path / "o.onnx"
+    r = optimize(src, out, EXPLICIT, {})
+    assert "W" not in [w.name for w in r.choice.weights]
+    assert "host memory" in r.choice.skipped["W"] and "else_branch" in r.choice.skipped["W"]
+    assert "W" not in _prefetched(_branches(out)["then_branch"])
+    _same_in_ort(src, out)
+
+
+def test_a_weight_that_is_also_a_graph_input_stays_resident(tmp_path):
+    m = text_model(BOTH.replace("(float[N, 32] x, bool c)", "(float[N, 32] x, bool c, "
+                                "float[32, 32] W)"), W=(32, 32), A=(32, 32))
+    src = save(m, tmp_path / "m.onnx")
+    r = optimize(src, tmp_path / "o.onnx", EXPLICIT, DIMS)
+    assert [w.name for w in r.choice.weights] == ["A"]
+    assert r.choice.skipped["W"] == OVERRIDABLE_REASON
