@@ -34,10 +34,13 @@ DIMS = {"batch_size": 1, "sequence_length": 8, "past_sequence_length": 8}
 
 
 @pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    root = tmp_path_factory.mktemp("merged")
-    hf = build_hf_llama(root / "hf", **DEFAULT_CONFIG)
-    return export_merged(hf, root / "onnx")
+def hf(tmp_path_factory):
+    return build_hf_llama(tmp_path_factory.mktemp("hf") / "hf", **DEFAULT_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def merged(hf, tmp_path_factory):
+    return export_merged(hf, tmp_path_factory.mktemp("merged") / "onnx")
 
 
 def _weight_bytes(folder) -> int:
@@ -110,6 +113,19 @@ def test_half_the_weights_generates_what_the_unmodified_model_does(merged, tmp_p
                          session_options=optimum_session_options(out))
     assert got == want
     _same_steps(merged, out)
+
+
+def test_o2_merged_decoder_with_contrib_ops(hf, merged, tmp_path_factory):
+    """Both exports optimized (``O2``: SimplifiedLayerNormalization, com.microsoft
+    QuickGelu inside the branches, typed by ORT's symbolic inference) before the merge."""
+    o2 = export_merged(hf, tmp_path_factory.mktemp("o2") / "onnx", optimize="O2")
+    out = tmp_path_factory.mktemp("o2out") / "half"
+    _optimized(o2, out, "--budget", str(_weight_bytes(o2) // 2), "--min-bytes", "0")
+    want = optimum_greedy(o2, PROMPT, 12, file_name=MERGED)
+    assert want == optimum_greedy(merged, PROMPT, 12, file_name=MERGED)
+    assert optimum_greedy(out, PROMPT, 12, file_name=MERGED,
+                          session_options=optimum_session_options(out)) == want
+    _same_steps(o2, out, steps=3)
 
 
 def test_offload_all_writes_cache_ops_in_the_branches(merged, tmp_path):
