@@ -151,3 +151,13 @@ def test_optimize_api_counts_the_branch_offloads(merged, tmp_path):
     assert int(meta["ho_onnx.branch_offloaded_weights"]) == len(r.choice.weights)
     assert int(meta["ho_onnx.offloaded_weights"]) == len(r.choice.weights)
     assert int(meta["ho_onnx.branch_predicted_peak_bytes"]) <= budget  # the If's peak
+
+
+def test_a_legacy_optimum_folder_is_optimized_by_its_merged_decoder(merged, tmp_path):
+    out = tmp_path / "folder"
+    r = CliRunner().invoke(main, ["optimize", str(merged), str(out), "--budget",
+                                  str(_weight_bytes(merged) // 2), "--min-bytes", "0",
+                                  *(x for k, v in DIMS.items() for x in ("--dim", f"{k}={v}"))])
+    assert r.exit_code == 0, r.output
+    want = optimum_greedy(merged, PROMPT, 12)  # (no file_name: Optimum finds the merged one)
+    assert optimum_greedy(out, PROMPT, 12, session_options=optimum_session_options(out)) == want
