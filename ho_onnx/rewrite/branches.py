@@ -32,11 +32,11 @@ from typing import Any
 
 import onnx_ir as ir
 
-from .. import contract
+from .. import contract, kinds
 from ..errors import HoOnnxError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo, subgraphs
 from ..schedule.eligibility import OVERRIDABLE_REASON
-from ..schedule.lifetimes import resident_intervals
+from ..schedule.lifetimes import resident_intervals, stored_peak_bytes
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import InfeasibleBudgetError, Plan
 from ..schedule.types import Decider, Decision, OffloadChoice
@@ -67,6 +67,8 @@ class Branch:
     budget: int | None = None  # what it was planned for (None: the explicit policy)
     main_bytes: int = 0  # what the main graph holds at the If besides the branch's reads
     held: int = 0  # that and its siblings' resident weights, once the branches agree
+    unmodified: int = 0  # that and all its siblings' weights: the unmodified model's
+    sizes: dict[str, int] = field(default_factory=dict)  # bytes of its outer weights
     pinned: dict[str, str] = field(default_factory=dict)  # weight -> why it stays resident
     opsets: dict[str, int] = field(default_factory=dict)  # the main graph's
     decider: Decider | None = None  # what planned it
@@ -279,6 +281,8 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
     for b in list(branches):
         siblings = set().union(*(o.weights for o in branches if o.owner is b.owner))
         b.main_bytes = main_bytes_at(analysis, b, dims, siblings)
+        b.unmodified = b.main_bytes + sum(sizes.get(n, 0) for n in siblings - b.weights)
+        b.sizes = {n: sizes.get(n, 0) for n in b.weights}
         b.pinned = {n: why for n, why in refused.items() if n in b.outer}
         b.opsets = dict(main.opset_imports)
         install(b)
@@ -476,6 +480,44 @@ def if_peaks(branches: list[Branch]) -> dict[str, int]:
     return out
 
 
+def fold(main: Plan, branches: list[Branch], refused: Mapping[str, str],
+         analysis: GraphAnalysis) -> None:
+    """The main plan's predictions with its If steps as they run: at each If, its larger
+    branch's peak (and arena) with what the main graph and the siblings hold there, the
+    unmodified model's too; the smallest budget (the main graph's without the resident
+    weights a branch could offload, or a branch's with what the main graph holds); the
+    slower branch's time added (in place)."""
+    sizes = {n: v for b in branches for n, v in b.sizes.items()}
+    gone = set().union(*(b.offloaded() for b in branches if b.decision is not None))
+    main.min_budget -= sum(v for n, v in sizes.items() if n not in gone and n not in refused)
+    slowest: dict[ir.Node, tuple[float, float]] = {}
+    for b in branches:
+        d = b.decision
+        if not isinstance(d, Plan):
+            continue
+        pos = analysis.nodes.index(b.owner)
+        main.planned.memory[pos] = max(main.planned.memory[pos], b.held + d.planned.peak_bytes)
+        main.baseline.memory[pos] = max(main.baseline.memory[pos],
+                                        b.unmodified + d.baseline.peak_bytes)
+        main.min_budget = max(main.min_budget, b.main_bytes + d.min_budget)
+        main.arena_bytes = max(main.arena_bytes, b.held + d.arena_bytes)
+        old = slowest.get(b.owner, (0.0, 0.0))
+        slowest[b.owner] = (max(old[0], d.baseline.total_s), max(old[1], d.planned.total_s))
+    for base, planned in slowest.values():
+        main.baseline.total_s += base
+        main.planned.total_s += planned
+    main.host_bytes += _host_bytes(branches)
+
+
+def _host_bytes(branches: list[Branch]) -> int:
+    """What the branches' offloads add to the slow tier: each weight in host memory once,
+    and the larger of the branches' stored activations."""
+    weights = {w.name: w.nbytes for b in branches if b.decision is not None
+               for w in b.decision.choice.weights if kinds.tier(w.tier).in_host_memory}
+    stored = [stored_peak_bytes(b.decision.choice) for b in branches if b.decision is not None]
+    return sum(weights.values()) + max(stored, default=0)
+
+
 def metadata(branches: list[Branch]) -> dict[str, str]:
     """What the output records of the branches' plans (``ho_onnx.branch_*``)."""
     weights = [w for b in branches if b.decision is not None for w in b.decision.choice.weights]
@@ -521,7 +563,7 @@ class ReportBranchesPass(ir.passes.InPlacePass):
         _need(model, DECISION, "DecidePass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from .passes import DECISION
+        from .passes import ANALYSIS, DECISION
 
         decision: Decision = model.meta[DECISION]
         branches, refused = model.meta.get(BRANCHES, ([], {}))
@@ -529,6 +571,8 @@ class ReportBranchesPass(ir.passes.InPlacePass):
             report(branches, refused, decision)
         decision.parts = [(b.label, b.decision, [n.name or n.op_type for n in b.analysis.nodes])
                           for b in branches if b.decision is not None]
+        if isinstance(decision, Plan):
+            fold(decision, branches, refused, model.meta[ANALYSIS])
         return ir.passes.PassResult(model, modified=False)
 
 

@@ -151,6 +151,10 @@ def test_optimize_api_counts_the_branch_offloads(merged, tmp_path):
     assert int(meta["ho_onnx.branch_offloaded_weights"]) == len(r.choice.weights)
     assert int(meta["ho_onnx.offloaded_weights"]) == len(r.choice.weights)
     assert int(meta["ho_onnx.branch_predicted_peak_bytes"]) <= budget  # the If's peak
+    # the main plan's predictions hold the If as it runs (the larger branch)
+    assert int(meta["ho_onnx.predicted_peak_bytes"]) <= budget < int(
+        meta["ho_onnx.baseline_peak_bytes"])
+    assert int(meta["ho_onnx.host_bytes"]) >= sum(w.nbytes for w in r.choice.weights)
 
 
 def test_a_legacy_optimum_folder_is_optimized_by_its_merged_decoder(merged, tmp_path):
