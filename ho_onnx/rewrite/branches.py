@@ -407,11 +407,6 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
         c.notes.append(_branch_note(b))
     for n, why in refused.items():
         c.skipped[n] = why
-    peaks = if_peaks(branches)
-    if peaks:
-        c.notes.append("predicted peak with the If branches: " + ", ".join(
-            f"If {k!r} {_mib(v)}" for k, v in peaks.items()) + " (its larger branch's plan "
-            "and what the main graph holds there)")
     loops = {why for why in refused.values() if "not planned" in why}
     if loops:
         c.notes.append(f"{sum(1 for w in refused.values() if w in loops)} weights read inside "
