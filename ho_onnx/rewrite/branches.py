@@ -267,6 +267,8 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
     docstring); (the branches, why each weight an unplanned subgraph reads stays). The
     main analysis then no longer counts the weights the branches offload."""
     main = analysis.model
+    if branch_decider(decider, None) is None:  # (a decider of its own: the main graph only)
+        return [], {}
     branches, refused = find_branches(analysis)
     if not branches:
         return branches, refused
@@ -326,9 +328,7 @@ def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
             again, b.stale = True, False
             b.budget = budget
             sub = b.decider = branch_decider(decider, budget)
-            if sub is None:
-                raise HoOnnxError(f"{b.label}: the decider {type(decider).__name__} cannot "
-                                  "plan an If branch (it has no options to plan one with)")
+            assert sub is not None  # (checked by plan_branches)
             install(b)
             try:
                 _decide(b, sub, dims)
