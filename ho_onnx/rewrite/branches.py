@@ -34,16 +34,18 @@ import onnx_ir as ir
 
 from .. import contract, kinds
 from ..errors import HoOnnxError, UnboundDimError
-from ..graph.analyse import GraphAnalysis, TensorInfo, subgraphs
+from ..graph.analyse import GraphAnalysis, TensorInfo, analyse, subgraphs
+from ..graph.dims import require_dims
 from ..schedule.eligibility import OVERRIDABLE_REASON
 from ..schedule.lifetimes import resident_intervals, stored_peak_bytes
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import InfeasibleBudgetError, Plan
 from ..schedule.types import Decider, Decision, OffloadChoice
 from ..units import format_bytes
+from .annotate import annotate
 from .insert import Names, RewrittenModel, insert_cache_ops
+from .meta import ANALYSIS, BRANCHES, CONTRIB, DECISION, REWRITTEN, need
 
-BRANCHES = "ho_onnx.branches"  # model.meta key: (planned branches, refused weights' reasons)
 _ROUNDS = 4  # plans of the branches at most, while their budgets fall
 _MIN_NODES = 32  # a branch without weights of its own or outer ones: planned from this size
 
@@ -63,6 +65,7 @@ class Branch:
     weights: frozenset[str] = frozenset()  # those of ``outer`` that are initializers there
     proxies: dict[str, ir.Value] = field(default_factory=dict)  # name -> its stand-in
     model: ir.Model | None = None  # the branch as a model of its own (shares ``graph``)
+    analysis_: GraphAnalysis | None = None  # of ``model``
     decision: Decision | None = None
     budget: int | None = None  # what it was planned for (None: the explicit policy)
     main_bytes: int = 0  # what the main graph holds at the If besides the branch's reads
@@ -81,10 +84,8 @@ class Branch:
 
     @property
     def analysis(self) -> GraphAnalysis:
-        from .passes import ANALYSIS
-
-        assert self.model is not None
-        return self.model.meta[ANALYSIS]
+        assert self.analysis_ is not None
+        return self.analysis_
 
     def offloaded(self) -> set[str]:
         """Main-graph initializers the branch's decision offloads."""
@@ -232,29 +233,31 @@ def _pin(b: Branch, names: Iterable[str]) -> None:
 
 def _analyse(b: Branch, main: ir.Model, dims: Mapping[str, int],
              shapes: Mapping[str, Sequence[int]], contrib: Any) -> None:
-    """``b``'s graph (proxies in place) as a model of its own, analysed by AnalysePass."""
-    from .passes import CONTRIB, AnalysePass, run_steps
+    """``b``'s graph (proxies in place) as a model of its own, analysed as AnalysePass
+    does (``contrib``: ops only ORT knows, typed by its inference)."""
+    more = None
+    if contrib:
+        from ..target.ort.contrib import contrib_value_types as more
 
     b.model = ir.Model(b.graph, ir_version=main.ir_version)
-    b.model.meta[CONTRIB] = contrib
-    run_steps(b.model, AnalysePass(dims, shapes={k: v for k, v in shapes.items()
-                                                 if k in b.outer}))
+    b.analysis_ = analyse(b.model, dims, more_types=more,
+                          shapes={k: v for k, v in shapes.items() if k in b.outer})
 
 
 def _decide(b: Branch, decider: Decider, dims: Mapping[str, int]) -> None:
-    """``b.decision``: DecidePass on ``b``'s model, its pinned weights kept resident."""
-    from .passes import DECISION, DecidePass, run_steps
-
-    assert b.model is not None
+    """``b.decision`` as DecidePass makes one (every dim the decider needs bound), its
+    pinned weights kept resident."""
     _pin(b, b.pinned)
+    a = b.analysis
     try:
-        run_steps(b.model, DecidePass(decider, dims))
+        require_dims((d for t in a.tensors.values() if decider.sized(t)
+                      for d in t.symbolic_dims()), dims)
+        b.decision = decider.decide(a, dims)
     except InfeasibleBudgetError as e:
         raise InfeasibleBudgetError(
             f"{b.label} (planned as a graph of its own for the budget less "
             f"{_mib(b.main_bytes)} the main graph holds there): {e}",
             e.min_budget + b.main_bytes) from None  # (the smallest the If itself needs)
-    b.decision = b.model.meta[DECISION]
     for n, why in b.pinned.items():
         if n in b.decision.choice.skipped:
             b.decision.choice.skipped[n] = why
@@ -536,13 +539,9 @@ class PlanBranchesPass(ir.passes.InPlacePass):
         self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
 
     def requires(self, model: ir.Model) -> None:
-        from .passes import ANALYSIS, _need
-
-        _need(model, ANALYSIS, "AnalysePass")
+        need(model, ANALYSIS, "AnalysePass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from .passes import ANALYSIS, CONTRIB
-
         analysis: GraphAnalysis = model.meta[ANALYSIS]
         model.meta[BRANCHES] = plan_branches(analysis, self.decider, self.dims,
                                              shapes=self.shapes, contrib=model.meta.get(CONTRIB))
@@ -553,13 +552,9 @@ class ReportBranchesPass(ir.passes.InPlacePass):
     """Record the branches' plans in the main decision (:func:`report`)."""
 
     def requires(self, model: ir.Model) -> None:
-        from .passes import DECISION, _need
-
-        _need(model, DECISION, "DecidePass")
+        need(model, DECISION, "DecidePass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from .passes import ANALYSIS, DECISION
-
         decision: Decision = model.meta[DECISION]
         branches, refused = model.meta.get(BRANCHES, ([], {}))
         if branches or refused:
@@ -576,14 +571,9 @@ class InsertBranchesPass(ir.passes.InPlacePass):
     record what they offload in ``metadata_props``."""
 
     def requires(self, model: ir.Model) -> None:
-        from .passes import REWRITTEN, _need
-
-        _need(model, REWRITTEN, "InsertPass")
+        need(model, REWRITTEN, "InsertPass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from .annotate import annotate
-        from .passes import DECISION, REWRITTEN
-
         rewritten: RewrittenModel = model.meta[REWRITTEN]
         branches, _ = model.meta.get(BRANCHES, ([], {}))
         n = insert_branches(branches, rewritten) if branches else 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -40,17 +39,13 @@ from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, r
 from ..graph.save import OutputFiles, data_stamps
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
-from .branches import BRANCHES, InsertBranchesPass, PlanBranchesPass, ReportBranchesPass
+from .branches import InsertBranchesPass, PlanBranchesPass, ReportBranchesPass
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
 from .invariants import check_schedule
+from .meta import ANALYSIS, BRANCHES, CONTRIB, DECISION, OUTPUT_FILES, REWRITTEN
+from .meta import need as _need
 from .place import place_weight_data
-
-CONTRIB = "ho_onnx.contrib"
-ANALYSIS = "ho_onnx.analysis"
-DECISION = "ho_onnx.decision"
-REWRITTEN = "ho_onnx.rewritten"
-OUTPUT_FILES = "ho_onnx.output_files"
 
 
 def run_steps(model: ir.Model, *steps: ir.passes.PassBase) -> None:
@@ -68,12 +63,6 @@ def run_steps(model: ir.Model, *steps: ir.passes.PassBase) -> None:
         if cause is e:
             raise
         raise cause from None
-
-
-def _need(model: ir.Model, key: str, producer: str) -> Any:
-    if key not in model.meta:
-        raise ir.passes.PreconditionError(f"{key} missing: run {producer} first")
-    return model.meta[key]
 
 
 class CheckOpsPass(ir.passes.InPlacePass):
