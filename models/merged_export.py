@@ -10,7 +10,6 @@ Needs the ``hf`` extra (optimum-onnx); nothing is downloaded: the model folder c
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -65,15 +64,9 @@ def export_merged(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .genai_export import DEFAULT_CONFIG, build_hf_llama
+    from .optimum_export import main as export_main
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--optimize", default="none", help="O1..O4, or 'none'")
-    a = ap.parse_args(argv)
-    out = Path(a.out_dir)
-    hf = build_hf_llama(out.with_name(out.name + ".hf"), **DEFAULT_CONFIG)
-    print(export_merged(hf, out, optimize=None if a.optimize == "none" else a.optimize))
+    export_main(argv, export_merged, default="none", doc=__doc__)
 
 
 if __name__ == "__main__":
