@@ -192,12 +192,19 @@ def _deep_reads(g: ir.Graph, main: ir.Graph) -> set[str]:
     return names
 
 
+def _has_options(decider: Decider) -> bool:
+    """Whether ``decider`` is a dataclass with :class:`OffloadOptions` (the budget planner,
+    the explicit policy): what a branch's decider is made from."""
+    return dataclasses.is_dataclass(decider) and isinstance(
+        getattr(decider, "options", None), OffloadOptions)
+
+
 def branch_decider(decider: Decider, budget: int | None) -> Decider | None:
     """``decider`` for one branch: its options with ``budget`` (where it has one) and the
     KV cache left to the main graph; None for a decider whose options are unknown."""
-    options = getattr(decider, "options", None)
-    if options is None or not dataclasses.is_dataclass(decider):
+    if not _has_options(decider):
         return None
+    options = getattr(decider, "options")  # noqa: B009 (a Decider declares no options)
     opts = dataclasses.replace(options, kv=False,
                                **({"budget": budget} if options.budget is not None else {}))
     return dataclasses.replace(decider, options=opts)  # type: ignore[type-var]
@@ -270,7 +277,7 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
     docstring); (the branches, why each weight an unplanned subgraph reads stays). The
     main analysis then no longer counts the weights the branches offload."""
     main = analysis.model
-    if branch_decider(decider, None) is None:  # (a decider of its own: the main graph only)
+    if not _has_options(decider):  # (a decider of its own: the main graph only)
         return [], {}
     branches, refused = find_branches(analysis)
     if not branches:
