@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +53,18 @@ def optimum_greedy(folder: str | os.PathLike[str], prompt: Sequence[int],
     return [int(t) for t in out[0]]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, export: Callable[..., Path] = export_optimum,
+         default: str = "O2", doc: str = __doc__) -> None:
+    """Build the random-weight Llama beside OUT_DIR and ``export`` it into OUT_DIR."""
     from .genai_export import DEFAULT_CONFIG, build_hf_llama
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--optimize", default="O2", help="O1..O4, or 'none'")
+    ap.add_argument("--optimize", default=default, help="O1..O4, or 'none'")
     a = ap.parse_args(argv)
     out = Path(a.out_dir)
     hf = build_hf_llama(out.with_name(out.name + ".hf"), **DEFAULT_CONFIG)
-    export_optimum(hf, out, optimize=None if a.optimize == "none" else a.optimize)
+    export(hf, out, optimize=None if a.optimize == "none" else a.optimize)
     print(out)
 
 

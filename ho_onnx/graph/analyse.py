@@ -4,7 +4,8 @@ sizes, lifetimes.
 Positions are indices into ``GraphAnalysis.nodes`` (the schedule the rewriter refines).
 Uses come from ``onnx_ir``'s use-def chains. Subgraphs (If/Loop/Scan bodies) are reached
 through them: a value a subgraph reads from the outer scope is recorded as an *implicit*
-use of the main-graph node that owns the subgraph, and such tensors are never offloaded.
+use of the main-graph node that owns the subgraph, and the main graph's plan never offloads
+such tensors (If branches are planned as graphs of their own: ``rewrite/branches.py``).
 Types come from ONNX shape inference on a weightless copy, run bounded in memory and time
 (:mod:`.bounded`); the model's own value types are not changed (the dims bound for the
 analysis are not the model's).

@@ -75,6 +75,9 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         "costs": None if plan.costs is None else {
             "description": plan.costs.description, "notes": list(plan.costs.notes)},
     }
+    if plan.parts:  # the If branches' own plans
+        d["branches"] = {label: plan_to_dict(part, names) for label, part, names in plan.parts
+                         if isinstance(part, Plan)}
     if steps:
         d["steps"] = [{"step": i, "node": analysis_names[i],
                        "start_s": float(plan.planned.step_start_s[i]),
@@ -132,8 +135,13 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
                 f"{r['transfer_s'] * 1e3:>8.3f} {r['stall_s'] * 1e3:>8.3f}")
         if len(rows) > max_rows:
             lines.append(f"... {len(rows) - max_rows} more transfers (--json for all)")
-    else:
+    elif not plan.parts:
         lines.append("nothing to offload: the model fits the budget")
+    for label, part, names in plan.parts:  # each If branch, planned as a graph of its own
+        if isinstance(part, Plan):
+            lines.append(f"{label} (its own plan, {len(names)} nodes):")
+            lines += ["  " + line for line in format_plan(part, names,
+                                                           max_rows=max_rows).splitlines()]
     return "\n".join(lines)
 
 

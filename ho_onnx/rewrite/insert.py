@@ -378,16 +378,20 @@ _SPENT = "insert_cache_ops"  # key in GraphAnalysis.derived: the model was rewri
 
 
 @gc_paused()
-def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice) -> RewrittenModel:
+def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice, *,
+                     reserved: Iterable[str] = ()) -> RewrittenModel:
     """Offload ``choice``'s tensors in ``analysis.model`` (in place; the analysis describes
-    the model before the rewrite and is spent afterwards)."""
+    the model before the rewrite and is spent afterwards). ``reserved``: names no fresh
+    name may take (an If branch's: those of every scope of the model it lies in)."""
     if analysis.derived.get(_SPENT):
         raise ValueError("this analysis was already used by insert_cache_ops: its model is "
                          "rewritten; analyse the model again")
     analysis.derived[_SPENT] = True
     model = analysis.model
     forget_source(model)
-    em = _Emitter(analysis, Names(analysis.model.graph))
+    names = Names(analysis.model.graph)
+    names.used.update(reserved)
+    em = _Emitter(analysis, names)
     for w in choice.weights:
         em.offload_weight(w)
     ring = stored_peak_bytes(choice)

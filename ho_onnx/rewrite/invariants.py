@@ -1,5 +1,6 @@
 """The schedule invariants the insertion promises (:mod:`.insert`), checked on the rewritten
-``onnx_ir`` model in one walk of the main graph:
+``onnx_ir`` model in one walk of each graph (the main graph, and each subgraph: an If
+branch has cache ops of its own, :mod:`.branches`):
 
 * topologically sorted, the cache ops included: every input of a node (and every value a
   subgraph of it reads from the main graph) is a graph input, an initializer or the output
@@ -23,6 +24,7 @@ import onnx_ir as ir
 
 from .. import contract
 from ..errors import ScheduleError
+from ..graph.analyse import all_graphs
 from .insert import prefetch_channel
 
 
@@ -40,9 +42,14 @@ def _label(node: ir.Node) -> str:
 
 
 def check_schedule(model: ir.Model) -> None:
-    """Raise :class:`ScheduleError` at the first node of ``model``'s main graph that breaks
-    an invariant above."""
-    graph = model.graph
+    """Raise :class:`ScheduleError` at the first node of ``model``'s graphs (the main graph,
+    then each subgraph) that breaks an invariant above."""
+    for graph in all_graphs(model.graph):
+        _check_graph(graph)
+
+
+def _check_graph(graph: ir.Graph) -> None:
+    """The invariants in one graph (each copy channel chained within it)."""
     position = {id(n): i for i, n in enumerate(graph)}
     last_on: dict[str, ir.Node] = {}  # channel -> its latest Prefetch so far
     for i, node in enumerate(graph):

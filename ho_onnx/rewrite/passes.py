@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -45,16 +44,13 @@ from ..graph.save import OutputFiles, stamp_data_files, to_written_proto
 from ..schedule.types import Decider, Decision, RunFacts
 from ..target.ort.arena import ORT
 from .annotate import annotate, plan_metadata
+from .branches import InsertBranchesPass, PlanBranchesPass, ReportBranchesPass
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
 from .invariants import check_schedule
+from .meta import ANALYSIS, BRANCHES, CONTRIB, DECISION, OUTPUT_FILES, REWRITTEN
+from .meta import need as _need
 from .place import place_weight_data
-
-CONTRIB = "ho_onnx.contrib"
-ANALYSIS = "ho_onnx.analysis"
-DECISION = "ho_onnx.decision"
-REWRITTEN = "ho_onnx.rewritten"
-OUTPUT_FILES = "ho_onnx.output_files"
 
 
 def run_steps(model: ir.Model, *steps: ir.passes.PassBase) -> None:
@@ -72,12 +68,6 @@ def run_steps(model: ir.Model, *steps: ir.passes.PassBase) -> None:
         if cause is e:
             raise
         raise cause from None
-
-
-def _need(model: ir.Model, key: str, producer: str) -> Any:
-    if key not in model.meta:
-        raise ir.passes.PreconditionError(f"{key} missing: run {producer} first")
-    return model.meta[key]
 
 
 class CheckOpsPass(ir.passes.InPlacePass):
@@ -268,10 +258,11 @@ def ort_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
                    shapes: Mapping[str, Sequence[int]] | None = None,
                    run: RunFacts | None = None) -> list[ir.passes.PassBase]:
-    """The steps before the graph changes: check the ops, analyse, decide (``run``: what
-    the decider is handed, :class:`DecidePass`)."""
+    """The steps before the graph changes: check the ops, analyse, decide (the If branches
+    first, :mod:`.branches`; ``run``: what the decider is handed, :class:`DecidePass`)."""
     return [CheckOpsPass(), AnalysePass(dims, shapes=shapes),
-            DecidePass(decider, dims, run=run)]
+            PlanBranchesPass(decider, dims, shapes=shapes, run=run),
+            DecidePass(decider, dims, run=run), ReportBranchesPass()]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
@@ -281,8 +272,8 @@ def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
     """The steps that rewrite the decided model: insert, guard the ranges (``checks``:
     :func:`~ho_onnx.graph.dims.ranged_inputs`), verify, annotate, place the weights' bytes
     for an output at ``out_path``, validate (``data_dir``: :class:`ValidatePass`)."""
-    return [InsertPass(), GuardPass(checks or {}, ranges or {}), VerifySchedulePass(),
-            AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path),
+    return [InsertPass(), InsertBranchesPass(), GuardPass(checks or {}, ranges or {}),
+            VerifySchedulePass(), AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path),
             ValidatePass(data_dir)]
 
 
@@ -320,14 +311,18 @@ class OffloadPass(ir.passes.FunctionalPass):
         work = model.clone()
         run_steps(work, *analysis_steps(self.decider, self.dims))
         choice = work.meta[DECISION].choice
-        if not (choice.weights or choice.activations or choice.inputs or choice.outputs):
+        inner = [w.name for b in work.meta.get(BRANCHES, ([], {}))[0] if b.decision
+                 for w in b.decision.choice.weights]
+        if not (choice.weights or choice.activations or choice.inputs or choice.outputs
+                or inner):
             return ir.passes.PassResult(work, modified=False)
-        base_dir = _external_base_dir(work, {w.name for w in choice.weights})
+        base_dir = _external_base_dir(work, {w.name for w in choice.weights} | {
+            n for n in inner if n in work.graph.initializers})
         checks = ranged_inputs(work, self.ranges) if self.ranges else {}
         run_steps(work, *rewrite_steps(self.dims, base_dir, base_dir / "model.onnx",
                                        checks=checks, ranges=self.ranges, data_dir=base_dir))
         assert work.meta[OUTPUT_FILES].sidecar is None  # every offloaded weight is external
-        for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
+        for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES, BRANCHES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)
 

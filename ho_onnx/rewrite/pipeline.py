@@ -193,7 +193,7 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
             ) -> tuple[GraphAnalysis, Decision]:
     shapes = {k: list(v) for k, v in (shapes or {}).items()}
     dims = dims_from_shapes(loaded.model, shapes, dims)
-    check, analyse_step, decide = analysis_steps(decider, dims, shapes=shapes, run=run)
+    check, analyse_step, *decide = analysis_steps(decider, dims, shapes=shapes, run=run)
     with steps.step("analyse"):
         run_steps(loaded.model, check, analyse_step)  # ops onnx cannot check: ORT must know them
         contrib = loaded.model.meta[CONTRIB]
@@ -208,7 +208,7 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         if unused:
             steps.say("note: " + unused_note(unused, used))
     with steps.step("decide"):
-        run_steps(loaded.model, decide)
+        run_steps(loaded.model, *decide)
         decision: Decision = loaded.model.meta[DECISION]
     for line in decision.summary(steps.seconds["decide"]):
         steps.say(line)

@@ -158,6 +158,10 @@ class Decision:
     """What a decider returns: the choice, and what to record about it in the output."""
 
     choice: OffloadChoice
+    # Decisions made apart for subgraphs (If branches: rewrite/branches.py), each with its
+    # label and the names of its nodes by position (what the plan table prints of it).
+    parts: list[tuple[str, Decision, list[str]]] = field(
+        default_factory=list, kw_only=True, repr=False, compare=False)
 
     def metadata(self) -> dict[str, str]:
         """The decision as recorded in the output's ``metadata_props`` (keys without the

@@ -7,8 +7,9 @@
   ``enable_mem_pattern: false`` (ORT's pattern block is not in the budget) and the session
   config entries the library reads (``ho_onnx.model_dir``; unknown string keys of genai's
   session options are session config entries).
-* **Optimum** (``config.json`` + ``model.onnx``): the output folder holds the optimized
-  ``model.onnx``, its data and every other file; load it with
+* **Optimum** (``config.json`` + ``model.onnx``, or a legacy folder's merged decoder
+  ``decoder_model_merged.onnx``): the output folder holds the optimized model, its data and
+  every other file; load it with
   ``ORTModelForCausalLM.from_pretrained(folder, session_options=optimum_session_options(folder))``
   (:func:`optimum_session_options`: ho-onnx's session options for ``folder/model.onnx``).
 
@@ -44,6 +45,9 @@ GENAI_CONFIG = "genai_config.json"
 MAX_CONFIG_BYTES = 16 << 20  # genai_config.json and config.json hold kilobytes
 OPTIMUM_CONFIG = "config.json"
 OPTIMUM_MODEL = "model.onnx"
+# A legacy Optimum folder's merged decoder (one If over the decoders without and with past),
+# what ORTModelForCausalLM loads there when it finds no model.onnx.
+OPTIMUM_MERGED = "decoder_model_merged.onnx"
 
 OptimizeFile = Callable[[Path, Path], Any]  # (input model, output model) -> anything
 
@@ -104,9 +108,10 @@ def detect_folder(path: str | os.PathLike[str]) -> ModelFolder:
             raise ModelLoadError(f"{str(p / GENAI_CONFIG)!r} names decoder "
                                  f"{decoder['filename']!r}, which is not in {str(p)!r}")
         return ModelFolder("genai", p, model, cfg)
-    if (p / OPTIMUM_CONFIG).is_file() and (p / OPTIMUM_MODEL).is_file():
-        _inside(p, OPTIMUM_MODEL, repr(str(p)), "model file")  # (not a link out of it)
-        return ModelFolder("optimum", p, p / OPTIMUM_MODEL, _read_json(p, OPTIMUM_CONFIG))
+    for name in (OPTIMUM_MODEL, OPTIMUM_MERGED):
+        if (p / OPTIMUM_CONFIG).is_file() and (p / name).is_file():
+            _inside(p, name, repr(str(p)), "model file")  # (not a link out of it)
+            return ModelFolder("optimum", p, p / name, _read_json(p, OPTIMUM_CONFIG))
     models = sorted(f.name for f in p.glob("*.onnx") if f.is_file())[:4]
     hint = ""
     if models and (p / OPTIMUM_CONFIG).is_file():  # (older Optimum exports: several models)

@@ -67,6 +67,8 @@ def test_detect(tmp_path):
     with pytest.raises(ModelLoadError, match=r"\(config\.json \+ model\.onnx\); it holds "
                        r"decoder_model\.onnx, decoder_with_past_model\.onnx: optimize each"):
         detect_folder(older)
+    save(chain_model(), older / "decoder_model_merged.onnx")  # what Optimum loads there
+    assert detect_folder(older).model.name == "decoder_model_merged.onnx"
     (tmp_path / "e" / "genai_config.json").write_text('{"model": {"decoder": '
                                                       '{"filename": "nope.onnx"}}}')
     with pytest.raises(ModelLoadError, match=r"'nope\.onnx', which is not in"):

@@ -1,0 +1,612 @@
+"""Planning inside ``If`` branches (an Optimum merged decoder: the main graph is one ``If``
+whose two branches are whole decoders reading the weights from the outer scope).
+
+Each ``If`` branch of the main graph is planned as a graph of its own, by the pipeline's own
+steps (:class:`~.passes.AnalysePass`, :class:`~.passes.DecidePass`, then
+:func:`~.insert.insert_cache_ops`): while it is analysed, decided and rewritten, every value
+it reads from the main graph is stood in for by a *proxy* of the branch (a main-graph
+initializer by an initializer of the same name and tensor, anything else by a graph input of
+the same name and type); afterwards the proxies go and the branch reads the outer values
+again, its cache ops included. A Prefetch inside a branch thus loads an offloaded main-graph
+initializer; both branches may reload the same weight, whose initializer leaves the main
+graph once.
+
+* **Memory**: the ``If`` holds one branch at a time; each branch is planned for the budget
+  less what the main graph holds at the ``If`` (baseline) that the branch does not read,
+  less the weights only its siblings read that stay resident.
+* **Every reader or none**: a weight one branch offloads is offloaded in every branch that
+  reads it (memory only falls where that branch's plan kept it); a weight the main graph
+  reads itself (the main graph keeps what a subgraph reads resident), or that a Loop/Scan
+  body or a nested subgraph reads (not planned), stays resident in every branch.
+* The main graph is planned without the weights its branches offload (they are not resident
+  outside the ``If``); its choice records, for every weight a subgraph reads, where it went
+  or why it stayed (``skipped``), and a note per branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+from .. import contract, kinds
+from ..errors import HoOnnxError, UnboundDimError
+from ..graph.analyse import GraphAnalysis, TensorInfo, analyse, subgraphs
+from ..graph.dims import require_dims
+from ..schedule.eligibility import OVERRIDABLE_REASON
+from ..schedule.lifetimes import resident_intervals, stored_peak_bytes
+from ..schedule.options import OffloadOptions
+from ..schedule.planner import InfeasibleBudgetError, Plan
+from ..schedule.types import Decider, Decision, OffloadChoice, RunFacts
+from ..target.ort.arena import ORT
+from ..units import format_bytes
+from .annotate import annotate
+from .insert import Names, RewrittenModel, insert_cache_ops
+from .meta import ANALYSIS, BRANCHES, CONTRIB, DECISION, REWRITTEN, need
+
+_ROUNDS = 4  # plans of the branches at most, while their budgets fall
+_MIN_NODES = 32  # a branch without weights of its own or outer ones: planned from this size
+
+
+def _mib(b: int) -> str:
+    return format_bytes(b, "MiB", 2)
+
+
+@dataclass
+class Branch:
+    """One ``If`` branch of the main graph, planned as a graph of its own."""
+
+    owner: ir.Node  # the If of the main graph
+    attr: str  # then_branch / else_branch
+    graph: ir.Graph
+    outer: dict[str, ir.Value]  # what it reads from the main graph, by name
+    weights: frozenset[str] = frozenset()  # those of ``outer`` that are initializers there
+    proxies: dict[str, ir.Value] = field(default_factory=dict)  # name -> its stand-in
+    model: ir.Model | None = None  # the branch as a model of its own (shares ``graph``)
+    analysis_: GraphAnalysis | None = None  # of ``model``
+    decision: Decision | None = None
+    budget: int | None = None  # what it was planned for (None: the explicit policy)
+    main_bytes: int = 0  # what the main graph holds at the If besides the branch's reads
+    held: int = 0  # that and its siblings' resident weights, once the branches agree
+    unmodified: int = 0  # that and all its siblings' weights: the unmodified model's
+    sizes: dict[str, int] = field(default_factory=dict)  # bytes of its outer weights
+    pinned: dict[str, str] = field(default_factory=dict)  # weight -> why it stays resident
+    opsets: dict[str, int] = field(default_factory=dict)  # the main graph's
+    decider: Decider | None = None  # what planned it
+    stale: bool = False  # it offloads a weight another branch must keep: plan it again
+    saved_opsets: dict[str, int] = field(default_factory=dict)  # its own, while installed
+
+    @property
+    def label(self) -> str:
+        return f"If {self.owner.name or '<unnamed>'!r} {self.attr}"
+
+    @property
+    def analysis(self) -> GraphAnalysis:
+        assert self.analysis_ is not None
+        return self.analysis_
+
+    def offloaded(self) -> set[str]:
+        """Main-graph initializers the branch's decision offloads."""
+        assert self.decision is not None
+        return {w.name for w in self.decision.choice.weights} & self.weights
+
+
+def _proxy(v: ir.Value, info: TensorInfo | None) -> ir.Value:
+    """A stand-in of the outer value ``v`` inside a branch (an initializer keeps its tensor)."""
+    if v.is_initializer():
+        return ir.Value(name=v.name, type=v.type, shape=v.shape, const_value=v.const_value)
+    type_, shape = v.type, v.shape
+    if type_ is None and info is not None and info.elem_type is not None:
+        type_ = ir.TensorType(ir.DataType(info.elem_type))
+        shape = None if info.shape is None else ir.Shape(list(info.shape))
+    return ir.Value(name=v.name, type=type_, shape=shape)
+
+
+def install(b: Branch) -> None:
+    """Put the proxies in place of the outer values in ``b``'s graph (and the main graph's
+    opsets on it, what its model serialises)."""
+    g = b.graph
+    b.saved_opsets = dict(g.opset_imports)
+    g.opset_imports.update(b.opsets)
+    for name, outer in b.outer.items():
+        p = b.proxies[name]
+        if name in b.weights:
+            g.register_initializer(p)
+        else:
+            g.inputs.append(p)
+        _rewire(outer, p, g)
+
+
+def uninstall(b: Branch) -> None:
+    """The outer values back in place of the proxies (cache ops included)."""
+    g = b.graph
+    for name, outer in b.outer.items():
+        p = b.proxies[name]
+        _rewire(p, outer, g)
+        if g.initializers.get(name) is p:
+            g.initializers.pop(name)
+        if p in g.inputs:
+            g.inputs.remove(p)
+    g.opset_imports.clear()
+    g.opset_imports.update(b.saved_opsets)
+
+
+def _rewire(old: ir.Value, new: ir.Value, g: ir.Graph) -> None:
+    """Readers of ``old`` among ``g``'s own nodes (and ``g``'s outputs) read ``new``."""
+    for node, i in list(old.uses()):
+        if node.graph is g:
+            node.replace_input_with(i, new)
+    for k, v in enumerate(g.outputs):
+        if v is old:
+            g.outputs[k] = new
+
+
+def _reads_outer(g: ir.Graph, main: ir.Graph) -> dict[str, ir.Value]:
+    """Values of ``main`` that ``g``'s own nodes or outputs read."""
+    out: dict[str, ir.Value] = {}
+    for v in (*(x for n in g for x in n.inputs), *g.outputs):
+        if v is None or not v.name:
+            continue
+        p = v.producer()
+        if (p.graph if p is not None else v.graph) is main:
+            out[v.name] = v
+    return out
+
+
+def find_branches(analysis: GraphAnalysis) -> tuple[list[Branch], dict[str, str]]:
+    """The plannable ``If`` branches of the main graph, and why each main-graph weight
+    that an unplanned subgraph reads stays resident (Loop/Scan bodies, nested subgraphs)."""
+    main = analysis.model.graph
+    branches: list[Branch] = []
+    refused: dict[str, str] = {}
+    for node in analysis.nodes:
+        for attr, a in node.attributes.data.items():
+            if a.type is not ir.AttributeType.GRAPH:
+                continue
+            g = a.value
+            nested = any(True for n in g for _ in subgraphs(n))
+            outer = _reads_outer(g, main)
+            weights = frozenset(n for n, v in outer.items() if v.is_initializer())
+            if node.op_type == "If" and node.domain in ("", "ai.onnx") and not nested:
+                if weights or len(g.initializers) or len(g) >= _MIN_NODES:
+                    proxies = {n: _proxy(v, analysis.tensors.get(n)) for n, v in outer.items()}
+                    branches.append(Branch(node, attr, g, outer, weights, proxies))
+                continue
+            why = (f"read inside {node.op_type} {node.name or '<unnamed>'!r}'s {attr}, "
+                   + ("which holds a nested subgraph (only If branches without one are "
+                      "planned)" if node.op_type == "If" else
+                      f"a {node.op_type} body (Loop/Scan bodies are not planned)"))
+            reads = _deep_reads(g, main)
+            refused.update((n, why) for n in reads if n in main.initializers)
+    return branches, refused
+
+
+def _deep_reads(g: ir.Graph, main: ir.Graph) -> set[str]:
+    """Names of ``main``'s values read anywhere in ``g`` (nested graphs included)."""
+    names: set[str] = set()
+    for node in ir.traversal.RecursiveGraphIterator(g):
+        names.update(v.name for v in node.inputs
+                     if v is not None and v.name and v.name in main.initializers)
+    return names
+
+
+def _has_options(decider: Decider) -> bool:
+    """Whether ``decider`` is a dataclass with :class:`OffloadOptions` (the budget planner,
+    the explicit policy): what a branch's decider is made from."""
+    return dataclasses.is_dataclass(decider) and isinstance(
+        getattr(decider, "options", None), OffloadOptions)
+
+
+def branch_decider(decider: Decider, budget: int | None) -> Decider | None:
+    """``decider`` for one branch: its options with ``budget`` (where it has one) and the
+    KV cache left to the main graph; None for a decider whose options are unknown."""
+    if not _has_options(decider):
+        return None
+    options = getattr(decider, "options")  # noqa: B009 (a Decider declares no options)
+    opts = dataclasses.replace(options, kv=False,
+                               **({"budget": budget} if options.budget is not None else {}))
+    return dataclasses.replace(decider, options=opts)  # type: ignore[type-var]
+
+
+def main_bytes_at(analysis: GraphAnalysis, b: Branch, dims: Mapping[str, int],
+                  skip: Iterable[str] = ()) -> int:
+    """Bytes the main graph holds at ``b``'s If (unmodified schedule) that ``b`` itself
+    does not count: neither what it reads, nor the If's outputs, nor ``skip``."""
+    pos = analysis.nodes.index(b.owner)
+    spans, sizes = resident_intervals(analysis, dims)
+    own = {*b.outer, *skip, *(v.name for v in b.owner.outputs)}
+    return sum(sizes.get(n, 0) for n, (lo, hi) in spans.items()
+               if lo <= pos <= hi and n not in own)
+
+
+def _sibling_bytes(b: Branch, branches: list[Branch], sizes: Mapping[str, int]) -> int:
+    """Bytes of the weights only ``b``'s sibling branches read that stay resident (while
+    ``b`` runs they are in the fast tier too)."""
+    gone = set().union(*(o.offloaded() for o in branches if o.decision is not None))
+    names = set().union(*(o.weights for o in branches if o.owner is b.owner)) - b.weights
+    return sum(sizes.get(n, 0) for n in names - gone)
+
+
+def _pin(b: Branch, names: Iterable[str]) -> None:
+    """Keep ``names`` resident in ``b``'s plan (ineligible: read by a subgraph)."""
+    tensors = b.analysis.tensors
+    for n in names:
+        t = tensors.get(n)
+        if t is not None and t.consumers and not t.implicit_consumers:
+            t.implicit_consumers = [t.consumers[0]]
+
+
+def _analyse(b: Branch, main: ir.Model, dims: Mapping[str, int],
+             shapes: Mapping[str, Sequence[int]], contrib: Any) -> None:
+    """``b``'s graph (proxies in place) as a model of its own, analysed as AnalysePass
+    does (``contrib``: ops only ORT knows, typed by its inference)."""
+    more = None
+    if contrib:
+        from ..target.ort.contrib import contrib_value_types as more
+
+    b.model = ir.Model(b.graph, ir_version=main.ir_version)
+    b.analysis_ = analyse(b.model, dims, more_types=more,
+                          shapes={k: v for k, v in shapes.items() if k in b.outer})
+
+
+def _decide(b: Branch, decider: Decider, dims: Mapping[str, int]) -> None:
+    """``b.decision`` as DecidePass makes one (every dim the decider needs bound), its
+    pinned weights kept resident."""
+    _pin(b, b.pinned)
+    a = b.analysis
+    try:
+        require_dims((d for t in a.tensors.values() if decider.sized(t)
+                      for d in t.symbolic_dims()), dims)
+        b.decision = decider.decide(a, dims)
+    except InfeasibleBudgetError as e:
+        raise InfeasibleBudgetError(
+            f"{b.label} (planned as a graph of its own for the budget less "
+            f"{_mib(b.main_bytes)} the main graph holds there): {e}",
+            e.min_budget + b.main_bytes) from None  # (the smallest the If itself needs)
+    for n, why in b.pinned.items():
+        if n in b.decision.choice.skipped:
+            b.decision.choice.skipped[n] = why
+
+
+def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, int], *,
+                  shapes: Mapping[str, Sequence[int]] | None = None, contrib: Any = None
+                  ) -> tuple[list[Branch], dict[str, str]]:
+    """Analyse and decide every plannable If branch of ``analysis``' model (module
+    docstring); (the branches, why each weight an unplanned subgraph reads stays). The
+    main analysis then no longer counts the weights the branches offload."""
+    main = analysis.model
+    if not _has_options(decider):  # (a decider of its own: the main graph only)
+        return [], {}
+    branches, refused = find_branches(analysis)
+    if not branches:
+        return branches, refused
+    for n, t in analysis.tensors.items():
+        if t.is_initializer and t.is_graph_input and t.implicit_consumers:
+            refused.setdefault(n, OVERRIDABLE_REASON)  # (a caller may feed it)
+        elif t.is_initializer and t.consumers and t.implicit_consumers:  # (main reads it)
+            refused.setdefault(n, "also read by the main graph, which keeps a weight a "
+                                  "subgraph reads resident")
+    sizes = {n: analysis.tensors[n].nbytes(dims) or 0
+             for b in branches for n in b.weights}
+    for b in list(branches):
+        siblings = set().union(*(o.weights for o in branches if o.owner is b.owner))
+        b.main_bytes = main_bytes_at(analysis, b, dims, siblings)
+        b.unmodified = b.main_bytes + sum(sizes.get(n, 0) for n in siblings - b.weights)
+        b.sizes = {n: sizes.get(n, 0) for n in b.weights}
+        b.pinned = {n: why for n, why in refused.items() if n in b.outer}
+        b.opsets = dict(main.opset_imports)
+        install(b)
+        try:
+            _analyse(b, main, dims, shapes or {}, contrib)
+        except UnboundDimError:
+            raise
+        except HoOnnxError as e:  # (its weights stay resident, as before branches were planned)
+            branches.remove(b)
+            refused.update((n, f"read inside {b.label}, whose analysis failed: {e}")
+                           for n in b.weights)
+        finally:
+            uninstall(b)
+    if not branches:
+        return branches, refused
+    _agree(branches, decider, dims, sizes)
+    for b in branches:
+        b.held = b.main_bytes + _sibling_bytes(b, branches, sizes)
+    offloaded = set.union(*(b.offloaded() for b in branches))
+    for n in offloaded:  # outside the If they are not resident: the main plan skips them
+        analysis.tensors[n].implicit_consumers = []
+    return branches, refused
+
+
+def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
+           sizes: Mapping[str, int]) -> None:
+    """Decide every branch, then offload each weight one branch offloads in every branch
+    that reads it (:func:`_force`: memory only falls there). A branch's budget is the
+    budget less what the main graph holds at its If and the weights only its siblings read
+    that stay resident (none assumed at first); a branch whose budget that lowers is
+    planned again (at most :data:`_ROUNDS` times)."""
+    total = getattr(getattr(decider, "options", None), "budget", None)
+    for _ in range(_ROUNDS):
+        again = False
+        for b in branches:
+            budget = None if total is None else total - b.main_bytes - (
+                _sibling_bytes(b, branches, sizes) if b.decision is not None else 0)
+            if b.decision is not None and not b.stale and (
+                    budget is None or budget >= (b.budget or 0)):
+                continue
+            again, b.stale = True, False
+            b.budget = budget
+            sub = b.decider = branch_decider(decider, budget)
+            assert sub is not None  # (checked by plan_branches)
+            install(b)
+            try:
+                _decide(b, sub, dims)
+            finally:
+                uninstall(b)
+        if not again:
+            return
+        _force_shared(branches, dims)
+    for b in branches:  # (rounds spent: what some branch must keep resident, none offloads)
+        assert b.decision is not None
+        c = b.decision.choice
+        c.weights[:] = [w for w in c.weights if w.name not in b.pinned]
+        c.skipped.update((n, why) for n, why in b.pinned.items() if n in b.weights)
+
+
+def _force_shared(branches: list[Branch], dims: Mapping[str, int]) -> None:
+    """Offload in every branch that reads it each weight some branch offloads; one that a
+    branch cannot offload (a branch output, a CUDA host read, ...) is pinned resident in
+    all, and the branches that offloaded it are planned again."""
+    offloaded = set().union(*(b.offloaded() for b in branches))
+    for b in branches:
+        assert b.decision is not None
+        missing = (offloaded & b.weights) - b.offloaded() - set(b.pinned)
+        for n, why in (_force(b, sorted(missing), dims) if missing else {}).items():
+            for o in branches:
+                if n in o.weights:
+                    o.pinned[n] = f"{why} (in {b.label})"
+                    o.stale = o.stale or n in o.offloaded()
+
+
+def _force(b: Branch, names: Sequence[str], dims: Mapping[str, int]) -> dict[str, str]:
+    """Offload ``names`` in ``b`` too, each reload the explicit policy's distance before its
+    reader (``b``'s plan kept them resident: its predicted peak only falls); those it cannot
+    offload, with the reason."""
+    from ..schedule.eligibility import WeightGroups, ineligible, placement_reasons
+    from ..schedule.policy import _weight
+
+    assert b.decision is not None
+    a, c = b.analysis, b.decision.choice
+    placement = placement_reasons(a)
+    refused = {n: why for n in names
+               if (why := ineligible(a.tensors[n]) or placement.get(n)) is not None}
+    names = [n for n in names if n not in refused]
+    opts = dataclasses.replace(getattr(b.decider, "options", None) or OffloadOptions(),
+                               budget=None, host_budget=None, min_bytes=0)
+    groups = WeightGroups.of(a)
+    extra = OffloadChoice()
+    for n in names:
+        if n not in groups.primary_of:  # (a companion moves with its primary)
+            _weight(a, a.tensors[n], opts, dims, extra, groups)
+    groups.split(a, extra, dims)
+    c.weights += extra.weights
+    for w in extra.weights:
+        c.skipped.pop(w.name, None)
+    if extra.weights:
+        c.notes.append(f"{len(extra.weights)} weights offloaded too since another branch "
+                       "offloads them (every reader of an offloaded weight reloads it)")
+    return refused
+
+
+def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -> None:
+    """Record in the main graph's choice where each weight a subgraph reads went: a note per
+    planned branch, the reason of each that stayed resident (in place)."""
+    c = main.choice
+    offloaded = set().union(*(b.offloaded() for b in branches)) if branches else set()
+    for n in offloaded:
+        c.skipped.pop(n, None)
+    for b in branches:
+        assert b.decision is not None
+        bc = b.decision.choice
+        for n in b.weights - offloaded:
+            why = b.pinned.get(n) or (  # (a pinned weight's reason names its branch)
+                f"{bc.skipped.get(n, 'stays resident in the plan')} (in {b.label})")
+            if n not in c.skipped or c.skipped[n].startswith("read by a subgraph"):
+                c.skipped[n] = why
+        c.notes.append(_branch_note(b))
+    for n, why in refused.items():
+        c.skipped[n] = why
+    loops = {why for why in refused.values() if "not planned" in why}
+    if loops:
+        c.notes.append(f"{sum(1 for w in refused.values() if w in loops)} weights read inside "
+                       "Loop/Scan bodies or nested subgraphs stay resident: only If branches "
+                       "are planned")
+
+
+def _branch_note(b: Branch) -> str:
+    """What one branch's plan offloads, and its predicted peak against its budget."""
+    assert b.decision is not None and b.model is not None
+    c = b.decision.choice
+    mine = b.offloaded()
+    text = (f"{b.label} planned as a graph of its own ({len(b.analysis.nodes)} nodes): "
+            f"offloading {len(c.weights)} weights ({_mib(sum(w.nbytes for w in c.weights))}"
+            f", {len(mine)} of them main-graph initializers) and {len(c.activations)} "
+            f"activations ({_mib(sum(a.nbytes or 0 for a in c.activations))})")
+    d = b.decision
+    if isinstance(d, Plan):
+        text += (f"; peak {_mib(d.baseline.peak_bytes)} -> {_mib(d.planned.peak_bytes)} "
+                 f"(its budget {_mib(d.budget)}: the budget less what the main graph and "
+                 "the other branches' resident weights hold at the If)"
+                 + ("" if d.fits else "; OVER its budget"))
+    if len(c.notes):
+        text += "; " + "; ".join(c.notes)
+    return text
+
+
+def insert_branches(branches: list[Branch], rewritten: RewrittenModel) -> int:
+    """Insert each branch's cache ops into its graph (fresh names unique in every scope of
+    the model), the offloaded main-graph initializers out of the main graph (once), their
+    Prefetches added to ``rewritten``; the number of cache ops inserted."""
+    main = rewritten.model.graph
+    count = 0
+    for b in branches:
+        assert b.decision is not None and b.model is not None
+        c = b.decision.choice
+        if not (c.weights or c.activations):
+            continue
+        reserved = Names(main).used
+        install(b)
+        try:
+            done = insert_cache_ops(b.analysis, c, reserved=reserved)
+        finally:
+            uninstall(b)
+        for name, v in done.weights.items():
+            if name in b.weights:
+                v = main.initializers.pop(name) if name in main.initializers \
+                    else rewritten.weights[name]
+            rewritten.weights[name] = v
+            rewritten.weight_prefetches.setdefault(name, []).extend(
+                done.weight_prefetches.get(name, []))
+        count += done.cache_nodes
+    if count and contract.DOMAIN not in rewritten.model.opset_imports:
+        rewritten.model.opset_imports[contract.DOMAIN] = contract.OPSET_VERSION
+    return count
+
+
+def if_peaks(branches: list[Branch]) -> dict[str, int]:
+    """Predicted fast-tier peak of each If whose branches a budget planned: its larger
+    branch's planned peak with what the main graph and the siblings hold there."""
+    out: dict[str, int] = {}
+    for b in branches:
+        if isinstance(b.decision, Plan):
+            name = b.owner.name or "<unnamed>"
+            out[name] = max(out.get(name, 0), b.held + b.decision.planned.peak_bytes)
+    return out
+
+
+def fold(main: Plan, branches: list[Branch], refused: Mapping[str, str],
+         analysis: GraphAnalysis) -> None:
+    """The main plan's predictions with its If steps as they run: at each If, its larger
+    branch's peak (and arena) with what the main graph and the siblings hold there, the
+    unmodified model's too; the smallest budget (the main graph's without the resident
+    weights a branch could offload, or a branch's with what the main graph holds); the
+    slower branch's time added (in place)."""
+    sizes = {n: v for b in branches for n, v in b.sizes.items()}
+    gone = set().union(*(b.offloaded() for b in branches if b.decision is not None))
+    main.min_budget -= sum(v for n, v in sizes.items() if n not in gone and n not in refused)
+    slowest: dict[ir.Node, tuple[float, float]] = {}
+    for b in branches:
+        d = b.decision
+        if not isinstance(d, Plan):
+            continue
+        pos = analysis.nodes.index(b.owner)
+        main.planned.memory[pos] = max(main.planned.memory[pos], b.held + d.planned.peak_bytes)
+        main.baseline.memory[pos] = max(main.baseline.memory[pos],
+                                        b.unmodified + d.baseline.peak_bytes)
+        main.min_budget = max(main.min_budget, b.main_bytes + d.min_budget)
+        main.arena_bytes = max(main.arena_bytes, b.held + d.arena_bytes)
+        old = slowest.get(b.owner, (0.0, 0.0))
+        slowest[b.owner] = (max(old[0], d.baseline.total_s), max(old[1], d.planned.total_s))
+    for base, planned in slowest.values():
+        main.baseline.total_s += base
+        main.planned.total_s += planned
+    main.host_bytes += _host_bytes(branches)
+
+
+def _host_bytes(branches: list[Branch]) -> int:
+    """What the branches' offloads add to the slow tier: each weight in host memory once,
+    and the larger of the branches' stored activations."""
+    weights = {w.name: w.nbytes for b in branches if b.decision is not None
+               for w in b.decision.choice.weights if kinds.tier(w.tier).in_host_memory}
+    stored = [stored_peak_bytes(b.decision.choice) for b in branches if b.decision is not None]
+    return sum(weights.values()) + max(stored, default=0)
+
+
+def metadata(branches: list[Branch]) -> dict[str, str]:
+    """What the output records of the branches' plans (``ho_onnx.branch_*``)."""
+    weights = [w for b in branches if b.decision is not None for w in b.decision.choice.weights]
+    acts = [a for b in branches if b.decision is not None for a in b.decision.choice.activations]
+    return {"branches_planned": ",".join(b.label for b in branches),
+            "branch_offloaded_weights": str(len({w.name for w in weights})),
+            "branch_offloaded_activations": str(len(acts)),
+            "branch_offloaded_bytes": str(sum({w.name: w.nbytes for w in weights}.values())
+                                          + sum(a.nbytes or 0 for a in acts)),
+            **({"branch_predicted_peak_bytes": str(max(peaks.values()))}
+               if (peaks := if_peaks(branches)) else {})}
+
+
+class PlanBranchesPass(ir.passes.InPlacePass):
+    """Plan every If branch of the main graph as a graph of its own (:func:`plan_branches`,
+    ``meta[BRANCHES]``), before the main graph is decided; changes nothing in the graph."""
+
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
+                 shapes: Mapping[str, Sequence[int]] | None = None,
+                 run: RunFacts | None = None) -> None:
+        super().__init__()
+        self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
+        # The target's facts, not a range plan's bottom: that is the main graph analysed
+        # there, whose positions are not a branch's (a branch is timed at the top).
+        self.run = RunFacts(run.target if run is not None else ORT)
+
+    def requires(self, model: ir.Model) -> None:
+        need(model, ANALYSIS, "AnalysePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        analysis: GraphAnalysis = model.meta[ANALYSIS]
+        prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
+        decider = self.decider if prepare is None else prepare(self.run)
+        model.meta[BRANCHES] = plan_branches(analysis, decider, self.dims,
+                                             shapes=self.shapes, contrib=model.meta.get(CONTRIB))
+        return ir.passes.PassResult(model, modified=False)
+
+
+class ReportBranchesPass(ir.passes.InPlacePass):
+    """Record the branches' plans in the main decision (:func:`report`)."""
+
+    def requires(self, model: ir.Model) -> None:
+        need(model, DECISION, "DecidePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        decision: Decision = model.meta[DECISION]
+        branches, refused = model.meta.get(BRANCHES, ([], {}))
+        if branches or refused:
+            report(branches, refused, decision)
+        decision.parts = [(b.label, b.decision, [n.name or n.op_type for n in b.analysis.nodes])
+                          for b in branches if b.decision is not None]
+        if isinstance(decision, Plan):
+            fold(decision, branches, refused, model.meta[ANALYSIS])
+        return ir.passes.PassResult(model, modified=False)
+
+
+class InsertBranchesPass(ir.passes.InPlacePass):
+    """Insert the branches' cache ops (:func:`insert_branches`) after the main graph's, and
+    record what they offload in ``metadata_props``."""
+
+    def requires(self, model: ir.Model) -> None:
+        need(model, REWRITTEN, "InsertPass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        rewritten: RewrittenModel = model.meta[REWRITTEN]
+        branches, _ = model.meta.get(BRANCHES, ([], {}))
+        n = insert_branches(branches, rewritten) if branches else 0
+        rewritten.cache_nodes += n
+        if branches:
+            annotate(model, metadata(branches))
+            if DECISION in model.meta:
+                _count_weights(model.meta[DECISION].choice, branches)
+        return ir.passes.PassResult(model, modified=n > 0)
+
+
+def _count_weights(choice: OffloadChoice, branches: list[Branch]) -> None:
+    """The weights the branches offloaded, once each, added to the main graph's ``choice``
+    after its insertion (what the run reports and records: offloaded weights and bytes, the
+    host store's bytes; their positions are their branch's)."""
+    have = {w.name for w in choice.weights}
+    for b in branches:
+        assert b.decision is not None
+        for w in b.decision.choice.weights:
+            if w.name not in have:
+                have.add(w.name)
+                choice.weights.append(w)
