@@ -556,7 +556,8 @@ class PlanBranchesPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         analysis: GraphAnalysis = model.meta[ANALYSIS]
         prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
-        decider = self.decider if prepare is None else prepare(self.run)
+        decider = self.decider if prepare is None or not any(
+            n.op_type == "If" for n in analysis.nodes) else prepare(self.run)
         model.meta[BRANCHES] = plan_branches(analysis, decider, self.dims,
                                              shapes=self.shapes, contrib=model.meta.get(CONTRIB))
         return ir.passes.PassResult(model, modified=False)
