@@ -8,6 +8,9 @@ The steps are in-place passes that hand their results to the next through ``mode
   ``meta[CONTRIB]``: the ones only ORT knows (their types come from ORT's inference);
 * :class:`AnalysePass` -- sorts the main graph if needed; ``meta[ANALYSIS]``
   (:class:`~ho_onnx.graph.analyse.GraphAnalysis`);
+* :class:`~ho_onnx.rewrite.blocks.SplitWeightsPass` -- streams large MatMul/Gemm weights
+  in blocks where the budget planner predicts it pays (the model split, ``meta[ANALYSIS]``
+  made anew); ``meta[SPLITS]``;
 * :class:`DecidePass` -- runs a :class:`~ho_onnx.schedule.types.Decider`; ``meta[DECISION]``;
 * :class:`InsertPass` -- inserts the cache ops; ``meta[REWRITTEN]``
   (:class:`~ho_onnx.rewrite.insert.RewrittenModel`); the analysis is spent afterwards;
@@ -40,6 +43,7 @@ from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, r
 from ..graph.save import OutputFiles, data_stamps
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
+from .blocks import SplitWeightsPass
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
 from .invariants import check_schedule
@@ -48,6 +52,7 @@ from .place import place_weight_data
 CONTRIB = "ho_onnx.contrib"
 ANALYSIS = "ho_onnx.analysis"
 DECISION = "ho_onnx.decision"
+SPLITS = "ho_onnx.splits"
 REWRITTEN = "ho_onnx.rewritten"
 OUTPUT_FILES = "ho_onnx.output_files"
 
@@ -135,6 +140,7 @@ class DecidePass(ir.passes.InPlacePass):
         require_dims((d for t in analysis.tensors.values() if self.decider.sized(t)
                       for d in t.symbolic_dims()), self.dims, model=self.proto)
         model.meta[DECISION] = self.decider.decide(analysis, self.dims)
+        model.meta[DECISION].choice.splits = list(model.meta.get(SPLITS, ()))
         return ir.passes.PassResult(model, modified=False)
 
 
@@ -225,10 +231,11 @@ class PlaceDataPass(ir.passes.InPlacePass):
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
                    shapes: Mapping[str, Sequence[int]] | None = None,
                    proto: onnx.ModelProto | None = None) -> list[ir.passes.PassBase]:
-    """The steps before the graph changes: check the ops, analyse, decide (``proto``: the
-    model as loaded, read instead of a serialisation)."""
+    """The steps before the cache ops: check the ops, analyse, stream large weights in
+    blocks where that pays (the graph's only change here), decide (``proto``: the model as
+    loaded, read instead of a serialisation)."""
     return [CheckOpsPass(proto), AnalysePass(dims, shapes=shapes, proto=proto),
-            DecidePass(decider, dims, proto=proto)]
+            SplitWeightsPass(decider, dims, shapes=shapes), DecidePass(decider, dims, proto=proto)]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
@@ -291,7 +298,7 @@ class OffloadPass(ir.passes.FunctionalPass):
                     contract.ATTR_DATA_SIZE, size)
                 nodes[i].attributes[contract.ATTR_DATA_FINGERPRINT] = ir.AttrString(
                     contract.ATTR_DATA_FINGERPRINT, fp)
-        for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES):
+        for key in (CONTRIB, ANALYSIS, SPLITS, DECISION, REWRITTEN, OUTPUT_FILES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)
 

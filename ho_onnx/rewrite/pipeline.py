@@ -230,8 +230,8 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
             ) -> tuple[GraphAnalysis, Decision]:
     shapes = {k: list(v) for k, v in (shapes or {}).items()}
     dims = dims_from_shapes(loaded.proto, shapes, dims)
-    check, analyse_step, decide = analysis_steps(decider, dims, shapes=shapes,
-                                                 proto=loaded.proto)
+    check, analyse_step, *decide = analysis_steps(decider, dims, shapes=shapes,
+                                                  proto=loaded.proto)
     with steps.step("analyse"):
         run_steps(loaded.model, check, analyse_step)  # ops onnx cannot check: ORT must know them
         contrib = loaded.model.meta[CONTRIB]
@@ -246,8 +246,9 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         if unused:
             steps.say("note: " + unused_note(unused, used))
     with steps.step("decide"):
-        run_steps(loaded.model, decide)
+        run_steps(loaded.model, *decide)  # (blocks first: the analysis may be made anew)
         decision: Decision = loaded.model.meta[DECISION]
+        analysis = loaded.model.meta[ANALYSIS]
     for line in decision.summary(steps.seconds["decide"]):
         steps.say(line)
     note = _overridable_note(analysis, decision.choice, dims)

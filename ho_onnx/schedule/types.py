@@ -116,6 +116,18 @@ class OutputOffload:
                              f"{self.producer}")
 
 
+@dataclass(frozen=True)
+class WeightSplit:
+    """A weight read whole by one MatMul/Gemm that was streamed as column blocks, each a
+    weight of its own (``blocks``, in column order: :mod:`ho_onnx.rewrite.blocks`), or kept
+    whole (``blocks`` empty); ``reason`` says why, in the planner's predictions."""
+
+    name: str
+    nbytes: int
+    blocks: tuple[str, ...]
+    reason: str
+
+
 @dataclass
 class OffloadChoice:
     """The tensors to offload, and why each other candidate stays resident.
@@ -132,6 +144,8 @@ class OffloadChoice:
     outputs: list[OutputOffload] = field(default_factory=list)
     # What the user should hear about the decision (an option that found nothing to do).
     notes: list[str] = field(default_factory=list)
+    # Weights streamed in blocks, or kept whole, and why (before deciding: rewrite.blocks).
+    splits: list[WeightSplit] = field(default_factory=list)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -175,6 +189,9 @@ class Decision:
                 "kv_bytes": str(c.kv_bytes), "kv_pairs": kv_pairs_text(c)}
                if c.inputs or c.outputs else {}),
             "host_bytes": str(host_bytes(c)),
+            **({"split_weights": ",".join(f"{s.name}:{len(s.blocks)}" for s in c.splits
+                                          if s.blocks)}
+               if any(s.blocks for s in c.splits) else {}),
         }
 
     def summary(self, seconds: float) -> list[str]:
