@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from ..errors import UnboundDimError
 from ..graph.analyse import GraphAnalysis
 from ..graph.dtypes import ELEMENT_BITS
 from ..schedule.eligibility import (
@@ -406,7 +407,11 @@ class SplitWeightsPass(ir.passes.InPlacePass):
         def reanalyse(m: ir.Model) -> GraphAnalysis:
             return analyse(m, self.dims, shapes=self.shapes, more_types=more)
 
-        new, splits = choose_blocks(model.meta[ANALYSIS], self.decider, self.dims, reanalyse)
+        try:
+            new, splits = choose_blocks(model.meta[ANALYSIS], self.decider, self.dims,
+                                        reanalyse)
+        except UnboundDimError:  # (DecidePass names every unbound dim at once)
+            return ir.passes.PassResult(model, modified=False)
         model.meta[SPLITS] = splits
         if new is not None:
             model.meta[ANALYSIS] = new

@@ -1,0 +1,151 @@
+"""A weight read whole by one MatMul/Gemm streamed in blocks (issue 38, item 3: the lm_head;
+``ho_onnx/rewrite/blocks.py``): the rewrite's patterns, its decision, and outputs bit-exact
+against the unmodified model (MLAS sums each output column alone: a column block gives the
+same bits as the whole product)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from ho_onnx import InferenceSession
+from ho_onnx.errors import HoOnnxError
+from ho_onnx.graph.analyse import analyse
+from ho_onnx.graph.load import load_model
+from ho_onnx.rewrite.blocks import apply_blocks, bounds, find_sites, ladder
+from ho_onnx.rewrite.pipeline import optimize, plan_model
+from ho_onnx.schedule.options import OffloadOptions
+from tests.graphs import save, text_model
+
+pytestmark = pytest.mark.usefixtures("no_debug_hooks")
+
+K, N = 64, 1001  # odd N: no block count divides it
+
+MATMUL = f"""
+g (float[M, {K}] x) => (float[M, {N}] y) {{
+  h = Relu(x)
+  y = MatMul(h, W)
+}}"""
+GEMM_T = f"""
+g (float[M, {K}] x) => (float[M, {N}] y) {{
+  h = Relu(x)
+  y = Gemm<transB = 1, alpha = 0.5>(h, W, C)
+}}"""
+TIED = f"""
+g (int64[M] ids) => (float[M, {N}] y) {{
+  e = Gather<axis = 0>(W, ids)
+  h = Relu(e)
+  t = Transpose<perm = [1, 0]>(W)
+  y = MatMul(h, t)
+}}"""
+OTHER_READER = f"""
+g (float[M, {K}] x) => (float[M, {N}] y, float[{K}, {N}] z) {{
+  y = MatMul(x, W)
+  z = Relu(W)
+}}"""
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def _save(tmp: Path, body: str, **inits: tuple[int, ...]) -> Path:
+    return save(text_model(body, **inits), tmp / "m.onnx", external=True)
+
+
+def _run(path: Path, feeds: dict[str, np.ndarray], library: bool) -> np.ndarray:
+    if library:
+        return InferenceSession(path).run(None, feeds)[0]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(
+        None, feeds)[0]
+
+
+def _split_text(path: Path, k: int) -> tuple[onnx.ModelProto, list[str]]:
+    """The model of ``path`` with its sites split in ``k`` (no cache ops), and the sites."""
+    a = analyse(load_model(path).model, {"M": 4})
+    sites, _ = find_sites(a, "host", {"M": 4}, 0)
+    apply_blocks(a.model, sites, k)
+    return ir.to_proto(a.model), [s.form for s in sites]
+
+
+def test_bounds_cover_odd_widths_and_the_ladder_stops_at_the_widest():
+    assert bounds(1001, 4) == [(0, 251), (251, 501), (501, 751), (751, 1001)]
+    assert bounds(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    assert ladder([], 32) == []
+
+
+@pytest.mark.parametrize("body,form,ops", [
+    (MATMUL, "matmul", ["Relu", "MatMul", "MatMul", "MatMul", "Concat"]),
+    (GEMM_T, "gemm_t", ["Relu", "Slice", "Gemm", "Slice", "Gemm", "Slice", "Gemm", "Concat"]),
+    (TIED, "matmul_t", ["Gather", "Relu", "Transpose", "MatMul", "Transpose", "MatMul",
+                        "Transpose", "MatMul", "Concat"]),
+])
+def test_the_patterns_of_each_form(tmp_path, body, form, ops):
+    shape = (N, K) if form != "matmul" else (K, N)
+    path = _save(tmp_path, body, W=shape, **({"C": (N,)} if form == "gemm_t" else {}))
+    m, forms = _split_text(path, 3)
+    assert forms == [form] and _ops(m) == ops
+    widths = [list(i.dims) for i in m.graph.initializer
+              if i.name.startswith("W.ho_block")]
+    assert sorted(widths) == sorted([[334, K], [334, K], [333, K]] if form != "matmul" else
+                                    [[K, 334], [K, 334], [K, 333]])
+    tied = {i.name for i in m.graph.initializer} & {"W"}
+    assert tied == ({"W"} if form == "matmul_t" else set())  # the Gather keeps the table
+    concat = m.graph.node[-1]
+    assert concat.output == ["y"] and concat.attribute[0].i == -1
+
+
+def test_row_blocks_are_byte_ranges_of_the_weights_own_file(tmp_path):
+    path = _save(tmp_path, TIED, W=(N, K))
+    m, _ = _split_text(path, 3)
+    ranges = [{e.key: e.value for e in i.external_data} for i in m.graph.initializer
+              if i.name.startswith("W.ho_block")]
+    assert [(r["location"], int(r.get("offset", 0)), int(r["length"])) for r in ranges] == [
+        ("m.onnx.data", 0, 334 * K * 4), ("m.onnx.data", 334 * K * 4, 334 * K * 4),
+        ("m.onnx.data", 668 * K * 4, 333 * K * 4)]
+
+
+@pytest.mark.parametrize("body,shape,feed", [
+    (MATMUL, (K, N), "x"), (GEMM_T, (N, K), "x"), (TIED, (N, K), "ids")])
+def test_streamed_below_the_weight_and_bit_exact(tmp_path, body, shape, feed):
+    extra = {"C": (N,)} if body is GEMM_T else {}
+    src = _save(tmp_path, body, W=shape, **extra)
+    table = N * K * 4
+    with pytest.raises(HoOnnxError) as e:
+        plan_model(src, OffloadOptions(budget=1, min_bytes=0, activations=False), {"M": 4})
+    floor = e.value.min_budget  # type: ignore[attr-defined]
+    assert floor < table  # was above it: the whole weight (and its transpose) resident
+    out = tmp_path / "o.onnx"
+    r = optimize(src, out, OffloadOptions(budget=floor, min_bytes=0, activations=False),
+                 {"M": 4})
+    (split,) = [s for s in r.choice.splits if s.blocks]
+    assert split.name == "W" and len(split.blocks) > 1 and "blocks: predicted" in split.reason
+    assert onnx.load(str(out), load_external_data=False).metadata_props  # recorded
+    rng = np.random.default_rng(1)
+    for m in (4, 7):  # the planned length, and another
+        x = rng.integers(-N, N, m) if feed == "ids" else rng.standard_normal((m, K))
+        feeds = {feed: x.astype(np.int64 if feed == "ids" else np.float32)}
+        np.testing.assert_array_equal(_run(out, feeds, True), _run(src, feeds, False))
+
+
+def test_another_reader_keeps_it_whole_with_the_reason(tmp_path):
+    src = _save(tmp_path, OTHER_READER, W=(K, N))
+    r = optimize(src, tmp_path / "o.onnx",
+                 OffloadOptions(budget=N * K * 4 * 3, min_bytes=0, activations=False), {"M": 4})
+    assert not any(s.blocks for s in r.choice.splits)
+    assert any(s.name == "W" and "read whole by 2 nodes" in s.reason for s in r.choice.splits)
+
+
+def test_max_blocks_0_keeps_the_old_floor(tmp_path):
+    src = _save(tmp_path, TIED, W=(N, K))
+    with pytest.raises(HoOnnxError) as e:
+        plan_model(src, OffloadOptions(budget=1, min_bytes=0, activations=False, max_blocks=0),
+                   {"M": 4})
+    assert e.value.min_budget >= N * K * 4  # type: ignore[attr-defined]
