@@ -102,10 +102,14 @@ def _skipped_summary(skipped: dict[str, str], top: int = 3) -> list[str]:
 
 
 def _splits_summary(plan: Plan) -> list[str]:
-    """A line per weight streamed in blocks or kept whole (``--json``: each one's)."""
-    return [f"{'split' if s.blocks else 'whole'}: {printable(s.name)} ({_mib(s.nbytes)})"
-            + (f" in {len(s.blocks)} blocks" if s.blocks else "") + f": {printable(s.reason)}"
-            for s in plan.choice.splits]
+    """A line per reason: the weights streamed in blocks or kept whole for it (``--json``:
+    each one's)."""
+    groups: dict[str, list[str]] = {}
+    for s in plan.choice.splits:
+        groups.setdefault(s.reason, []).append(
+            f"{printable(s.name)} ({format_bytes(s.nbytes)}"
+            + (f" in {len(s.blocks)} blocks)" if s.blocks else ")"))
+    return [f"blocks: {', '.join(names)}: {printable(why)}" for why, names in groups.items()]
 
 
 def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) -> str:

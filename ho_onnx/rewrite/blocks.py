@@ -366,7 +366,7 @@ def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping
     why = f"the largest in {best.k} blocks: predicted {best.text()} (against {others})"
     return reanalyse(analysis.model), [WeightSplit(
         s.weight, s.nbytes, blocks.get(s.weight, ()), why if s.weight in blocks else
-        f"kept whole: under one block's size ({why})") for s in tried]
+        "kept whole: under one block's size") for s in tried]
 
 
 def _declines(analysis: GraphAnalysis, dims: Mapping[str, int], declined: Mapping[str, str],

@@ -12,6 +12,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from graphs import save, text_model
 
 from ho_onnx import InferenceSession
 from ho_onnx.errors import HoOnnxError
@@ -20,7 +21,6 @@ from ho_onnx.graph.load import load_model
 from ho_onnx.rewrite.blocks import apply_blocks, bounds, find_sites, ladder
 from ho_onnx.rewrite.pipeline import optimize, plan_model
 from ho_onnx.schedule.options import OffloadOptions
-from tests.graphs import save, text_model
 
 pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 
@@ -149,3 +149,18 @@ def test_max_blocks_0_keeps_the_old_floor(tmp_path):
         plan_model(src, OffloadOptions(budget=1, min_bytes=0, activations=False, max_blocks=0),
                    {"M": 4})
     assert e.value.min_budget >= N * K * 4  # type: ignore[attr-defined]
+
+
+def test_plan_says_what_was_split(tmp_path):
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src = _save(tmp_path, TIED, W=(N, K))
+    args = ["plan", str(src), "--budget", "100KiB", "--dim", "M=4", "--min-bytes", "0",
+            "--offload", "weights"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert "blocks: W (250.25 KiB in " in r.output and "predicted" in r.output
+    r = CliRunner().invoke(main, [*args, "--max-blocks", "0", "--json"])
+    assert r.exit_code != 0 and "smallest feasible budget" in r.output  # whole: over 100 KiB
