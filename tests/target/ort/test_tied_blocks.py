@@ -75,3 +75,33 @@ def test_gpt2_tied_floor_below_the_table_and_exact(tmp_path_factory):
     assert got == want
     for a, b in zip(got_logits, want_logits, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_optimum_gpt2_lm_head_in_column_blocks(tmp_path):
+    """Optimum's export folds the tied lm_head's transpose into an initializer of its own
+    (``MatMul(x, W[H, V])``): column blocks, sliced when the data is written."""
+    pytest.importorskip("optimum.exporters.onnx", reason="optimum is not installed")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from models.optimum_export import export_optimum
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=HIDDEN, n_head=4, vocab_size=VOCAB,
+                               n_positions=128, bos_token_id=VOCAB - 1,
+                               eos_token_id=VOCAB - 1)).save_pretrained(tmp_path / "hf")
+    src = export_optimum(tmp_path / "hf", tmp_path / "onnx", optimize=None) / "model.onnx"
+    dims = {"batch_size": 1, "sequence_length": 8, "past_sequence_length": 4}
+    floors = []
+    for kw in ({"max_blocks": 0}, {}):
+        with pytest.raises(HoOnnxError) as e:
+            plan_model(src, OffloadOptions(budget=1, min_bytes=0, **kw), dims)
+        floors.append(e.value.min_budget)  # type: ignore[attr-defined]
+    assert floors[0] >= TABLE > floors[1]
+    out = tmp_path / "onnx" / "o.onnx"
+    r = optimize(src, out, OffloadOptions(budget=floors[1], min_bytes=0), dims)
+    assert any(len(s.blocks) > 1 for s in r.choice.splits)
+    for d in (dims, {"batch_size": 2, "sequence_length": 1, "past_sequence_length": 9}):
+        for level in ("disable", "basic"):  # (ids < 128: also the position table's rows)
+            assert verify(src, out, dims=d, opt_level=level, int_high=100, isolate=False).exact
