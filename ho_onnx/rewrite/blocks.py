@@ -27,7 +27,7 @@ smallest floor is applied, so the floor the planner then reports is one it meets
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +51,9 @@ from .insert import Names
 #: A weight over this share of the budget is tried in blocks (when the plan without blocks
 #: offloads it, or fails).
 SPLIT_SHARE = 0.25
+
+COLUMNS_REASON = ("its blocks are columns, written with the model's data (ho_onnx.optimize), "
+                  "not by a pass that writes none")
 
 Reanalyse = Callable[[ir.Model], GraphAnalysis]
 
@@ -340,14 +343,19 @@ def _best(base: _Trial, trials: list[_Trial]) -> _Trial:
 
 
 def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping[str, int],
-                  reanalyse: Reanalyse) -> tuple[GraphAnalysis | None, list[WeightSplit]]:
+                  reanalyse: Reanalyse, columns: bool = True
+                  ) -> tuple[GraphAnalysis | None, list[WeightSplit]]:
     """Stream weights in blocks where the planner predicts it pays (module docstring): the
     model is split in place and analysed again (the new analysis; None when nothing was
-    split), and what was split or kept whole, with why."""
+    split), and what was split or kept whole, with why (``columns``: False keeps the forms
+    whose blocks are no byte range of the weight's file whole)."""
     opts = planner.options
     if not opts.weights or opts.max_blocks < 2 or opts.budget is None:
         return None, []
     sites, declined = find_sites(analysis, opts.weight_tier, dims, opts.min_bytes_or_default)
+    if not columns:
+        declined |= {s.weight: COLUMNS_REASON for s in sites if not s.rows}
+        sites = [s for s in sites if s.rows]
     base = _try(planner, analysis, dims, 0)
     tried = _tried_sites(analysis, planner, base, sites)
     if not tried:
@@ -390,9 +398,11 @@ class SplitWeightsPass(ir.passes.InPlacePass):
     which :class:`~ho_onnx.rewrite.passes.DecidePass` records in the choice."""
 
     def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
-                 shapes: Mapping[str, list[int]] | None = None) -> None:
+                 shapes: Mapping[str, Sequence[int]] | None = None,
+                 columns: bool = True) -> None:
         super().__init__()
         self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
+        self.columns = columns
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from ..graph.analyse import analyse
@@ -409,7 +419,7 @@ class SplitWeightsPass(ir.passes.InPlacePass):
 
         try:
             new, splits = choose_blocks(model.meta[ANALYSIS], self.decider, self.dims,
-                                        reanalyse)
+                                        reanalyse, self.columns)
         except UnboundDimError:  # (DecidePass names every unbound dim at once)
             return ir.passes.PassResult(model, modified=False)
         model.meta[SPLITS] = splits

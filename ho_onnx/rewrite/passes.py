@@ -230,12 +230,15 @@ class PlaceDataPass(ir.passes.InPlacePass):
 
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
                    shapes: Mapping[str, Sequence[int]] | None = None,
-                   proto: onnx.ModelProto | None = None) -> list[ir.passes.PassBase]:
+                   proto: onnx.ModelProto | None = None,
+                   columns: bool = True) -> list[ir.passes.PassBase]:
     """The steps before the cache ops: check the ops, analyse, stream large weights in
-    blocks where that pays (the graph's only change here), decide (``proto``: the model as
-    loaded, read instead of a serialisation)."""
+    blocks where that pays (the graph's only change here; ``columns``: also blocks that
+    are no byte range of the weight's file, written with the data), decide (``proto``: the
+    model as loaded, read instead of a serialisation)."""
     return [CheckOpsPass(proto), AnalysePass(dims, shapes=shapes, proto=proto),
-            SplitWeightsPass(decider, dims, shapes=shapes), DecidePass(decider, dims, proto=proto)]
+            SplitWeightsPass(decider, dims, shapes=shapes, columns=columns),
+            DecidePass(decider, dims, proto=proto)]
 
 
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
@@ -281,7 +284,8 @@ class OffloadPass(ir.passes.FunctionalPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         work = model.clone()
-        run_steps(work, *analysis_steps(self.decider, self.dims))
+        # (blocks only as byte ranges of the weights' own files: nothing here writes data)
+        run_steps(work, *analysis_steps(self.decider, self.dims, columns=False))
         choice = work.meta[DECISION].choice
         if not (choice.weights or choice.activations or choice.inputs or choice.outputs):
             return ir.passes.PassResult(work, modified=False)

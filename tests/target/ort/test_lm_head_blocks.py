@@ -164,3 +164,21 @@ def test_plan_says_what_was_split(tmp_path):
     assert "blocks: W (250.25 KiB in " in r.output and "predicted" in r.output
     r = CliRunner().invoke(main, [*args, "--max-blocks", "0", "--json"])
     assert r.exit_code != 0 and "smallest feasible budget" in r.output  # whole: over 100 KiB
+
+
+def test_offload_pass_streams_row_blocks_only(tmp_path):
+    """``OffloadPass`` writes no data: row blocks (byte ranges of the weight's file) only."""
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.rewrite.passes import OffloadPass
+    from ho_onnx.schedule.planner import BudgetPlanner
+
+    for body, shape, split in ((TIED, (N, K), True), (MATMUL, (K, N), False)):
+        src = _save(tmp_path, body, W=shape)
+        decider = BudgetPlanner(OffloadOptions(budget=N * K * 2, min_bytes=0,
+                                               activations=False), CostSource())
+        if split:
+            out = OffloadPass(decider, {"M": 4})(ir.load(src)).model
+            assert "Concat" in [n.op_type for n in out.graph]
+        else:
+            with pytest.raises(HoOnnxError, match="smallest feasible"):
+                OffloadPass(decider, {"M": 4})(ir.load(src))
