@@ -92,7 +92,7 @@ def _form(analysis: GraphAnalysis, name: str, r: int) -> tuple[str, int, int | N
         if (perm is None or list(perm.value) == [1, 0]) and m is not None:
             mm = analysis.nodes[m]
             if mm.op_type == "MatMul" and mm.domain in ("", "ai.onnx") \
-                    and [v.name if v else "" for v in mm.inputs] [1:] == [out] \
+                    and [v.name if v else "" for v in mm.inputs][1:] == [out] \
                     and mm.inputs[0] is not None and mm.inputs[0].name != out:
                 return "matmul_t", m, r
         return f"its transpose is not read by one MatMul alone (node {node.name!r})"

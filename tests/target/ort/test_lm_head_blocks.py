@@ -100,6 +100,11 @@ def test_the_patterns_of_each_form(tmp_path, body, form, ops):
     assert tied == ({"W"} if form == "matmul_t" else set())  # the Gather keeps the table
     concat = m.graph.node[-1]
     assert concat.output == ["y"] and concat.attribute[0].i == -1
+    onnx.save(m, tmp_path / "split.onnx")  # (resident blocks: ORT reads the byte ranges)
+    x = np.random.default_rng(2).standard_normal((5, K)).astype(np.float32)
+    feeds = {"ids": np.array([0, N - 1, 7, -2, 3])} if form == "matmul_t" else {"x": x}
+    np.testing.assert_array_equal(_run(tmp_path / "split.onnx", feeds, False),
+                                  _run(path, feeds, False))
 
 
 def test_row_blocks_are_byte_ranges_of_the_weights_own_file(tmp_path):
@@ -182,3 +187,14 @@ def test_offload_pass_streams_row_blocks_only(tmp_path):
         else:
             with pytest.raises(HoOnnxError, match="smallest feasible"):
                 OffloadPass(decider, {"M": 4})(ir.load(src))
+
+
+def test_where_whole_is_feasible_the_choice_is_timed_and_said(tmp_path):
+    src = _save(tmp_path, TIED, W=(N, K))
+    whole = N * K * 4 * 2 + 4 * N * 4  # the table, its transpose and the product: feasible
+    r = optimize(src, tmp_path / "o.onnx",
+                 OffloadOptions(budget=whole, min_bytes=0, activations=False), {"M": 4})
+    (s,) = r.choice.splits
+    assert s.name == "W" and "predicted" in s.reason and "whole" in s.reason, s.reason
+    assert ladder([], 8) == [] and ladder(find_sites(
+        analyse(load_model(src).model, {"M": 4}), "host", {"M": 4}, 0)[0], 5) == [2, 4, 5]
