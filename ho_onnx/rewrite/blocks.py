@@ -118,15 +118,16 @@ def _gemm_bias(analysis: GraphAnalysis, form: str, reader: int, columns: int) ->
     return bool(shape) and shape[-1] == columns != 1
 
 
-def _why_not(analysis: GraphAnalysis, name: str, tier: str, dims: Mapping[str, int]
-             ) -> tuple[str, int, int | None] | str:
-    """(form, reader, transpose) of the weight ``name``, or why it cannot be split."""
+def _why_not(analysis: GraphAnalysis, name: str, tier: str, dims: Mapping[str, int],
+             placement: Mapping[str, str]) -> tuple[str, int, int | None] | str:
+    """(form, reader, transpose) of the weight ``name``, or why it cannot be split
+    (``placement``: :func:`placement_reasons`)."""
     t = analysis.tensors[name]
     if not t.shape or len(t.shape) != 2 or not all(isinstance(d, int) for d in t.shape):
         return "not a 2-D weight of known shape"
     if ELEMENT_BITS.get(t.elem_type or 0, 0) < 8:
         return "elements narrower than a byte"
-    reason = ineligible(t) or placement_reasons(analysis).get(name)
+    reason = ineligible(t) or placement.get(name)
     if reason:
         return reason
     if name in Routed.of(analysis, dims).fraction:
@@ -147,10 +148,13 @@ def find_sites(analysis: GraphAnalysis, tier: str, dims: Mapping[str, int], min_
     one cannot (``tier``: where offloaded weights wait, for the row readers)."""
     sites: list[Site] = []
     declined: dict[str, str] = {}
+    if analysis.model.opset_imports.get("", 1) < 11:  # (Concat on axis -1)
+        return sites, declined
+    placement = placement_reasons(analysis)
     for name, t in analysis.tensors.items():
         if not t.is_initializer or (nbytes := t.nbytes(dims) or 0) < max(min_bytes, 1):
             continue
-        found = _why_not(analysis, name, tier, dims)
+        found = _why_not(analysis, name, tier, dims, placement)
         if isinstance(found, str):
             declined[name] = found
             continue
@@ -357,6 +361,8 @@ def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping
         declined |= {s.weight: COLUMNS_REASON for s in sites if not s.rows}
         sites = [s for s in sites if s.rows]
     base = _try(planner, analysis, dims, 0)
+    if base.plan is not None and not base.plan.choice.weights:
+        return None, []  # (no weight moves: nothing to say)
     tried = _tried_sites(analysis, planner, base, sites)
     if not tried:
         return None, _declines(analysis, dims, declined, base, sites)
