@@ -36,6 +36,11 @@ g (float[M, {K}] x) => (float[M, {N}] y) {{
   h = Relu(x)
   y = Gemm<transB = 1, alpha = 0.5>(h, W, C)
 }}"""
+GEMM = f"""
+g (float[M, {K}] x) => (float[M, {N}] y) {{
+  h = Relu(x)
+  y = Gemm<beta = 2.0>(h, W, C)
+}}"""
 TIED = f"""
 g (int64[M] ids) => (float[M, {N}] y) {{
   e = Gather<axis = 0>(W, ids)
@@ -87,17 +92,19 @@ def test_bounds_cover_odd_widths_and_the_ladder_stops_at_the_widest():
 @pytest.mark.parametrize("body,form,ops", [
     (MATMUL, "matmul", ["Relu", "MatMul", "MatMul", "MatMul", "Concat"]),
     (GEMM_T, "gemm_t", ["Relu", "Slice", "Gemm", "Slice", "Gemm", "Slice", "Gemm", "Concat"]),
+    (GEMM, "gemm", ["Relu", "Gemm", "Gemm", "Gemm", "Concat"]),  # (a C of one: shared)
     (TIED, "matmul_t", ["Gather", "Relu", "Transpose", "MatMul", "Transpose", "MatMul",
                         "Transpose", "MatMul", "Concat"]),
 ])
 def test_the_patterns_of_each_form(tmp_path, body, form, ops):
-    shape = (N, K) if form != "matmul" else (K, N)
-    path = _save(tmp_path, body, W=shape, **({"C": (N,)} if form == "gemm_t" else {}))
+    shape = (N, K) if form in ("gemm_t", "matmul_t") else (K, N)
+    bias = {"gemm_t": {"C": (N,)}, "gemm": {"C": (1,)}}.get(form, {})
+    path = _save(tmp_path, body, W=shape, **bias)
     m, forms = _split_text(path, 3)
     assert forms == [form] and _ops(m) == ops
     widths = [list(i.dims) for i in m.graph.initializer
               if i.name.startswith("W.ho_block")]
-    assert sorted(widths) == sorted([[334, K], [334, K], [333, K]] if form != "matmul" else
+    assert sorted(widths) == sorted([[334, K], [334, K], [333, K]] if shape == (N, K) else
                                     [[K, 334], [K, 334], [K, 333]])
     tied = {i.name for i in m.graph.initializer} & {"W"}
     assert tied == ({"W"} if form == "matmul_t" else set())  # the Gather keeps the table
