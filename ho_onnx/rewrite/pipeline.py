@@ -94,8 +94,9 @@ class _TimedAtBottom(CostSource):
 
         assert self.loaded is not None
         contrib = refuse_unknown_ops(self.loaded.proto)
-        a = analyse(self.loaded.model, self.bottom, shapes=dict(self.shapes),
-                    proto=self.loaded.proto,
+        loaded = analysis.model is self.loaded.model  # (else a copy split in blocks)
+        a = analyse(analysis.model, self.bottom, shapes=dict(self.shapes),
+                    proto=self.loaded.proto if loaded else None,
                     more_types=contrib_value_types if contrib else None)
         if len(a.order) != len(analysis.order):  # (never expected: the same graph)
             return super().cost_model(analysis, dims)

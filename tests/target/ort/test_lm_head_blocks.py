@@ -21,6 +21,7 @@ from ho_onnx.graph.load import load_model
 from ho_onnx.rewrite.blocks import apply_blocks, bounds, find_sites, ladder
 from ho_onnx.rewrite.pipeline import optimize, plan_model
 from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.target.ort.verify import verify
 
 pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 
@@ -211,3 +212,19 @@ def test_where_whole_is_feasible_the_choice_is_timed_and_said(tmp_path):
     assert s.name == "W" and "predicted" in s.reason and "whole" in s.reason, s.reason
     assert ladder([], 8) == [] and ladder(find_sites(
         analyse(load_model(src).model, {"M": 4}), "host", {"M": 4}, 0)[0], 5) == [2, 4, 5]
+
+
+def test_a_range_plan_streams_blocks_exact_at_both_ends(tmp_path):
+    src = _save(tmp_path, TIED, W=(N, K))
+    out = tmp_path / "o.onnx"
+    r = optimize(src, out, OffloadOptions(budget=N * K * 2, min_bytes=0, activations=False),
+                 dim_ranges={"M": (1, 8)})
+    assert any(s.blocks for s in r.choice.splits)
+    assert r.plan is not None and "bottom of the ranges" in (r.plan.costs or "").description
+    for m in (1, 8):
+        for level in ("disable", "basic"):
+            assert verify(src, out, dims={"M": m}, opt_level=level, int_high=N,
+                          isolate=False).exact, (m, level)
+        # at ``all`` ORT fuses a block's Transpose + MatMul into FusedMatMul (transB), whose
+        # one-row path rounds otherwise (~1e-6 at M = 1): verify's fusion tolerance
+        assert verify(src, out, dims={"M": m}, int_high=N, isolate=False).ok
