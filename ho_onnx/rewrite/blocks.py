@@ -27,13 +27,12 @@ smallest floor is applied, so the floor the planner then reports is one it meets
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import UnboundDimError
 from ..graph.analyse import GraphAnalysis
 from ..graph.dtypes import ELEMENT_BITS
 from ..schedule.eligibility import (
@@ -44,7 +43,7 @@ from ..schedule.eligibility import (
     split_shape_readers,
 )
 from ..schedule.planner import BudgetPlanner, InfeasibleBudgetError, Plan
-from ..schedule.types import Decider, WeightSplit
+from ..schedule.types import WeightSplit
 from ..units import format_bytes
 from .insert import Names
 
@@ -395,40 +394,3 @@ def _declines(analysis: GraphAnalysis, dims: Mapping[str, int], declined: Mappin
     return out + [WeightSplit(s.weight, s.nbytes, (), "kept whole: " + (
         "the plan without blocks keeps it resident" if s.weight not in moved else
         f"under {SPLIT_SHARE:.0%} of the budget")) for s in sites if s.nbytes > share]
-
-
-class SplitWeightsPass(ir.passes.InPlacePass):
-    """Stream large weights in blocks before the decision (:func:`choose_blocks`), when the
-    decider is the budget planner: the model is split in place and ``meta[ANALYSIS]``
-    replaced by the new model's analysis; ``meta[SPLITS]``: what was split or kept whole,
-    which :class:`~ho_onnx.rewrite.passes.DecidePass` records in the choice."""
-
-    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
-                 shapes: Mapping[str, Sequence[int]] | None = None,
-                 columns: bool = True) -> None:
-        super().__init__()
-        self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
-        self.columns = columns
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from ..graph.analyse import analyse
-        from .passes import ANALYSIS, CONTRIB, SPLITS
-
-        if not isinstance(self.decider, BudgetPlanner) or ANALYSIS not in model.meta:
-            return ir.passes.PassResult(model, modified=False)
-        more = None
-        if model.meta.get(CONTRIB):
-            from ..target.ort.contrib import contrib_value_types as more
-
-        def reanalyse(m: ir.Model) -> GraphAnalysis:
-            return analyse(m, self.dims, shapes=self.shapes, more_types=more)
-
-        try:
-            new, splits = choose_blocks(model.meta[ANALYSIS], self.decider, self.dims,
-                                        reanalyse, self.columns)
-        except UnboundDimError:  # (DecidePass names every unbound dim at once)
-            return ir.passes.PassResult(model, modified=False)
-        model.meta[SPLITS] = splits
-        if new is not None:
-            model.meta[ANALYSIS] = new
-        return ir.passes.PassResult(model, modified=new is not None)

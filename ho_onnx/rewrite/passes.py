@@ -8,7 +8,7 @@ The steps are in-place passes that hand their results to the next through ``mode
   ``meta[CONTRIB]``: the ones only ORT knows (their types come from ORT's inference);
 * :class:`AnalysePass` -- sorts the main graph if needed; ``meta[ANALYSIS]``
   (:class:`~ho_onnx.graph.analyse.GraphAnalysis`);
-* :class:`~ho_onnx.rewrite.blocks.SplitWeightsPass` -- streams large MatMul/Gemm weights
+* :class:`SplitWeightsPass` -- streams large MatMul/Gemm weights
   in blocks where the budget planner predicts it pays (the model split, ``meta[ANALYSIS]``
   made anew); ``meta[SPLITS]``;
 * :class:`DecidePass` -- runs a :class:`~ho_onnx.schedule.types.Decider`; ``meta[DECISION]``;
@@ -38,12 +38,14 @@ import onnx
 import onnx_ir as ir
 
 from .. import contract
+from ..errors import UnboundDimError
 from ..graph.analyse import GraphAnalysis, TypeSource, analyse
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
 from ..graph.save import OutputFiles, data_stamps
+from ..schedule.planner import BudgetPlanner
 from ..schedule.types import Decider, Decision
 from .annotate import annotate, plan_metadata
-from .blocks import SplitWeightsPass
+from .blocks import choose_blocks
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
 from .invariants import check_schedule
@@ -119,6 +121,44 @@ class AnalysePass(ir.passes.InPlacePass):
         a = analyse(model, self.dims, shapes=self.shapes, more_types=more, proto=self.proto)
         model.meta[ANALYSIS] = a
         return ir.passes.PassResult(model, modified=a.order != sorted(a.order))
+
+
+class SplitWeightsPass(ir.passes.InPlacePass):
+    """Stream large weights in blocks before the decision (:func:`~ho_onnx.rewrite.blocks.
+    choose_blocks`), when the decider is the budget planner: the model is split in place and
+    ``meta[ANALYSIS]`` replaced by the new model's analysis; ``meta[SPLITS]``: what was
+    split or kept whole, which :class:`DecidePass` records in the choice (``columns``: also
+    blocks that are no byte range of the weight's file, written with the data)."""
+
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
+                 shapes: Mapping[str, Sequence[int]] | None = None,
+                 columns: bool = True) -> None:
+        super().__init__()
+        self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
+        self.columns = columns
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, ANALYSIS, "AnalysePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if not isinstance(self.decider, BudgetPlanner):
+            return ir.passes.PassResult(model, modified=False)
+        more = None
+        if model.meta.get(CONTRIB):
+            from ..target.ort.contrib import contrib_value_types as more
+
+        def reanalyse(m: ir.Model) -> GraphAnalysis:
+            return analyse(m, self.dims, shapes=self.shapes, more_types=more)
+
+        try:
+            new, splits = choose_blocks(model.meta[ANALYSIS], self.decider, self.dims,
+                                        reanalyse, self.columns)
+        except UnboundDimError:  # (DecidePass names every unbound dim at once)
+            return ir.passes.PassResult(model, modified=False)
+        model.meta[SPLITS] = splits
+        if new is not None:
+            model.meta[ANALYSIS] = new
+        return ir.passes.PassResult(model, modified=new is not None)
 
 
 class DecidePass(ir.passes.InPlacePass):
