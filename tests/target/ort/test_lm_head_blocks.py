@@ -143,7 +143,8 @@ def test_streamed_below_the_weight_and_bit_exact(tmp_path, body, shape, feed):
                  {"M": 4})
     (split,) = [s for s in r.choice.splits if s.blocks]
     assert split.name == "W" and len(split.blocks) > 1 and "blocks: predicted" in split.reason
-    assert onnx.load(str(out), load_external_data=False).metadata_props  # recorded
+    meta = {p.key: p.value for p in onnx.load(str(out), load_external_data=False).metadata_props}
+    assert meta["ho_onnx.split_weights"] == f"W:{len(split.blocks)}"  # recorded
     rng = np.random.default_rng(1)
     for m in (4, 7):  # the planned length, and another
         x = rng.integers(-N, N, m) if feed == "ids" else rng.standard_normal((m, K))
