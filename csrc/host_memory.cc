@@ -33,6 +33,21 @@ class FileBlob final : public HostBlob {
   HostBytes bytes_;
 };
 
+// Bytes of a blob held already (a range inside it): no copy of its own.
+class SliceBlob final : public HostBlob {
+ public:
+  SliceBlob(std::shared_ptr<const HostBlob> whole, size_t offset, size_t size)
+      : whole_(std::move(whole)), offset_(offset), size_(size) {}
+  const void* data() const override {
+    return static_cast<const char*>(whole_->data()) + offset_;
+  }
+  size_t size() const override { return size_; }
+
+ private:
+  std::shared_ptr<const HostBlob> whole_;
+  size_t offset_;
+  size_t size_;
+};
 
 }  // namespace
 
@@ -57,18 +72,51 @@ std::shared_ptr<const HostBlob> HostStore::load(const WeightFile& file,
   }
   // Entries whose bytes no session holds any more are dropped: amortized, once the map has
   // doubled since the last sweep (a model's session creation loads each weight once).
-  if (blobs_.size() >= 2 * swept_size_ + 64) {
-    for (auto e = blobs_.begin(); e != blobs_.end();) {
-      e = e->second.expired() ? blobs_.erase(e) : std::next(e);
-    }
-    swept_size_ = blobs_.size();
+  if (blobs_.size() >= 2 * swept_size_ + 64) sweep();
+  if (std::shared_ptr<const HostBlob> slice = inside_held(content, offset, length)) {
+    blobs_[key] = slice;
+    return slice;
   }
-
   auto blob = std::make_shared<FileBlob>(static_cast<size_t>(length));
   pread_exact(file.fd(), static_cast<char*>(blob->mutable_data()), static_cast<size_t>(length),
               static_cast<uint64_t>(offset), file.path());
   blobs_[key] = blob;  // (replaces an expired entry)
+  Ranges& read = read_[content];
+  read.by_offset.emplace(offset, std::make_pair(length, std::weak_ptr<const HostBlob>(blob)));
+  read.longest = std::max(read.longest, length);
   return blob;
+}
+
+std::shared_ptr<const HostBlob> HostStore::inside_held(const std::string& content,
+                                                       int64_t offset, int64_t length) {
+  auto c = read_.find(content);
+  if (c == read_.end()) return nullptr;
+  const Ranges& read = c->second;
+  // Ranges starting at or before `offset`, nearest first, while one could still reach it.
+  for (auto it = read.by_offset.upper_bound(offset); it != read.by_offset.begin();) {
+    --it;
+    if (offset - it->first > read.longest) break;
+    if (it->first + it->second.first < offset + length) continue;
+    if (std::shared_ptr<const HostBlob> whole = it->second.second.lock()) {
+      return std::make_shared<SliceBlob>(std::move(whole), static_cast<size_t>(offset - it->first),
+                                         static_cast<size_t>(length));
+    }
+  }
+  return nullptr;
+}
+
+void HostStore::sweep() {
+  for (auto e = blobs_.begin(); e != blobs_.end();) {
+    e = e->second.expired() ? blobs_.erase(e) : std::next(e);
+  }
+  for (auto c = read_.begin(); c != read_.end();) {
+    auto& ranges = c->second.by_offset;
+    for (auto r = ranges.begin(); r != ranges.end();) {
+      r = r->second.second.expired() ? ranges.erase(r) : std::next(r);
+    }
+    c = ranges.empty() ? read_.erase(c) : std::next(c);
+  }
+  swept_size_ = blobs_.size();
 }
 
 PoolBuffer::PoolBuffer(std::shared_ptr<HostPool> pool, std::unique_ptr<HostBytes> bytes,

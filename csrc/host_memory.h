@@ -39,14 +39,28 @@ class WeightFile;
 // them (a model re-optimized in place and hot-swapped keeps one version's weights, not
 // every version's), and the content key (Registration::content_key) keeps a new version of
 // a file, or a reused inode, from being served an earlier version's bytes.
+//
+// A range inside one already read and still held is served from it, not read again: the
+// row blocks of a tied embedding table's lm_head (rewrite/blocks.py) are ranges of the
+// table its GatherRows holds.
 class HostStore {
  public:
   std::shared_ptr<const HostBlob> load(const WeightFile& file, const std::string& content,
                                        int64_t offset, int64_t length);
 
  private:
+  // The ranges read from one content's file: offset -> (length, bytes), and the longest.
+  struct Ranges {
+    std::multimap<int64_t, std::pair<int64_t, std::weak_ptr<const HostBlob>>> by_offset;
+    int64_t longest = 0;
+  };
+  std::shared_ptr<const HostBlob> inside_held(const std::string& content, int64_t offset,
+                                              int64_t length);
+  void sweep();
+
   std::mutex mu_;
   std::map<std::string, std::weak_ptr<const HostBlob>> blobs_;
+  std::map<std::string, Ranges> read_;  // content -> the ranges read (what blobs_ holds)
   size_t swept_size_ = 0;  // entries after the last sweep of expired ones
 };
 

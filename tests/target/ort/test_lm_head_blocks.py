@@ -229,3 +229,31 @@ def test_a_range_plan_streams_blocks_exact_at_both_ends(tmp_path):
         # at ``all`` ORT fuses a block's Transpose + MatMul into FusedMatMul (transB), whose
         # one-row path rounds otherwise (~1e-6 at M = 1): verify's fusion tolerance
         assert verify(src, out, dims={"M": m}, int_high=N, isolate=False).ok
+
+
+def test_a_tied_tables_row_blocks_share_its_host_copy(tmp_path):
+    """The table the GatherRows holds in the host store serves its lm_head's row blocks (byte
+    ranges inside it) loaded after it (kernels are made in the file's order): its bytes are
+    held once, not twice, but for a block whose Prefetch comes before the GatherRows."""
+    from ho_onnx import counters
+
+    src = _save(tmp_path, TIED, W=(N, K))
+    out = tmp_path / "o.onnx"
+    r = optimize(src, out, OffloadOptions(budget=N * K * 2, min_bytes=0, activations=False),
+                 {"M": 4})
+    moved = {w.name for w in r.choice.weights}
+    (split,) = [s for s in r.choice.splits if s.blocks]
+    assert {"W", *split.blocks} <= moved
+    early = 0  # bytes of the blocks read before the table
+    for node in onnx.load(str(out), load_external_data=False).graph.node:
+        if node.op_type == "GatherRows":
+            break
+        attrs = {a.name: a for a in node.attribute}
+        if node.op_type == "Prefetch" and attrs["name"].s.decode() in split.blocks:
+            early += attrs["length"].i
+    assert early < N * K * 4 / 2
+    before = counters()["host_store_bytes"]
+    sess = InferenceSession(out)
+    assert counters()["host_store_bytes"] - before == N * K * 4 + early  # (was twice the table)
+    feeds = {"ids": np.array([1, 2, N - 1, 0])}
+    np.testing.assert_array_equal(sess.run(None, feeds)[0], _run(src, feeds, False))
