@@ -363,8 +363,9 @@ def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping
     if base.plan is not None and not base.plan.choice.weights:
         return None, []  # (no weight moves: nothing to say)
     tried = _tried_sites(analysis, planner, base, sites)
+    said = _declines(analysis, dims, declined, base, [s for s in sites if s not in tried])
     if not tried:
-        return None, _declines(analysis, dims, declined, base, sites)
+        return None, said
     trials = []
     for k in ladder(tried, opts.max_blocks):
         work = analysis.model.clone()
@@ -374,18 +375,19 @@ def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping
     others = "; ".join(f"{t.k or 'whole'}: {t.text()}" for t in (base, *trials) if t is not best)
     if best.k == 0:
         why = f"kept whole: predicted {best.text()} (against {others})"
-        return None, [WeightSplit(s.weight, s.nbytes, (), why) for s in tried]
+        return None, [WeightSplit(s.weight, s.nbytes, (), why) for s in tried] + said
     blocks = apply_blocks(analysis.model, tried, best.k)
     why = f"the largest in {best.k} blocks: predicted {best.text()} (against {others})"
     return reanalyse(analysis.model), [WeightSplit(
         s.weight, s.nbytes, blocks.get(s.weight, ()), why if s.weight in blocks else
-        "kept whole: under one block's size") for s in tried]
+        "kept whole: under one block's size") for s in tried] + said
 
 
 def _declines(analysis: GraphAnalysis, dims: Mapping[str, int], declined: Mapping[str, str],
               base: _Trial, sites: list[Site]) -> list[WeightSplit]:
-    """Why the weights over :data:`SPLIT_SHARE` of the budget stay whole when no site was
-    tried: not of a form blocks fit, or kept resident by the plan without blocks."""
+    """Why the weights over :data:`SPLIT_SHARE` of the budget (all, where the plan without
+    blocks fails) stay whole that were not tried: not of a form blocks fit (``declined``), or
+    ``sites`` kept resident by the plan without blocks (or under the share)."""
     share = SPLIT_SHARE * base.plan.budget if base.plan is not None else 0
     size = {n: analysis.tensors[n].nbytes(dims) or 0 for n in declined}
     out = [WeightSplit(n, size[n], (), f"kept whole: {why}") for n, why in declined.items()
