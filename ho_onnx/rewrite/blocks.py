@@ -366,11 +366,14 @@ def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping
     said = _declines(analysis, dims, declined, base, [s for s in sites if s not in tried])
     if not tried:
         return None, said
-    trials = []
+    trials: list[_Trial] = []
     for k in ladder(tried, opts.max_blocks):
         work = analysis.model.clone()
         apply_blocks(work, tried, k)
-        trials.append(_try(planner, reanalyse(work), dims, k))
+        trials.append(t := _try(planner, reanalyse(work), dims, k))
+        met = [x for x in trials if x.plan is not None]
+        if t.plan is not None and len(met) > 1 and met[-2].key() < t.key():
+            break  # (more blocks, slower: past the best count)
     best = _best(base, trials)
     others = "; ".join(f"{t.k or 'whole'}: {t.text()}" for t in (base, *trials) if t is not best)
     if best.k == 0:
