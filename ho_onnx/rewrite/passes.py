@@ -141,6 +141,7 @@ class SplitWeightsPass(ir.passes.InPlacePass):
         _need(model, ANALYSIS, "AnalysePass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        model.meta.pop(SPLITS, None)  # (an earlier run's)
         if not isinstance(self.decider, BudgetPlanner):
             return ir.passes.PassResult(model, modified=False)
         more = None
