@@ -429,6 +429,11 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      help="ORT's arena holds more than the live tensors (it keeps reused "
                           "buffers): while its replayed peak exceeds --budget, plan again for "
                           "a lower budget, at most this many times; 0 fits the tensors only."),
+        click.option("--max-blocks", type=int, default=_DEFAULTS.max_blocks, show_default=True,
+                     help="A weight read whole by one MatMul/Gemm (an lm_head, a tied "
+                          "embedding's) may be streamed in up to this many column blocks, "
+                          "where the planner predicts it pays: the budget can then fall "
+                          "below the weight. 0 keeps every weight whole."),
         click.option("--offload-kv", "offload_kv", is_flag=True,
                      help="Keep the KV cache of a decoder exported with past in the caller's "
                           "host memory: each layer's past is copied in just before its "
@@ -485,7 +490,7 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, arena_refits: int, offload_kv: bool,
+             host_budget: int | None, arena_refits: int, max_blocks: int, offload_kv: bool,
              dims: tuple[str, ...], shapes: tuple[str, ...], ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
@@ -509,7 +514,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
-                           kv=offload_kv)
+                           max_blocks=max_blocks, kv=offload_kv)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         points = parse_dims(dims, ranges)
@@ -567,7 +572,8 @@ def _say_result(output_model: str, result: Any) -> None:
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         arena_refits: int, offload_kv: bool, dims: tuple[str, ...], shapes: tuple[str, ...],
+         arena_refits: int, max_blocks: int, offload_kv: bool, dims: tuple[str, ...],
+         shapes: tuple[str, ...],
          ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
@@ -594,7 +600,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
                                              host_budget=host_budget,
-                                             arena_refits=arena_refits, kv=offload_kv),
+                                             arena_refits=arena_refits,
+                                             max_blocks=max_blocks, kv=offload_kv),
                                     points, costs,
                                     ort_level=ort_level, log=_log,
                                     shapes=parse_shape_options(shapes), dim_ranges=ranges)

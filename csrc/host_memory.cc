@@ -34,6 +34,21 @@ class FileBlob final : public HostBlob {
   HostBytes bytes_;
 };
 
+// Bytes of a blob held already (a range inside it): no copy of its own.
+class SliceBlob final : public HostBlob {
+ public:
+  SliceBlob(std::shared_ptr<const HostBlob> whole, size_t offset, size_t size)
+      : whole_(std::move(whole)), offset_(offset), size_(size) {}
+  const void* data() const override {
+    return static_cast<const char*>(whole_->data()) + offset_;
+  }
+  size_t size() const override { return size_; }
+
+ private:
+  std::shared_ptr<const HostBlob> whole_;
+  size_t offset_;
+  size_t size_;
+};
 
 }  // namespace
 
@@ -48,12 +63,60 @@ HostBytes::~HostBytes() {
 std::shared_ptr<const HostBlob> HostStore::load(const WeightSource& src,
                                                 const std::string& content) {
   return blobs_.get(weight_key(src, content), [&]() -> std::shared_ptr<const HostBlob> {
+    if (std::shared_ptr<const HostBlob> slice = inside_held(content, src.offset(), src.size())) {
+      return slice;
+    }
     auto blob = std::make_shared<FileBlob>(src.size());
     if (src.size() != 0) {
       src.read(src.offset(), src.size(), static_cast<char*>(blob->mutable_data()));
     }
+    remember(content, src.offset(), src.size(), blob);
     return blob;
   });
+}
+
+std::shared_ptr<const HostBlob> HostStore::inside_held(const std::string& content,
+                                                       uint64_t offset, size_t length) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto c = read_.find(content);
+  if (c == read_.end()) return nullptr;
+  const Ranges& read = c->second;
+  // Ranges starting at or before `offset`, nearest first, while one could still reach it.
+  for (auto it = read.by_offset.upper_bound(offset); it != read.by_offset.begin();) {
+    --it;
+    if (offset - it->first > read.longest) break;
+    if (it->first + it->second.first < offset + length) continue;
+    if (std::shared_ptr<const HostBlob> whole = it->second.second.lock()) {
+      return std::make_shared<SliceBlob>(std::move(whole), static_cast<size_t>(offset - it->first),
+                                         length);
+    }
+  }
+  return nullptr;
+}
+
+void HostStore::remember(const std::string& content, uint64_t offset, size_t length,
+                         const std::shared_ptr<const HostBlob>& blob) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Ranges whose bytes no session holds any more are dropped: amortized, once the ranges
+  // have doubled since the last sweep (as WeakCache does).
+  if (ranges_ >= 2 * swept_ + 64) sweep();
+  Ranges& read = read_[content];
+  read.by_offset.emplace(offset, std::make_pair(length, std::weak_ptr<const HostBlob>(blob)));
+  read.longest = std::max(read.longest, length);
+  ++ranges_;
+}
+
+void HostStore::sweep() {
+  ranges_ = 0;  // (recounted: the survivors)
+  for (auto c = read_.begin(); c != read_.end();) {
+    auto& ranges = c->second.by_offset;
+    for (auto r = ranges.begin(); r != ranges.end();) {
+      r = r->second.second.expired() ? ranges.erase(r) : std::next(r);
+    }
+    ranges_ += ranges.size();
+    c = ranges.empty() ? read_.erase(c) : std::next(c);
+  }
+  swept_ = ranges_;
 }
 
 PoolBuffer::PoolBuffer(std::shared_ptr<HostPool> pool, std::unique_ptr<HostBytes> bytes,

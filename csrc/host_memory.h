@@ -40,12 +40,31 @@ class WeightSource;
 // them (a model re-optimized in place and hot-swapped keeps one version's weights, not
 // every version's), and the content key (Registration::content_key) keeps a new version of
 // a file, or a reused inode, from being served an earlier version's bytes.
+//
+// A range inside one already read and still held is served from it, not read again: the
+// row blocks of a tied embedding table's lm_head (rewrite/blocks.py) are ranges of the
+// table its GatherRows holds.
 class HostStore {
  public:
   std::shared_ptr<const HostBlob> load(const WeightSource& src, const std::string& content);
 
  private:
+  // The ranges read from one content's source: offset -> (length, bytes), and the longest.
+  struct Ranges {
+    std::multimap<uint64_t, std::pair<size_t, std::weak_ptr<const HostBlob>>> by_offset;
+    size_t longest = 0;
+  };
+  std::shared_ptr<const HostBlob> inside_held(const std::string& content, uint64_t offset,
+                                              size_t length);
+  void remember(const std::string& content, uint64_t offset, size_t length,
+                const std::shared_ptr<const HostBlob>& blob);
+  void sweep();  // (under mu_)
+
   WeakCache<const HostBlob> blobs_;
+  std::mutex mu_;                       // guards what follows
+  std::map<std::string, Ranges> read_;  // content -> the ranges read (what blobs_ holds)
+  size_t ranges_ = 0;                   // ranges in read_ (counted since the last sweep)
+  size_t swept_ = 0;                    // ranges after the last sweep
 };
 
 class HostPool;

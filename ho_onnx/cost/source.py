@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import onnx_ir as ir
+
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.profile import ProfileError, read_profile
 from .analytic import analytic_costs
@@ -65,17 +67,18 @@ class CostSource:
 
 @dataclass(frozen=True)
 class TimedAt(CostSource):
-    """A plan's times taken on another analysis of the same graph: ``analysed()`` at
-    ``dims`` (a range plan's, at the bottom of every range, issue 36: memory is planned at
-    the top, where it is largest, and prefetch windows are sized where compute is smallest,
-    a decode step, so they hide the copies there and, with more compute between the same
-    nodes, everywhere above). The nodes must be the same, in the same order."""
+    """A plan's times taken on another analysis of the same graph: ``analysed(model)``, the
+    analysed model analysed again at ``dims`` (a range plan's, at the bottom of every range,
+    issue 36: memory is planned at the top, where it is largest, and prefetch windows are
+    sized where compute is smallest, a decode step, so they hide the copies there and, with
+    more compute between the same nodes, everywhere above; the loaded model, or a copy of it
+    split in blocks, ``rewrite/blocks.py``). The nodes must be the same, in the same order."""
 
-    analysed: Callable[[], GraphAnalysis] | None = None
+    analysed: Callable[[ir.Model], GraphAnalysis] | None = None
     dims: Mapping[str, int] = field(default_factory=dict)
 
     def cost_model(self, analysis: GraphAnalysis, dims: Mapping[str, int]) -> CostModel:
-        a = self.analysed() if self.analysed is not None else analysis
+        a = self.analysed(analysis.model) if self.analysed is not None else analysis
         if len(a.order) != len(analysis.order):  # (never expected: the same graph)
             return super().cost_model(analysis, dims)
         cm = super().cost_model(a, self.dims)

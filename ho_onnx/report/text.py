@@ -72,6 +72,9 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         },
         "transfers": transfer_rows(plan, analysis_names),
         "skipped": dict(c.skipped),  # why each other tensor of the chosen kinds stayed
+        # weights streamed in blocks (or kept whole), and why (rewrite/blocks.py)
+        "splits": [{"name": s.name, "bytes": s.nbytes, "blocks": list(s.blocks),
+                    "reason": s.reason} for s in c.splits],
         "costs": None if plan.costs is None else {
             "description": plan.costs.description, "notes": list(plan.costs.notes)},
     }
@@ -101,6 +104,17 @@ def _skipped_summary(skipped: dict[str, str], top: int = 3) -> list[str]:
     return [f"resident: {len(skipped)} other tensors ({common}{more}; --json: each one's)"]
 
 
+def _splits_summary(plan: Plan) -> list[str]:
+    """A line per reason: the weights streamed in blocks or kept whole for it (``--json``:
+    each one's)."""
+    groups: dict[str, list[str]] = {}
+    for s in plan.choice.splits:
+        groups.setdefault(s.reason, []).append(
+            f"{printable(s.name)} ({format_bytes(s.nbytes)}"
+            + (f" in {len(s.blocks)} blocks)" if s.blocks else ")"))
+    return [f"blocks: {', '.join(names)}: {printable(why)}" for why, names in groups.items()]
+
+
 def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) -> str:
     """The table ``ho-onnx plan`` prints."""
     b, a = plan.baseline, plan.planned
@@ -120,6 +134,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         + (f"; {sum(1 for w in c.weights if w.gates)} expert weights routed (moved only "
            "when the router picks their expert)" if any(w.gates for w in c.weights) else ""),
         *_skipped_summary(c.skipped),
+        *_splits_summary(plan),
         plan.arena_summary(),
     ]
     rows = transfer_rows(plan, analysis_names)

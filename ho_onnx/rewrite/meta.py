@@ -10,6 +10,7 @@ import onnx_ir as ir
 CONTRIB = "ho_onnx.contrib"
 ANALYSIS = "ho_onnx.analysis"
 DECISION = "ho_onnx.decision"
+SPLITS = "ho_onnx.splits"  # (the weights streamed in blocks or kept whole, rewrite/blocks.py)
 REWRITTEN = "ho_onnx.rewritten"
 OUTPUT_FILES = "ho_onnx.output_files"
 BRANCHES = "ho_onnx.branches"  # (planned If branches, reasons of the weights left resident)

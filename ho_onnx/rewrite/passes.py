@@ -8,6 +8,9 @@ The steps are in-place passes that hand their results to the next through ``mode
   ``meta[CONTRIB]``: the ones only ORT knows (their types come from ORT's inference);
 * :class:`AnalysePass` -- sorts the main graph if needed; ``meta[ANALYSIS]``
   (:class:`~ho_onnx.graph.analyse.GraphAnalysis`);
+* :class:`SplitWeightsPass` -- streams large MatMul/Gemm weights
+  in blocks where the budget planner predicts it pays (the model split, ``meta[ANALYSIS]``
+  made anew); ``meta[SPLITS]``;
 * :class:`DecidePass` -- runs a :class:`~ho_onnx.schedule.types.Decider`; ``meta[DECISION]``;
 * :class:`InsertPass` -- inserts the cache ops; ``meta[REWRITTEN]``
   (:class:`~ho_onnx.rewrite.insert.RewrittenModel`); the analysis is spent afterwards;
@@ -36,19 +39,21 @@ import onnx
 import onnx_ir as ir
 
 from .. import contract
-from ..errors import HoOnnxError, OutputPathError
+from ..errors import HoOnnxError, OutputPathError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TypeSource, analyse, tool_proto
 from ..graph.check import contrib_ops
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
 from ..graph.save import OutputFiles, stamp_data_files, to_written_proto
+from ..schedule.planner import BudgetPlanner
 from ..schedule.types import Decider, Decision, RunFacts
 from ..target.ort.arena import ORT
 from .annotate import annotate, plan_metadata
+from .blocks import choose_blocks
 from .branches import InsertBranchesPass, PlanBranchesPass, ReportBranchesPass
 from .guard import insert_guards
 from .insert import RewrittenModel, insert_cache_ops
 from .invariants import check_schedule
-from .meta import ANALYSIS, BRANCHES, CONTRIB, DECISION, OUTPUT_FILES, REWRITTEN
+from .meta import ANALYSIS, BRANCHES, CONTRIB, DECISION, OUTPUT_FILES, REWRITTEN, SPLITS
 from .meta import need as _need
 from .place import place_weight_data
 
@@ -105,6 +110,46 @@ class AnalysePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=a.order != sorted(a.order))
 
 
+class SplitWeightsPass(ir.passes.InPlacePass):
+    """Stream large weights in blocks before the decision (:func:`~ho_onnx.rewrite.blocks.
+    choose_blocks`), when the decider is the budget planner: the model is split in place and
+    ``meta[ANALYSIS]`` replaced by the new model's analysis; ``meta[SPLITS]``: what was
+    split or kept whole, which :class:`DecidePass` records in the choice (``columns``: also
+    blocks that are no byte range of the weight's file, written with the data)."""
+
+    def __init__(self, decider: Decider, dims: Mapping[str, int] | None = None, *,
+                 shapes: Mapping[str, Sequence[int]] | None = None,
+                 columns: bool = True, run: RunFacts | None = None) -> None:
+        super().__init__()
+        self.decider, self.dims, self.shapes = decider, dict(dims or {}), dict(shapes or {})
+        self.columns = columns
+        self.run = run if run is not None else RunFacts(ORT)
+
+    def requires(self, model: ir.Model) -> None:
+        _need(model, ANALYSIS, "AnalysePass")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        model.meta.pop(SPLITS, None)  # (an earlier run's)
+        if not isinstance(self.decider, BudgetPlanner):
+            return ir.passes.PassResult(model, modified=False)
+        more = None
+        if model.meta.get(CONTRIB):
+            from ..target.ort.contrib import contrib_value_types as more
+
+        def reanalyse(m: ir.Model) -> GraphAnalysis:
+            return analyse(m, self.dims, shapes=self.shapes, more_types=more)
+
+        try:  # (the trials timed as DecidePass will time the plan: a range plan's bottom)
+            new, splits = choose_blocks(model.meta[ANALYSIS], self.decider.prepared(self.run),
+                                        self.dims, reanalyse, self.columns)
+        except UnboundDimError:  # (DecidePass names every unbound dim at once)
+            return ir.passes.PassResult(model, modified=False)
+        model.meta[SPLITS] = splits
+        if new is not None:
+            model.meta[ANALYSIS] = new
+        return ir.passes.PassResult(model, modified=new is not None)
+
+
 class DecidePass(ir.passes.InPlacePass):
     """Decide what to offload (changes nothing in the graph). First, every symbolic dim of
     the tensors whose sizes the decider needs (``Decider.sized``) must be bound: one error
@@ -128,6 +173,7 @@ class DecidePass(ir.passes.InPlacePass):
         prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
         decider = self.decider if prepare is None else prepare(self.run)
         model.meta[DECISION] = decider.decide(analysis, self.dims)
+        model.meta[DECISION].choice.splits = list(model.meta.get(SPLITS, ()))
         return ir.passes.PassResult(model, modified=False)
 
 
@@ -257,10 +303,14 @@ def ort_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
 
 def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
                    shapes: Mapping[str, Sequence[int]] | None = None,
-                   run: RunFacts | None = None) -> list[ir.passes.PassBase]:
-    """The steps before the graph changes: check the ops, analyse, decide (the If branches
+                   run: RunFacts | None = None,
+                   columns: bool = True) -> list[ir.passes.PassBase]:
+    """The steps before the cache ops: check the ops, analyse, stream large weights in
+    blocks where that pays (the graph's only change here; ``columns``: also blocks that are
+    no byte range of the weight's file, written with the data), decide (the If branches
     first, :mod:`.branches`; ``run``: what the decider is handed, :class:`DecidePass`)."""
     return [CheckOpsPass(), AnalysePass(dims, shapes=shapes),
+            SplitWeightsPass(decider, dims, shapes=shapes, columns=columns, run=run),
             PlanBranchesPass(decider, dims, shapes=shapes, run=run),
             DecidePass(decider, dims, run=run), ReportBranchesPass()]
 
@@ -309,7 +359,8 @@ class OffloadPass(ir.passes.FunctionalPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         work = model.clone()
-        run_steps(work, *analysis_steps(self.decider, self.dims))
+        # (blocks only as byte ranges of the weights' own files: nothing here writes data)
+        run_steps(work, *analysis_steps(self.decider, self.dims, columns=False))
         choice = work.meta[DECISION].choice
         inner = [w.name for b in work.meta.get(BRANCHES, ([], {}))[0] if b.decision
                  for w in b.decision.choice.weights]
@@ -322,7 +373,7 @@ class OffloadPass(ir.passes.FunctionalPass):
         run_steps(work, *rewrite_steps(self.dims, base_dir, base_dir / "model.onnx",
                                        checks=checks, ranges=self.ranges, data_dir=base_dir))
         assert work.meta[OUTPUT_FILES].sidecar is None  # every offloaded weight is external
-        for key in (CONTRIB, ANALYSIS, DECISION, REWRITTEN, OUTPUT_FILES, BRANCHES):
+        for key in (CONTRIB, ANALYSIS, SPLITS, DECISION, REWRITTEN, OUTPUT_FILES, BRANCHES):
             work.meta.pop(key, None)
         return ir.passes.PassResult(work, modified=True)
 

@@ -13,6 +13,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx_ir as ir
+
 from ..cost.source import CostSource
 from ..errors import Log, quiet
 from ..graph.analyse import GraphAnalysis, tool_proto
@@ -75,15 +77,16 @@ class OptimizeResult:
         return self.decision if isinstance(self.decision, Plan) else None
 
 
-def _analysed_at(loaded: LoadedModel, dims: Mapping[str, int],
-                 shapes: Mapping[str, Sequence[int]] | None) -> GraphAnalysis:
-    """``loaded``'s model analysed again at ``dims`` (the nodes the same, in the same
-    order; the types of the ops only ORT knows from ORT's inference)."""
+def _analysed_at(dims: Mapping[str, int], shapes: Mapping[str, Sequence[int]] | None,
+                 model: ir.Model) -> GraphAnalysis:
+    """``model`` analysed again at ``dims`` (the loaded model, or a copy of it split in
+    blocks: the nodes the same as in its analysis, in the same order; the types of the ops
+    only ORT knows from ORT's inference)."""
     from ..graph.analyse import analyse
     from ..target.ort.contrib import contrib_value_types, refuse_unknown_ops
 
-    contrib = refuse_unknown_ops(tool_proto(loaded.model))
-    return analyse(loaded.model, dims, shapes={k: list(v) for k, v in (shapes or {}).items()},
+    contrib = refuse_unknown_ops(tool_proto(model))
+    return analyse(model, dims, shapes={k: list(v) for k, v in (shapes or {}).items()},
                    more_types=contrib_value_types if contrib else None)
 
 
@@ -94,7 +97,7 @@ def _run_facts(loaded: LoadedModel, dims: Mapping[str, int], ranges: DimRanges,
     if not ranges:
         return RunFacts(ORT)
     bottom = {**dims, **{k: lo for k, (lo, _) in ranges.items()}}
-    return RunFacts(ORT, functools.partial(_analysed_at, loaded, bottom, shapes), bottom)
+    return RunFacts(ORT, functools.partial(_analysed_at, bottom, shapes), bottom)
 
 
 def decider_for(options: OffloadOptions, costs: CostSource | None = None) -> Decider:
@@ -183,7 +186,7 @@ def range_peaks(loaded: LoadedModel, plan: Plan, dims: Mapping[str, int],
     from ..schedule.lifetimes import peaks_at
 
     bottom = {**bind_ranges(dims, ranges), **{k: lo for k, (lo, _) in ranges.items()}}
-    a = _analysed_at(loaded, bottom, shapes)
+    a = _analysed_at(bottom, shapes, loaded.model)
     return {"bottom": peaks_at(a, plan.choice, bottom),
             "top": (plan.baseline.peak_bytes, plan.planned.peak_bytes)}
 
@@ -208,8 +211,9 @@ def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], step
         if unused:
             steps.say("note: " + unused_note(unused, used))
     with steps.step("decide"):
-        run_steps(loaded.model, *decide)
+        run_steps(loaded.model, *decide)  # (blocks first: the analysis may be made anew)
         decision: Decision = loaded.model.meta[DECISION]
+        analysis = loaded.model.meta[ANALYSIS]
     for line in decision.summary(steps.seconds["decide"]):
         steps.say(line)
     note = _overridable_note(analysis, decision.choice, dims)

@@ -64,6 +64,9 @@ class OffloadOptions:
       replayed arena peak exceeds ``budget``, plan again for a budget lowered by the excess,
       at most this many times (0: fit the tensor count only). The replay is ORT's arena
       with memory patterns off, as ``ho_onnx.InferenceSession`` runs.
+      ``max_blocks``: a weight read whole by one MatMul/Gemm (an lm_head) may be streamed in
+      up to this many column blocks, where the planner predicts it pays
+      (:mod:`ho_onnx.rewrite.blocks`); 0 or 1 keeps every weight whole.
     """
 
     weights: bool = True
@@ -81,6 +84,7 @@ class OffloadOptions:
     max_extra: int = 64
     max_extra_s: float = 2.0
     arena_refits: int = 4
+    max_blocks: int = 32
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -88,7 +92,7 @@ class OffloadOptions:
             raise ValueError(f"weight_tier must be {'|'.join(tier_names())}, "
                              f"not {self.weight_tier!r}")
         for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s",
-                     "min_bytes"):  # (None: min_bytes' default)
+                     "min_bytes", "max_blocks"):  # (None: min_bytes' default)
             if (v := getattr(self, name)) is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, not {v!r}")
         if self.budget is not None and self.budget <= 0:
@@ -115,7 +119,7 @@ class OffloadOptions:
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
         for name in ("budget", "host_budget", "min_bytes", "min_gap", "prefetch_distance",
-                     "max_extra", "arena_refits"):
+                     "max_extra", "arena_refits", "max_blocks"):
             v = getattr(self, name)
             if (v is None and name in ("budget", "host_budget", "min_bytes")) \
                     or isinstance(v, _Unset):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import onnx_ir as ir
+
 from .. import kinds
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..target.base import Target
@@ -117,6 +119,18 @@ class OutputOffload:
                              f"{self.producer}")
 
 
+@dataclass(frozen=True)
+class WeightSplit:
+    """A weight read whole by one MatMul/Gemm that was streamed as column blocks, each a
+    weight of its own (``blocks``, in column order: :mod:`ho_onnx.rewrite.blocks`), or kept
+    whole (``blocks`` empty); ``reason`` says why, in the planner's predictions."""
+
+    name: str
+    nbytes: int
+    blocks: tuple[str, ...]
+    reason: str
+
+
 @dataclass
 class OffloadChoice:
     """The tensors to offload, and why each other candidate stays resident.
@@ -133,6 +147,8 @@ class OffloadChoice:
     outputs: list[OutputOffload] = field(default_factory=list)
     # What the user should hear about the decision (an option that found nothing to do).
     notes: list[str] = field(default_factory=list)
+    # Weights streamed in blocks, or kept whole, and why (before deciding: rewrite.blocks).
+    splits: list[WeightSplit] = field(default_factory=list)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -180,6 +196,9 @@ class Decision:
                 "kv_bytes": str(c.kv_bytes), "kv_pairs": kv_pairs_text(c)}
                if c.inputs or c.outputs else {}),
             "host_bytes": str(host_bytes(c)),
+            **({"split_weights": ",".join(f"{s.name}:{len(s.blocks)}" for s in c.splits
+                                          if s.blocks)}
+               if any(s.blocks for s in c.splits) else {}),
         }
 
     def summary(self, seconds: float) -> list[str]:
@@ -192,12 +211,12 @@ class Decision:
 class RunFacts:
     """What the pipeline hands a decider for one run (:meth:`Decider.prepared`): the
     target's facts (``target``: callbacks, :class:`~ho_onnx.target.base.Target`) and, for a
-    plan made for ranges of dims, ``bottom``: the model analysed at the bottom of every range
-    (``bottom_dims``), where compute is least: the times a range plan sizes its prefetch
-    windows by (issue 36)."""
+    plan made for ranges of dims, ``bottom``: a model (the loaded one, or a copy split in
+    blocks) analysed at the bottom of every range (``bottom_dims``), where compute is least:
+    the times a range plan sizes its prefetch windows by (issue 36)."""
 
     target: Target
-    bottom: Callable[[], GraphAnalysis] | None = None
+    bottom: Callable[[ir.Model], GraphAnalysis] | None = None
     bottom_dims: Mapping[str, int] = field(default_factory=dict)
 
 

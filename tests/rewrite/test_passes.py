@@ -134,8 +134,8 @@ def test_a_step_without_its_input_names_the_pass_to_run_first(tmp_path, step, mi
 
     steps = {type(s).__name__: s for s in rewrite_passes(ALL, {"N": 4}, tmp_path,
                                                           tmp_path / "o.onnx")}
-    assert list(steps) == ["CheckOpsPass", "AnalysePass", "PlanBranchesPass", "DecidePass",
-                           "ReportBranchesPass", "InsertPass", "InsertBranchesPass",
+    assert list(steps) == ["CheckOpsPass", "AnalysePass", "SplitWeightsPass", "PlanBranchesPass",
+                           "DecidePass", "ReportBranchesPass", "InsertPass", "InsertBranchesPass",
                            "GuardPass", "VerifySchedulePass", "AnnotatePass", "PlaceDataPass",
                            "ValidatePass"]
     model = ir.from_proto(chain_model())

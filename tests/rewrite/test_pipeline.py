@@ -403,7 +403,8 @@ def test_the_pipeline_hands_deciders_the_targets_facts(tmp_path):
     optimize(src, tmp_path / "b.onnx", Recording(), {"batch": 1}, dim_ranges={"seq": (2, 8)})
     assert [r.target for r in runs] == [ORT, ORT] and runs[0].bottom is None
     assert runs[1].bottom_dims == {"batch": 1, "seq": 2}
-    assert runs[1].bottom is not None and runs[1].bottom().tensors  # analysed at seq=2
+    assert runs[1].bottom is not None  # analysed at seq=2:
+    assert runs[1].bottom(load_model(src).model).tensors["logits"].shape[1] == 2
 
     a = analyse(load_model(src).model, DIMS)
     huge = 1 << 40  # a runtime whose allocator holds one huge buffer for the whole run
