@@ -7,6 +7,7 @@ Lives in the top-level ``cli/`` folder and is installed as ``ho_onnx.cli`` (pypr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -73,6 +74,24 @@ def parse_dims(items: tuple[str, ...],
                                      f"and {int(value)}", param_hint="--dim")
         dims[name.strip()] = int(value)
     return dims
+
+
+def parse_points(items: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """``('decode:seq=1,past=4095',)`` → ``{'decode': {'seq': 1, 'past': 4095}}``
+    (``--point``; checked against the ranges by the pipeline)."""
+    points: dict[str, dict[str, int]] = {}
+    for item in items:
+        name, sep, rest = item.partition(":")
+        if not sep or not name.strip() or name.strip() in points:
+            raise click.BadParameter(
+                f"{item!r}: expected NAME:DIM=N[,DIM=N...] with a new name, e.g. "
+                "decode:seq=1,past=4095", param_hint="--point")
+        try:
+            points[name.strip()] = parse_dims(tuple(x for x in rest.split(",") if x.strip())
+                                              or ("",))
+        except click.BadParameter as e:
+            raise click.BadParameter(f"{item!r}: {e.message}", param_hint="--point") from None
+    return points
 
 
 def parse_shape_options(items: tuple[str, ...]) -> dict[str, list[int]]:
@@ -444,6 +463,14 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      help=_DIM_RANGE_HELP),
         click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...",
                      help=_SHAPE_HELP),
+        click.option("--point", "points", multiple=True, metavar="NAME:DIM=N[,DIM=N...]",
+                     help="A named point of the ranges (repeatable), like a TensorRT "
+                          "optimization profile, e.g. --point decode:seq=1,past=4095 --point "
+                          "prefill:seq=2048,past=0: the ranged dims it leaves out at their "
+                          "bottom. The plan's times, so its prefetch windows, are taken at the "
+                          "first point (default: the bottom of the ranges; memory stays "
+                          "planned at the top); its peak and time at every point are shown "
+                          "and recorded (ho_onnx.range_points)."),
         click.option("--ort-optimize", "ort_level", type=click.Choice(["basic", "extended"]),
                      default=None,
                      help="First apply ONNX Runtime's own graph optimizations (fusions, "
@@ -491,7 +518,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
              host_budget: int | None, arena_refits: int, max_blocks: int, offload_kv: bool,
-             dims: tuple[str, ...], shapes: tuple[str, ...], ort_level: str | None) -> None:
+             dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
+             ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
@@ -517,13 +545,14 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                            max_blocks=max_blocks, kv=offload_kv)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
-        points = parse_dims(dims, ranges)
+        bound = parse_dims(dims, ranges)
+        named = parse_points(points)
 
         def run_file(src: object, dst: object):  # type: ignore[no-untyped-def]
-            return run(src, dst, options, points,  # type: ignore[arg-type]
+            return run(src, dst, options, bound,  # type: ignore[arg-type]
                        costs=costs, ort_level=ort_level, log=_log,
                        progress=_progress_bars(), shapes=parse_shape_options(shapes),
-                       dim_ranges=ranges)
+                       dim_ranges=ranges, dim_points=named)
 
         if Path(input_model).is_dir():
             from ho_onnx.target.ort.folders import optimize_folder
@@ -573,7 +602,7 @@ def _say_result(output_model: str, result: Any) -> None:
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
          arena_refits: int, max_blocks: int, offload_kv: bool, dims: tuple[str, ...],
-         shapes: tuple[str, ...],
+         shapes: tuple[str, ...], points: tuple[str, ...],
          ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
@@ -583,7 +612,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     from ho_onnx.graph.dims import format_ranges
     from ho_onnx.graph.moe import find_experts
     from ho_onnx.report.text import format_moe, format_plan, moe_to_dict, plan_to_dict
-    from ho_onnx.rewrite.pipeline import plan_model, range_peaks
+    from ho_onnx.rewrite.pipeline import format_points, plan_model, range_points
 
     _refuse_overwriting_inputs({"--plot": plot_path}, [input_model, profile_path,
                                                        machine if os.path.isfile(machine)
@@ -595,16 +624,18 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             image_format(plot_path)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
-        points = parse_dims(dims, ranges)
+        bound = parse_dims(dims, ranges)
+        named = parse_points(points)
         loaded, analysis, p = plan_model(_model_in(input_model),
                                     _options(offload, budget=budget, min_bytes=min_bytes,
                                              min_gap=min_gap, weight_tier=weight_tier,
                                              host_budget=host_budget,
                                              arena_refits=arena_refits,
                                              max_blocks=max_blocks, kv=offload_kv),
-                                    points, costs,
+                                    bound, costs,
                                     ort_level=ort_level, log=_log,
-                                    shapes=parse_shape_options(shapes), dim_ranges=ranges)
+                                    shapes=parse_shape_options(shapes), dim_ranges=ranges,
+                                    dim_points=named)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type
                  for i in range(len(analysis.order))]
         if plot_path:
@@ -613,23 +644,22 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             plot_timeline(p, names, plot_path)
             _log(f"wrote {plot_path}")
         moe = find_experts(analysis)
-        peaks = range_peaks(loaded, p, points, ranges, parse_shape_options(shapes)) \
-            if ranges else {}
+        figures = range_points(loaded, p.choice, bound, ranges, parse_shape_options(shapes),
+                               named, costs) if ranges else {}
     if as_json:
         _echo(json.dumps(plan_to_dict(p, names, steps=True) | {"moe": moe_to_dict(moe)}
                          | ({"dim_ranges": {k: list(v) for k, v in ranges.items()},
-                             "range_peaks": {end: {"unmodified": u, "planned": q}
-                                             for end, (u, q) in peaks.items()}}
+                             "range_points": {k: dataclasses.asdict(f)
+                                              for k, f in figures.items()}}
                             if ranges else {}), indent=1))
     else:
         _echo(format_plan(p, names))
         if moe:
             _echo(format_moe(moe))
         if ranges:
-            _echo(f"ranges: {format_ranges(ranges)}, planned at the top of each; peak "
-                  + ", ".join(f"at the {end} {format_bytes(q, 'MiB', 2)} (unmodified "
-                              f"{format_bytes(u, 'MiB', 2)})"
-                              for end, (u, q) in peaks.items()))
+            _echo(f"ranges: {format_ranges(ranges)}, planned at the top of each, timed at "
+                  + (f"point {next(iter(named))!r}" if named else "the bottom") + "; "
+                  + format_points(figures))
 
 
 @main.command()

@@ -390,6 +390,39 @@ def bind_ranges(dims: Mapping[str, int], ranges: DimRanges | None) -> dict[str, 
     return out
 
 
+DimPoints = Mapping[str, Mapping[str, int]]
+
+
+def bind_points(points: DimPoints | None, ranges: DimRanges | None
+                ) -> dict[str, dict[str, int]]:
+    """The named points of a range plan (TensorRT's optimization profiles: ``{"decode":
+    {"seq": 1, "past": 4095}}``), each with every ranged dim bound: those it names within
+    their ranges, the others at the bottom. Raises :class:`UnboundDimError` for a point
+    without ranges, a dim no range names, a value outside its range, or a bad name."""
+    out: dict[str, dict[str, int]] = {}
+    if points and not ranges:
+        raise UnboundDimError("named points are points of ranges: give the ranges they lie in "
+                              "(--dim NAME=LO..HI)")
+    for name, point in (points or {}).items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
+            raise UnboundDimError(f"point {name!r}: a name is letters, digits, '_', '.', '-'")
+        if not isinstance(point, Mapping):
+            raise UnboundDimError(f"point {name!r}: expected dim values, got {point!r}")
+        bound = {k: lo for k, (lo, _) in (ranges or {}).items()}
+        for dim, v in point.items():
+            if dim not in bound:
+                raise UnboundDimError(
+                    f"point {name!r}: {dim!r} has no range (ranged: "
+                    f"{', '.join(sorted(bound))}); a point sets ranged dims only")
+            lo, hi = (ranges or {})[dim]
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not lo <= v <= hi:
+                raise UnboundDimError(f"point {name!r}: {dim}={v!r} is outside its range "
+                                      f"{lo}..{hi}")
+            bound[dim] = int(v)
+        out[name] = bound
+    return out
+
+
 def ranged_inputs(model: ir.Model, ranges: DimRanges
                   ) -> dict[str, list[tuple[int, str]]]:
     """Graph input name -> ``(axis, dim name)`` of each of its dims that a range names: what

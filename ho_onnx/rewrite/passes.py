@@ -224,13 +224,16 @@ class GuardPass(ir.passes.InPlacePass):
 
 
 class AnnotatePass(ir.passes.InPlacePass):
-    """Record the decision (and ``dims``, and the ``ranges`` planned for) in
+    """Record the decision (and ``dims``, the ``ranges`` planned for, and ``more``: the
+    pipeline's own entries, such as a range plan's figures at its ends and named points) in
     ``metadata_props``."""
 
     def __init__(self, dims: Mapping[str, int] | None = None,
-                 ranges: DimRanges | None = None) -> None:
+                 ranges: DimRanges | None = None, more: Mapping[str, str] | None = None
+                 ) -> None:
         super().__init__()
         self.dims, self.ranges = dict(dims or {}), dict(ranges or {})
+        self.more = dict(more or {})
 
     def requires(self, model: ir.Model) -> None:
         _need(model, DECISION, "DecidePass")
@@ -240,7 +243,7 @@ class AnnotatePass(ir.passes.InPlacePass):
         meta = plan_metadata(decision, self.dims)
         if self.ranges:
             meta["dim_ranges"] = format_ranges(self.ranges)
-        annotate(model, meta)
+        annotate(model, meta | self.more)
         return ir.passes.PassResult(model, modified=True)
 
 
@@ -318,13 +321,15 @@ def analysis_steps(decider: Decider, dims: Mapping[str, int], *,
 def rewrite_steps(dims: Mapping[str, int], base_dir: Path, out_path: Path, *,
                   checks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
                   ranges: DimRanges | None = None,
-                  data_dir: Path | None = None) -> list[ir.passes.PassBase]:
+                  data_dir: Path | None = None,
+                  metadata: Mapping[str, str] | None = None) -> list[ir.passes.PassBase]:
     """The steps that rewrite the decided model: insert, guard the ranges (``checks``:
-    :func:`~ho_onnx.graph.dims.ranged_inputs`), verify, annotate, place the weights' bytes
-    for an output at ``out_path``, validate (``data_dir``: :class:`ValidatePass`)."""
+    :func:`~ho_onnx.graph.dims.ranged_inputs`), verify, annotate (``metadata``: more
+    entries, :class:`AnnotatePass`), place the weights' bytes for an output at
+    ``out_path``, validate (``data_dir``: :class:`ValidatePass`)."""
     return [InsertPass(), InsertBranchesPass(), GuardPass(checks or {}, ranges or {}),
-            VerifySchedulePass(), AnnotatePass(dims, ranges), PlaceDataPass(base_dir, out_path),
-            ValidatePass(data_dir)]
+            VerifySchedulePass(), AnnotatePass(dims, ranges, metadata),
+            PlaceDataPass(base_dir, out_path), ValidatePass(data_dir)]
 
 
 def rewrite_passes(decider: Decider, dims: Mapping[str, int], base_dir: Path, out_path: Path,

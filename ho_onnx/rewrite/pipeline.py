@@ -19,7 +19,9 @@ from ..cost.source import CostSource
 from ..errors import Log, quiet
 from ..graph.analyse import GraphAnalysis, tool_proto
 from ..graph.dims import (
+    DimPoints,
     DimRanges,
+    bind_points,
     bind_ranges,
     dims_from_shapes,
     format_ranges,
@@ -66,6 +68,8 @@ class OptimizeResult:
     rewritten: RewrittenModel
     report: SaveReport
     seconds: dict[str, float] = field(default_factory=dict)
+    # A range plan at the bottom of its ranges, its named points and the top (range_points).
+    points: dict[str, PointFigures] = field(default_factory=dict)
 
     @property
     def choice(self) -> OffloadChoice:
@@ -91,13 +95,16 @@ def _analysed_at(dims: Mapping[str, int], shapes: Mapping[str, Sequence[int]] | 
 
 
 def _run_facts(loaded: LoadedModel, dims: Mapping[str, int], ranges: DimRanges,
-               shapes: Mapping[str, Sequence[int]] | None) -> RunFacts:
+               shapes: Mapping[str, Sequence[int]] | None,
+               points: Mapping[str, Mapping[str, int]] | None = None) -> RunFacts:
     """What a decider is handed for this run: ORT's facts and, for a range plan, the model
-    analysed at the bottom of the ranges (its times)."""
+    analysed where its times are taken: at its first named point (``points``, bound by
+    :func:`~ho_onnx.graph.dims.bind_points`), else at the bottom of the ranges."""
     if not ranges:
         return RunFacts(ORT)
-    bottom = {**dims, **{k: lo for k, (lo, _) in ranges.items()}}
-    return RunFacts(ORT, functools.partial(_analysed_at, bottom, shapes), bottom)
+    at = {**dims, **(next(iter(points.values())) if points else
+                     {k: lo for k, (lo, _) in ranges.items()})}
+    return RunFacts(ORT, functools.partial(_analysed_at, at, shapes), at)
 
 
 def decider_for(options: OffloadOptions, costs: CostSource | None = None) -> Decider:
@@ -155,12 +162,14 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
                dims: Mapping[str, int] | None = None, costs: CostSource | None = None, *,
                ort_level: str | None = None, log: Log | None = None,
                shapes: Mapping[str, Sequence[int]] | None = None,
-               dim_ranges: DimRanges | None = None
+               dim_ranges: DimRanges | None = None, dim_points: DimPoints | None = None
                ) -> tuple[LoadedModel, GraphAnalysis, Plan]:
     """Load (unless given loaded) and plan ``model`` under ``options.budget``; nothing is
     written. ``ort_level``: plan ORT's optimized graph (made in a temporary folder that
     lives as long as the returned model). ``shapes``: whole input shapes (``--shape``).
-    ``dim_ranges``: planned at the top of each range, as :func:`optimize` does."""
+    ``dim_ranges``, ``dim_points``: planned at the top of each range and timed at the first
+    named point, as :func:`optimize` does."""
+    points = bind_points(dim_points, dim_ranges)
     dims = bind_ranges(dims or {}, dim_ranges)
     steps = _Steps(log)
     if isinstance(model, LoadedModel):
@@ -172,23 +181,59 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
     if dim_ranges:
         ranged_inputs(loaded.model, dim_ranges)  # (a range no input has: refused here too)
     analysis, decision = _decide(loaded, BudgetPlanner(options, costs or CostSource()), dims,
-                                 steps, shapes, _run_facts(loaded, dims, dim_ranges or {}, shapes))
+                                 steps, shapes,
+                                 _run_facts(loaded, dims, dim_ranges or {}, shapes, points))
     assert isinstance(decision, Plan)
     return loaded, analysis, decision
 
 
-def range_peaks(loaded: LoadedModel, plan: Plan, dims: Mapping[str, int],
-                ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None = None
-                ) -> dict[str, tuple[int, int]]:
-    """``{"bottom": (unmodified, planned), "top": (...)}``: fast-tier peaks of ``plan``
-    (made by :func:`plan_model` with ``ranges``, at their top) at the bottom of every range
-    and at the top. The bottom is analysed again (shapes inferred at that binding)."""
-    from ..schedule.lifetimes import peaks_at
+@dataclass(frozen=True)
+class PointFigures:
+    """A range plan at one binding of its ranged dims: the fast-tier peaks of the unmodified
+    model and of the plan, and the plan's predicted seconds (None without a cost source)."""
 
-    bottom = {**bind_ranges(dims, ranges), **{k: lo for k, (lo, _) in ranges.items()}}
-    a = _analysed_at(bottom, shapes, loaded.model)
-    return {"bottom": peaks_at(a, plan.choice, bottom),
-            "top": (plan.baseline.peak_bytes, plan.planned.peak_bytes)}
+    dims: dict[str, int]
+    unmodified: int
+    planned: int
+    seconds: float | None = None
+
+
+def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, int],
+                 ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None = None,
+                 points: DimPoints | None = None, costs: CostSource | None = None
+                 ) -> dict[str, PointFigures]:
+    """``choice`` (a range plan's, made at the top of ``ranges``) at the bottom of every
+    range, at each named point (``points``) and at the top, in that order: each binding
+    analysed again (shapes inferred there), its peaks and, with ``costs``, its simulated
+    time (a decode step's per-token time at a decode point)."""
+    from ..schedule.lifetimes import peaks_at
+    from ..schedule.simulate import simulate
+
+    top = bind_ranges(dims, ranges)
+    where = {"bottom": {k: lo for k, (lo, _) in ranges.items()},
+             **bind_points(points, ranges), "top": {k: hi for k, (_, hi) in ranges.items()}}
+    out = {}
+    for name, point in where.items():
+        at = {**top, **point}
+        a = _analysed_at(at, shapes, loaded.model)
+        unmodified, planned = peaks_at(a, choice, at)
+        seconds = None
+        if costs is not None:
+            cm = costs.cost_model(a, at)
+            seconds = simulate(a, choice, cm.compute_s, cm.transfer_time, at,
+                               host_ahead=cm.host_ahead).total_s
+        out[name] = PointFigures(dict(point), unmodified, planned, seconds)
+    return out
+
+
+def format_points(figures: Mapping[str, PointFigures]) -> str:
+    """``bottom (seq=1,past=0): peak 1.2 MiB (unmodified 3.4 MiB), 0.52 ms; ...``: the
+    metadata ``ho_onnx.range_points`` and ``plan``'s line."""
+    return "; ".join(
+        f"{name} ({','.join(f'{k}={v}' for k, v in sorted(f.dims.items()))}): peak "
+        f"{format_bytes(f.planned, 'MiB', 2)} (unmodified {format_bytes(f.unmodified, 'MiB', 2)})"
+        + (f", {f.seconds * 1e3:.3g} ms" if f.seconds is not None else "")
+        for name, f in figures.items())
 
 
 def _decide(loaded: LoadedModel, decider: Decider, dims: Mapping[str, int], steps: _Steps,
@@ -258,12 +303,17 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
              ort_level: str | None = None, log: Log | None = None,
              progress: Progress | None = None,
              shapes: Mapping[str, Sequence[int]] | None = None,
-             dim_ranges: DimRanges | None = None) -> OptimizeResult:
+             dim_ranges: DimRanges | None = None,
+             dim_points: DimPoints | None = None) -> OptimizeResult:
     """Rewrite ``in_path`` into ``out_path`` with cache operators (input never modified).
 
     ``dim_ranges`` (``{"seq": (1, 2048)}``): one plan for every value of each range, made at
     its top (the worst case for memory), recorded in the model, and enforced by the library
-    at every run (a ``Guard`` per graph input with a ranged dim refuses a run outside).
+    at every run (a ``Guard`` per graph input with a ranged dim refuses a run outside); its
+    times, and so its prefetch windows, taken at the first of ``dim_points`` (named points of
+    the ranges, ``{"decode": {"seq": 1, "past": 4095}}``, TensorRT's optimization profiles),
+    else at the bottom of the ranges. Its peaks and times at the bottom, at each point and at
+    the top are recorded (``ho_onnx.range_points``) and in the result's ``points``.
 
     ``options`` select the decider (:func:`decider_for`: the budget planner, with times from
     ``costs``, when they have a budget; else the explicit policy), or are a
@@ -274,6 +324,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
     options = options if options is not None else OffloadOptions()
     decider = decider_for(options, costs) if isinstance(options, OffloadOptions) else options
     ranges = dict(dim_ranges or {})
+    points = bind_points(dim_points, ranges)
     dims = bind_ranges(dims or {}, ranges)
     steps = _Steps(log)
     with ExitStack() as stack:
@@ -297,10 +348,12 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                       "inference")
         checks = ranged_inputs(loaded.model, ranges) if ranges else {}
         analysis, decision = _decide(loaded, decider, dims, steps, shapes,
-                                     _run_facts(loaded, dims, ranges, shapes))
+                                     _run_facts(loaded, dims, ranges, shapes, points))
+        figures = _say_points(steps, loaded, decision, dims, ranges, shapes, points, decider)
         with steps.step("rewrite"):
-            run_steps(loaded.model, *rewrite_steps(dims, loaded.base_dir, Path(out_path),
-                                                   checks=checks, ranges=ranges))
+            run_steps(loaded.model, *rewrite_steps(
+                dims, loaded.base_dir, Path(out_path), checks=checks, ranges=ranges,
+                metadata={"range_points": format_points(figures)} if figures else None))
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))
@@ -308,4 +361,18 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             report = save_model(files, loaded, out_path, progress=progress)
     steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"
               + (f", copied {len(report.copied)} data file(s)" if report.copied else ""))
-    return OptimizeResult(analysis, decision, rewritten, report, steps.seconds)
+    return OptimizeResult(analysis, decision, rewritten, report, steps.seconds, figures)
+
+
+def _say_points(steps: _Steps, loaded: LoadedModel, decision: Decision, dims: Mapping[str, int],
+                ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None,
+                points: DimPoints, decider: Decider) -> dict[str, PointFigures]:
+    """A range plan's figures at its ends and named points (:func:`range_points`, timed by
+    the decider's own cost source, if it has one), logged; nothing without ranges."""
+    if not ranges:
+        return {}
+    costs = getattr(decider, "costs", None)
+    figures = range_points(loaded, decision.choice, dims, ranges, shapes, points,
+                           costs if isinstance(costs, CostSource) else None)
+    steps.say("over the ranges: " + format_points(figures))
+    return figures

@@ -6,6 +6,7 @@ level, as ``verify`` does; at ``all`` within 1e-6 on the KV decoder, see test_ot
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -101,19 +102,70 @@ def test_nothing_offloaded_records_the_ranges_without_guards(tmp_path):
 
 def test_plan_gives_the_peak_at_both_ends_of_its_ranges(tmp_path):
     """The peak at the bottom is the same choice's, sized there: the unmodified model's
-    agrees with a plan made at the bottom itself, and the plan's is below it."""
-    from ho_onnx.rewrite.pipeline import plan_model, range_peaks
+    agrees with a plan made at the bottom itself, and the plan's is below it; at the top the
+    plan's own figures."""
+    from ho_onnx.rewrite.pipeline import plan_model, range_points
 
     src = _decoder(tmp_path, layers=2, hidden=64, heads=4, max_positions=128)
     ranges = {"batch": (1, 4), "seq": (2, 96)}
     opts = OffloadOptions(budget=1500 << 10, min_bytes=1024)
     loaded, _, p = plan_model(src, opts, {}, dim_ranges=ranges)
     assert p.choice.activations
-    peaks = range_peaks(loaded, p, {}, ranges)
-    assert peaks["top"] == (p.baseline.peak_bytes, p.planned.peak_bytes)
+    f = range_points(loaded, p.choice, {}, ranges)
+    assert list(f) == ["bottom", "top"] and f["bottom"].dims == {"batch": 1, "seq": 2}
+    assert (f["top"].unmodified, f["top"].planned) == (p.baseline.peak_bytes,
+                                                       p.planned.peak_bytes)
     _, _, at_bottom = plan_model(src, OffloadOptions(budget=1 << 40), {"batch": 1, "seq": 2})
-    assert peaks["bottom"][0] == at_bottom.baseline.peak_bytes
-    assert 0 < peaks["bottom"][1] < peaks["bottom"][0] < peaks["top"][0]
+    assert f["bottom"].unmodified == at_bottom.baseline.peak_bytes
+    assert 0 < f["bottom"].planned < f["bottom"].unmodified < f["top"].unmodified
+    assert f["bottom"].seconds is None
+
+
+def test_named_points_time_the_plan_and_are_recorded(tmp_path):
+    """Named points of the ranges (issue 36, TensorRT's optimization profiles): the plan is
+    timed at the first one (its predicted time there is the plan's own), each point's peak
+    and time lie between the ends', and optimize records them for ``inspect``."""
+    from ho_onnx import CostSource
+    from ho_onnx.report.inspect import format_summary, summarize
+    from ho_onnx.rewrite.pipeline import optimize, plan_model, range_points
+
+    src = _decoder(tmp_path, layers=2, hidden=64, heads=4, max_positions=128)
+    ranges = {"batch": (1, 1), "seq": (1, 96)}
+    points = {"mid": {"seq": 48}}
+    opts = OffloadOptions(budget=1500 << 10, min_bytes=1024)
+    costs = CostSource("h100")
+    loaded, _, p = plan_model(src, opts, {}, costs, dim_ranges=ranges, dim_points=points)
+    assert "timed at the bottom of the ranges (batch=1,seq=48" in p.costs.description
+    f = range_points(loaded, p.choice, {}, ranges, points=points, costs=costs)
+    assert list(f) == ["bottom", "mid", "top"] and f["mid"].dims == {"batch": 1, "seq": 48}
+    assert f["mid"].seconds == pytest.approx(p.planned.total_s)
+    assert f["bottom"].seconds < f["mid"].seconds < f["top"].seconds
+    assert f["bottom"].unmodified < f["mid"].unmodified < f["top"].unmodified
+    # the same plan timed at the bottom (no points) differs: the point decided the windows
+    _, _, q = plan_model(src, opts, {}, costs, dim_ranges=ranges)
+    assert "seq=1:" in q.costs.description
+    out = tmp_path / "o.onnx"
+    r = optimize(src, out, opts, {}, costs=costs, dim_ranges=ranges, dim_points=points)
+    assert list(r.points) == ["bottom", "mid", "top"]
+    text = format_summary(summarize(out))
+    assert "range_points=bottom (batch=1,seq=1): peak" in text and "mid (batch=1,seq=48)" in text
+
+
+@pytest.mark.parametrize("points, match", [
+    ({"p": {"seq": 200}}, r"point 'p': seq=200 is outside its range 1\.\.96"),
+    ({"p": {"past": 3}}, r"point 'p': 'past' has no range \(ranged: batch, seq\)"),
+    ({"bad name": {"seq": 2}}, r"point 'bad name': a name is"),
+])
+def test_bad_points_are_refused(tmp_path, points, match):
+    from ho_onnx.rewrite.pipeline import plan_model
+
+    src = _decoder(tmp_path)
+    with pytest.raises(UnboundDimError, match=match):
+        plan_model(src, OffloadOptions(budget=1 << 30), {}, dim_ranges={
+            "batch": (1, 1), "seq": (1, 96)}, dim_points=points)
+    with pytest.raises(UnboundDimError, match="points of ranges"):
+        plan_model(src, OffloadOptions(budget=1 << 30), {"batch": 1, "seq": 4},
+                   dim_points={"p": {"seq": 2}})
 
 
 def test_range_checks():
@@ -142,9 +194,21 @@ def test_cli_ranges(tmp_path):
     r = runner.invoke(main, ["plan", str(src), "--budget", "1GiB", "--dim", "batch=1",
                              "--dim", "seq=1..64"])
     assert r.exit_code == 0, r.output
-    assert "ranges: seq=1..64, planned at the top of each; peak at the bottom" in r.output
+    assert ("ranges: seq=1..64, planned at the top of each, timed at the bottom; bottom "
+            "(seq=1): peak") in r.output
+    r = runner.invoke(main, ["plan", str(src), "--budget", "1GiB", "--dim", "batch=1",
+                             "--dim", "seq=1..64", "--point", "decode:seq=1",
+                             "--point", "prefill:seq=32", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert list(doc["range_points"]) == ["bottom", "decode", "prefill", "top"]
+    assert doc["range_points"]["prefill"]["dims"] == {"seq": 32}
+    assert doc["range_points"]["prefill"]["seconds"] > doc["range_points"]["decode"]["seconds"]
     for args, match in (
             (["--dim", "seq=9..2"], "is not a range"),
+            (["--dim", "seq=1..8", "--point", "p:seq=9"], "seq=9 is outside its range 1..8"),
+            (["--dim", "seq=1..8", "--point", "p"], "expected NAME:DIM=N"),
+            (["--dim", "seq=1..8", "--point", "p:seq=x"], "expected NAME=INTEGER"),
             (["--dim", "seq=1..x"], "expected NAME=LO..HI"),
             (["--dim", "seq=1..8", "--dim", "seq=4"], "given twice"),
             (["--dim", "sq=1..8"], "no graph input has this dim")):
