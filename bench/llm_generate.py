@@ -534,6 +534,8 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
 
     for ctx in contexts:
         ranges = {"seq": (1, min(cfg["chunk"], ctx)), "past": (0, ctx + cfg["new_tokens"] - 1)}
+        # the plan timed at a decode step of this context: its predicted per-token time
+        decode = {"decode": {"seq": 1, "past": ctx}}
         print(f"context {ctx} (plan ranges {ranges}):", flush=True)
         base = {"context": ctx, "kind": "onnx"}
         ref = {**base, "name": "ort", "budget_bytes": None}
@@ -559,13 +561,14 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
             row = {**base, "name": name, "budget_bytes": budget}
             try:
                 r = ho_onnx.optimize(src, out, _options(budget, False), dims, costs=costs,
-                                     dim_ranges=ranges)
+                                     dim_ranges=ranges, dim_points=decode)
             except Exception as e:  # an impossible budget is a row of its own, not a crash
                 rows.append({**row, "error": f"plan: {e}"})
                 continue
             row.update(predicted_peak_bytes=r.plan.planned.peak_bytes,
                        predicted_arena_bytes=r.plan.arena_bytes,
-                       offloaded_weights=len(r.choice.weights))
+                       offloaded_weights=len(r.choice.weights),
+                       predicted_token_s=r.points["decode"].seconds)
             measure_row(row, ["--child", "onnx", "--model", str(out), "--optimized"], ref)
         kv_row = {**base, "name": "ho weights+KV floor"}
         if not kv_ok:
@@ -578,13 +581,14 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
                 kv_floor = floor_of(src, dims, ranges, costs, kv=True)
                 out = src.with_name(f"decoder.c{ctx}.kvfloor.onnx")
                 r = ho_onnx.optimize(src, out, _options(kv_floor, True), dims, costs=costs,
-                                     dim_ranges=ranges)
+                                     dim_ranges=ranges, dim_points=decode)
             except Exception as e:
                 rows.append({**kv_row, "error": f"plan: {e}"})
             else:
                 kv_row.update(budget_bytes=kv_floor,
                               predicted_peak_bytes=r.plan.planned.peak_bytes,
-                              predicted_arena_bytes=r.plan.arena_bytes)
+                              predicted_arena_bytes=r.plan.arena_bytes,
+                              predicted_token_s=r.points["decode"].seconds)
                 measure_row(kv_row, ["--child", "onnx", "--model", str(out), "--optimized",
                                      "--kv-host"], ref)
         if args.no_hf:
@@ -617,7 +621,8 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
 def print_table(rows: list[dict[str, Any]], device: str) -> None:
     mem = "dev peak" if device == "cuda" else "RSS +"
     hdr = (f"{'context':>8} {'row':<22}{'budget MiB':>11}{'pred MiB':>10}{'arena MiB':>10}"
-           f"{mem + ' MiB':>13}{'MiB/run':>9}{'TTFT s':>9}{'tok/s':>9}{'x ort':>7}  tokens")
+           f"{mem + ' MiB':>13}{'MiB/run':>9}{'TTFT s':>9}{'tok/s':>9}{'x ort':>7}"
+           f"{'pred tok/s':>11}  tokens")
     print()
     print(hdr)
     print("-" * len(hdr))
@@ -644,11 +649,15 @@ def print_table(rows: list[dict[str, Any]], device: str) -> None:
               f"{_mib(r.get('arena_max_in_use')):>10}{_mib(memory):>13}"
               f"{_mib(r.get('loaded_bytes_per_run')):>9}"
               f"{r['ttft_s']:>9.3f}{r['decode_tok_s']:>9.1f}"
-              f"{(f'{ratio:.2f}' if ratio else '-'):>7}  {match}")
+              f"{(f'{ratio:.2f}' if ratio else '-'):>7}"
+              f"{(f'{1 / pred:.1f}' if (pred := r.get('predicted_token_s')) else '-'):>11}"
+              f"  {match}")
     print("\nTTFT = prefill of the whole context (chunked) to the first token, median; tok/s = "
           "decode steps / their time, median; x ort = tok/s relative to the ort row; pred = the "
           "planner's simulated peak over the ranges; arena = ORT's arena MaxInUse sampled at "
           "the library's Waits (ho rows); MiB/run = bytes the library loaded per run (ho rows); "
+          "pred tok/s = 1 / the plan's simulated decode step at the context (its 'decode' "
+          "point: seq 1, past = context; ho rows, --machine's rates); "
           + ("dev peak = device bytes above those before the session (cudaMemGetInfo)"
              if device == "cuda" else "RSS + = process peak RSS above its RSS before the "
              "session (weights, host store and arena together)")
