@@ -75,16 +75,14 @@ def measure(path: Path, feeds: dict[str, np.ndarray], runs: int) -> tuple[float,
     return min(times), statistics.median(times)
 
 
-def predicted(src: Path, choice: Any, dims: dict[str, int], machine: Any) -> float:
-    """Seconds the simulation gives ``choice`` (None: nothing offloaded) at ``dims``."""
+def predicted(analysis: Any, choice: Any, dims: dict[str, int], machine: Any) -> float:
+    """Seconds the simulation gives ``choice`` (None: nothing offloaded) of ``analysis`` (the
+    model as planned: a weight streamed in blocks is split there) at ``dims``."""
     from ho_onnx.cost.source import CostSource
-    from ho_onnx.graph.analyse import analyse
-    from ho_onnx.graph.load import load_model
     from ho_onnx.schedule.simulate import simulate
 
-    a = analyse(load_model(src).model, dims)
-    cm = CostSource(machine=machine).cost_model(a, dims)
-    return simulate(a, choice, cm.compute_s, cm.transfer_time, dims).total_s
+    cm = CostSource(machine=machine).cost_model(analysis, dims)
+    return simulate(analysis, choice, cm.compute_s, cm.transfer_time, dims).total_s
 
 
 def run(cfg: dict[str, Any], work: Path, machine_file: Path) -> list[dict[str, Any]]:
@@ -106,7 +104,7 @@ def run(cfg: dict[str, Any], work: Path, machine_file: Path) -> list[dict[str, A
     for what, seq, past in points:
         dims = {"batch": 1, "seq": seq, "past": past}
         feeds = feeds_for(src, seq, past)
-        _, _, resident = plan_model(src, OffloadOptions(budget=1 << 62), dims, costs)
+        _, whole, resident = plan_model(src, OffloadOptions(budget=1 << 62), dims, costs)
         out = work / f"ho.{what}.{past}.onnx"
         budget = resident.baseline.peak_bytes // 2
         try:
@@ -114,14 +112,17 @@ def run(cfg: dict[str, Any], work: Path, machine_file: Path) -> list[dict[str, A
                        dims, costs)
         except InfeasibleBudgetError as e:  # (half is below the floor: the floor)
             budget = e.min_budget
-        r = optimize(src, out, OffloadOptions(budget=budget, activations=False, min_bytes=0),
-                     dims, costs=costs)
-        for name, path, choice in (("resident", src, None), ("ho 50%", out, r.choice)):
+        opts = OffloadOptions(budget=budget, activations=False, min_bytes=0)
+        _, half, plan = plan_model(src, opts, dims, costs)  # (the analysis as planned)
+        r = optimize(src, out, opts, dims, costs=costs)
+        assert [w.name for w in r.choice.weights] == [w.name for w in plan.choice.weights]
+        for name, path, a, choice in (("resident", src, whole, None),
+                                      ("ho 50%", out, half, plan.choice)):
             fast, med = measure(path, feeds, cfg["runs"])
             row = {"point": what, "seq": seq, "past": past, "row": name,
                    "measured_min_s": fast, "measured_median_s": med,
-                   "preset_s": predicted(src, choice, dims, "cpu"),
-                   "calibrated_s": predicted(src, choice, dims, machine_file)}
+                   "preset_s": predicted(a, choice, dims, "cpu"),
+                   "calibrated_s": predicted(a, choice, dims, machine_file)}
             row["calibrated_error"] = row["calibrated_s"] / fast - 1
             row["preset_error"] = row["preset_s"] / fast - 1
             rows.append(row)
