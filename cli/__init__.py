@@ -626,16 +626,13 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
         ranges: dict[str, tuple[int, int]] = {}
         bound = parse_dims(dims, ranges)
         named = parse_points(points)
-        loaded, analysis, p = plan_model(_model_in(input_model),
-                                    _options(offload, budget=budget, min_bytes=min_bytes,
-                                             min_gap=min_gap, weight_tier=weight_tier,
-                                             host_budget=host_budget,
-                                             arena_refits=arena_refits,
-                                             max_blocks=max_blocks, kv=offload_kv),
-                                    bound, costs,
-                                    ort_level=ort_level, log=_log,
-                                    shapes=parse_shape_options(shapes), dim_ranges=ranges,
-                                    dim_points=named)
+        loaded, analysis, p = plan_model(
+            _model_in(input_model),
+            _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
+                     weight_tier=weight_tier, host_budget=host_budget,
+                     arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv),
+            bound, costs, ort_level=ort_level, log=_log, shapes=parse_shape_options(shapes),
+            dim_ranges=ranges, dim_points=named)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type
                  for i in range(len(analysis.order))]
         if plot_path:

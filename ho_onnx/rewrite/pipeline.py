@@ -297,6 +297,30 @@ def _say_rewrite(steps: _Steps, c: OffloadChoice, rewritten: RewrittenModel,
                      "nothing offloaded: the ranges are recorded, not enforced"))
 
 
+def _load_for(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
+              ort_level: str | None, stack: ExitStack, steps: _Steps) -> LoadedModel:
+    """``in_path`` loaded for :func:`optimize` (``ort_level``: ORT's optimization of it,
+    written beside the output, removed when ``stack`` closes), the output path checked
+    before any work."""
+    with steps.step("load"):
+        loaded = load_model(in_path)
+        check_output_path(loaded, out_path)  # fail before any work
+        if ort_level is not None:
+            n_before = len(loaded.model.graph)
+            pre = stack.enter_context(_ort_optimized_beside(in_path, Path(out_path), ort_level))
+            loaded = load_model(pre)
+            check_output_path(loaded, out_path)
+            steps.say(f"ORT {ort_level} optimizations applied: {n_before} -> "
+                      f"{len(loaded.model.graph)} nodes")
+    steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph)} nodes, "
+              f"{len(loaded.model.graph.initializers)} initializers "
+              f"({steps.seconds['load']:.2f} s)")
+    if loaded.training_info:  # (onnx_ir does not read it; found by hand)
+        steps.say(f"note: the model's training_info ({loaded.training_info} entries) is not "
+                  "written to the output: the rewritten graph is for inference")
+    return loaded
+
+
 def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
              options: OffloadOptions | Decider | None = None,
              dims: Mapping[str, int] | None = None, *, costs: CostSource | None = None,
@@ -328,24 +352,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
     dims = bind_ranges(dims or {}, ranges)
     steps = _Steps(log)
     with ExitStack() as stack:
-        with steps.step("load"):
-            loaded = load_model(in_path)
-            check_output_path(loaded, out_path)  # fail before any work
-            if ort_level is not None:
-                n_before = len(loaded.model.graph)
-                pre = stack.enter_context(
-                    _ort_optimized_beside(in_path, Path(out_path), ort_level))
-                loaded = load_model(pre)
-                check_output_path(loaded, out_path)
-                steps.say(f"ORT {ort_level} optimizations applied: {n_before} -> "
-                          f"{len(loaded.model.graph)} nodes")
-        steps.say(f"loaded {loaded.path.name}: {len(loaded.model.graph)} nodes, "
-                  f"{len(loaded.model.graph.initializers)} initializers "
-                  f"({steps.seconds['load']:.2f} s)")
-        if loaded.training_info:  # (onnx_ir does not read it; found by hand)
-            steps.say(f"note: the model's training_info ({loaded.training_info} "
-                      "entries) is not written to the output: the rewritten graph is for "
-                      "inference")
+        loaded = _load_for(in_path, out_path, ort_level, stack, steps)
         checks = ranged_inputs(loaded.model, ranges) if ranges else {}
         analysis, decision = _decide(loaded, decider, dims, steps, shapes,
                                      _run_facts(loaded, dims, ranges, shapes, points))
