@@ -42,8 +42,9 @@ from ..schedule.eligibility import (
     row_readers,
     split_shape_readers,
 )
-from ..schedule.planner import BudgetPlanner, InfeasibleBudgetError, Plan
-from ..schedule.types import WeightSplit
+from ..schedule.options import OffloadOptions
+from ..schedule.planner import InfeasibleBudgetError, Plan
+from ..schedule.types import Decider, WeightSplit
 from ..units import format_bytes
 from .insert import Names
 
@@ -307,12 +308,15 @@ class _Trial:
         return f"floor {format_bytes(self.error.min_budget)}"
 
 
-def _try(planner: BudgetPlanner, analysis: GraphAnalysis, dims: Mapping[str, int],
-         k: int) -> _Trial:
+def _try(planner: Decider, analysis: GraphAnalysis, dims: Mapping[str, int],
+         k: int) -> _Trial | None:
+    """The plan with ``k`` blocks (0: whole), or the floor it misses; None when the decider
+    makes no predicted plan (a decider of its own: its decision is not a :class:`Plan`)."""
     try:
-        return _Trial(k, planner.decide(analysis, dims))
+        d = planner.decide(analysis, dims)
     except InfeasibleBudgetError as e:
         return _Trial(k, None, e)
+    return _Trial(k, d) if isinstance(d, Plan) else None
 
 
 def ladder(sites: list[Site], max_blocks: int) -> list[int]:
@@ -325,13 +329,13 @@ def ladder(sites: list[Site], max_blocks: int) -> list[int]:
     return out + ([cap] if cap >= 2 else [])
 
 
-def _tried_sites(analysis: GraphAnalysis, planner: BudgetPlanner, base: _Trial,
+def _tried_sites(analysis: GraphAnalysis, planner: Decider, base: _Trial,
                  sites: list[Site]) -> list[Site]:
     """Sites worth blocks: every one where the plan without blocks fails, else those over
     :data:`SPLIT_SHARE` of the budget that it offloads."""
     if base.plan is None:
         return sites
-    budget = planner.options.budget or 0
+    budget = getattr(planner, "options").budget or 0  # noqa: B009 (checked by choose_blocks)
     moved = {w.name for w in base.plan.choice.weights if w.consumers}
     return [s for s in sites if s.weight in moved and s.nbytes > SPLIT_SHARE * budget]
 
@@ -345,22 +349,25 @@ def _best(base: _Trial, trials: list[_Trial]) -> _Trial:
     return min((base, *trials), key=lambda t: t.error.min_budget if t.error else 0)
 
 
-def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping[str, int],
+def choose_blocks(analysis: GraphAnalysis, planner: Decider, dims: Mapping[str, int],
                   reanalyse: Reanalyse, columns: bool = True
                   ) -> tuple[GraphAnalysis | None, list[WeightSplit]]:
     """Stream weights in blocks where the planner predicts it pays (module docstring): the
     model is split in place and analysed again (the new analysis; None when nothing was
     split), and what was split or kept whole, with why (``columns``: False keeps the forms
-    whose blocks are no byte range of the weight's file whole)."""
-    opts = planner.options
-    if not opts.weights or opts.max_blocks < 2 or opts.budget is None:
+    whose blocks are no byte range of the weight's file whole). ``planner``: a decider with
+    budgeted ``OffloadOptions`` whose decisions are predicted :class:`Plan` s (the budget
+    planner); any other gets no blocks."""
+    opts = getattr(planner, "options", None)  # (a Decider declares none)
+    if not isinstance(opts, OffloadOptions) or not opts.weights or opts.max_blocks < 2 \
+            or opts.budget is None:
         return None, []
     sites, declined = find_sites(analysis, opts.weight_tier, dims, opts.min_bytes_or_default)
     if not columns:
         declined |= {s.weight: COLUMNS_REASON for s in sites if not s.rows}
         sites = [s for s in sites if s.rows]
     base = _try(planner, analysis, dims, 0)
-    if base.plan is not None and not base.plan.choice.weights:
+    if base is None or (base.plan is not None and not base.plan.choice.weights):
         return None, []  # (no weight moves: nothing to say)
     tried = _tried_sites(analysis, planner, base, sites)
     said = _declines(analysis, dims, declined, base, [s for s in sites if s not in tried])
@@ -370,7 +377,9 @@ def choose_blocks(analysis: GraphAnalysis, planner: BudgetPlanner, dims: Mapping
     for k in ladder(tried, opts.max_blocks):
         work = analysis.model.clone()
         apply_blocks(work, tried, k)
-        trials.append(t := _try(planner, reanalyse(work), dims, k))
+        t = _try(planner, reanalyse(work), dims, k)
+        assert t is not None  # (the same decider made a Plan of the whole)
+        trials.append(t)
         met = [x for x in trials if x.plan is not None]
         if t.plan is not None and len(met) > 1 and met[-2].key() < t.key():
             break  # (more blocks, slower: past the best count)

@@ -44,7 +44,7 @@ from ..graph.analyse import GraphAnalysis, TypeSource, analyse, tool_proto
 from ..graph.check import contrib_ops
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
 from ..graph.save import OutputFiles, stamp_data_files, to_written_proto
-from ..schedule.planner import BudgetPlanner
+from ..schedule.options import OffloadOptions
 from ..schedule.types import Decider, Decision, RunFacts
 from ..target.ort.arena import ORT
 from .annotate import annotate, plan_metadata
@@ -130,8 +130,9 @@ class SplitWeightsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         model.meta.pop(SPLITS, None)  # (an earlier run's)
-        if not isinstance(self.decider, BudgetPlanner):
-            return ir.passes.PassResult(model, modified=False)
+        options = getattr(self.decider, "options", None)  # (a Decider declares none)
+        if not isinstance(options, OffloadOptions) or options.budget is None:
+            return ir.passes.PassResult(model, modified=False)  # (no budget: nothing to fit)
         more = None
         if model.meta.get(CONTRIB):
             from ..target.ort.contrib import contrib_value_types as more
@@ -140,8 +141,10 @@ class SplitWeightsPass(ir.passes.InPlacePass):
             return analyse(m, self.dims, shapes=self.shapes, more_types=more)
 
         try:  # (the trials timed as DecidePass will time the plan: a range plan's bottom)
-            new, splits = choose_blocks(model.meta[ANALYSIS], self.decider.prepared(self.run),
-                                        self.dims, reanalyse, self.columns)
+            prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
+            decider = self.decider if prepare is None else prepare(self.run)
+            new, splits = choose_blocks(model.meta[ANALYSIS], decider, self.dims, reanalyse,
+                                        self.columns)
         except UnboundDimError:  # (DecidePass names every unbound dim at once)
             return ir.passes.PassResult(model, modified=False)
         model.meta[SPLITS] = splits

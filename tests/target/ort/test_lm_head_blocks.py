@@ -152,6 +152,48 @@ def test_streamed_below_the_weight_and_bit_exact(tmp_path, body, shape, feed):
         np.testing.assert_array_equal(_run(out, feeds, True), _run(src, feeds, False))
 
 
+def test_blocks_go_through_the_decider_seam(tmp_path):
+    """Blocks are chosen for any decider with budgeted options whose decisions are predicted
+    plans (the seam, not the class: a planner wrapped by a decider of one's own gets the same
+    blocks), and a decider whose decisions are not plans gets none, and no error."""
+    from dataclasses import dataclass
+
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.schedule.planner import BudgetPlanner
+    from ho_onnx.schedule.policy import ExplicitPolicy
+
+    src = _save(tmp_path, TIED, W=(N, K))
+    opts = OffloadOptions(budget=N * K * 2, min_bytes=0, activations=False)
+
+    @dataclass(frozen=True)
+    class Wrapped:  # a decider of its own, delegating to the planner
+        options: OffloadOptions
+
+        def decide(self, analysis, dims):
+            return BudgetPlanner(self.options, CostSource()).decide(analysis, dims)
+
+        def sized(self, t):
+            return True
+
+    want = optimize(src, tmp_path / "a.onnx", opts, {"M": 4}).choice.splits
+    got = optimize(src, tmp_path / "b.onnx", Wrapped(opts), {"M": 4}).choice.splits
+    assert [(s.name, s.blocks) for s in got] == [(s.name, s.blocks) for s in want]
+    assert any(s.blocks for s in got)
+
+    @dataclass(frozen=True)
+    class Explicit:  # budgeted options, but decisions that are no predicted plans
+        options: OffloadOptions
+
+        def decide(self, analysis, dims):
+            return ExplicitPolicy(OffloadOptions(min_bytes=0)).decide(analysis, dims)
+
+        def sized(self, t):
+            return True
+
+    r = optimize(src, tmp_path / "c.onnx", Explicit(opts), {"M": 4})
+    assert not r.choice.splits
+
+
 def test_another_reader_keeps_it_whole_with_the_reason(tmp_path):
     src = save(text_model(OTHER_READER, W=(K, N), V=(K, N), zero=np.array([0])),
                tmp_path / "m.onnx", external=True)  # (V's Relu is the peak: W must move)
