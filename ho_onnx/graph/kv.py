@@ -51,7 +51,9 @@ def _like(a: _Facts, sa: tuple[object, ...] | None, b: _Facts,
 
 def pair_kv(nodes: Sequence[ir.Node], tensors: Mapping[str, _Facts]) -> list[tuple[str, str]]:
     """The (past, present) pairs of the main graph (module docstring); sets ``kv_peer`` on
-    both tensors of each pair."""
+    both tensors of each pair. Shapes compared as declared, else as inferred: a merged
+    decoder's branch may declare a present's head size as a symbol its past gives as a
+    number (``Addpresent.0.key_dim_3`` against 16)."""
     pairs: list[tuple[str, str]] = []
     taken: set[str] = set()
     for node in nodes:
@@ -64,7 +66,8 @@ def pair_kv(nodes: Sequence[ir.Node], tensors: Mapping[str, _Facts]) -> list[tup
                     and (t := tensors.get(v.name)) is not None and t.is_graph_output
                     and not t.is_graph_input and t.name not in taken]
         for (past, pv), (present, qv) in zip(pasts, presents, strict=False):
-            if not _like(past, _declared(pv, past), present, _declared(qv, present)):
+            if not (_like(past, _declared(pv, past), present, _declared(qv, present))
+                    or _like(past, past.shape, present, present.shape)):
                 continue
             past.kv_peer, present.kv_peer = present.name, past.name
             taken.update((past.name, present.name))

@@ -37,6 +37,7 @@ from ..errors import HoOnnxError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo, analyse, subgraphs
 from ..graph.dims import require_dims
 from ..schedule.eligibility import OVERRIDABLE_REASON
+from ..schedule.kv import NO_KV_NOTE
 from ..schedule.lifetimes import resident_intervals, stored_peak_bytes
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import InfeasibleBudgetError, Plan
@@ -201,12 +202,13 @@ def _has_options(decider: Decider) -> bool:
 
 
 def branch_decider(decider: Decider, budget: int | None) -> Decider | None:
-    """``decider`` for one branch: its options with ``budget`` (where it has one) and the
-    KV cache left to the main graph; None for a decider whose options are unknown."""
+    """``decider`` for one branch: its options with ``budget`` (where it has one; ``kv``
+    kept: a merged decoder's cache is read in its past branch); None for a decider whose
+    options are unknown."""
     if not _has_options(decider):
         return None
     options = getattr(decider, "options")  # noqa: B009 (a Decider declares no options)
-    opts = dataclasses.replace(options, kv=False,
+    opts = dataclasses.replace(options,
                                **({"budget": budget} if options.budget is not None else {}))
     return dataclasses.replace(decider, options=opts)  # type: ignore[type-var]
 
@@ -407,6 +409,10 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
     offloaded = set().union(*(b.offloaded() for b in branches)) if branches else set()
     for n in offloaded:
         c.skipped.pop(n, None)
+    if any(b.decision.choice.inputs or b.decision.choice.outputs for b in branches
+           if b.decision is not None):  # a merged decoder's cache is in its past branch
+        for notes in [c.notes] + [b.decision.choice.notes for b in branches if b.decision]:
+            notes[:] = [n for n in notes if n != NO_KV_NOTE]
     for b in branches:
         assert b.decision is not None
         bc = b.decision.choice

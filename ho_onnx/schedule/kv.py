@@ -20,6 +20,10 @@ from .lifetimes import Sizes, TensorSizes
 from .options import OffloadOptions
 from .types import InputOffload, OffloadChoice, OutputOffload
 
+NO_KV_NOTE = ("kv: no KV cache found (no graph input whose reader produces a graph output like "
+              "it, grown along one axis): nothing of it moves; export the model with past "
+              "(Optimum's text-generation-with-past, the genai builder)")
+
 # Where each past KV reload is issued, given its reader: (reader, bytes) -> position.
 Window = Callable[[int, int], int]
 
@@ -89,8 +93,5 @@ def kv_choice(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, 
             choice.outputs.append(OutputOffload(name, nbytes, t.producer,
                                                 max(t.consumers, default=t.producer)))
     if not choice.inputs and not choice.outputs and not choice.skipped:
-        choice.notes.append("kv: no KV cache found (no graph input whose reader produces a "
-                            "graph output like it, grown along one axis): nothing of it moves; "
-                            "export the model with past (Optimum's text-generation-with-past, "
-                            "the genai builder)")
+        choice.notes.append(NO_KV_NOTE)
     return choice

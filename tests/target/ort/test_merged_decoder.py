@@ -165,3 +165,41 @@ def test_a_legacy_optimum_folder_is_optimized_by_its_merged_decoder(merged, tmp_
     assert r.exit_code == 0, r.output
     want = optimum_greedy(merged, PROMPT, 12)  # (no file_name: Optimum finds the merged one)
     assert optimum_greedy(out, PROMPT, 12, session_options=optimum_session_options(out)) == want
+
+
+def test_offload_kv_moves_the_cache_inside_the_past_branch(merged, tmp_path):
+    """``--offload-kv`` on a merged decoder: the past branch reloads every layer's past (keys
+    included: the branch declares a present key's head size as a symbol) and stores every
+    present; the step without past has none and says nothing of it. Range-planned: one
+    model at both ends and the middle of its past, greedy tokens and every output equal."""
+    out = tmp_path / "kv"
+    lines = _plan_lines(merged, "--offload-kv", "--offload", "all")
+    assert not any("no KV cache found" in line for line in lines), lines
+    layers = DEFAULT_CONFIG["layers"]
+    assert any(f"({2 * layers} past, {2 * layers} present" in line for line in lines), lines
+    out.mkdir()
+    for f in merged.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, out / f.name)
+    r = CliRunner().invoke(main, [
+        "optimize", str(merged / MERGED), str(out / MERGED), "--offload-kv", "--offload", "all",
+        "--min-bytes", "0",
+        "--dim", "batch_size=1", "--dim", "sequence_length=1..8",
+        "--dim", "past_sequence_length=0..64"])
+    assert r.exit_code == 0, r.output
+    m = onnx.load(str(out / MERGED), load_external_data=False)
+    ops = {a.name: [n.op_type for n in a.g.node if n.domain == contract.DOMAIN]
+           for a in m.graph.node[0].attribute}
+    assert sum(ops[b].count(contract.PREFETCH_INPUT) for b in ops) == 2 * layers, ops
+    want = optimum_greedy(merged, PROMPT, 20, file_name=MERGED)
+    got = optimum_greedy(out, PROMPT, 20, file_name=MERGED,
+                         session_options=optimum_session_options(out))
+    assert got == want
+    _same_steps(merged, out, steps=6)
+
+
+def _plan_lines(merged, *args: str) -> list[str]:
+    r = CliRunner().invoke(main, ["plan", str(merged / MERGED), "--budget", "64MiB", *args,
+                                  *(x for k, v in DIMS.items() for x in ("--dim", f"{k}={v}"))])
+    assert r.exit_code == 0, r.output
+    return r.output.splitlines()
