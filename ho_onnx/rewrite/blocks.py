@@ -392,7 +392,7 @@ def choose_blocks(analysis: GraphAnalysis, planner: Decider, dims: Mapping[str, 
     why = f"the largest in {best.k} blocks: predicted {best.text()} (against {others})"
     return reanalyse(analysis.model), [WeightSplit(
         s.weight, s.nbytes, blocks.get(s.weight, ()), why if s.weight in blocks else
-        "kept whole: under one block's size") for s in tried] + said
+        "kept whole: under one block's size", s.rows) for s in tried] + said
 
 
 def _declines(analysis: GraphAnalysis, dims: Mapping[str, int], declined: Mapping[str, str],

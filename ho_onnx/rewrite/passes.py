@@ -44,6 +44,7 @@ from ..graph.analyse import GraphAnalysis, TypeSource, analyse, tool_proto
 from ..graph.check import contrib_ops
 from ..graph.dims import DimRanges, bind_ranges, format_ranges, ranged_inputs, require_dims
 from ..graph.save import OutputFiles, stamp_data_files, to_written_proto
+from ..schedule.lifetimes import host_bytes
 from ..schedule.options import OffloadOptions
 from ..schedule.types import Decider, Decision, RunFacts
 from ..target.ort.arena import ORT
@@ -175,8 +176,10 @@ class DecidePass(ir.passes.InPlacePass):
                       for d in t.symbolic_dims()), self.dims, model=model)
         prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
         decider = self.decider if prepare is None else prepare(self.run)
-        model.meta[DECISION] = decider.decide(analysis, self.dims)
-        model.meta[DECISION].choice.splits = list(model.meta.get(SPLITS, ()))
+        decision = model.meta[DECISION] = decider.decide(analysis, self.dims)
+        decision.choice.splits = list(model.meta.get(SPLITS, ()))
+        if decision.choice.splits and isinstance(getattr(decision, "host_bytes", None), int):
+            decision.host_bytes = host_bytes(decision.choice)  # (a table's blocks share it)
         return ir.passes.PassResult(model, modified=False)
 
 

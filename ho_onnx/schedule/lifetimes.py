@@ -184,8 +184,14 @@ def stored_intervals(activations: Iterable[ActivationOffload]) -> list[Interval]
 
 def host_bytes(choice: OffloadChoice) -> int:
     """Peak bytes the slow tier holds: weights of the tiers in host memory plus the stored
-    peak."""
-    return sum(w.nbytes for w in choice.weights if kinds.tier(w.tier).in_host_memory) + \
+    peak. Row blocks of a table the host store also holds whole (a tied embedding split for
+    its lm_head) are ranges of its copy, counted once, but for a block whose Prefetch comes
+    first in the graph (ORT makes the kernels, so the host copies, in the graph's order)."""
+    held = {w.name: w for w in choice.weights if kinds.tier(w.tier).in_host_memory}
+    shared = {b for s in choice.splits if s.rows and s.name in held for b in s.blocks
+              if b in held and min(held[b].prefetch_at, default=0) > min(
+                  (*held[s.name].prefetch_at, *held[s.name].row_readers), default=0)}
+    return sum(w.nbytes for n, w in held.items() if n not in shared) + \
         stored_peak_bytes(choice)
 
 

@@ -129,6 +129,10 @@ class WeightSplit:
     nbytes: int
     blocks: tuple[str, ...]
     reason: str
+    # The blocks are ranges of the weight's own bytes (row blocks of a transposed read): an
+    # offloaded table of it (a tied embedding's, gathered by rows) holds them in the host
+    # store once, not twice.
+    rows: bool = False
 
 
 @dataclass

@@ -299,3 +299,19 @@ def test_a_tied_tables_row_blocks_share_its_host_copy(tmp_path):
     assert counters()["host_store_bytes"] - before == N * K * 4 + early  # (was twice the table)
     feeds = {"ids": np.array([1, 2, N - 1, 0])}
     np.testing.assert_array_equal(sess.run(None, feeds)[0], _run(src, feeds, False))
+
+
+def test_host_bytes_count_a_tied_tables_row_blocks_as_the_library_holds_them(tmp_path):
+    """The plan's host_bytes is what the host store holds: the table once, its row blocks
+    loaded after it inside its copy, those loaded before it on their own (was: table and
+    every block, twice the table)."""
+    from ho_onnx import counters
+
+    src = _save(tmp_path, TIED, W=(N, K))
+    out = tmp_path / "o.onnx"
+    r = optimize(src, out, OffloadOptions(budget=N * K * 2, min_bytes=0, activations=False),
+                 {"M": 4})
+    before = counters()["host_store_bytes"]
+    sess = InferenceSession(out)
+    assert r.plan is not None and sess is not None
+    assert r.plan.host_bytes == counters()["host_store_bytes"] - before
