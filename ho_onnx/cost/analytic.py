@@ -259,10 +259,21 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
     return float(flops or 0.0), bytes_moved
 
 
-def node_time(machine: Machine, flops: float, nbytes: float) -> float:
-    """Roofline seconds of one node: ``max(compute, memory) + launch overhead``."""
+def node_time(machine: Machine, flops: float, nbytes: float, movement: bool = False) -> float:
+    """Roofline seconds of one node: ``max(compute, memory) + launch overhead``; the bytes of
+    a data-movement op (``movement``) at the machine's movement rate."""
+    bw = machine.movement_bw if movement else machine.mem_bw
     return max(flops / (machine.peak_flops * machine.efficiency),
-               nbytes / machine.mem_bw) + machine.launch_overhead_s
+               nbytes / bw) + machine.launch_overhead_s
+
+
+def node_seconds(machine: Machine, analysis: GraphAnalysis, pos: int,
+                 dims: Mapping[str, int] | None = None,
+                 sizes: dict[str, int] | None = None) -> float:
+    """:func:`node_time` of the node at ``pos`` (:func:`node_flops_bytes`, its family)."""
+    op = analysis.node_at(pos).op_type
+    return node_time(machine, *node_flops_bytes(analysis, pos, dims, sizes),
+                     movement=op in _MOVEMENT_OPS or op in _GATHER_OPS)
 
 
 @gc_paused()
@@ -272,6 +283,6 @@ def analytic_costs(analysis: GraphAnalysis, machine: Machine,
     nodes ORT never runs (Constant) cost 0."""
     sizes: dict[str, int] = {}
     secs = np.array([0.0 if never_runs(analysis.node_at(pos))
-                     else node_time(machine, *node_flops_bytes(analysis, pos, dims, sizes))
+                     else node_seconds(machine, analysis, pos, dims, sizes)
                      for pos in range(len(analysis.order))], dtype=np.float64)
     return NodeCosts(secs, "analytic", 1.0)

@@ -14,7 +14,7 @@ from ..contract import ALL_OPS, GATHER_ROWS
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.facts import never_runs
 from ..target.ort.profile import read_profile
-from .analytic import analytic_costs, node_flops_bytes, node_time
+from .analytic import analytic_costs, node_seconds
 from .machine import MACHINES, Machine
 from .model import NodeCosts
 
@@ -179,8 +179,7 @@ def _fill_unmatched(analysis: GraphAnalysis, prof: Mapping[str, Any], secs: np.n
         prov = str(prof.get("provider", ""))
         machine = MACHINES["h100" if prov.startswith("CUDA") else "cpu"]
     use_dims = dict(prof.get("dims") or {}) if dims is None else dims
-    est = np.array([node_time(machine, *node_flops_bytes(analysis, int(p), use_dims))
-                    for p in unmatched])
+    est = np.array([node_seconds(machine, analysis, int(p), use_dims) for p in unmatched])
     if pool <= 0:
         secs[unmatched] = est
         return [f"{len(unmatched)} nodes not in the profile: analytic estimate"]

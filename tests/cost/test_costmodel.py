@@ -227,6 +227,31 @@ def test_roofline():
     assert analytic_costs(big, MACHINES["h100"]).total < tb / 100
 
 
+def test_movement_ops_at_the_movement_rate():
+    """A Concat (a KV cache's) moves its bytes at ``move_bw`` where a machine has one, a
+    MatMul reads at ``mem_bw``; without one both at ``mem_bw`` (the presets)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("Concat", ["p", "n"], ["c"], axis=2),
+         helper.make_node("MatMul", ["c", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 8, 1024, 64]),
+         helper.make_tensor_value_info("n", TensorProto.FLOAT, [1, 8, 1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.ones((64, 64), np.float32), "w")])
+    a = analyse(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    cpu = MACHINES["cpu"]
+    assert cpu.move_bw == 0 and cpu.movement_bw == cpu.mem_bw
+    slow = cpu.with_overrides(move_bw=cpu.mem_bw / 4)
+    base, moved = analytic_costs(a, cpu).seconds, analytic_costs(a, slow).seconds
+    _, cat_bytes = node_flops_bytes(a, 0)
+    assert moved[0] == pytest.approx(cat_bytes / slow.move_bw + cpu.launch_overhead_s)
+    assert moved[0] > 3 * (base[0] - cpu.launch_overhead_s) and moved[1] == base[1]
+    with pytest.raises(ValueError, match="move_bw"):
+        cpu.with_overrides(move_bw=5)  # (0 or a real rate)
+
+
 # ---- profiles ------------------------------------------------------------------------
 
 DIMS = {"batch": 2, "seq": 16}

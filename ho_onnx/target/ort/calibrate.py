@@ -233,8 +233,10 @@ def _graph(nodes: list[onnx.NodeProto], inputs: dict[str, list[int]], output: st
 def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]:
     """ONNX Runtime's CPU EP rates as machine fields: ``peak_flops`` (a 512x1024x1024 fp32
     MatMul; ``efficiency`` 1: the rate is what ORT reaches), ``mem_bw`` (a one-row MatMul
-    over a 64 MiB weight: the bytes per second a decode step reads its weights at) and
-    ``launch_overhead_s`` (per node of a chain of 200 tiny Adds, less a chain of one)."""
+    over a 64 MiB weight: the bytes per second a decode step reads its weights at),
+    ``move_bw`` (a KV cache's ``Concat(past, new)`` of 8 MiB: bytes read and written per
+    second, the rate of the data-movement ops) and ``launch_overhead_s`` (per node of a chain
+    of 200 tiny Adds, less a chain of one)."""
     rng = np.random.default_rng(0)
     m, k, n = 512, 1024, 1024
     mm = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [m, k], "b": [k, n]}, "c")
@@ -244,6 +246,11 @@ def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]
     mv = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [1, k], "b": [k, n]}, "c")
     feeds = {"a": rng.random((1, k), np.float32), "b": rng.random((k, n), np.float32)}
     bw = 4.0 * k * n / _best_run(mv, feeds, threads, repeats)
+    past, new = [1, 8, 4096, 64], [1, 8, 1, 64]
+    cat = _graph([helper.make_node("Concat", ["p", "n"], ["c"], axis=2)], {"p": past, "n": new},
+                 "c")
+    feeds = {"p": rng.random(past, np.float32), "n": rng.random(new, np.float32)}
+    move = 4.0 * 2 * (np.prod(past) + np.prod(new)) / _best_run(cat, feeds, threads, repeats)
     one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
 
     def chain(length: int) -> float:
@@ -252,7 +259,7 @@ def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]
                          {"x0": np.ones(16, np.float32)}, threads, repeats)
 
     per_node = max(0.0, (chain(200) - chain(1)) / 199)
-    return {"peak_flops": flops, "efficiency": 1.0, "mem_bw": bw,
+    return {"peak_flops": flops, "efficiency": 1.0, "mem_bw": bw, "move_bw": float(move),
             "launch_overhead_s": per_node}
 
 
@@ -289,7 +296,8 @@ def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cp
         bw = measure_host_copy()
         result.update({"h2d_bw": bw, "d2h_bw": bw, "h2d_source": "host memcpy"})
         if base == "cpu":  # (a GPU preset's compute is the GPU's, not this CPU's)
-            say("measuring ONNX Runtime's CPU EP: a MatMul, a one-row MatMul, a node chain")
+            say("measuring ONNX Runtime's CPU EP: a MatMul, a one-row MatMul, a cache Concat, "
+                "a node chain")
             result.update(measure_cpu_compute())
             result["compute_source"] = "onnxruntime CPU EP, default threads"
     if out_json is not None:
