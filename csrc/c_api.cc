@@ -104,6 +104,8 @@ const CounterDef kCounters[] = {
     HO_COUNTER(bytes_gated),
     HO_COUNTER(bytes_gathered),
     HO_COUNTER(bytes_read_disk),
+    HO_COUNTER(disk_staging_bytes),
+    HO_COUNTER(disk_staging_peak),
     HO_COUNTER(disk_read_ns),
     HO_COUNTER(disk_direct_reads),
     HO_COUNTER(disk_buffered_reads),
@@ -212,6 +214,7 @@ void HoOnnx_ResetCounters(void) {
   c.bytes_gated = 0;
   c.bytes_gathered = 0;
   c.bytes_read_disk = 0;
+  c.disk_staging_peak = c.disk_staging_bytes.load();  // (a gauge and its peak from now)
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;
   c.disk_buffered_reads = 0;

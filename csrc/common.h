@@ -48,6 +48,10 @@ struct Counters {
   // Gated Prefetches whose gate was empty (experts no token was routed to), and their bytes.
   std::atomic<uint64_t> gated_skips{0};
   std::atomic<uint64_t> bytes_gated{0};
+  // The disk tier's staging on the CPU EP: bytes of reads in flight (read, not yet copied
+  // out by their Wait) now, and the most at once (reset with the counters).
+  std::atomic<uint64_t> disk_staging_bytes{0};
+  std::atomic<uint64_t> disk_staging_peak{0};
   std::atomic<uint64_t> bytes_gathered{0};  // GatherRows: table rows copied out
   // Disk tier: payload bytes read from data files (also counted in bytes_loaded), the time
   // at least one disk read was in flight, and the reads done with / without O_DIRECT.

@@ -106,7 +106,13 @@ class CpuStored final : public StoredTensor {
 class DiskTransfer {
  public:
   DiskTransfer(std::unique_ptr<PoolBuffer> staging, size_t pad, size_t parts)
-      : staging_(std::move(staging)), pad_(pad), remaining_(parts) {}
+      : staging_(std::move(staging)), pad_(pad), remaining_(parts) {
+    const uint64_t now = counters().disk_staging_bytes += staging_->size();
+    uint64_t peak = counters().disk_staging_peak.load();
+    while (now > peak && !counters().disk_staging_peak.compare_exchange_weak(peak, now)) {
+    }
+  }
+  ~DiskTransfer() { counters().disk_staging_bytes -= staging_->size(); }
   DiskTransfer(const DiskTransfer&) = delete;
   DiskTransfer& operator=(const DiskTransfer&) = delete;
 
@@ -173,7 +179,7 @@ class CpuEngine final : public Engine {
  public:
   explicit CpuEngine(const EngineLimits& limits)
       : pool_(std::make_shared<HostPool>(limits.host_pool_limit, "ho_onnx.host_pool_limit_bytes")),
-        staging_(std::make_shared<HostPool>(0, "", kStagingAlign, false)) {
+        staging_(std::make_shared<HostPool>(0, "", kStagingAlign, false, false)) {
     std::random_device rd;
     rng_.seed((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
               static_cast<uint64_t>(

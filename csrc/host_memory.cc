@@ -1,6 +1,7 @@
 #include "host_memory.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,11 +54,24 @@ class SliceBlob final : public HostBlob {
 }  // namespace
 
 HostBytes::HostBytes(size_t size, size_t align) : size_(size), align_(align) {
-  if (size_ != 0) data_ = ::operator new(size_, std::align_val_t(align_));
+  if (size_ == 0) return;
+  if (size_ >= kMappedBytes && align_ <= 4096) {
+    void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    data_ = p;
+    mapped_ = true;
+    return;
+  }
+  data_ = ::operator new(size_, std::align_val_t(align_));
 }
 
 HostBytes::~HostBytes() {
-  if (data_ != nullptr) ::operator delete(data_, std::align_val_t(align_));
+  if (data_ == nullptr) return;
+  if (mapped_) {
+    ::munmap(data_, size_);
+  } else {
+    ::operator delete(data_, std::align_val_t(align_));
+  }
 }
 
 std::shared_ptr<const HostBlob> HostStore::load(const WeightSource& src,
@@ -130,8 +144,13 @@ PoolBuffer::~PoolBuffer() {
   pool_->release(std::move(bytes_));
 }
 
-HostPool::HostPool(uint64_t limit, std::string limit_name, size_t align, bool counted)
-    : limit_(limit), limit_name_(std::move(limit_name)), align_(align), counted_(counted) {}
+HostPool::HostPool(uint64_t limit, std::string limit_name, size_t align, bool counted,
+                   bool keep_idle)
+    : limit_(limit),
+      limit_name_(std::move(limit_name)),
+      keep_idle_(keep_idle),
+      align_(align),
+      counted_(counted) {}
 
 HostPool::~HostPool() {
   if (!counted_) return;
@@ -224,6 +243,10 @@ void HostPool::release(std::unique_ptr<HostBytes> bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   const size_t size = bytes->size();
   in_use_ -= size;
+  if (!keep_idle_) {
+    dropped.push_back(std::move(bytes));  // (freed outside the lock)
+    return;
+  }
   lru_.push_back(Free{size, std::move(bytes)});
   free_.emplace(size, std::prev(lru_.end()));
   free_bytes_ += size;

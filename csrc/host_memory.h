@@ -17,7 +17,10 @@
 
 namespace ho {
 
-// Aligned host allocation (64 bytes unless asked otherwise).
+// Aligned host allocation (64 bytes unless asked otherwise). From kMappedBytes on (and an
+// alignment within a page) the bytes are an anonymous mapping of their own, unmapped when
+// freed: they go back to the system at once, whatever the C library's allocator keeps (its
+// heap keeps freed blocks under its moving mmap threshold, up to 32 MiB each).
 class HostBytes {
  public:
   explicit HostBytes(size_t size, size_t align = 64);
@@ -27,10 +30,13 @@ class HostBytes {
   void* data() const { return data_; }
   size_t size() const { return size_; }
 
+  static constexpr size_t kMappedBytes = size_t{1} << 20;
+
  private:
   void* data_ = nullptr;
   size_t size_ = 0;
   size_t align_ = 64;
+  bool mapped_ = false;
 };
 
 class WeightSource;
@@ -98,7 +104,10 @@ class PoolBuffer {
 // size ever served stayed, 662 MiB idle after runs of 512 lengths that stored 17 MiB each).
 class HostPool : public std::enable_shared_from_this<HostPool> {
  public:
-  HostPool(uint64_t limit, std::string limit_name, size_t align = 64, bool counted = true);
+  // `keep_idle` false: a buffer given back is freed at once (the disk tier's staging, whose
+  // bytes the plan counts only while a read is in flight).
+  HostPool(uint64_t limit, std::string limit_name, size_t align = 64, bool counted = true,
+           bool keep_idle = true);
   ~HostPool();
   std::unique_ptr<PoolBuffer> acquire(size_t size);
   uint64_t in_use() const;
@@ -121,6 +130,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
 
   const uint64_t limit_;
   const std::string limit_name_;
+  const bool keep_idle_;
   const size_t align_;
   const bool counted_;  // reported in the host_pool_* counters
   mutable std::mutex mu_;

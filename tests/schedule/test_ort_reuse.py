@@ -49,6 +49,10 @@ def test_a_reused_buffer_is_held_across_the_gap():
         (2 * MIB, 2, 3), (2 * MIB, 3, 4)]
 
 
+# (Each session its own arena, cpu_arena="ort": ho-onnx's shared one is the process's, whose
+# MaxInUse is every earlier session's too. The allocation plan replayed is the same.)
+
+
 def test_replay_matches_the_arena_ort_reports(tmp_path):
     """The replay's peak (the buffers ORT allocates; W's copy now among them) is what ORT's
     CPU arena reports as MaxInUse; the tensor count falls short of it by at least 1 MiB."""
@@ -65,7 +69,8 @@ def test_replay_matches_the_arena_ort_reports(tmp_path):
     so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
     so.enable_mem_pattern = False
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    s = runtime.InferenceSession(str(out), sess_options=so, providers=["CPUExecutionProvider"])
+    s = runtime.InferenceSession(str(out), sess_options=so, cpu_arena="ort",
+                                 providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
     _ops.set_trace(arena_trace=True)
     try:
@@ -88,7 +93,8 @@ def _max_in_use_over_runs(path, runs: int, **kw) -> list[int]:
     helper (``kw``: its options)."""
     so = ort.SessionOptions()
     so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
-    s = runtime.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"],
+    s = runtime.InferenceSession(str(path), sess_options=so, cpu_arena="ort",
+                                 providers=["CPUExecutionProvider"],
                                  **kw)
     x = np.ones((512, 512), np.float32)
     seen = []
@@ -131,7 +137,8 @@ def _sampling_session(tmp_path):
     optimize(src, out, OffloadOptions(activations=False, min_bytes=0))
     so = ort.SessionOptions()
     so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
-    s = runtime.InferenceSession(str(out), sess_options=so, providers=["CPUExecutionProvider"])
+    s = runtime.InferenceSession(str(out), sess_options=so, cpu_arena="ort",
+                                 providers=["CPUExecutionProvider"])
     return s, np.ones((512, 512), np.float32)
 
 
@@ -161,7 +168,8 @@ def _measured_arena(path, feeds) -> tuple[int | None, list[np.ndarray]]:
     so.enable_mem_pattern = False
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.add_session_config_entry("session.disable_prepacking", "1")  # (as in the plain run)
-    s = runtime.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+    s = runtime.InferenceSession(str(path), sess_options=so, cpu_arena="ort",
+                                 providers=["CPUExecutionProvider"])
     _ops.set_trace(arena_trace=True)
     try:
         _ops.arena_trace()

@@ -9,6 +9,7 @@ imported before ORT loads it, so both see the same process-wide state.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import onnxruntime as ort
@@ -59,6 +60,7 @@ def session_options(
     *,
     model_dir: str | os.PathLike[str] | None = None,
     memory_patterns: bool = False,
+    cpu_arena: str = "as_requested",
 ) -> ort.SessionOptions:
     """Session options that load the ho-onnx ops.
 
@@ -72,7 +74,14 @@ def session_options(
     block allocated beside the arena's chunks, which the planner's budget does not count
     (measured on an H100: +0.55 GiB of device memory for a 24-layer decoder at 2,048 tokens,
     latency within 3 %; docs/benchmarks.md).
+    ``cpu_arena``: ``"as_requested"`` (default) gives the session ORT's CPU arena grown by
+    what is requested (one arena of the process, registered once: :func:`cpu_arena_shared`),
+    not by powers of two, which reserved twice its peak on a disk-tier plan (257 MiB for 129
+    in use); ``"ort"`` leaves ORT's own per-session arena. A ``base`` that sets
+    ``session.use_env_allocators`` itself is left as it is.
     """
+    if cpu_arena not in ("as_requested", "ort"):
+        raise ValueError(f"cpu_arena must be 'as_requested' or 'ort', got {cpu_arena!r}")
     if execution_order not in _ORDERS:
         raise ValueError(
             f"execution_order must be one of {sorted(_ORDERS)}, got {execution_order!r}"
@@ -87,11 +96,46 @@ def session_options(
     elif base is None:
         so.execution_order = _ORDERS["default"]
     so.enable_mem_pattern = memory_patterns
+    if cpu_arena == "as_requested" and not _config(so, _USE_ENV_ALLOCATORS) \
+            and cpu_arena_shared():
+        so.add_session_config_entry(_USE_ENV_ALLOCATORS, "1")
     if model_dir is not None:
         so.add_session_config_entry(CONFIG_MODEL_DIR, os.path.abspath(os.fspath(model_dir)))
     # The config entry must be set before registering: the library reads it then.
     so.register_custom_ops_library(library_path())
     return so
+
+
+_USE_ENV_ALLOCATORS = "session.use_env_allocators"
+
+
+def _config(so: ort.SessionOptions, key: str) -> str:
+    """``so``'s config entry ``key``, "" when unset (ORT raises for a missing key)."""
+    try:
+        return so.get_session_config_entry(key)
+    except RuntimeError:
+        return ""
+
+_ENV_ARENA_LOCK = threading.Lock()
+_ENV_ARENA: list[bool] = []  # [registered] once tried
+
+
+def cpu_arena_shared() -> bool:
+    """Register, once per process, ORT's CPU arena grown by what is requested
+    (``arena_extend_strategy`` 1, kSameAsRequested) as the environment's CPU allocator, which
+    sessions with ``session.use_env_allocators`` = 1 use instead of their own (grown by powers
+    of two). False where ORT refuses it (another CPU allocator registered by the caller: the
+    sessions then keep their own arenas)."""
+    with _ENV_ARENA_LOCK:
+        if not _ENV_ARENA:
+            try:
+                info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                         ort.OrtMemType.DEFAULT)
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
+                _ENV_ARENA.append(True)
+            except Exception:  # (ORT raises its own types; never fail a session for it)
+                _ENV_ARENA.append(False)
+        return _ENV_ARENA[0]
 
 
 _COPIED = (
@@ -225,6 +269,7 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     model_dir: str | os.PathLike[str] | None = None,
     device_limit: int | None = None,
     memory_patterns: bool = False,
+    cpu_arena: str = "as_requested",
     **kw: Any,
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` that runs ho-onnx's cache operators.
@@ -233,14 +278,16 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     bytes; bytes with offloaded weights need ``model_dir``, the folder their data files are
     in (or ``ho_onnx.model_dir`` in ``sess_options``). Under the CUDA EP the arena grows by
     what is requested, not by powers of two, and ``device_limit`` (bytes) caps it
-    (:func:`cuda_arena_options`). ORT's memory patterns are off unless ``memory_patterns``
+    (:func:`cuda_arena_options`). ORT's memory patterns are off unless ``memory_patterns``,
+    and the CPU arena grows by what is requested unless ``cpu_arena`` is ``"ort"``
     (:func:`session_options`).
     """
     model_path = None if isinstance(path, bytes) else path
     if isinstance(path, bytes) and model_dir is None and not _has_model_dir(sess_options):
         _refuse_offloaded_weights(path)
     so = session_options(model_path, base=sess_options, execution_order=execution_order,
-                         model_dir=model_dir, memory_patterns=memory_patterns)
+                         model_dir=model_dir, memory_patterns=memory_patterns,
+                         cpu_arena=cpu_arena)
     model = path if isinstance(path, bytes) else os.fspath(path)
     return ort.InferenceSession(
         model, sess_options=so,

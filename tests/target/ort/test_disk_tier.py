@@ -116,6 +116,15 @@ def test_disk_weight_exact_and_counted(tmp_path, n, offset, tail, order):
         assert c["host_store_bytes"] == store0
     assert c["disk_read_ns"] > 0
     assert c["disk_direct_reads"] + c["disk_buffered_reads"] >= 6
+    # Staging holds a read only while it is in flight: nothing between runs (was: kept idle,
+    # up to a run's worth), at most the two reads the schedule overlaps during one. (Its
+    # last reference may be the I/O thread's job, dropped a moment after the Wait.)
+    deadline = time.monotonic() + 5
+    while _c()["disk_staging_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    c = _c()
+    assert c["disk_staging_bytes"] == 0
+    assert 4 * n <= c["disk_staging_peak"] <= 2 * 4 * n + 2 * 4096
 
 
 def test_disk_tier_reads_the_file_every_run_host_tier_does_not(tmp_path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -364,8 +366,8 @@ def test_wait_samples_the_cpu_arena(tmp_path):
     if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 23):
         pytest.skip("AllocatorGetStats needs onnxruntime >= 1.23")
     big, small = 2 << 20, 1 << 10  # elements: an 8 MiB and a 4 KiB weight
-    for n in (big, small):
-        sess = runtime.InferenceSession(_one_weight_model(tmp_path, n),
+    for n in (big, small):  # (each session's own arena: the shared one is the process's)
+        sess = runtime.InferenceSession(_one_weight_model(tmp_path, n), cpu_arena="ort",
                                         sess_options=_sampling_options(True))
         x = np.ones(n, np.float32)
         out = sess.run(None, {"x": x})[0]
@@ -380,6 +382,36 @@ def test_wait_samples_the_cpu_arena(tmp_path):
             # sampled at this session's Wait, not left over from the big one
             assert in_use < 4 * big, in_use
         del sess
+
+
+def test_the_shared_cpu_arena_grows_by_what_is_requested(tmp_path):
+    """ho-onnx's sessions share one CPU arena grown by what is requested: it holds what was in
+    use, where ORT's own arena (grown by powers of two) holds more. Each in a fresh process
+    (the shared arena is the process's). Both exact."""
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 23):
+        pytest.skip("AllocatorGetStats needs onnxruntime >= 1.23")
+    model = _one_weight_model(tmp_path, 3 << 20)  # a 12 MiB weight
+    code = (
+        "import sys, numpy as np; from ho_onnx.target.ort import runtime as r; "
+        "import onnxruntime as ort; so = ort.SessionOptions(); "
+        "so.add_session_config_entry('ho_onnx.sample_arena', '1'); "
+        f"s = r.InferenceSession({str(model)!r}, cpu_arena=sys.argv[1], sess_options=so); "
+        "n = 3 << 20; out = s.run(None, {'x': np.ones(n, np.float32)})[0]; "
+        "assert (out == np.arange(n, dtype=np.float32) + 1).all(); c = r.counters(); "
+        "print(r._config(s.get_session_options(), 'session.use_env_allocators') or '0', "
+        "c['ort_arena_max_in_use'], c['ort_arena_total_allocated'])")
+    got = {}
+    for arena in ("ort", "as_requested"):
+        p = subprocess.run([sys.executable, "-c", code, arena], capture_output=True, text=True,
+                           check=True)
+        env, peak, total = p.stdout.split()
+        got[arena] = (env, int(peak), int(total))
+    assert got["as_requested"][0] == "1" and got["ort"][0] == "0", got
+    _, peak, total = got["as_requested"]
+    assert peak <= total <= peak + (1 << 20), got  # (within a MiB of what was in use)
+    assert got["ort"][2] >= total + (2 << 20), got  # (16 MiB for 12: a power of two)
+    with pytest.raises(ValueError, match="cpu_arena"):
+        runtime.session_options(None, cpu_arena="big")
 
 
 def test_arena_is_not_sampled_by_default(tmp_path):
