@@ -155,6 +155,9 @@ struct Pending {
   std::shared_ptr<CpuStored> stored;       // a stored activation
   std::shared_ptr<DiskTransfer> disk;      // a streamed tier (disk)
   const void* input = nullptr;             // a graph input of the run (read by its Wait)
+  // A routed transfer: only these slices of `blob` (each slice_bytes) are copied.
+  size_t slice_bytes = 0;
+  std::vector<uint32_t> slices;
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
   void abandon() {}
@@ -204,6 +207,18 @@ class CpuEngine final : public Engine {
     Pending p;
     p.bytes = bytes;
     p.blob = blob;  // the host store's bytes: the Wait copies them, nothing runs meanwhile
+    add_pending(dst, std::move(p), ctx);
+  }
+
+  void prefetch_weight_slices(const std::shared_ptr<const HostBlob>& blob, size_t slice_bytes,
+                              std::vector<uint32_t> slices, void* dst,
+                              const ExecContext& ctx) override {
+    counters().prefetches += 1;
+    Pending p;
+    p.bytes = blob->size();
+    p.blob = blob;
+    p.slice_bytes = slice_bytes;
+    p.slices = std::move(slices);
     add_pending(dst, std::move(p), ctx);
   }
 
@@ -349,7 +364,13 @@ class CpuEngine final : public Engine {
     if (!error.empty()) fail(ORT_FAIL, "transfer failed: " + error);
     // skip_wait (tests): the consumers see what the Prefetch left (poison, if set).
     if (faults::skip_wait()) return;
-    if (bytes != 0) {
+    if (bytes != 0 && p.slice_bytes != 0) {  // routed: the selected experts' slices only
+      for (uint32_t i : p.slices) {
+        const size_t off = static_cast<size_t>(i) * p.slice_bytes;
+        copy_in_compute(ctx, static_cast<char*>(out) + off, src + off, p.slice_bytes);
+      }
+      counters().bytes_loaded += p.slices.size() * p.slice_bytes;
+    } else if (bytes != 0) {
       copy_in_compute(ctx, out, src, bytes);
       counters().bytes_loaded += bytes;
     }
