@@ -309,5 +309,6 @@ class Routed:
         gates = tuple(self.gates.get((name, u), "") for u in uses)
         if not any(gates):
             return (), 1.0, (0,) * len(uses)
-        after = tuple(0 if not g else (analysis.tensors[g].producer or 0) + 1 for g in gates)
+        after = tuple(0 if not g or (p := analysis.tensors[g].producer) is None else p + 1
+                      for g in gates)  # (a gate that is a graph input: from the start)
         return gates, self.fraction.get(name, 1.0), after
