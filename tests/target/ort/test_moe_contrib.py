@@ -155,73 +155,104 @@ def test_non_finite_router_matches_the_op(built):
             np.testing.assert_array_equal(a, b)
 
 
-def _router_input_model(path: Path, quant: bool) -> Path:
-    """One MoE/QMoE node whose router is a graph input ``r`` [N, E] (ties, hostile values
-    fed directly)."""
+def _router_input_model(path: Path, quant: bool, dtype: type = np.float32) -> Path:
+    """One MoE/QMoE node (its activations and router of ``dtype``) whose router is a graph
+    input ``r`` [N, E] (ties, hostile values fed directly)."""
     rng = np.random.default_rng(1)
-    fc1 = rng.normal(0, 0.1, (E, 2 * 16, HIDDEN)).astype(np.float32)
-    fc2 = rng.normal(0, 0.1, (E, HIDDEN, 16)).astype(np.float32)
+    t = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    fc1 = rng.normal(0, 0.1, (E, 2 * 16, HIDDEN)).astype(dtype)
+    fc2 = rng.normal(0, 0.1, (E, HIDDEN, 16)).astype(dtype)
     inits = [numpy_helper.from_array(fc1, "fc1"), numpy_helper.from_array(fc2, "fc2")]
     ins = ["x", "r", "fc1", "", "fc2"]
     attrs = {"k": K, "activation_type": "swiglu", "swiglu_fusion": 1}
     if quant:  # (any 8-bit codes: the test compares with the op itself)
         inits = [numpy_helper.from_array(rng.integers(0, 255, (E, 32, HIDDEN), np.uint8), "fc1"),
-                 numpy_helper.from_array(np.full((E, 32), 0.01, np.float32), "s1"),
+                 numpy_helper.from_array(np.full((E, 32), 0.01, dtype), "s1"),
                  numpy_helper.from_array(rng.integers(0, 255, (E, HIDDEN, 16), np.uint8), "fc2"),
-                 numpy_helper.from_array(np.full((E, HIDDEN), 0.01, np.float32), "s2")]
+                 numpy_helper.from_array(np.full((E, HIDDEN), 0.01, dtype), "s2")]
         ins, attrs = ["x", "r", "fc1", "s1", "", "fc2", "s2"], attrs | {"expert_weight_bits": 8}
     node = helper.make_node("QMoE" if quant else "MoE", ins, ["y"], domain="com.microsoft",
                             **attrs)
     graph = helper.make_graph(
-        [node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", HIDDEN]),
-                        helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", E])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", HIDDEN])], inits)
+        [node], "moe", [helper.make_tensor_value_info("x", t, ["N", HIDDEN]),
+                        helper.make_tensor_value_info("r", t, ["N", E])],
+        [helper.make_tensor_value_info("y", t, ["N", HIDDEN])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     onnx.save(model, path, save_as_external_data=True, size_threshold=0,
               location=path.name + ".data")
-    return path
-
-
-@pytest.mark.parametrize("quant", [False, True], ids=["MoE", "QMoE"])
-def test_ties_and_hostile_router_values(tmp_path, quant):
-    """Rows of equal values (the op's partial sort gives a tie to the larger index), huge
-    gaps (probabilities that underflow to 0), NaN rows: bit-exact with poisoned outputs and
-    exactly the selected slices moved; a router of another width or rank (its declared
-    shape loosened) is refused by the Prefetch with an error naming both, never read out of
-    bounds."""
-    src = _router_input_model(tmp_path / "src.onnx", quant)
-    out = tmp_path / "ho" / "model.onnx"
+    out = path.parent / "ho" / "model.onnx"
     out.parent.mkdir()
-    optimize(src, out, ALL, {}, dim_ranges={"N": (1, 16)})
+    optimize(path, out, ALL, {}, dim_ranges={"N": (1, 16)})
+    return out
+
+
+def _poisoned(session: Any, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, int]:
+    """(output, bytes loaded) of a run whose Prefetch outputs start as 0xFF (NaN)."""
+    try:
+        native_util.testing_ops().set_debug(poison=True)
+        reset_counters()
+        got = session.run(None, feeds)[0]
+        return got, counters()["bytes_loaded"]
+    finally:
+        native_util.testing_ops().set_debug()
+
+
+ROWS = {"ties": np.full((4, E), 3.0),
+        "pairs": np.tile(np.array([0, 5, 5, 1, 5, 0, 2, 5]), (4, 1)),
+        "gaps": np.tile(np.array([0, 100, -200, -300, 90, 1, 2, 3]), (4, 1)),
+        "nan": np.where(np.eye(4, E, dtype=bool), np.nan, 1.0)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float", "float16"])
+@pytest.mark.parametrize("quant", [False, True], ids=["MoE", "QMoE"])
+def test_ties_and_hostile_router_values(tmp_path, quant, dtype):
+    """Rows of equal values (the op's partial sort gives a tie to the larger index), huge
+    gaps (probabilities that underflow to 0), NaN rows; float and float16 routers:
+    bit-exact with poisoned outputs and exactly the selected slices moved (NaN: all)."""
+    src = tmp_path / "src.onnx"
+    ho = InferenceSession(_router_input_model(src, quant, dtype), sess_options=_so())
     ref = ort.InferenceSession(str(src), _so(), providers=["CPUExecutionProvider"])
-    ho = InferenceSession(out, sess_options=_so())
-    x = np.random.default_rng(2).normal(0, 1, (4, HIDDEN)).astype(np.float32)
-    rows = {"ties": np.full((4, E), 3.0, np.float32),
-            "pairs": np.tile(np.array([0, 5, 5, 1, 5, 0, 2, 5], np.float32), (4, 1)),
-            "gaps": np.tile(np.array([0, 100, -200, -300, 90, 1, 2, 3], np.float32), (4, 1)),
-            "nan": np.where(np.eye(4, E, dtype=bool), np.nan, 1.0).astype(np.float32)}
-    for name, r in rows.items():
-        want = ref.run(None, {"x": x, "r": r})[0]
-        try:
-            native_util.testing_ops().set_debug(poison=True)
-            reset_counters()
-            got = ho.run(None, {"x": x, "r": r})[0]
-            moved = counters()["bytes_loaded"]
-        finally:
-            native_util.testing_ops().set_debug()
-        np.testing.assert_array_equal(got, want, err_msg=name)
-        n = E if name == "nan" else len(select(r, K, softmax=not quant))
-        stacked = sum(t.raw_data.__len__() for t in onnx.load(str(src)).graph.initializer)
+    stacked = sum(len(t.raw_data) for t in onnx.load(str(src)).graph.initializer)
+    x = np.random.default_rng(2).normal(0, 1, (4, HIDDEN)).astype(dtype)
+    for name, r in ROWS.items():
+        feeds = {"x": x, "r": r.astype(dtype)}
+        got, moved = _poisoned(ho, feeds)
+        np.testing.assert_array_equal(got, ref.run(None, feeds)[0], err_msg=name)
+        n = E if name == "nan" else len(select(r.astype(dtype), K, softmax=not quant))
         assert moved == stacked // E * n, name
+
+
+def test_fewer_experts_moved_than_the_op_reads_would_show(tmp_path):
+    """The check above can fail: the same model with route_k 1 (the op selects 2) moves too
+    few slices, and the op reads poison."""
+    src = tmp_path / "src.onnx"
+    out = _router_input_model(src, False)
+    model = onnx.load(str(out), load_external_data=False)
+    for n in model.graph.node:
+        for a in n.attribute:
+            if a.name == contract.ATTR_ROUTE_K:
+                a.i = 1
+    onnx.save(model, out.parent / "k1.onnx")
+    ho = InferenceSession(out.parent / "k1.onnx", sess_options=_so())
+    feeds = {"x": np.ones((1, HIDDEN), np.float32), "r": ROWS["gaps"][:1].astype(np.float32)}
+    got, _ = _poisoned(ho, feeds)
+    assert np.isnan(got).any()
+
+
+def test_router_of_another_shape_is_refused(tmp_path):
+    """A router of another width or rank (the declared shape loosened, so that it reaches
+    the kernels) is refused by the Prefetch with an error naming both, never read out of
+    bounds."""
+    out = _router_input_model(tmp_path / "src.onnx", False)
     model = onnx.load(str(out), load_external_data=False)
     r_in = next(i for i in model.graph.input if i.name == "r")
-    r_in.type.tensor_type.shape.ClearField("dim")  # (any shape reaches the kernels)
-    loose = out.parent / "loose.onnx"
-    onnx.save(model, loose)
-    ho = InferenceSession(loose, sess_options=_so())
-    for bad, dims in ((np.zeros((4, E + 1), np.float32), "4, 9"),
-                      (np.zeros((4, E, 1), np.float32), "4, 8, 1"), (np.zeros(E), "8")):
+    r_in.type.tensor_type.shape.ClearField("dim")
+    onnx.save(model, out.parent / "loose.onnx")
+    ho = InferenceSession(out.parent / "loose.onnx", sess_options=_so())
+    x = np.ones((4, HIDDEN), np.float32)
+    for bad, dims in ((np.zeros((4, E + 1)), "4, 9"), (np.zeros((4, E, 1)), "4, 8, 1"),
+                      (np.zeros(E), "8")):
         with pytest.raises(Exception, match=rf"router input has shape \[{dims}\] but the "
                                             rf"weight stacks {E} experts"):
             ho.run(None, {"x": x, "r": bad.astype(np.float32)})
