@@ -19,6 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ho_onnx import InferenceSession, contract, counters, reset_counters
+from ho_onnx.report.inspect import summarize
 from ho_onnx.rewrite.pipeline import optimize, plan_model
 from ho_onnx.schedule.options import OffloadOptions
 from models.moe_contrib import build_contrib_moe, greedy, router_outputs, select
@@ -69,7 +70,7 @@ def _selected_bytes(choice: Any, routers: list[str], chosen: list[set[int]]) -> 
 
 def test_rewrite_routes_every_stacked_tensor(built):
     """Each stacked expert tensor (fc1/fc2, QMoE's scales too) is reloaded by a Prefetch
-    gated by its op's router input, with the op's rule and k."""
+    gated by its op's router input, with the op's rule and k; ``inspect`` says so."""
     model = onnx.load(str(built["out"]), load_external_data=False)
     rule = contract.ROUTE_TOPK if built["quant"] else contract.ROUTE_SOFTMAX
     routed = {}
@@ -82,6 +83,8 @@ def test_rewrite_routes_every_stacked_tensor(built):
             for i in range(2) for w in ("fc1", "fc2")
             + (("fc1_scales", "fc2_scales") if built["quant"] else ())}
     assert routed == want
+    shown = {t.tensor: t.routed for t in summarize(built["out"]).transfers}  # (inspect)
+    assert {n: r for n, r in shown.items() if r} == {n: f"{rule} top-{K} of {E}" for n in want}
 
 
 @pytest.mark.parametrize("seq", [16, 1], ids=["prefill", "decode"])
