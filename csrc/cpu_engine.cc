@@ -235,37 +235,18 @@ class CpuEngine final : public Engine {
 
   void prefetch_streamed(const std::shared_ptr<const WeightSource>& w, void* dst,
                          const ExecContext& ctx) override {
-    counters().prefetches += 1;
-    const size_t bytes = w->size();
-    Pending p;
-    p.bytes = bytes;
-    if (bytes != 0) {
-      // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
-      // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
-      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
-      const Chunks c = chunks_of(*w, disk_chunk_bytes());
-      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, c.count());
-      char* out = t->data();
-      for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q) {
-        q = c.after(pos);
-        disk_->submit(
-            [t, w, pos, q, to = out + (pos - c.begin), first = pos == c.begin] {
-              if (first) fault_delay();
-              std::string error;
-              if (!t->failed()) {
-                try {
-                  w->read(pos, static_cast<size_t>(q - pos), to);
-                } catch (const std::exception& e) {
-                  error = std::string("disk channel: ") + e.what();
-                }
-              }
-              t->part_done(std::move(error));
-            },
-            nullptr);
-      }
-      p.disk = std::move(t);
+    stream(w, {{w->offset(), w->offset() + w->size()}}, 0, {}, dst, ctx);
+  }
+
+  void prefetch_streamed_slices(const std::shared_ptr<const WeightSource>& w,
+                                size_t slice_bytes, std::vector<uint32_t> slices, void* dst,
+                                const ExecContext& ctx) override {
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (uint32_t i : slices) {
+      const uint64_t b = w->offset() + static_cast<uint64_t>(i) * slice_bytes;
+      ranges.emplace_back(b, b + slice_bytes);
     }
-    add_pending(dst, std::move(p), ctx);
+    stream(w, ranges, slice_bytes, std::move(slices), dst, ctx);
   }
 
   StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,
@@ -378,6 +359,53 @@ class CpuEngine final : public Engine {
 
  private:
   static constexpr size_t kStagingAlign = 4096;
+
+  // Reads `ranges` (absolute [begin, end) within `w`'s range) of `w` on the disk channel into
+  // a staging buffer laid out like the weight; `slices` (of slice_bytes each): what the Wait
+  // copies out (none: all of it).
+  void stream(const std::shared_ptr<const WeightSource>& w,
+              const std::vector<std::pair<uint64_t, uint64_t>>& ranges, size_t slice_bytes,
+              std::vector<uint32_t> slices, void* dst, const ExecContext& ctx) {
+    counters().prefetches += 1;
+    const size_t bytes = w->size();
+    Pending p;
+    p.bytes = bytes;
+    p.slice_bytes = slice_bytes;
+    p.slices = std::move(slices);
+    if (bytes != 0) {
+      // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
+      // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
+      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
+      const uint64_t chunk = disk_chunk_bytes();
+      size_t parts = 0;
+      for (const auto& r : ranges) parts += Chunks{r.first, r.second, chunk}.count();
+      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
+      char* out = t->data();
+      bool first = true;
+      for (const auto& r : ranges) {
+        const Chunks c{r.first, r.second, chunk};
+        for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q, first = false) {
+          q = c.after(pos);
+          disk_->submit(
+              [t, w, pos, q, to = out + (pos - w->offset()), first] {
+                if (first) fault_delay();
+                std::string error;
+                if (!t->failed()) {
+                  try {
+                    w->read(pos, static_cast<size_t>(q - pos), to);
+                  } catch (const std::exception& e) {
+                    error = std::string("disk channel: ") + e.what();
+                  }
+                }
+                t->part_done(std::move(error));
+              },
+              nullptr);
+        }
+      }
+      p.disk = std::move(t);
+    }
+    add_pending(dst, std::move(p), ctx);
+  }
 
   // `counted`: this call is the op's first call into the engine (run tracking counts each
   // op once per Compute).

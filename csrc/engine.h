@@ -106,6 +106,15 @@ class Engine {
     prefetch_weight(blob, dst, ctx);
   }
 
+  // The same for a streamed tier (prefetch_streamed): only the selected slices are read.
+  virtual void prefetch_streamed_slices(const std::shared_ptr<const WeightSource>& src,
+                                        size_t slice_bytes, std::vector<uint32_t> slices,
+                                        void* dst, const ExecContext& ctx) {
+    (void)slice_bytes;
+    (void)slices;
+    prefetch_streamed(src, dst, ctx);
+  }
+
   // A streamed tier, at session creation: set up the I/O channel (and its staging) that
   // prefetch_streamed reads on, so that runs allocate nothing.
   virtual void prepare_streamed() = 0;

@@ -267,9 +267,10 @@ void Kernel::init_route(const OrtKernelInfo* info) {
 
 // The router (input 1) of a routed Prefetch selects the slices that move: those of the
 // experts the MoE op will select. Returns false where the whole weight moves instead (the
-// CUDA EP: its router is device memory; the disk tier).
+// CUDA EP: its router is device memory).
 bool Kernel::prefetch_routed(OrtKernelContext* ctx, const ExecContext& ec) {
-  if (route == RouteMode::kNone || gpu || !blob || blob->size() == 0) return false;
+  const size_t bytes = blob ? blob->size() : streamed ? streamed->size() : 0;
+  if (route == RouteMode::kNone || gpu || bytes == 0) return false;
   const OrtValue* r = input(api, ctx, 1);
   const TensorInfo ti = tensor_info(api, r);
   if (ti.dims.size() != 2 || ti.dims[1] != shape[0]) {
@@ -285,10 +286,14 @@ bool Kernel::prefetch_routed(OrtKernelContext* ctx, const ExecContext& ec) {
   v.rows = static_cast<size_t>(ti.dims[0]);
   v.experts = static_cast<size_t>(ti.dims[1]);
   std::vector<uint32_t> slices = routed_experts(v, route, route_k);
-  const size_t slice = blob->size() / v.experts;
-  OrtValue* y = output(api, ctx, shape);
+  const size_t slice = bytes / v.experts;
+  void* dst = tensor_data(api, output(api, ctx, shape));
   counters().bytes_gated += (v.experts - slices.size()) * slice;
-  engine->prefetch_weight_slices(blob, slice, std::move(slices), tensor_data(api, y), ec);
+  if (streamed) {
+    engine->prefetch_streamed_slices(streamed, slice, std::move(slices), dst, ec);
+  } else {
+    engine->prefetch_weight_slices(blob, slice, std::move(slices), dst, ec);
+  }
   produce_issued(api, ctx);
   return true;
 }

@@ -77,7 +77,7 @@ struct Kernel {
   // A gated weight Prefetch with attribute `route` ("softmax": MoE, "topk": QMoE) and
   // `route_k` (the op's k): its gate is the MoE op's router input [tokens, E] and the weight
   // is stacked by expert on axis 0 (shape[0] = E); only the experts the op will select move
-  // (routing.h; host tier on the CPU EP; elsewhere the whole weight moves).
+  // (routing.h; on the CPU EP; on the CUDA EP the whole weight moves).
   RouteMode route = RouteMode::kNone;
   int64_t route_k = 0;
 
