@@ -20,6 +20,13 @@ model with every router's TopK indices as extra outputs says which experts each 
 selected; ``selected`` is their weights' bytes plus the bytes of the offloaded weights that
 are not experts (moved at every step either way). Goal: ``moved / selected <= 1.1``.
 
+``--arch contrib`` (``contrib_q``: 8-bit QMoE) runs the same rows on ``models.moe_contrib``:
+the experts in ORT's ``MoE``/``QMoE`` contrib op, each layer's fc1/fc2 one stacked [E, ...]
+tensor of which the routed rows move only the selected experts' slices; a running sum mixes
+the tokens instead of attention (``past_sum`` carried between steps), and ``selected`` comes
+from each op's router input (a probe copy's extra outputs, the op's selection recomputed in
+numpy: ``models.moe_contrib.select``).
+
     python bench/moe_decode.py --json out.json            # CPU: 8 experts, top-2, 4 layers
     python bench/moe_decode.py --quick --json out.json    # tiny (CI)
 """
@@ -186,20 +193,115 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
         past = {p: outs[names.index(q)] for p, q in lay.pairs}
         tokens = [int(np.argmax(outs[0][0, -1]))]
     for row in rows.values():
-        moved, sel = sum(row["moved"]), sum(row["selected"])
-        row |= {"moved_per_token": moved / max(len(row["moved"]), 1),
-                "selected_per_token": sel / max(len(row["selected"]), 1),
-                "ratio": moved / sel if sel else None,
-                "tok_s": 1 / statistics.median(row["step_s"])}
-        del row["step_s"]
+        summarise(row)
     return {"arch": args.arch, "config": cfg, "rows": list(rows.values()), "complete": True,
             "resident_peak": peak, "budget": budget,
             "onnxruntime": ort.__version__}
 
 
+CONTRIB = ("contrib", "contrib_q")
+
+
+def contrib_sessions(cfg: dict[str, int], root: Path, quant: bool
+                     ) -> tuple[dict[str, Any], dict[str, Any], Any, list[str], int, int]:
+    """The contrib-op decoder's rows (sessions), their choices, the probe session with the
+    routers as outputs, their names, the resident peak and the budget row's budget."""
+    import onnxruntime as ort
+
+    import ho_onnx
+    from ho_onnx.rewrite.pipeline import optimize, plan_model
+    from ho_onnx.schedule.options import OffloadOptions
+    from models.moe_contrib import build_contrib_moe, router_outputs
+
+    src = build_contrib_moe(root / "src" / "moe.onnx", quant=quant, layers=cfg["layers"],
+                            hidden=cfg["hidden"], moe_ffn=cfg["moe_ffn"],
+                            experts=cfg["experts"], top_k=cfg["top_k"], vocab=cfg["vocab"])
+    routers = router_outputs(src, root / "src" / "probe.onnx")
+    probe = ort.InferenceSession(str(root / "src" / "probe.onnx"), session_options(),
+                                 providers=["CPUExecutionProvider"])
+    ranges = {"seq": (1, cfg["prompt"])}
+    peak = plan_model(src, OffloadOptions(budget=1 << 50), {}, dim_ranges=ranges
+                      )[2].baseline.peak_bytes
+    budget = peak // 2
+    configs = {"all streamed": OffloadOptions(activations=False, min_bytes=0, routed=False),
+               "routed": OffloadOptions(activations=False, min_bytes=0),
+               "routed, budget": OffloadOptions(activations=False, min_bytes=0,
+                                                budget=budget)}
+    sessions = {"resident": ort.InferenceSession(str(src), session_options(),
+                                                 providers=["CPUExecutionProvider"])}
+    choices = {}
+    for name, opts in configs.items():
+        out = root / name.replace(" ", "_").replace(",", "") / "model.onnx"
+        out.parent.mkdir()
+        choices[name] = optimize(src, out, opts, {}, dim_ranges=ranges).choice
+        sessions[name] = ho_onnx.InferenceSession(out, sess_options=session_options())
+    return sessions, choices, probe, routers, peak, budget
+
+
+def contrib_selected(choice: Any, experts: dict[str, str], routers: list[str],
+                     chosen: list[set[int]], e: int) -> int:
+    """What a step must move: every offloaded weight that is no stacked expert tensor (per
+    reader), and of each expert tensor (``experts``: its op's router input) the slices of the
+    experts its op selected."""
+    return sum(w.nbytes // e * len(chosen[routers.index(experts[w.name])])
+               if w.name in experts else w.nbytes
+               for w in choice.weights for _ in w.consumers)
+
+
+def run_contrib(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, Any]:
+    """``run`` for ``--arch contrib``/``contrib_q`` (module docstring)."""
+    import onnxruntime as ort
+
+    import ho_onnx
+    from models.moe_contrib import select
+
+    quant = args.arch == "contrib_q"
+    sessions, choices, probe, routers, peak, budget = contrib_sessions(cfg, root, quant)
+    rows = {k: {"row": k, "moved": [], "selected": [], "step_s": [], "ttft_s": None,
+                "equal": True} for k in sessions}
+    experts = {w.name: w.gates[0] for w in choices["routed"].weights if w.routes}
+    prompt = np.random.default_rng(0).integers(0, cfg["vocab"], cfg["prompt"]).tolist()
+    feeds = {"input_ids": np.asarray([prompt], np.int64),
+             "past_sum": np.zeros((1, 1, cfg["hidden"]), np.float32)}
+    for step in range(cfg["tokens"] + 1):
+        outs = probe.run(None, feeds)
+        chosen = [select(r, cfg["top_k"], softmax=not quant) for r in outs[2:]]
+        for name, sess in sessions.items():
+            ho_onnx.reset_counters()
+            t = time.perf_counter()
+            got = sess.run(None, feeds)
+            dt = time.perf_counter() - t
+            row = rows[name]
+            row["equal"] &= all(np.array_equal(a, b) for a, b in zip(got, outs, strict=False))
+            if step == 0:
+                row["ttft_s"] = dt
+                continue
+            row["step_s"].append(dt)
+            row["moved"].append(ho_onnx.counters()["bytes_loaded"])
+            row["selected"].append(contrib_selected(choices[name], experts, routers, chosen,
+                                                    cfg["experts"]) if name in choices else 0)
+        feeds = {"input_ids": np.asarray([[int(np.argmax(outs[0][0, -1]))]], np.int64),
+                 "past_sum": outs[1]}
+    for row in rows.values():
+        summarise(row)
+    return {"arch": args.arch, "config": cfg, "rows": list(rows.values()), "complete": True,
+            "resident_peak": peak, "budget": budget, "onnxruntime": ort.__version__}
+
+
+def summarise(row: dict[str, Any]) -> None:
+    """Per-token means of a row's steps (in place)."""
+    moved, sel = sum(row["moved"]), sum(row["selected"])
+    row |= {"moved_per_token": moved / max(len(row["moved"]), 1),
+            "selected_per_token": sel / max(len(row["selected"]), 1),
+            "ratio": moved / sel if sel else None,
+            "tok_s": 1 / statistics.median(row["step_s"])}
+    del row["step_s"]
+
+
 def print_table(doc: dict[str, Any]) -> None:
     cfg = doc["config"]
-    name = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral"}
+    name = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral",
+            "contrib": "ORT MoE contrib op", "contrib_q": "ORT QMoE (8-bit) contrib op"}
     print(f"\n{name[doc.get('arch', 'qwen3_moe')]} {cfg['layers']} layers, {cfg['experts']} "
           f"experts top-{cfg['top_k']}, "
           f"hidden {cfg['hidden']}, expert width {cfg['moe_ffn']}; prompt {cfg['prompt']}, "
@@ -224,14 +326,15 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model (CI)")
-    ap.add_argument("--arch", choices=ARCHS, default="qwen3_moe",
+    ap.add_argument("--arch", choices=ARCHS + CONTRIB, default="qwen3_moe",
                     help="the architecture (models.moe_export): Qwen3-MoE, Qwen2-MoE (a "
-                         "shared expert beside the routed ones) or Mixtral")
+                         "shared expert beside the routed ones) or Mixtral; contrib, "
+                         "contrib_q: ORT's MoE / QMoE op (models.moe_contrib)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     cfg = PRESETS["quick" if args.quick else "cpu"]
     with tempfile.TemporaryDirectory(prefix="moe_decode_") as tmp:
-        doc = run(args, cfg, Path(tmp))
+        doc = (run_contrib if args.arch in CONTRIB else run)(args, cfg, Path(tmp))
     print_table(doc)
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -161,6 +161,9 @@ struct Pending {
   std::shared_ptr<CpuStored> stored;       // a stored activation
   std::shared_ptr<DiskTransfer> disk;      // a streamed tier (disk)
   const void* input = nullptr;             // a graph input of the run (read by its Wait)
+  // A routed transfer: only these slices of `blob` (each slice_bytes) are copied.
+  size_t slice_bytes = 0;
+  std::vector<uint32_t> slices;
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
   void abandon() {}
@@ -213,6 +216,18 @@ class CpuEngine final : public Engine {
     add_pending(dst, std::move(p), ctx);
   }
 
+  void prefetch_weight_slices(const std::shared_ptr<const HostBlob>& blob, size_t slice_bytes,
+                              std::vector<uint32_t> slices, void* dst,
+                              const ExecContext& ctx) override {
+    counters().prefetches += 1;
+    Pending p;
+    p.bytes = blob->size();
+    p.blob = blob;
+    p.slice_bytes = slice_bytes;
+    p.slices = std::move(slices);
+    add_pending(dst, std::move(p), ctx);
+  }
+
   void prefetch_input(const void* src, size_t bytes, void* dst,
                       const ExecContext& ctx) override {
     counters().prefetches += 1;
@@ -226,37 +241,18 @@ class CpuEngine final : public Engine {
 
   void prefetch_streamed(const std::shared_ptr<const WeightSource>& w, void* dst,
                          const ExecContext& ctx) override {
-    counters().prefetches += 1;
-    const size_t bytes = w->size();
-    Pending p;
-    p.bytes = bytes;
-    if (bytes != 0) {
-      // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
-      // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
-      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
-      const Chunks c = chunks_of(*w, disk_chunk_bytes());
-      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, c.count());
-      char* out = t->data();
-      for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q) {
-        q = c.after(pos);
-        disk_->submit(
-            [t, w, pos, q, to = out + (pos - c.begin), first = pos == c.begin] {
-              if (first) fault_delay();
-              std::string error;
-              if (!t->failed()) {
-                try {
-                  w->read(pos, static_cast<size_t>(q - pos), to);
-                } catch (const std::exception& e) {
-                  error = std::string("disk channel: ") + e.what();
-                }
-              }
-              t->part_done(std::move(error));
-            },
-            nullptr);
-      }
-      p.disk = std::move(t);
+    stream(w, {{w->offset(), w->offset() + w->size()}}, 0, {}, dst, ctx);
+  }
+
+  void prefetch_streamed_slices(const std::shared_ptr<const WeightSource>& w,
+                                size_t slice_bytes, std::vector<uint32_t> slices, void* dst,
+                                const ExecContext& ctx) override {
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (uint32_t i : slices) {
+      const uint64_t b = w->offset() + static_cast<uint64_t>(i) * slice_bytes;
+      ranges.emplace_back(b, b + slice_bytes);
     }
-    add_pending(dst, std::move(p), ctx);
+    stream(w, ranges, slice_bytes, std::move(slices), dst, ctx);
   }
 
   StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,
@@ -355,7 +351,13 @@ class CpuEngine final : public Engine {
     if (!error.empty()) fail(ORT_FAIL, "transfer failed: " + error);
     // skip_wait (tests): the consumers see what the Prefetch left (poison, if set).
     if (faults::skip_wait()) return;
-    if (bytes != 0) {
+    if (bytes != 0 && p.slice_bytes != 0) {  // routed: the selected experts' slices only
+      for (uint32_t i : p.slices) {
+        const size_t off = static_cast<size_t>(i) * p.slice_bytes;
+        copy_in_compute(ctx, static_cast<char*>(out) + off, src + off, p.slice_bytes);
+      }
+      counters().bytes_loaded += p.slices.size() * p.slice_bytes;
+    } else if (bytes != 0) {
       copy_in_compute(ctx, out, src, bytes);
       counters().bytes_loaded += bytes;
     }
@@ -363,6 +365,53 @@ class CpuEngine final : public Engine {
 
  private:
   static constexpr size_t kStagingAlign = 4096;
+
+  // Reads `ranges` (absolute [begin, end) within `w`'s range) of `w` on the disk channel into
+  // a staging buffer laid out like the weight; `slices` (of slice_bytes each): what the Wait
+  // copies out (none: all of it).
+  void stream(const std::shared_ptr<const WeightSource>& w,
+              const std::vector<std::pair<uint64_t, uint64_t>>& ranges, size_t slice_bytes,
+              std::vector<uint32_t> slices, void* dst, const ExecContext& ctx) {
+    counters().prefetches += 1;
+    const size_t bytes = w->size();
+    Pending p;
+    p.bytes = bytes;
+    p.slice_bytes = slice_bytes;
+    p.slices = std::move(slices);
+    if (bytes != 0) {
+      // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
+      // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
+      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
+      const uint64_t chunk = disk_chunk_bytes();
+      size_t parts = 0;
+      for (const auto& r : ranges) parts += Chunks{r.first, r.second, chunk}.count();
+      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
+      char* out = t->data();
+      bool first = true;
+      for (const auto& r : ranges) {
+        const Chunks c{r.first, r.second, chunk};
+        for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q, first = false) {
+          q = c.after(pos);
+          disk_->submit(
+              [t, w, pos, q, to = out + (pos - w->offset()), first] {
+                if (first) fault_delay();
+                std::string error;
+                if (!t->failed()) {
+                  try {
+                    w->read(pos, static_cast<size_t>(q - pos), to);
+                  } catch (const std::exception& e) {
+                    error = std::string("disk channel: ") + e.what();
+                  }
+                }
+                t->part_done(std::move(error));
+              },
+              nullptr);
+        }
+      }
+      p.disk = std::move(t);
+    }
+    add_pending(dst, std::move(p), ctx);
+  }
 
   // `counted`: this call is the op's first call into the engine (run tracking counts each
   // op once per Compute).

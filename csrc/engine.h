@@ -94,6 +94,27 @@ class Engine {
   virtual void prefetch_weight(const std::shared_ptr<const HostBlob>& blob, void* dst,
                                const ExecContext& ctx) = 0;
 
+  // A routed transfer (routing.h) of a host-tier weight stacked by expert on axis 0: only
+  // the slices `slices` (each `slice_bytes` bytes at slice * slice_bytes) are copied into
+  // `dst`; the rest of `dst` is left as ORT gave it (its reader reads none of it). Keyed by
+  // `dst` like every load. An engine without it moves the whole weight.
+  virtual void prefetch_weight_slices(const std::shared_ptr<const HostBlob>& blob,
+                                      size_t slice_bytes, std::vector<uint32_t> slices,
+                                      void* dst, const ExecContext& ctx) {
+    (void)slice_bytes;
+    (void)slices;
+    prefetch_weight(blob, dst, ctx);
+  }
+
+  // The same for a streamed tier (prefetch_streamed): only the selected slices are read.
+  virtual void prefetch_streamed_slices(const std::shared_ptr<const WeightSource>& src,
+                                        size_t slice_bytes, std::vector<uint32_t> slices,
+                                        void* dst, const ExecContext& ctx) {
+    (void)slice_bytes;
+    (void)slices;
+    prefetch_streamed(src, dst, ctx);
+  }
+
   // A streamed tier, at session creation: set up the I/O channel (and its staging) that
   // prefetch_streamed reads on, so that runs allocate nothing.
   virtual void prepare_streamed() = 0;

@@ -191,6 +191,7 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
       attr_string(api, info, "location", &location)) {
     k->weight = true;
     k->init_weight(op, info, location);
+    if (op.kind == OpKind::kPrefetch) k->init_route(info);
   }
   if (op.kind == OpKind::kGatherRows && (!k->blob || k->shape.empty() || k->shape[0] <= 0 ||
                                          k->bits < 8)) {
@@ -241,6 +242,60 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
   } catch (const Error& e) {
     bad(e.code(), e.what());
   }
+}
+
+// Attributes `route` and `route_k` of a routed weight Prefetch, checked against its weight
+// at session creation.
+void Kernel::init_route(const OrtKernelInfo* info) {
+  std::string mode;
+  if (!attr_string(api, info, "route", &mode)) return;
+  const std::string who = "ho_onnx Prefetch '" + node + "': ";
+  route = route_mode(mode.c_str());
+  if (route == RouteMode::kNone) {
+    fail(ORT_INVALID_ARGUMENT, who + "unknown route '" + mode + "' (softmax, topk)");
+  }
+  if (!gated || !attr_int(api, info, "route_k", &route_k) || route_k < 1) {
+    fail(ORT_INVALID_ARGUMENT, who + "a routed Prefetch needs attribute gated = 1 (its "
+                                     "router as input 1) and route_k >= 1");
+  }
+  const size_t bytes = blob ? blob->size() : streamed->size();
+  if (shape.empty() || shape[0] < 1 || bytes % static_cast<size_t>(shape[0]) != 0) {
+    fail(ORT_INVALID_ARGUMENT, who + "a routed weight is stacked by expert on axis 0 in "
+                                     "slices of whole bytes");
+  }
+}
+
+// The router (input 1) of a routed Prefetch selects the slices that move: those of the
+// experts the MoE op will select. Returns false where the whole weight moves instead (the
+// CUDA EP: its router is device memory).
+bool Kernel::prefetch_routed(OrtKernelContext* ctx, const ExecContext& ec) {
+  const size_t bytes = blob ? blob->size() : streamed ? streamed->size() : 0;
+  if (route == RouteMode::kNone || gpu || bytes == 0) return false;
+  const OrtValue* r = input(api, ctx, 1);
+  const TensorInfo ti = tensor_info(api, r);
+  if (ti.dims.size() != 2 || ti.dims[1] != shape[0]) {
+    std::string dims;
+    for (int64_t d : ti.dims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    fail(ORT_INVALID_ARGUMENT, "ho_onnx Prefetch '" + node + "': the router input has shape [" +
+                                   dims + "] but the weight stacks " + std::to_string(shape[0]) +
+                                   " experts (a routed transfer reads [tokens, experts])");
+  }
+  RouterView v;
+  v.data = tensor_data(api, r);
+  v.type = ti.type;
+  v.rows = static_cast<size_t>(ti.dims[0]);
+  v.experts = static_cast<size_t>(ti.dims[1]);
+  std::vector<uint32_t> slices = routed_experts(v, route, route_k);
+  const size_t slice = bytes / v.experts;
+  void* dst = tensor_data(api, output(api, ctx, shape));
+  counters().bytes_gated += (v.experts - slices.size()) * slice;
+  if (streamed) {
+    engine->prefetch_streamed_slices(streamed, slice, std::move(slices), dst, ec);
+  } else {
+    engine->prefetch_weight_slices(blob, slice, std::move(slices), dst, ec);
+  }
+  produce_issued(api, ctx);
+  return true;
 }
 
 // ---- Compute ------------------------------------------------------------------------------
@@ -372,6 +427,7 @@ void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
     produce_issued(api, ctx);
     return;
   }
+  if (prefetch_routed(ctx, ec)) return;
   OrtValue* y = output(api, ctx, shape);
   if (streamed) {
     engine->prefetch_streamed(streamed, streamed->size() ? tensor_data(api, y) : nullptr, ec);

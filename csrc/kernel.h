@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "ort_abi.h"
 #include "registration.h"
+#include "routing.h"
 #include "tiers.h"
 
 namespace ho {
@@ -73,6 +74,12 @@ struct Kernel {
   // output's bytes are unspecified (the reader reads none of them). Only the gate's shape
   // is read, never its data (on the CUDA EP it is device memory).
   bool gated = false;
+  // A gated weight Prefetch with attribute `route` ("softmax": MoE, "topk": QMoE) and
+  // `route_k` (the op's k): its gate is the MoE op's router input [tokens, E] and the weight
+  // is stacked by expert on axis 0 (shape[0] = E); only the experts the op will select move
+  // (routing.h; on the CPU EP; on the CUDA EP the whole weight moves).
+  RouteMode route = RouteMode::kNone;
+  int64_t route_k = 0;
 
   // Prefetch of a weight (attribute `location` present).
   bool weight = false;
@@ -96,6 +103,8 @@ struct Kernel {
   void prefetch_stored(OrtKernelContext* ctx, const ExecContext& ec);
   void prefetch_input(OrtKernelContext* ctx, const ExecContext& ec);
   bool gate_closed(OrtKernelContext* ctx) const;
+  void init_route(const OrtKernelInfo* info);
+  bool prefetch_routed(OrtKernelContext* ctx, const ExecContext& ec);
   void emit(OrtKernelContext* ctx, const ExecContext& ec);
   void gather_rows(OrtKernelContext* ctx);
   void wait(OrtKernelContext* ctx, ExecContext& ec);

@@ -28,6 +28,7 @@ TensorInfo tensor_info(const OrtApi* api, const OrtValue* v) {
   out.dims.resize(n);
   if (n != 0) check(api, api->GetDimensions(info.get(), out.dims.data(), n));
   check(api, api->GetTensorShapeElementCount(info.get(), &out.numel));
+  check(api, api->GetTensorElementType(info.get(), &out.type));
   return out;
 }
 

@@ -19,6 +19,7 @@ void check(const OrtApi* api, OrtStatus* st);
 struct TensorInfo {
   std::vector<int64_t> dims;
   size_t numel = 0;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 };
 
 TensorInfo tensor_info(const OrtApi* api, const OrtValue* v);

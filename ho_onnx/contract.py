@@ -56,6 +56,13 @@ ATTR_TIER = "tier"
 # when no token reaches the reader (an MoE expert no token was routed to); an empty gate
 # skips the transfer (only the gate's shape is read).
 ATTR_GATED = "gated"
+# On a gated weight Prefetch of an expert tensor stacked on axis 0 and read by ORT's MoE/QMoE
+# contrib op: the gate is the op's router input and only the experts the op selects move
+# (csrc/routing.h): ``route`` is the op's selection rule, ``route_k`` its ``k``.
+ATTR_ROUTE = "route"
+ATTR_ROUTE_K = "route_k"
+ROUTE_SOFTMAX = "softmax"  # MoE: softmax over all E, then the top k (a larger index wins a tie)
+ROUTE_TOPK = "topk"  # QMoE: the top k of the raw router row (a larger index wins a tie)
 # On every Store: the most bytes of stored activations the plan holds at once (sizes the
 # CUDA engine's pinned ring; it grows beyond when concurrent runs need more).
 ATTR_HOST_BYTES = "host_bytes"

@@ -30,6 +30,10 @@ class Transfer:
     # pool) or "disk" (a weight read from its data file at every Prefetch); found missing:
     # the table did not say.
     tier: str = kinds.HOST.name
+    # What decides whether it moves (MoE experts): "" always; "gated" only when a token was
+    # routed to its expert; "softmax top-2 of 8" (the MoE/QMoE op's rule, k and E): only the
+    # slices of the experts the op selects.
+    routed: str = ""
 
 
 @dataclass
@@ -81,7 +85,8 @@ def summarize(path: str | os.PathLike[str]) -> ModelSummary:
         tensor, kind, nbytes, source, tier = _source(pf)
         i, j = step[pf], step[node]
         summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
-                                          compute_before[j] - compute_before[i], source, tier))
+                                          compute_before[j] - compute_before[i], source, tier,
+                                          _routing(pf)))
     placement = split_chains(model)
     summary.cuda_placement = {k.removesuffix("ExecutionProvider"): v
                               for k, v in sorted(placement.per_provider.items())}
@@ -114,6 +119,18 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str, str]:
     return tensor, kinds.ACTIVATION.name, nbytes, source, kinds.default_tier().name
 
 
+def _routing(pf: ir.Node) -> str:
+    """:attr:`Transfer.routed` of the reload ``pf`` starts."""
+    a = attribute_values(pf)
+    if a.get(contract.ATTR_GATED) != 1:
+        return ""
+    if contract.ATTR_ROUTE not in a:
+        return "gated"
+    shape = a.get(contract.ATTR_SHAPE)
+    experts = shape[0] if isinstance(shape, list | tuple) and shape else "?"
+    return f"{a[contract.ATTR_ROUTE]} top-{a.get(contract.ATTR_ROUTE_K, '?')} of {experts}"
+
+
 def format_summary(s: ModelSummary) -> str:
     """A human-readable table of :func:`summarize`'s result."""
     lines = [f"{s.nodes} nodes: {s.compute_nodes} compute, "
@@ -144,7 +161,8 @@ def format_summary(s: ModelSummary) -> str:
         total += t.nbytes or 0
         nb = "?" if t.nbytes is None else f"{t.nbytes:,}"
         lines.append(f"{name[:w]:<{w}}  {t.kind:<10} {t.tier:<4} {nb:>12}  {t.prefetch_step:>8} "
-                     f"{t.wait_step:>6} {t.window_nodes:>6}  {printable(t.source, cell=True)}")
+                     f"{t.wait_step:>6} {t.window_nodes:>6}  {printable(t.source, cell=True)}"
+                     + (f" (routed: {printable(t.routed, cell=True)})" if t.routed else ""))
     lines.append(f"{len(s.transfers)} transfers per run, {total:,} bytes reloaded per run")
     return "\n".join(lines)
 

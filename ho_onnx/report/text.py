@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import printable
 from ..graph.moe import MoELayer
 from ..schedule.planner import Plan
 from ..schedule.simulate import Simulation
+from ..schedule.types import WeightOffload
 from ..units import format_bytes
 
 
@@ -58,6 +60,9 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                          "prefetch_at": list(w.prefetch_at), "tier": w.tier,
                          # routed (MoE experts): each reader's gate, the expected share moved
                          "gates": list(w.gates), "fraction": w.fraction,
+                         # (stacked experts of a MoE/QMoE op: [rule, k] where only the
+                         # selected experts' slices move)
+                         "routes": [list(r) if r else None for r in w.routes],
                          "row_readers": list(w.row_readers)}  # (GatherRows)
                         for w in c.weights],
             "activations": [{"name": a.name, "bytes": a.nbytes, "producer": a.producer,
@@ -89,6 +94,17 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                        "bytes_before": int(plan.baseline.memory[i])}
                       for i in range(len(analysis_names))]
     return d
+
+
+def _routed_summary(weights: Sequence[WeightOffload]) -> str:
+    """What of the offloaded weights the routers decide (MoE experts), or ""."""
+    gated = sum(1 for w in weights if w.gates and not w.routes)
+    stacked = sum(1 for w in weights if w.routes)
+    parts = ([f"{gated} expert weights routed (moved only when the router picks their "
+              "expert)"] if gated else [])
+    parts += ([f"{stacked} stacked expert tensors routed (only the slices of the experts "
+               "the MoE op selects move)"] if stacked else [])
+    return "".join(f"; {p}" for p in parts)
 
 
 def _skipped_summary(skipped: dict[str, str], top: int = 3) -> list[str]:
@@ -131,8 +147,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         f"{_mib(plan.host_bytes)}"
         + (f"; the KV cache in the caller's host memory ({len(c.inputs)} past, "
            f"{len(c.outputs)} present, {_mib(c.kv_bytes)})" if c.inputs or c.outputs else "")
-        + (f"; {sum(1 for w in c.weights if w.gates)} expert weights routed (moved only "
-           "when the router picks their expert)" if any(w.gates for w in c.weights) else ""),
+        + _routed_summary(c.weights),
         *_skipped_summary(c.skipped),
         *_splits_summary(plan),
         plan.arena_summary(),

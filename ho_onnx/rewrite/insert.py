@@ -169,12 +169,16 @@ class _Emitter:
             # A routed reload reads its gate as input 1 (its emptiness skips the transfer).
             gate = [w.gates[k]] if w.gates and w.gates[k] else []
             gated = [ir.AttrInt64(contract.ATTR_GATED, 1)] if gate else []
+            # (a stacked expert tensor of a MoE/QMoE op: only the experts it selects move)
+            route = w.routes[k] if w.routes else None
+            routes = [ir.AttrString(contract.ATTR_ROUTE, route[0]),
+                      ir.AttrInt64(contract.ATTR_ROUTE_K, route[1])] if route else []
             # A Prefetch with only constant inputs would be folded by ORT: at the very start
             # it is ordered after a graph input.
             pf_deps = self.dep_before(s) or ([] if gate else _first_graph_input(self.analysis))
             pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *gate, *pf_deps],
                          [self.like(y, t)], f"ho.prefetch.{w.name}.{k}", *attrs, *gated,
-                         channel=tier.channel)
+                         *routes, channel=tier.channel)
             wait = self.op(contract.WAIT, [y, *gate, *self.dep_before(c, floor=s - 1)],
                            [self.like(z, t)], f"ho.wait.{w.name}.{k}", *gated)
             self.before_pf[s].append(pf)

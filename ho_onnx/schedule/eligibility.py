@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import onnx
 
-from .. import kinds
+from .. import contract, kinds
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.dtypes import ELEMENT_BITS
 from ..kinds import TensorKind
@@ -24,6 +25,12 @@ from ..target.ort.placement import (
 from .lifetimes import Sizes
 from .options import OffloadOptions
 from .types import OffloadChoice, WeightOffload
+
+if TYPE_CHECKING:
+    from ..graph.moe import MoELayer
+
+# The selection rule of each ORT contrib op (contract.ROUTE_*; csrc/routing.h).
+_ROUTE_RULES = {"MoE": contract.ROUTE_SOFTMAX, "QMoE": contract.ROUTE_TOPK}
 
 
 def kind_of(t: TensorInfo) -> TensorKind | None:
@@ -79,6 +86,20 @@ def placement_reasons(analysis: GraphAnalysis) -> dict[str, str]:
     memory. One optimized model runs on either provider, so this holds for every target."""
     reasons = dict.fromkeys(host_input_reads(analysis.nodes), HOST_INPUT_REASON)
     return reasons | dict.fromkeys(cuda_host_tensors(analysis), HOST_TENSOR_REASON)
+
+
+def _routed_share(analysis: GraphAnalysis, logits: str, k: int, e: int,
+                  dims: Mapping[str, int]) -> float:
+    """``1 - (1 - k/E) ** T``: the expected share of ``E`` experts that ``T`` tokens (the rows
+    of the router value ``logits`` under ``dims``), each routed to ``k``, select; 1.0 when
+    ``T`` is unknown."""
+    try:
+        nbytes = analysis.tensors[logits].nbytes(dims) or 0
+    except Exception:  # unbound dims: every reload may move
+        nbytes = 0
+    bits = ELEMENT_BITS.get(analysis.tensors[logits].elem_type or 0, 0)
+    tokens = nbytes * 8 // bits // e if bits else 0
+    return 1.0 - (1.0 - min(k, e) / e) ** tokens if tokens else 1.0
 
 
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
@@ -195,16 +216,21 @@ class WeightGroups:
 
 @dataclass(frozen=True)
 class Routed:
-    """The reloads an MoE router decides (:func:`~ho_onnx.graph.moe.empty_gate`): for each
-    expert weight, per data reader, the gate whose emptiness skips that reload, and the
+    """The reloads an MoE router decides: for each expert weight, per data reader, the gate
+    whose emptiness skips that reload (:func:`~ho_onnx.graph.moe.empty_gate`), and the
     expected share of reloads that move: ``1 - (1 - k/E) ** T`` for ``T`` tokens each routed
-    to ``k`` of ``E`` experts (uniformly: at decode ``k/E``, at a long prefill nearly 1)."""
+    to ``k`` of ``E`` experts (uniformly: at decode ``k/E``, at a long prefill nearly 1). For
+    ORT's MoE/QMoE contrib ops the gate is the op's router input and the reload moves only the
+    selected experts' slices of the stacked tensor (``routes``: the op's selection rule and
+    ``k``); the share is then the expected share of the tensor's bytes that move."""
 
     gates: dict[tuple[str, int], str]  # (weight, reader position) -> gate value
     fraction: dict[str, float]  # expert weight -> expected share of its reloads that move
     # expert weight -> (its router's TopK node, the router column of its expert), where the
     # gate says (reports and checks against the router's own output)
     expert_of: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    # (stacked weight, MoE/QMoE reader) -> (selection rule: contract.ROUTE_*, the op's k)
+    routes: dict[tuple[str, int], tuple[str, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, analysis: GraphAnalysis, dims: Mapping[str, int] | None = None,
@@ -223,32 +249,57 @@ class Routed:
         from ..graph.moe import empty_gate, find_experts, gate_column
 
         host = cuda_host_tensors(analysis)
-        gates: dict[tuple[str, int], str] = {}
-        fraction: dict[str, float] = {}
-        expert_of: dict[str, tuple[str, int]] = {}
+        out = cls({}, {}, {})
         for layer in find_experts(analysis):
-            if layer.stacked or not layer.top_k or not layer.experts:
-                continue  # (a stacked tensor or a contrib op: no per-expert reload)
-            logits = analysis.tensors[layer.router_logits]
-            e = len(layer.experts)
-            try:
-                nbytes = logits.nbytes(dims) or 0
-            except Exception:  # unbound dims: every reload may move
-                nbytes = 0
-            bits = ELEMENT_BITS.get(logits.elem_type or 0, 0)
-            tokens = nbytes * 8 // bits // e if bits else 0
-            share = 1.0 - (1.0 - min(layer.top_k, e) / e) ** tokens if tokens else 1.0
+            if not layer.top_k or not layer.experts:
+                continue
+            share = _routed_share(analysis, layer.router_logits, layer.top_k,
+                                  len(layer.experts), dims)
+            if layer.form == "contrib":
+                out._contrib(analysis, layer, share, host)
+            if layer.stacked:
+                continue  # (a stacked tensor read whole by a Gather: no per-expert reload)
             for expert in layer.experts:
                 for w in expert.weights:
                     found = {c: g for c in split_shape_readers(analysis, analysis.tensors[w])[0]
                              if (g := empty_gate(analysis, c, host)) is not None}
                     if found:
-                        gates.update(((w, c), g) for c, g in found.items())
-                        fraction[w] = share
+                        out.gates.update(((w, c), g) for c, g in found.items())
+                        out.fraction[w] = share
                         column = gate_column(analysis, next(iter(found.values())))
                         if column is not None:
-                            expert_of[w] = (layer.node, column)
-        return cls(gates, fraction, expert_of)
+                            out.expert_of[w] = (layer.node, column)
+        return out
+
+    def _contrib(self, analysis: GraphAnalysis, layer: MoELayer, share: float,
+                 host: frozenset[str]) -> None:
+        """The routed reloads of a MoE/QMoE node's stacked expert tensors: gated by its router
+        input (a device value on the CUDA EP, a [tokens, E] tensor of static E), read by the
+        op alone; not with the sparse mixer (another selection rule)."""
+        from ..graph.analyse import attribute_values
+
+        router = analysis.tensors[layer.router_logits]
+        e, k = len(layer.experts), layer.top_k
+        if (router.name in host or not router.shape or len(router.shape) != 2
+                or router.shape[1] != e or k is None or k < 1):
+            return
+        for w in layer.experts[0].weights:
+            for c in split_shape_readers(analysis, analysis.tensors[w])[0]:
+                node = analysis.nodes[c]
+                attrs = attribute_values(node)
+                if (node.domain != "com.microsoft" or node.op_type not in _ROUTE_RULES
+                        or attrs.get("use_sparse_mixer", 0) == 1
+                        or node.inputs[1] is None or node.inputs[1].name != router.name):
+                    continue
+                self.gates[(w, c)] = router.name
+                self.routes[(w, c)] = (_ROUTE_RULES[node.op_type], k)
+                self.fraction[w] = share
+
+    def routes_of(self, name: str, uses: Sequence[int]) -> tuple[tuple[str, int] | None, ...]:
+        """Per reader of ``name``: the contrib op's (selection rule, k) when that reload moves
+        only the selected experts' slices, else None; () when none does."""
+        got = tuple(self.routes.get((name, u)) for u in uses)
+        return got if any(got) else ()
 
     def of_weight(self, analysis: GraphAnalysis, name: str, uses: Sequence[int]
                   ) -> tuple[tuple[str, ...], float, tuple[int, ...]]:
@@ -258,5 +309,6 @@ class Routed:
         gates = tuple(self.gates.get((name, u), "") for u in uses)
         if not any(gates):
             return (), 1.0, (0,) * len(uses)
-        after = tuple(0 if not g else (analysis.tensors[g].producer or 0) + 1 for g in gates)
+        after = tuple(0 if not g or (p := analysis.tensors[g].producer) is None else p + 1
+                      for g in gates)  # (a gate that is a graph input: from the start)
         return gates, self.fraction.get(name, 1.0), after

@@ -550,7 +550,7 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
             choice.weights.append(WeightOffload(
                 name, c.nbytes, c.uses, tuple(positions[(name, k)] for k in range(len(c.uses))),
                 c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier), gates, share,
-                c.rows))
+                c.rows, routed.routes_of(name, c.uses)))
         else:
             late = tuple(u for u in c.uses if u not in early)
             choice.activations.append(ActivationOffload(

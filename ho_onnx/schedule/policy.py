@@ -87,10 +87,11 @@ def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
     rows = () if t.name in groups.members else row_readers(analysis, t, options.weight_tier)
     data = tuple(c for c in groups.data_uses(analysis, t.name, own) if c not in rows)
     d = options.prefetch_distance
-    gates, share, after = Routed.of(analysis, dims, options).of_weight(analysis, t.name, data)
+    routed = Routed.of(analysis, dims, options)
+    gates, share, after = routed.of_weight(analysis, t.name, data)
     choice.weights.append(WeightOffload(
         t.name, nbytes, data, tuple(max(a, c - d, 0) for c, a in zip(data, after, strict=True)),
-        shape_readers, options.weight_tier, gates, share, rows))
+        shape_readers, options.weight_tier, gates, share, rows, routed.routes_of(t.name, data)))
     return None
 
 

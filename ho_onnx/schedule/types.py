@@ -47,9 +47,17 @@ class WeightOffload:
     # Readers that gather rows of it (embedding lookups): each becomes a GatherRows that
     # copies only the selected rows from the host store; no reload, no fast-tier copy.
     row_readers: tuple[int, ...] = ()
+    # Per consumer, for a gated reload of an expert tensor stacked on axis 0 that ORT's
+    # MoE/QMoE op reads: (the op's selection rule, its k), and only the experts it selects
+    # move (the gate is its router input; schedule.eligibility.Routed); None otherwise.
+    routes: tuple[tuple[str, int] | None, ...] = ()
 
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
+        if self.routes and (len(self.routes) != len(self.consumers) or any(
+                r and not (self.gates and self.gates[k])
+                for k, r in enumerate(self.routes))):
+            raise ValueError(f"{self.name}: routes {self.routes} need a gate per consumer")
         if self.gates and len(self.gates) != len(self.consumers):
             raise ValueError(f"{self.name}: {len(self.gates)} gates for "
                              f"{len(self.consumers)} consumers")
