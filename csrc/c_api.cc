@@ -103,6 +103,8 @@ const CounterDef kCounters[] = {
     HO_COUNTER(gated_skips),
     HO_COUNTER(bytes_gated),
     HO_COUNTER(bytes_gathered),
+    HO_COUNTER(host_matmuls),
+    HO_COUNTER(host_matmul_rows),
     HO_COUNTER(bytes_read_disk),
     HO_COUNTER(disk_read_ns),
     HO_COUNTER(disk_direct_reads),
@@ -211,6 +213,8 @@ void HoOnnx_ResetCounters(void) {
   c.gated_skips = 0;
   c.bytes_gated = 0;
   c.bytes_gathered = 0;
+  c.host_matmuls = 0;
+  c.host_matmul_rows = 0;
   c.bytes_read_disk = 0;
   c.disk_read_ns = 0;
   c.disk_direct_reads = 0;

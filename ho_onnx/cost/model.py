@@ -54,6 +54,14 @@ class CostModel:
     description: str = ""
     host_ahead: bool = False
     notes: tuple[str, ...] = ()  # what the user should know of the times (a profile's gaps)
+    # Seconds of the node at a position computed on the host CPU against host memory, its
+    # activations copied there and back (an MoE expert's MatMul as HostMatMul); None: the
+    # fast tier's compute is the host's (the CPU EP): ``compute_s`` itself.
+    host_time: Callable[[int], float] | None = field(default=None, compare=False)
+
+    def on_host_s(self, pos: int) -> float:
+        """Seconds of the node at ``pos`` computed on the host (:attr:`host_time`)."""
+        return float(self.compute_s[pos]) if self.host_time is None else self.host_time(pos)
 
     def __post_init__(self) -> None:
         compute_s = np.asarray(self.compute_s, dtype=np.float64)

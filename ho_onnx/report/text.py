@@ -58,7 +58,8 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                          "prefetch_at": list(w.prefetch_at), "tier": w.tier,
                          # routed (MoE experts): each reader's gate, the expected share moved
                          "gates": list(w.gates), "fraction": w.fraction,
-                         "row_readers": list(w.row_readers)}  # (GatherRows)
+                         "row_readers": list(w.row_readers),  # (GatherRows)
+                         "host_readers": list(w.host_readers)}  # (HostMatMul)
                         for w in c.weights],
             "activations": [{"name": a.name, "bytes": a.nbytes, "producer": a.producer,
                              "early": list(a.early), "late": list(a.late),
@@ -72,6 +73,8 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         },
         "transfers": transfer_rows(plan, analysis_names),
         "skipped": dict(c.skipped),  # why each other tensor of the chosen kinds stayed
+        # offloaded expert weights (--cpu-experts): computed on the host or moved, and why
+        "cpu_experts": dict(c.cpu_experts),
         # weights streamed in blocks (or kept whole), and why (rewrite/blocks.py)
         "splits": [{"name": s.name, "bytes": s.nbytes, "blocks": list(s.blocks),
                     "reason": s.reason} for s in c.splits],

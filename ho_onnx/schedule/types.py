@@ -47,6 +47,9 @@ class WeightOffload:
     # Readers that gather rows of it (embedding lookups): each becomes a GatherRows that
     # copies only the selected rows from the host store; no reload, no fast-tier copy.
     row_readers: tuple[int, ...] = ()
+    # MatMuls of it computed where it lives (HostMatMul on the CPU EP against the host
+    # store: an MoE expert, ``cpu_experts``); no reload, no fast-tier copy.
+    host_readers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
@@ -149,6 +152,8 @@ class OffloadChoice:
     notes: list[str] = field(default_factory=list)
     # Weights streamed in blocks, or kept whole, and why (before deciding: rewrite.blocks).
     splits: list[WeightSplit] = field(default_factory=list)
+    # Offloaded MoE expert weights (``cpu_experts``): computed on the host or moved, and why.
+    cpu_experts: dict[str, str] = field(default_factory=dict)
 
     @property
     def offloaded_bytes(self) -> int:
