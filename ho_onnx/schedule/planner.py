@@ -82,7 +82,15 @@ from .lifetimes import (
 )
 from .options import OffloadOptions
 from .simulate import Simulation, simulate
-from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, Tier, WeightOffload
+from .types import (
+    ActivationOffload,
+    Decision,
+    OffloadChoice,
+    RunFacts,
+    Tier,
+    WeightOffload,
+    host_positions,
+)
 
 
 class InfeasibleBudgetError(HoOnnxError):
@@ -610,7 +618,8 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
             skipped[c.name] = "look-ahead: offloading it would exceed the host budget"
             continue
         new_choice = _place(ctx, trial)
-        new_sim = simulate(ctx.analysis, new_choice, ctx.costs.compute_s,
+        new_sim = simulate(ctx.analysis, new_choice, ctx.costs.with_host(host_positions(
+                               new_choice)),
                            ctx.costs.transfer_time, ctx.dims, ctx.residency, ctx.base_memory,
                            host_ahead=ctx.costs.host_ahead)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
@@ -770,8 +779,9 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     sel = _Selection(early, mem, {})
     sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
     choice = _place(ctx, sel)
-    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency,
-                       baseline.memory, host_ahead=costs.host_ahead)
+    planned = simulate(analysis, choice, costs.with_host(host_positions(choice)),
+                       costs.transfer_time, dims, residency, baseline.memory,
+                       host_ahead=costs.host_ahead)
     choice, planned = _make_room(ctx, sel, choice, planned, skipped)
     offloaded = {x.name for x in [*choice.weights, *choice.activations]}
     for c in cands:

@@ -167,6 +167,11 @@ class OffloadChoice:
         return sum(i.nbytes for i in self.inputs) + sum(o.nbytes for o in self.outputs)
 
 
+def host_positions(c: OffloadChoice) -> list[int]:
+    """Positions of the MatMuls ``c`` computes on the host (HostMatMul: their host time)."""
+    return [p for w in c.weights for p in w.host_readers]
+
+
 def kv_pairs_text(c: OffloadChoice) -> str:
     """The KV pairs (past input, present output) of ``c``'s offloads, recorded in the
     model's metadata as ``past:present,...`` (the rewrite hides the structure they were

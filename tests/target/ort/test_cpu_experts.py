@@ -6,12 +6,15 @@ rows) and against the library's transfer counters (the experts' bytes never move
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
 from ho_onnx import InferenceSession, contract, counters, reset_counters
+from ho_onnx.cost.model import CostModel
 from ho_onnx.cost.source import CostSource
 from ho_onnx.rewrite.pipeline import optimize, plan_model
 from ho_onnx.schedule.options import OffloadOptions
@@ -116,10 +119,23 @@ def test_auto_moves_an_expert_where_the_host_is_slower(tmp_path):
     assert len(offloaded) >= 3 and set(gpu.cpu_experts) == offloaded
     assert all(why.startswith("moved (cpu_experts=auto)") for why in gpu.cpu_experts.values())
     assert not any(w.host_readers for w in gpu.weights)
+    # computed on the host anyway: the plan's time counts each HostMatMul's copies there
+    on_host = plan_model(src, replace(opts, cpu_experts="all"), dims, CostSource("h100"))[2]
+    n = sum(len(w.host_readers) for w in on_host.choice.weights)
+    assert n >= 3 and on_host.planned.total_s >= on_host.baseline.total_s + n * 2 * 10e-6
     cpu = plan_model(src, opts, dims, CostSource("cpu"))[2].choice
     assert {w.name for w in cpu.weights if w.host_readers} == set(cpu.cpu_experts)
     assert cpu.cpu_experts and all(why.startswith("computed on the host")
                                    for why in cpu.cpu_experts.values())
+
+
+def test_host_times_replace_the_devices_only_where_computed_on_the_host():
+    cm = CostModel(np.ones(3), lambda b, d: 0.0, host_time=lambda p: 10.0 * p)
+    np.testing.assert_array_equal(cm.with_host([2]), [1.0, 1.0, 20.0])
+    np.testing.assert_array_equal(cm.compute_s, [1.0, 1.0, 1.0])
+    assert cm.on_host_s(1) == 10.0
+    same = CostModel(np.ones(3), lambda b, d: 0.0)  # the CPU EP: the host is the device
+    assert same.with_host([2]) is same.compute_s and same.on_host_s(2) == 1.0
 
 
 def test_cpu_experts_options_are_checked():
