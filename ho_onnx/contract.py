@@ -32,6 +32,9 @@ ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD, PREFETCH_INPUT, EMIT, GATHER_RO
            HOST_MATMUL)
 # Ops that read an offloaded weight's bytes in place from the host store (no reload).
 HOST_READERS = (GATHER_ROWS, HOST_MATMUL)
+# Ops registered for the CPU EP only (csrc/registration.cc: add_ops): on the CUDA EP ORT runs
+# them on the CPU and copies their inputs and outputs.
+CPU_ONLY = (EMIT, GATHER_ROWS, HOST_MATMUL)
 # The inputs each op requires first (ordering inputs may follow); every op has its first
 # output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
 # output_count.)
