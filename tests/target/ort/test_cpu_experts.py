@@ -236,3 +236,31 @@ def test_a_moe_export_with_its_experts_on_the_host(tmp_path, moe_export, arch):
         np.testing.assert_array_equal(got[0], ref.run(None, feeds)[0])
         assert c["host_matmuls"] > 0 and c["host_matmul_rows"] >= c["host_matmuls"]
         assert c["bytes_loaded"] == plain  # the non-expert weights only, every step
+
+
+def test_the_command_line_computes_experts_on_the_host(tmp_path):
+    """``--cpu-experts``: ``optimize`` writes HostMatMuls, ``plan --json`` says per expert
+    weight where it is computed and why, and ``auto`` without a budget is refused by flag."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src, out = moe_model(tmp_path), tmp_path / "o.onnx"
+    r = CliRunner().invoke(main, ["optimize", str(src), str(out), "--offload", "weights",
+                                  "--min-bytes", "0", "--cpu-experts", "all", "--dim", "N=1"])
+    assert r.exit_code == 0, r.output
+    assert sum(n.op_type == contract.HOST_MATMUL for n in _ops(out)) == 3 * E
+    r = CliRunner().invoke(main, ["plan", str(src), "--budget", "1KiB", "--offload", "weights",
+                                  "--min-bytes", "0", "--cpu-experts", "auto", "--dim", "N=1",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output[r.output.index("{"):])
+    assert doc["cpu_experts"] and all(why.startswith("computed on the host")
+                                      for why in doc["cpu_experts"].values())
+    assert all(w["host_readers"] for w in doc["offloaded"]["weights"]
+               if w["name"] in doc["cpu_experts"])
+    r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "p.onnx"),
+                                  "--cpu-experts", "auto", "--dim", "N=1"])
+    assert r.exit_code != 0 and "--cpu-experts" in r.output and "budget" in r.output
