@@ -107,6 +107,16 @@ def _skipped_summary(skipped: dict[str, str], top: int = 3) -> list[str]:
     return [f"resident: {len(skipped)} other tensors ({common}{more}; --json: each one's)"]
 
 
+def _cpu_experts_summary(cpu_experts: dict[str, str]) -> list[str]:
+    """One line: the offloaded expert weights computed on the host and those moved
+    (``--cpu-experts``; ``--json``: each one's reason, with the times it compared)."""
+    if not cpu_experts:
+        return []
+    host = sum(why.startswith("computed on the host") for why in cpu_experts.values())
+    return [f"experts: {host} expert weights computed on the host (HostMatMul), "
+            f"{len(cpu_experts) - host} moved (--json cpu_experts: each one's reason)"]
+
+
 def _splits_summary(plan: Plan) -> list[str]:
     """A line per reason: the weights streamed in blocks or kept whole for it (``--json``:
     each one's)."""
@@ -137,6 +147,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         + (f"; {sum(1 for w in c.weights if w.gates)} expert weights routed (moved only "
            "when the router picks their expert)" if any(w.gates for w in c.weights) else ""),
         *_skipped_summary(c.skipped),
+        *_cpu_experts_summary(c.cpu_experts),
         *_splits_summary(plan),
         plan.arena_summary(),
     ]

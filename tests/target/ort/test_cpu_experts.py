@@ -261,6 +261,10 @@ def test_the_command_line_computes_experts_on_the_host(tmp_path):
                                       for why in doc["cpu_experts"].values())
     assert all(w["host_readers"] for w in doc["offloaded"]["weights"]
                if w["name"] in doc["cpu_experts"])
+    r = CliRunner().invoke(main, ["plan", str(src), "--budget", "1KiB", "--offload", "weights",
+                                  "--min-bytes", "0", "--cpu-experts", "auto", "--dim", "N=1"])
+    assert r.exit_code == 0, r.output
+    assert f"experts: {len(doc['cpu_experts'])} expert weights computed on the host" in r.output
     r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "p.onnx"),
                                   "--cpu-experts", "auto", "--dim", "N=1"])
     assert r.exit_code != 0 and "--cpu-experts" in r.output and "budget" in r.output
