@@ -12,6 +12,13 @@ Rows (every weight offloaded to the host tier, the KV cache left as exported):
   gated reloads of ``ho_onnx.graph.moe.empty_gate``);
 * ``routed, budget``   the planner at half the resident peak (or its smallest feasible
   budget when that is above), routed.
+* ``routed + CPU experts``  routed, and every expert MatMul computed where its weights live
+  (``cpu_experts="all"``: HostMatMul on the host store; no expert byte moves);
+* ``CPU experts, budget``  the planner at the same budget with ``cpu_experts="auto"``.
+
+``floor`` is the smallest budget the planner meets with each row's options (the fast-tier
+memory the experts computed on the host leave free); ``peak`` the plan's predicted peak
+(budget rows).
 
 Each decode step feeds every row the same inputs (the resident row's greedy tokens, teacher
 forced), so each row's logits are compared with the resident row's (bit-exact at ORT's
@@ -29,6 +36,7 @@ numpy: ``models.moe_contrib.select``).
 
     python bench/moe_decode.py --json out.json            # CPU: 8 experts, top-2, 4 layers
     python bench/moe_decode.py --quick --json out.json    # tiny (CI)
+    python bench/moe_decode.py --wide --json out.json     # experts wider than the lm_head
 """
 
 from __future__ import annotations
@@ -53,6 +61,10 @@ from models.moe_export import ARCHS  # noqa: E402  (the repository root, just ad
 PRESETS = {
     "cpu": {"layers": 4, "hidden": 256, "moe_ffn": 256, "experts": 8, "top_k": 2,
             "heads": 8, "kv_heads": 4, "vocab": 1024, "prompt": 64, "tokens": 24},
+    # an expert projection (1 MiB) above the lm_head and embedding (256 KiB each): the experts
+    # set the fast tier's floor, where computing them on the host shows
+    "wide": {"layers": 2, "hidden": 256, "moe_ffn": 1024, "experts": 8, "top_k": 2,
+             "heads": 8, "kv_heads": 4, "vocab": 256, "prompt": 64, "tokens": 24},
     "quick": {"layers": 2, "hidden": 32, "moe_ffn": 16, "experts": 4, "top_k": 2,
               "heads": 4, "kv_heads": 2, "vocab": 128, "prompt": 8, "tokens": 6},
 }
@@ -100,12 +112,31 @@ def selected_bytes(choice: Any, routed: Any, chosen: dict[str, set[int]]) -> int
     return total
 
 
-def session_options() -> Any:
+def floor(src: Path, opts: Any, ranges: dict[str, tuple[int, int]]) -> int:
+    """The smallest budget the planner meets with ``opts`` (its budget aside)."""
+    from dataclasses import replace
+
+    from ho_onnx.rewrite.pipeline import plan_model
+    from ho_onnx.schedule.planner import InfeasibleBudgetError
+
+    try:
+        plan_model(src, replace(opts, budget=1), {"batch_size": 1}, dim_ranges=ranges)
+    except InfeasibleBudgetError as e:
+        return e.min_budget
+    return 1
+
+
+def session_options(sample_arena: bool = False) -> Any:
+    """ORT's optimizations off (bit-exact), one thread; ``sample_arena``: every Wait samples
+    ORT's arena (the ``arena`` column: its high-water mark at the step's last Wait)."""
     import onnxruntime as ort
+
+    from ho_onnx.contract import CONFIG_SAMPLE_ARENA
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # bit-exact
     so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1" if sample_arena else "0")
     so.intra_op_num_threads = 1
     return so
 
@@ -155,19 +186,29 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
     except InfeasibleBudgetError as e:
         budget = e.min_budget
     configs["routed, budget"] = OffloadOptions(activations=False, min_bytes=0, budget=budget)
+    configs["routed + CPU experts"] = OffloadOptions(activations=False, min_bytes=0,
+                                                     cpu_experts="all")
+    configs["CPU experts, budget"] = OffloadOptions(activations=False, min_bytes=0,
+                                                    budget=budget, cpu_experts="auto")
     sessions: dict[str, Any] = {"resident": ort.InferenceSession(
         str(src), session_options(), providers=["CPUExecutionProvider"])}
     choices: dict[str, Any] = {}
+    plans: dict[str, dict[str, Any]] = {}
     for name, opts in configs.items():
         out = root / name.replace(" ", "_").replace(",", "").replace("%", "") / "model.onnx"
         out.parent.mkdir()
         r = optimize(src, out, opts, {"batch_size": 1}, dim_ranges=ranges)
         choices[name] = r.choice
-        sessions[name] = ho_onnx.InferenceSession(out, sess_options=session_options())
+        plans[name] = {"floor": floor(src, opts, ranges),
+                       "peak": r.plan.planned.peak_bytes if r.plan else None}
+        sessions[name] = ho_onnx.InferenceSession(out, sess_options=session_options(True))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg["vocab"], cfg["prompt"]).tolist()
     rows: dict[str, dict[str, Any]] = {k: {"row": k, "moved": [], "selected": [], "step_s": [],
-                                           "ttft_s": None, "equal": True} for k in sessions}
+                                           "host_matmuls": [], "arena": None, "ttft_s": None,
+                                           "equal": True}
+                                       | plans.get(k, {"floor": None, "peak": peak})
+                                       for k in sessions}
     past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
     tokens = list(prompt)
     for step in range(cfg["tokens"] + 1):
@@ -187,6 +228,10 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
             else:
                 row["step_s"].append(dt)
                 row["moved"].append(ho_onnx.counters()["bytes_loaded"])
+                row["host_matmuls"].append(ho_onnx.counters()["host_matmuls"])
+                c = ho_onnx.counters()
+                if name in choices and c["waits"]:  # (no Wait: nothing sampled this run)
+                    row["arena"] = max(row["arena"] or 0, c["ort_arena_max_in_use"])
                 row["selected"].append(selected_bytes(choices[name], routed, chosen)
                                        if name in choices else 0)
         names = [o.name for o in ref.get_outputs()]
@@ -294,7 +339,8 @@ def summarise(row: dict[str, Any]) -> None:
     row |= {"moved_per_token": moved / max(len(row["moved"]), 1),
             "selected_per_token": sel / max(len(row["selected"]), 1),
             "ratio": moved / sel if sel else None,
-            "tok_s": 1 / statistics.median(row["step_s"])}
+            "tok_s": 1 / statistics.median(row["step_s"]),
+            "host_matmuls_per_token": statistics.mean(row.pop("host_matmuls", None) or [0])}
     del row["step_s"]
 
 
@@ -306,19 +352,28 @@ def print_table(doc: dict[str, Any]) -> None:
           f"experts top-{cfg['top_k']}, "
           f"hidden {cfg['hidden']}, expert width {cfg['moe_ffn']}; prompt {cfg['prompt']}, "
           f"{cfg['tokens']} decode steps")
-    head = (f"{'row':<14}{'moved KiB/tok':>15}{'selected KiB/tok':>18}{'moved/selected':>16}"
-            f"{'tok/s':>9}{'TTFT ms':>9}  logits")
+    head = (f"{'row':<22}{'moved KiB/tok':>15}{'selected KiB/tok':>18}{'moved/selected':>16}"
+            f"{'host MM/tok':>12}{'floor KiB':>11}{'peak KiB':>10}{'arena KiB':>11}{'tok/s':>9}"
+            f"{'TTFT ms':>9}"
+            "  logits")
     print(head + "\n" + "-" * len(head))
     for r in doc["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         sel = "-" if r["row"] == "resident" else f"{r['selected_per_token'] / 1024:.1f}"
-        print(f"{r['row']:<14}{r['moved_per_token'] / 1024:>15.1f}{sel:>18}{ratio:>16}"
+        kib = {k: "-" if r.get(k) is None or r[k] < 0 else f"{r[k] / 1024:.0f}"
+               for k in ("floor", "peak", "arena")}
+        print(f"{r['row']:<22}{r['moved_per_token'] / 1024:>15.1f}{sel:>18}{ratio:>16}"
+              f"{r.get('host_matmuls_per_token', 0):>12.1f}{kib['floor']:>11}{kib['peak']:>10}"
+              f"{kib['arena']:>11}"
               f"{r['tok_s']:>9.1f}{r['ttft_s'] * 1e3:>9.1f}  "
               f"{'= resident' if r['equal'] else 'MISMATCH'}")
     print("moved = bytes the library loaded per decode step (its counters); selected = the "
           "bytes of the experts the router chose that step (its TopK indices) plus the "
-          "offloaded weights that are not experts; logits compared bit for bit (ORT's "
-          "optimizations off).")
+          "offloaded weights that are not experts; host MM = HostMatMul calls (experts computed "
+          "on the host); floor = the smallest budget the planner meets with the row's options; "
+          "peak = the plan's predicted peak (resident: the unmodified model's); arena = ORT's "
+          "arena high-water mark, measured (sampled at each Wait, ho_onnx.sample_arena); logits "
+          "compared bit for bit (ORT's optimizations off).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,13 +381,15 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model (CI)")
+    ap.add_argument("--wide", action="store_true",
+                    help="experts wider than the lm_head (they set the fast tier's floor)")
     ap.add_argument("--arch", choices=ARCHS + CONTRIB, default="qwen3_moe",
                     help="the architecture (models.moe_export): Qwen3-MoE, Qwen2-MoE (a "
                          "shared expert beside the routed ones) or Mixtral; contrib, "
                          "contrib_q: ORT's MoE / QMoE op (models.moe_contrib)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
-    cfg = PRESETS["quick" if args.quick else "cpu"]
+    cfg = PRESETS["quick" if args.quick else "wide" if args.wide else "cpu"]
     with tempfile.TemporaryDirectory(prefix="moe_decode_") as tmp:
         doc = (run_contrib if args.arch in CONTRIB else run)(args, cfg, Path(tmp))
     print_table(doc)

@@ -27,6 +27,7 @@ from google.protobuf.message import EncodeError
 from ho_onnx import __version__, kinds
 from ho_onnx.errors import HoOnnxError, printable
 from ho_onnx.schedule.options import (
+    CPU_EXPERTS,
     MIN_BYTES_BUDGET,
     MIN_BYTES_EXPLICIT,
     OffloadOptions,
@@ -421,6 +422,16 @@ def _progress_bars():  # type: ignore[no-untyped-def]
     return progress
 
 
+_CPU_EXPERTS_OPTION = click.option(
+    "--cpu-experts", type=click.Choice(list(CPU_EXPERTS)), default=_DEFAULTS.cpu_experts,
+    show_default=True,
+    help="Compute offloaded MoE experts where their weights live: each routed expert MatMul "
+         "runs on the CPU EP against the host store (HostMatMul; on a GPU the activations "
+         "move instead of the weights). all: every expert; auto (needs --budget): per "
+         "expert, where the cost model (--machine, its host_flops/host_mem_bw from "
+         "`ho-onnx calibrate`) finds it cheaper than moving the weight.")
+
+
 def _planner_options(f):  # type: ignore[no-untyped-def]
     """Options shared by `optimize --budget` and `plan`."""
     opts = [
@@ -459,6 +470,7 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                           "attention and each present leaves right after its last reader "
                           "(found by structure; see docs/llm.md). The budget then holds one "
                           "layer's cache, not every layer's."),
+        _CPU_EXPERTS_OPTION,
         click.option("--dim", "dims", multiple=True, metavar="NAME=N|NAME=LO..HI",
                      help=_DIM_RANGE_HELP),
         click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...",
@@ -518,8 +530,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
              host_budget: int | None, arena_refits: int, max_blocks: int, offload_kv: bool,
-             dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
-             ort_level: str | None) -> None:
+             cpu_experts: str, dims: tuple[str, ...], shapes: tuple[str, ...],
+             points: tuple[str, ...], ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
@@ -542,7 +554,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
-                           max_blocks=max_blocks, kv=offload_kv)
+                           max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         bound = parse_dims(dims, ranges)
@@ -601,8 +613,8 @@ def _say_result(output_model: str, result: Any) -> None:
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         arena_refits: int, max_blocks: int, offload_kv: bool, dims: tuple[str, ...],
-         shapes: tuple[str, ...], points: tuple[str, ...],
+         arena_refits: int, max_blocks: int, offload_kv: bool, cpu_experts: str,
+         dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
          ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
@@ -630,7 +642,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             _model_in(input_model),
             _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                      weight_tier=weight_tier, host_budget=host_budget,
-                     arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv),
+                     arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv,
+                     cpu_experts=cpu_experts),
             bound, costs, ort_level=ort_level, log=_log, shapes=parse_shape_options(shapes),
             dim_ranges=ranges, dim_points=named)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type

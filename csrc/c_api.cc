@@ -103,6 +103,8 @@ const CounterDef kCounters[] = {
     HO_COUNTER(gated_skips),
     HO_COUNTER(bytes_gated),
     HO_COUNTER(bytes_gathered),
+    HO_COUNTER(host_matmuls),
+    HO_COUNTER(host_matmul_rows),
     HO_COUNTER(bytes_read_disk),
     HO_COUNTER(disk_staging_bytes),
     HO_COUNTER(disk_staging_peak),
@@ -213,6 +215,8 @@ void HoOnnx_ResetCounters(void) {
   c.gated_skips = 0;
   c.bytes_gated = 0;
   c.bytes_gathered = 0;
+  c.host_matmuls = 0;
+  c.host_matmul_rows = 0;
   c.bytes_read_disk = 0;
   c.disk_staging_peak = c.disk_staging_bytes.load();  // (a gauge and its peak from now)
   c.disk_read_ns = 0;

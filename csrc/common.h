@@ -53,6 +53,10 @@ struct Counters {
   std::atomic<uint64_t> disk_staging_bytes{0};
   std::atomic<uint64_t> disk_staging_peak{0};
   std::atomic<uint64_t> bytes_gathered{0};  // GatherRows: table rows copied out
+  // HostMatMul: Compute calls that multiplied (an empty input does no work) and the rows
+  // (output rows, product of every dim but the last) they computed against host weights.
+  std::atomic<uint64_t> host_matmuls{0};
+  std::atomic<uint64_t> host_matmul_rows{0};
   // Disk tier: payload bytes read from data files (also counted in bytes_loaded), the time
   // at least one disk read was in flight, and the reads done with / without O_DIRECT.
   std::atomic<uint64_t> bytes_read_disk{0};

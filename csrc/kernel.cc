@@ -187,7 +187,8 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     k->token_dims = {static_cast<int64_t>((128 + k->bits - 1) / k->bits)};
   }
   std::string location;
-  if ((op.kind == OpKind::kPrefetch || op.kind == OpKind::kGatherRows) &&
+  if ((op.kind == OpKind::kPrefetch || op.kind == OpKind::kGatherRows ||
+       op.kind == OpKind::kHostMatMul) &&
       attr_string(api, info, "location", &location)) {
     k->weight = true;
     k->init_weight(op, info, location);
@@ -202,6 +203,7 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
   if (op.kind == OpKind::kGatherRows) {  // (the table's length was checked against shape)
     k->row_bytes = k->blob->size() / static_cast<size_t>(k->shape[0]);
   }
+  if (op.kind == OpKind::kHostMatMul) k->init_host_matmul(info);
   if (k->gpu) {
     if (op.kind == OpKind::kStore) {
       int64_t host_bytes = op.reg->host_bytes;
@@ -351,6 +353,8 @@ void Kernel::compute(OrtKernelContext* ctx) {
       return emit(ctx, ec);
     case OpKind::kGatherRows:
       return gather_rows(ctx);
+    case OpKind::kHostMatMul:
+      return host_matmul(ctx);
   }
 }
 
@@ -497,6 +501,59 @@ void Kernel::gather_rows(OrtKernelContext* ctx) {
     std::memcpy(dst + i * row, table + static_cast<size_t>(r) * row, row);
   }
   counters().bytes_gathered += ti.numel * row;
+}
+
+// The weight [K, N] (K, N > 0) in the host store; ORT's MatMul of opset 13 for the node's
+// element type, found in the CPU EP's kernel registry (a type it has no MatMul for fails
+// here, at session creation).
+void Kernel::init_host_matmul(const OrtKernelInfo* info) {
+  if (!blob || shape.size() != 2 || shape[0] <= 0 || shape[1] < 0 || bits < 8) {
+    fail(ORT_INVALID_ARGUMENT, "HostMatMul needs a host-tier 2-D weight [K, N] with K > 0 "
+                               "of whole-byte elements (attributes location/offset/length/"
+                               "shape; tier host)");
+  }
+  OrtMemoryInfo* mem = nullptr;
+  check(api, api->CreateCpuMemoryInfo(OrtDeviceAllocator, OrtMemTypeDefault, &mem));
+  std::unique_ptr<OrtMemoryInfo, void (*)(OrtMemoryInfo*)> hold(mem, api->ReleaseMemoryInfo);
+  // (read only: ORT's MatMul never writes its inputs)
+  check(api, api->CreateTensorWithDataAsOrtValue(
+                 mem, const_cast<void*>(blob->data()), blob->size(), shape.data(),
+                 shape.size(), type, &weight_value));
+  const char* names[] = {"T"};
+  const ONNXTensorElementDataType types[] = {type};
+  OrtStatus* st = api->CreateOp(info, "MatMul", "", 13, names, types, 1, nullptr, 0, 2, 1,
+                                &matmul);
+  if (st != nullptr) {
+    const std::string why = api->GetErrorMessage(st);
+    api->ReleaseStatus(st);
+    fail(ORT_INVALID_ARGUMENT, "ORT's CPU execution provider has no MatMul for element type " +
+                                   std::to_string(static_cast<int>(type)) + ": " + why);
+  }
+}
+
+// y = MatMul(x, W): x [..., K] (input 1), y [..., N], computed by ORT's own MatMul kernel on
+// the weight's bytes in the host store. An empty x (no token routed to the expert) does no
+// work; an x whose last dim is not K fails the run before anything is read.
+void Kernel::host_matmul(OrtKernelContext* ctx) {
+  const OrtValue* x = input(api, ctx, 1);
+  const TensorInfo ti = tensor_info(api, x);
+  if (ti.dims.empty() || ti.dims.back() != shape[0]) {
+    fail(ORT_INVALID_ARGUMENT,
+         "input x has shape of rank " + std::to_string(ti.dims.size()) + " and last dim " +
+             (ti.dims.empty() ? std::string("none") : std::to_string(ti.dims.back())) +
+             " but the weight is [" + std::to_string(shape[0]) + ", " +
+             std::to_string(shape[1]) + "]: MatMul needs x's last dim to be " +
+             std::to_string(shape[0]));
+  }
+  std::vector<int64_t> dims = ti.dims;
+  dims.back() = shape[1];
+  OrtValue* y = output(api, ctx, dims);
+  if (ti.numel == 0 || shape[1] == 0) return;  // no token routed here: nothing to compute
+  const OrtValue* ins[] = {x, weight_value};
+  OrtValue* outs[] = {y};
+  check(api, api->InvokeOp(ctx, matmul, ins, 2, outs, 1));
+  counters().host_matmuls += 1;
+  counters().host_matmul_rows += ti.numel / static_cast<size_t>(shape[0]);
 }
 
 void Kernel::wait(OrtKernelContext* ctx, ExecContext& ec) {

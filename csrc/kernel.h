@@ -25,6 +25,8 @@ struct Kernel {
                                         const OrtKernelInfo* info, const std::string& node);
   ~Kernel() {
     if (alloc != nullptr) api->ReleaseAllocator(alloc);
+    if (matmul != nullptr) api->ReleaseOp(matmul);
+    if (weight_value != nullptr) api->ReleaseValue(weight_value);
     if (engine && engine->forked_away()) {
       abandon_engine(std::move(engine));
     } else if (engine) {
@@ -89,6 +91,10 @@ struct Kernel {
   std::shared_ptr<const HostBlob> blob;
   std::shared_ptr<const WeightSource> streamed;
   size_t row_bytes = 0;  // GatherRows: bytes of one row of the table (fixed at creation)
+  // HostMatMul: ORT's own CPU MatMul kernel (CreateOp) and the weight as an OrtValue over
+  // the host store's bytes (no copy; `blob` keeps them alive), both made at creation.
+  OrtOp* matmul = nullptr;
+  OrtValue* weight_value = nullptr;
 
   void compute(OrtKernelContext* ctx);
 
@@ -96,6 +102,8 @@ struct Kernel {
   void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
   void init_arena_sampling(const OpDef& op, const OrtKernelInfo* info);
   void init_guard(const OrtKernelInfo* info);
+  void init_host_matmul(const OrtKernelInfo* info);
+  void host_matmul(OrtKernelContext* ctx);
   void guard(OrtKernelContext* ctx);
   ExecContext cpu_context(OrtKernelContext* ctx) const;
   ExecContext gpu_context(OrtKernelContext* ctx) const;

@@ -51,6 +51,8 @@ const char* op_name(OpKind k) {
       return "Emit";
     case OpKind::kGatherRows:
       return "GatherRows";
+    case OpKind::kHostMatMul:
+      return "HostMatMul";
   }
   return "?";
 }
@@ -156,7 +158,7 @@ constexpr const char* kCpuEp = "CPUExecutionProvider";
 
 // Number of T-typed inputs before the variadic `deps`.
 size_t fixed_inputs(OpKind k) {
-  return k == OpKind::kDetach || k == OpKind::kGatherRows ? 2 : 1;
+  return k == OpKind::kDetach || k == OpKind::kGatherRows || k == OpKind::kHostMatMul ? 2 : 1;
 }
 
 const OpDef* def(const OrtCustomOp* op) { return static_cast<const OpDef*>(op); }
@@ -524,9 +526,12 @@ void add_ops(const OrtApi* api, Registration* reg, std::pair<int, int> rt) {
     if (on_cuda && !reg->cuda) continue;
     for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach,
                         OpKind::kGuard, OpKind::kPrefetchInput, OpKind::kEmit,
-                        OpKind::kGatherRows}) {
+                        OpKind::kGatherRows, OpKind::kHostMatMul}) {
       // host memory out: the CPU EP's alone
-      if (on_cuda && (kind == OpKind::kEmit || kind == OpKind::kGatherRows)) continue;
+      if (on_cuda && (kind == OpKind::kEmit || kind == OpKind::kGatherRows ||
+                      kind == OpKind::kHostMatMul)) {
+        continue;
+      }
       for (const ElemType* t = elem_types(); t->bits != 0; ++t) {
         if (!runtime_has_type(t->type, rt)) continue;
         reg->ops.push_back(make_op(reg, kind, *t, on_cuda));

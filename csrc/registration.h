@@ -41,8 +41,12 @@ constexpr const char* kSampleArenaKey = "ho_onnx.sample_arena";
 // GatherRows: the rows of an offloaded table (axis 0) that int64 ids select, copied from the
 // host store into its output (CPU EP only: on the CUDA EP ORT copies the rows to the device,
 // never the table); the table's bytes are located like a weight Prefetch's.
+// HostMatMul: MatMul(x, W) with W, a 2-D host-tier weight located like a weight Prefetch's,
+// read in place from the host store by ORT's own CPU MatMul kernel (CreateOp/InvokeOp);
+// CPU EP only: on the CUDA EP ORT moves x to host memory and y back (the activations move,
+// never the weight). An empty x does no work.
 enum class OpKind { kPrefetch, kWait, kStore, kDetach, kGuard, kPrefetchInput, kEmit,
-                    kGatherRows };
+                    kGatherRows, kHostMatMul };
 const char* op_name(OpKind k);
 
 struct OpDef;

@@ -23,12 +23,23 @@ EMIT = "Emit"
 # (CPU EP only; an embedding lookup whose table never enters the fast tier). Attributes of
 # a weight Prefetch (location, offset, length, shape, name).
 GATHER_ROWS = "GatherRows"
-ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD, PREFETCH_INPUT, EMIT, GATHER_ROWS)
+# MatMul(x, W) with W, a 2-D offloaded weight, read in place from the host store by ORT's own
+# CPU MatMul kernel (CPU EP only: on the CUDA EP ORT moves x to host memory and y back, the
+# activations move instead of the weight); input 0 the empty source, input 1 x; attributes
+# of a weight Prefetch. An MoE expert computed where its weights live (``--cpu-experts``).
+HOST_MATMUL = "HostMatMul"
+ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD, PREFETCH_INPUT, EMIT, GATHER_ROWS,
+           HOST_MATMUL)
+# Ops that read an offloaded weight's bytes in place from the host store (no reload).
+HOST_READERS = (GATHER_ROWS, HOST_MATMUL)
+# Ops registered for the CPU EP only (csrc/registration.cc: add_ops): on the CUDA EP ORT runs
+# them on the CPU and copies their inputs and outputs.
+CPU_ONLY = (EMIT, GATHER_ROWS, HOST_MATMUL)
 # The inputs each op requires first (ordering inputs may follow); every op has its first
 # output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
 # output_count.)
 REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2, GUARD: 1, PREFETCH_INPUT: 1,
-                   EMIT: 1, GATHER_ROWS: 2}
+                   EMIT: 1, GATHER_ROWS: 2, HOST_MATMUL: 2}
 # Ops whose transfers queue on a copy channel (an optional second output, ``issued``).
 PREFETCHES = (PREFETCH, PREFETCH_INPUT)
 # Attributes of a Guard: per checked dim its axis in the input, its range and its name (the

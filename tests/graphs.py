@@ -191,3 +191,58 @@ gap (float[512, 512] x) => (float[512, 512] y) {
   y = MatMul(m, s2)
 }
 """
+
+
+MOE_H, MOE_W, MOE_E = 16, 32, 4  # hidden, expert width, experts (top-1)
+
+
+def moe_text() -> str:
+    """An MoE layer in ONNX text: tokens gathered per expert (NonZero of the routing
+    mask), the expert's SwiGLU on them, scattered back; ``idx`` (the router's choice) is a
+    graph output."""
+    body = [f"""
+moe (float[N, {MOE_H}] x) => (float[N, {MOE_H}] y, int64[N, 1] idx) {{
+  k = Constant<value = int64[1] {{1}}>()
+  zero = Constant<value = int64 {{0}}>()
+  last = Constant<value = int64[1] {{-1}}>()
+  logits = MatMul(x, R)
+  p = Softmax<axis=-1>(logits)
+  v, idx = TopK<axis=-1>(p, k)
+  base = Mul(x, zeros)"""]
+    acc = "base"
+    for e in range(MOE_E):
+        body.append(f"""
+  c{e} = Constant<value = int64 {{{e}}}>()
+  m{e} = Equal(idx, c{e})
+  nz{e} = NonZero(m{e})
+  tok{e} = Gather<axis=0>(nz{e}, zero)
+  xe{e} = Gather<axis=0>(x, tok{e})
+  g{e} = MatMul(xe{e}, G{e})
+  u{e} = MatMul(xe{e}, U{e})
+  s{e} = Sigmoid(g{e})
+  a{e} = Mul(g{e}, s{e})
+  h{e} = Mul(a{e}, u{e})
+  d{e} = MatMul(h{e}, D{e})
+  ti{e} = Unsqueeze(tok{e}, last)
+  o{e} = ScatterND({acc}, ti{e}, d{e})""")
+        acc = f"o{e}"
+    body.append(f"  y = Identity({acc})\n}}")
+    return "\n".join(body)
+
+
+def moe_model(tmp: Path) -> Path:
+    """:func:`moe_text` with random weights, saved as ``tmp/moe.onnx`` with external data."""
+    model = onnx.parser.parse_model(f"{HEADER}\n" + moe_text())
+    rng = np.random.default_rng(0)
+    inits = {"R": (MOE_H, MOE_E), "zeros": (1, MOE_H)} | {
+        f"{w}{e}": s for e in range(MOE_E)
+        for w, s in (("G", (MOE_H, MOE_W)), ("U", (MOE_H, MOE_W)), ("D", (MOE_W, MOE_H)))}
+    for name, shape in inits.items():
+        arr = np.zeros(shape, np.float32) if name == "zeros" else \
+            rng.standard_normal(shape).astype(np.float32)
+        model.graph.initializer.append(numpy_helper.from_array(arr, name))
+    onnx.checker.check_model(model)
+    path = tmp / "moe.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="moe.onnx.data",
+              size_threshold=0)
+    return path

@@ -25,11 +25,21 @@ def test_quick_run(tmp_path, arch):
     doc = json.loads(out.read_text())
     assert doc["arch"] == arch
     rows = {r["row"]: r for r in doc["rows"]}
-    assert set(rows) == {"resident", "all streamed", "routed", "routed, budget"}
+    assert set(rows) == {"resident", "all streamed", "routed", "routed, budget",
+                         "routed + CPU experts", "CPU experts, budget"}
     assert all(r["equal"] for r in rows.values())
     assert rows["routed"]["ratio"] == pytest.approx(1.0)
     assert rows["all streamed"]["ratio"] > 1.0
     assert rows["routed"]["moved_per_token"] < rows["all streamed"]["moved_per_token"]
+    # experts computed where their weights live: none of their bytes move, the HostMatMuls
+    # ran (each token's top-k experts, 3 MatMuls each, per layer), the floor is no higher
+    host = rows["routed + CPU experts"]
+    cfg = doc["config"]
+    assert host["host_matmuls_per_token"] == 3 * cfg["top_k"] * cfg["layers"]
+    assert host["ratio"] == pytest.approx(1.0)
+    assert host["moved_per_token"] < rows["routed"]["moved_per_token"]
+    assert host["floor"] <= rows["routed"]["floor"]
+    assert rows["CPU experts, budget"]["peak"] <= doc["budget"]
 
 
 @pytest.mark.parametrize("arch", ["contrib", "contrib_q"])

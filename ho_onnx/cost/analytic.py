@@ -276,6 +276,24 @@ def node_seconds(machine: Machine, analysis: GraphAnalysis, pos: int,
                      movement=op in _MOVEMENT_OPS or op in _GATHER_OPS)
 
 
+def host_node_time(analysis: GraphAnalysis, machine: Machine, dims: Mapping[str, int],
+                   pos: int) -> float:
+    """Roofline seconds of the node at ``pos`` on the host CPU (``machine.host_flops``,
+    ``host_mem_bw``) plus one copy of each activation input to the host and of each output
+    back (what HostMatMul costs on a GPU: the activations move, the weights stay). A size
+    shape inference leaves unknown (an expert's routed rows) counts as none: its weight's
+    read and the copies' latency remain, what a decode step costs."""
+    flops, nbytes = node_flops_bytes(analysis, pos, dims)
+    node = analysis.node_at(pos)
+    ins = [t for n in dict.fromkeys(input_names(node)) if n
+           and (t := analysis.tensors.get(n)) is not None and not t.is_initializer]
+    outs = [t for n in output_names(node) if n and (t := analysis.tensors.get(n)) is not None]
+    copies = sum(machine.transfer_time(max(t.nbytes(dims) or 0, 1), d)
+                 for ts, d in ((ins, "d2h"), (outs, "h2d")) for t in ts)
+    return (max(flops / (machine.host_flops * machine.efficiency), nbytes / machine.host_mem_bw)
+            + machine.launch_overhead_s + copies)
+
+
 @gc_paused()
 def analytic_costs(analysis: GraphAnalysis, machine: Machine,
                    dims: Mapping[str, int] | None = None) -> NodeCosts:

@@ -45,6 +45,12 @@ class Machine:
     transfer_latency_s: float  # fixed cost of one transfer (any direction)
     launch_overhead_s: float  # fixed cost of one node: kernel launch / ORT dispatch
     efficiency: float = 0.6  # achievable fraction of peak_flops
+    # The host CPU's rates (ORT's CPU EP: a large MatMul's FLOP/s, a one-row MatMul's weight
+    # read rate), what an MoE expert computed where its weights live runs at (HostMatMul,
+    # ``--cpu-experts``); 0: the fast tier's compute is the host's (the CPU EP), use
+    # ``peak_flops``/``mem_bw``.
+    host_flops: float = 0.0
+    host_mem_bw: float = 0.0
     # Bandwidth of the data-movement ops (Concat, Transpose, Gather, ...: a KV cache's
     # Concat(past, new)), bytes/s; 0: mem_bw. A CPU streams a copy well below the rate a
     # MatMul reads its weights at (calibrated: 18 against 51 GB/s on a 2-core VM).
@@ -133,6 +139,8 @@ LIMITS: dict[str, tuple[float, float, str]] = {
     "launch_overhead_s": (0.0, 10.0, "s"),
     "efficiency": (1e-3, 1.0, ""),
     "move_bw": (0.0, 1e15, "bytes/s"),
+    "host_flops": (0.0, 1e19, "FLOP/s"),  # (0: the fast tier's compute is the host's)
+    "host_mem_bw": (0.0, 1e15, "bytes/s"),
 }
 
 
@@ -168,15 +176,18 @@ def _coerce(kw: Mapping[str, Any], who: str) -> dict[str, Any]:
 #    (cudaMemcpyAsync issue + completion event); disk 3 GB/s (a PCIe 4 NVMe, sequential).
 #  * cpu: deliberately modest defaults for the CPU EP (100 GFLOP/s fp32, 10 GB/s memory,
 #    5 GB/s memcpy to/from the library's host pool, 1 GB/s disk): override them with
-#    `ho-onnx calibrate` output or use a profile.
+#    `ho-onnx calibrate` output or use a profile. The GPU presets' host CPU (host_flops,
+#    host_mem_bw) is the cpu preset's; `ho-onnx calibrate --base h100` measures it.
 MACHINES: dict[str, Machine] = {
     "h100": Machine(
         name="h100", peak_flops=989e12, mem_bw=3.35e12, h2d_bw=50e9, d2h_bw=50e9,
         disk_bw=3e9, transfer_latency_s=10e-6, launch_overhead_s=5e-6, efficiency=0.6,
+        host_flops=100e9, host_mem_bw=10e9,
     ),
     "h200": Machine(
         name="h200", peak_flops=989e12, mem_bw=4.8e12, h2d_bw=50e9, d2h_bw=50e9,
         disk_bw=3e9, transfer_latency_s=10e-6, launch_overhead_s=5e-6, efficiency=0.6,
+        host_flops=100e9, host_mem_bw=10e9,
     ),
     "cpu": Machine(
         name="cpu", peak_flops=100e9, mem_bw=10e9, h2d_bw=5e9, d2h_bw=5e9, disk_bw=1e9,

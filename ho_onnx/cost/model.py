@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +54,22 @@ class CostModel:
     description: str = ""
     host_ahead: bool = False
     notes: tuple[str, ...] = ()  # what the user should know of the times (a profile's gaps)
+    # Seconds of the node at a position computed on the host CPU against host memory, its
+    # activations copied there and back (an MoE expert's MatMul as HostMatMul); None: the
+    # fast tier's compute is the host's (the CPU EP): ``compute_s`` itself.
+    host_time: Callable[[int], float] | None = field(default=None, compare=False)
+
+    def on_host_s(self, pos: int) -> float:
+        """Seconds of the node at ``pos`` computed on the host (:attr:`host_time`)."""
+        return float(self.compute_s[pos]) if self.host_time is None else self.host_time(pos)
+
+    def with_host(self, positions: Iterable[int]) -> np.ndarray:
+        """``compute_s`` with the nodes at ``positions`` computed on the host (HostMatMul)."""
+        out = self.compute_s
+        for pos in positions if self.host_time is not None else ():
+            out = out.copy() if out is self.compute_s else out
+            out[pos] = self.host_time(pos)
+        return out
 
     def __post_init__(self) -> None:
         compute_s = np.asarray(self.compute_s, dtype=np.float64)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import ALL_OPS, GATHER_ROWS
+from ..contract import ALL_OPS, HOST_READERS
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.facts import never_runs
 from ..target.ort.profile import read_profile
@@ -21,9 +21,9 @@ from .model import NodeCosts
 _FUSION_SEPARATORS = ("/", "_", ":")
 DEVICE_SCALED = "profile run time"  # NodeCosts.source of :func:`device_scaled`
 _TRANSFER_OPS = frozenset(("MemcpyFromHost", "MemcpyToHost"))
-# In the profile of an optimized model: transfers, not compute (a GatherRows does its Gather's
-# work, under that Gather's name: compute).
-CACHE_OPS = frozenset(ALL_OPS) - {GATHER_ROWS}
+# In the profile of an optimized model: transfers, not compute (a GatherRows or HostMatMul
+# does its Gather's or MatMul's work, under that node's name: compute).
+CACHE_OPS = frozenset(ALL_OPS) - set(HOST_READERS)
 
 
 def profile_costs(analysis: GraphAnalysis,

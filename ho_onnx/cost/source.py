@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from ..graph.analyse import GraphAnalysis
 from ..target.ort.profile import ProfileError, read_profile
-from .analytic import analytic_costs
+from .analytic import analytic_costs, host_node_time
 from .machine import Machine, load_machine
 from .model import CostModel
 from .profiled import DEVICE_SCALED, profile_costs
@@ -59,10 +59,12 @@ class CostSource:
             nc = analytic_costs(analysis, machine, dims)
             what = f"analytic roofline on {machine.name}"
         # Compute measured on a GPU: loads are timed as the CUDA engine issues them.
+        host = None if not machine.host_flops or not machine.host_mem_bw else \
+            functools.partial(host_node_time, analysis, machine, dict(dims))
         return CostModel(nc.seconds, machine.transfer_time,
                          f"{what}; transfers on {machine.name}"
                          + ("; loads issued ahead of the GPU" if nc.gpu else ""),
-                         host_ahead=nc.gpu, notes=tuple(nc.notes))
+                         host_ahead=nc.gpu, notes=tuple(nc.notes), host_time=host)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                          # (stacked experts of a MoE/QMoE op: [rule, k] where only the
                          # selected experts' slices move)
                          "routes": [list(r) if r else None for r in w.routes],
-                         "row_readers": list(w.row_readers)}  # (GatherRows)
+                         "row_readers": list(w.row_readers),  # (GatherRows)
+                         "host_readers": list(w.host_readers)}  # (HostMatMul)
                         for w in c.weights],
             "activations": [{"name": a.name, "bytes": a.nbytes, "producer": a.producer,
                              "early": list(a.early), "late": list(a.late),
@@ -77,6 +78,8 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         },
         "transfers": transfer_rows(plan, analysis_names),
         "skipped": dict(c.skipped),  # why each other tensor of the chosen kinds stayed
+        # offloaded expert weights (--cpu-experts): computed on the host or moved, and why
+        "cpu_experts": dict(c.cpu_experts),
         # weights streamed in blocks (or kept whole), and why (rewrite/blocks.py)
         "splits": [{"name": s.name, "bytes": s.nbytes, "blocks": list(s.blocks),
                     "reason": s.reason} for s in c.splits],
@@ -120,6 +123,16 @@ def _skipped_summary(skipped: dict[str, str], top: int = 3) -> list[str]:
     return [f"resident: {len(skipped)} other tensors ({common}{more}; --json: each one's)"]
 
 
+def _cpu_experts_summary(cpu_experts: dict[str, str]) -> list[str]:
+    """One line: the offloaded expert weights computed on the host and those moved
+    (``--cpu-experts``; ``--json``: each one's reason, with the times it compared)."""
+    if not cpu_experts:
+        return []
+    host = sum(why.startswith("computed on the host") for why in cpu_experts.values())
+    return [f"experts: {host} expert weights computed on the host (HostMatMul), "
+            f"{len(cpu_experts) - host} moved (--json cpu_experts: each one's reason)"]
+
+
 def _splits_summary(plan: Plan) -> list[str]:
     """A line per reason: the weights streamed in blocks or kept whole for it (``--json``:
     each one's)."""
@@ -149,6 +162,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
            f"{len(c.outputs)} present, {_mib(c.kv_bytes)})" if c.inputs or c.outputs else "")
         + _routed_summary(c.weights),
         *_skipped_summary(c.skipped),
+        *_cpu_experts_summary(c.cpu_experts),
         *_splits_summary(plan),
         plan.arena_summary(),
     ]

@@ -114,7 +114,9 @@ class _Emitter:
         self.replace: dict[int, list[int]] = {}  # position -> dims of the Shape/Size it reads
         self.weight_prefetches: dict[str, list[_Op]] = {}
         self.emitted: dict[str, str] = {}  # graph output -> new name of its producer's value
-        self.rows: dict[int, _Op] = {}  # position of a row Gather -> its GatherRows
+        # position of a reader replaced by an op reading the host store in place -> that op
+        # (a row Gather's GatherRows, an expert MatMul's HostMatMul)
+        self.rows: dict[int, _Op] = {}
 
     def dep_before(self, pos: int, floor: int = -1) -> list[str]:
         """An output of the latest node at a position < ``pos`` (and > ``floor``)."""
@@ -161,6 +163,13 @@ class _Emitter:
             assert ids is not None and ids.name
             op = self.op(contract.GATHER_ROWS, [self.source(t.elem_type), ids.name], [],
                          f"ho.rows.{w.name}.{c}", *attrs)
+            self.rows[c] = op
+            self.weight_prefetches[w.name].append(op)
+        for c in w.host_readers:  # an expert's MatMul computed where its weight lives
+            x = self.analysis.nodes[c].inputs[0]
+            assert x is not None and x.name
+            op = self.op(contract.HOST_MATMUL, [self.source(t.elem_type), x.name], [],
+                         f"ho.host.{w.name}.{c}", *attrs)
             self.rows[c] = op
             self.weight_prefetches[w.name].append(op)
         for k, (c, s) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
@@ -343,13 +352,15 @@ class _Builder:
         return count
 
     def _to_rows(self, node: ir.Node, o: _Op) -> ir.Node:
-        """Replace ``node`` (a Gather of an offloaded table's rows) by its GatherRows: the
-        same output value, the rows copied out of the host store."""
+        """Replace ``node`` (a Gather of an offloaded table's rows, a MatMul by an offloaded
+        expert weight) by its op reading the host store in place (GatherRows: the rows
+        copied out; HostMatMul: the product computed there): the same output value."""
         inputs = [self.values[n] for n in o.inputs]
         out = node.outputs[0]
-        node.replace_input_with(0, inputs[0])  # (detach the table before removing the node)
-        # (the Gather's own name: a profile of the optimized model maps its time back to it)
-        rows = ir.Node(contract.DOMAIN, contract.GATHER_ROWS, inputs, o.attrs, num_outputs=1,
+        w = 0 if o.op == contract.GATHER_ROWS else 1  # the weight's input
+        node.replace_input_with(w, inputs[0])  # (detach the weight before removing the node)
+        # (the node's own name: a profile of the optimized model maps its time back to it)
+        rows = ir.Node(contract.DOMAIN, o.op, inputs, o.attrs, num_outputs=1,
                        name=node.name or o.name)
         ir.convenience.replace_all_uses_with(out, rows.outputs[0], replace_graph_outputs=True)
         self.graph.insert_before(node, rows)

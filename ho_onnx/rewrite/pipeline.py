@@ -43,7 +43,7 @@ from ..schedule.eligibility import OVERRIDABLE_REASON
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import BudgetPlanner, Plan
 from ..schedule.policy import ExplicitPolicy
-from ..schedule.types import Decider, Decision, OffloadChoice, RunFacts
+from ..schedule.types import Decider, Decision, OffloadChoice, RunFacts, host_positions
 from ..target.ort.arena import ORT
 from ..units import format_bytes
 from .insert import RewrittenModel
@@ -220,7 +220,8 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
         seconds = None
         if costs is not None:
             cm = costs.cost_model(a, at)
-            seconds = simulate(a, choice, cm.compute_s, cm.transfer_time, at,
+            seconds = simulate(a, choice, cm.with_host(host_positions(choice)),
+                               cm.transfer_time, at,
                                host_ahead=cm.host_ahead).total_s
         out[name] = PointFigures(dict(point), unmodified, planned, seconds)
     return out

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import onnx
 
 from .. import contract, kinds
+from ..cost.model import CostModel
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.dtypes import ELEMENT_BITS
 from ..kinds import TensorKind
@@ -132,6 +133,63 @@ def row_readers(analysis: GraphAnalysis, t: TensorInfo, tier: str) -> tuple[int,
                 and ids.elem_type == onnx.TensorProto.INT64:
             out.append(c)
     return tuple(out)
+
+
+def matmul_readers(analysis: GraphAnalysis, t: TensorInfo, tier: str) -> tuple[int, ...]:
+    """Readers of the weight ``t`` that ``HostMatMul`` can compute from the host store: a
+    default-domain ``MatMul`` with ``t`` (2-D, of known shape, float32) as its second input
+    and an activation as its first; only for a weight waiting in the host store (``tier``)."""
+    if kinds.tier(tier) is not kinds.HOST or not t.is_initializer or not t.shape \
+            or len(t.shape) != 2 or not all(isinstance(d, int) and d > 0 for d in t.shape) \
+            or t.elem_type != onnx.TensorProto.FLOAT:
+        return ()
+    out = []
+    for c in t.consumers:
+        node = analysis.nodes[c]
+        ins = [v.name if v is not None else None for v in node.inputs]
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and len(ins) == 2 \
+                and ins[1] == t.name and ins[0] != t.name:
+            out.append(c)
+    return tuple(out)
+
+
+def cpu_expert_readers(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
+                       routed: Routed, costs: CostModel | None = None
+                       ) -> tuple[tuple[int, ...], str]:
+    """(readers of ``t`` computed on the host, why) under ``options.cpu_experts``: the routed
+    expert MatMuls (:func:`matmul_readers` gated by :class:`Routed`); ``all``: each, ``auto``:
+    each whose host time (``costs.on_host_s``: the host's roofline and the activations'
+    copies; on the CPU EP the same kernel on the same memory) is at most moving the weight
+    and computing on the device. ``((), "")`` for a weight that is no routed expert's."""
+    if options.cpu_experts == "off":
+        return (), ""
+    readers = [c for c in matmul_readers(analysis, t, options.weight_tier)
+               if routed.gates.get((t.name, c))]
+    if not readers:
+        return (), ""
+    if options.cpu_experts == "all" or costs is None:
+        return tuple(readers), "computed on the host (cpu_experts=all)"
+    nbytes = t.nbytes() or 0
+    move = costs.transfer_time(nbytes, kinds.default_tier().load.direction)
+    host = {c: costs.on_host_s(c) for c in readers}
+    chosen = tuple(c for c in readers if host[c] <= float(costs.compute_s[c]) + move)
+    us = sum(host.values()) * 1e6 / len(readers)
+    dev = (sum(float(costs.compute_s[c]) for c in readers) / len(readers) + move) * 1e6
+    where = "computed on the host" if chosen else "moved"
+    return chosen, (f"{where} (cpu_experts=auto): {us:.1f} us a MatMul on the host against "
+                    f"{dev:.1f} us moving the weight and computing on the device")
+
+
+def in_place_readers(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
+                     groups: WeightGroups, routed: Routed, costs: CostModel | None = None
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """(row readers, host MatMul readers, why the latter) of the weight ``t``: the readers
+    that read it in place from the host store (:func:`row_readers`,
+    :func:`cpu_expert_readers`), none for a member of a weight group."""
+    if t.name in groups.members:
+        return (), (), ""
+    host, why = cpu_expert_readers(analysis, t, options, routed, costs)
+    return row_readers(analysis, t, options.weight_tier), host, why
 
 
 def largest_gap(producer: int, uses: Sequence[int]) -> tuple[int, int]:

@@ -17,6 +17,8 @@ MIN_BYTES_EXPLICIT = 1 << 20
 MIN_BYTES_BUDGET = 64 << 10
 #: The explicit policy's compute nodes between a Prefetch and its Wait.
 PREFETCH_DISTANCE = 2
+#: Values of ``cpu_experts``.
+CPU_EXPERTS = ("off", "auto", "all")
 
 
 class _Unset(int):
@@ -39,6 +41,11 @@ class OffloadOptions:
       set; the rest is planned around it).
       ``routed``: an offloaded MoE expert weight moves only when the router sent its expert
       a token (:class:`~ho_onnx.schedule.eligibility.Routed`); False moves it at every run.
+      ``cpu_experts``: an offloaded routed expert's MatMuls computed where its weights live
+      (``HostMatMul`` on the CPU EP against the host store: the activations move, never the
+      weight): ``off``; ``all`` (every such MatMul); ``auto`` (the budget planner decides per
+      expert weight from its cost model: moving it and computing on the device against
+      computing on the host, :func:`~ho_onnx.schedule.eligibility.cpu_expert_readers`).
       ``min_bytes``: smaller tensors stay resident (None: :data:`MIN_BYTES_BUDGET` with a
       ``budget``, :data:`MIN_BYTES_EXPLICIT` without; see :attr:`min_bytes_or_default`).
       ``min_gap``: an activation is offloaded only across a gap of at least this many
@@ -73,6 +80,7 @@ class OffloadOptions:
     activations: bool = True
     kv: bool = False
     routed: bool = True
+    cpu_experts: str = "off"
     min_bytes: int | None = None
     min_gap: int = 2
     weight_tier: Tier = HOST.name
@@ -103,6 +111,15 @@ class OffloadOptions:
                              "Prefetch; leave it unset")
         if self.host_budget is not None and self.budget is None:
             raise ValueError("host_budget needs a budget (the planner)")
+        if self.cpu_experts not in CPU_EXPERTS:
+            raise ValueError(f"cpu_experts must be {'|'.join(CPU_EXPERTS)}, "
+                             f"not {self.cpu_experts!r}")
+        if self.cpu_experts == "auto" and self.budget is None:
+            raise ValueError("cpu_experts='auto' decides from the planner's cost model: give a "
+                             "budget, or use 'all' with the explicit policy")
+        if self.cpu_experts != "off" and not self.routed:
+            raise ValueError("cpu_experts computes routed experts on the host: it needs "
+                             "routed=True")
         if self.preferred_overlap < 1 or self.max_overlap < self.preferred_overlap:
             raise ValueError("need 1 <= preferred_overlap <= max_overlap")
 

@@ -59,12 +59,12 @@ from .eligibility import (
     OVERRIDABLE_REASON,
     Routed,
     WeightGroups,
+    in_place_readers,
     ineligible,
     kind_of,
     largest_gap,
     long_gaps,
     placement_reasons,
-    row_readers,
     split_shape_readers,
     wanted,
 )
@@ -82,7 +82,15 @@ from .lifetimes import (
 )
 from .options import OffloadOptions
 from .simulate import Simulation, simulate
-from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, Tier, WeightOffload
+from .types import (
+    ActivationOffload,
+    Decision,
+    OffloadChoice,
+    RunFacts,
+    Tier,
+    WeightOffload,
+    host_positions,
+)
 
 
 class InfeasibleBudgetError(HoOnnxError):
@@ -106,6 +114,7 @@ class Candidate(NamedTuple):  # thousands per plan: a tuple is built 3x faster
     score: float
     span: tuple[int, int]  # baseline residency
     rows: tuple[int, ...] = ()  # readers that gather its rows (GatherRows: no reload)
+    host: tuple[int, ...] = ()  # MatMuls computed on the host (HostMatMul: no reload)
 
 
 @dataclass
@@ -212,6 +221,8 @@ class _Context:
     residency: Residency  # of the unmodified schedule (resident_intervals)
     base_memory: np.ndarray  # the unmodified schedule's bytes per step
     kv: OffloadChoice  # the KV cache's offloads (schedule.kv): in every choice
+    # offloaded-expert weight -> computed on the host or moved, and why (cpu_experts)
+    cpu_experts: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def budget(self) -> int:
@@ -239,9 +250,11 @@ class _Selection:
 # and scores the two kinds; the score formulas are the module docstring's, side by side.
 def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, int],
                 costs: CostModel, spans: dict[str, tuple[int, int]],
-                skipped: dict[str, str], sizes: Sizes) -> list[Candidate]:
+                skipped: dict[str, str], sizes: Sizes, notes: dict[str, str]
+                ) -> list[Candidate]:
     """Scored candidates, best first; the others of the chosen kinds go to ``skipped``
-    (``sizes``: the tensors' bytes under ``dims``)."""
+    (``sizes``: the tensors' bytes under ``dims``); ``notes``: where each expert weight is
+    computed and why (``cpu_experts``)."""
     total = float(costs.compute_s.sum()) or 1.0
     # Python floats: the same sums and differences as numpy's, without a scalar object each
     compute_s, prefix = costs.compute_s.tolist(), costs.prefix().tolist()
@@ -270,9 +283,10 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
         assert nbytes is not None
         if not kind.stored:
             own, shape_readers = split_shape_readers(analysis, t)
-            rows = () if name in groups.members else row_readers(analysis, t, opts.weight_tier)
+            rows, host, why = in_place_readers(analysis, t, opts, groups, routed, costs)
+            notes.update({name: why} if why else {})
             uses = tuple(c for c in groups.data_uses(analysis, name, own)  # (with its scales
-                         if c not in rows)                                 # and zero points)
+                         if c not in rows and c not in host)               # and zero points)
             nbytes = groups.nbytes(analysis, name, dims, sizes)
             share = routed.of_weight(analysis, name, uses)[1]  # (an expert: routed reloads)
             tt = costs.transfer_time(max(1, int(nbytes * share)),
@@ -280,7 +294,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             busy = sum(compute_s[c] for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
             out.append(Candidate(name, kind.name, False, nbytes, uses, shape_readers, -1, score,
-                                 spans[name], rows))
+                                 spans[name], rows, host))
             continue
         assert t.producer is not None
         uses = tuple(sorted(t.consumers))
@@ -300,8 +314,9 @@ def _early_uses_if_freed_at(c: Candidate, s: int, min_gap: int) -> tuple[int, ..
     """Early uses of ``c`` offloaded so that it leaves the fast tier at step ``s`` (None: no
     offload of ``c`` frees step ``s``)."""
     if not c.stored:
-        # (a weight only gathered by rows has no reload: offloading it frees every step)
-        return None if s in c.uses or not (c.uses or c.rows) else ()
+        # (a weight only read in place, rows or host MatMuls, has no reload: offloading it
+        # frees every step)
+        return None if s in c.uses or not (c.uses or c.rows or c.host) else ()
     if s <= c.producer or s in c.uses:
         return None
     early = tuple(u for u in c.uses if u < s)
@@ -478,6 +493,7 @@ def _assign_tiers(ctx: _Context, early: Mapping[str, tuple[int, ...]],
             "device budget", acts)
     on_host = sorted(((ctx.by_name[k], spill) for k, tier in out.items()
                       if (t := kinds.tier(tier)).in_host_memory and not ctx.by_name[k].rows
+                      and not ctx.by_name[k].host
                       and (spill := kinds.spill_tier(t)) is not None),
                      key=lambda cs: (len(cs[0].uses), -cs[0].nbytes))
     weights = sum(ctx.by_name[k].nbytes for k, tier in out.items()
@@ -550,7 +566,9 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
             choice.weights.append(WeightOffload(
                 name, c.nbytes, c.uses, tuple(positions[(name, k)] for k in range(len(c.uses))),
                 c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier), gates, share,
-                c.rows, routed.routes_of(name, c.uses)))
+                c.rows, routed.routes_of(name, c.uses), host_readers=c.host))
+            if name in ctx.cpu_experts:
+                choice.cpu_experts[name] = ctx.cpu_experts[name]
         else:
             late = tuple(u for u in c.uses if u not in early)
             choice.activations.append(ActivationOffload(
@@ -600,7 +618,8 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
             skipped[c.name] = "look-ahead: offloading it would exceed the host budget"
             continue
         new_choice = _place(ctx, trial)
-        new_sim = simulate(ctx.analysis, new_choice, ctx.costs.compute_s,
+        new_sim = simulate(ctx.analysis, new_choice, ctx.costs.with_host(host_positions(
+                               new_choice)),
                            ctx.costs.transfer_time, ctx.dims, ctx.residency, ctx.base_memory,
                            host_ahead=ctx.costs.host_ahead)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
@@ -641,6 +660,7 @@ class _Basis:
     skipped: dict[str, str]
     kv: OffloadChoice  # the KV cache's offloads (schedule.kv), in every plan
     start: np.ndarray  # bytes per step with only ``kv`` offloaded: where selection starts
+    cpu_experts: dict[str, str] = field(default_factory=dict)  # (_Context.cpu_experts)
 
     @staticmethod
     def of(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
@@ -655,14 +675,15 @@ class _Basis:
         baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims,
                             residency)
         skipped: dict[str, str] = {}
-        cands = _candidates(analysis, opts, dims, costs, residency[0], skipped, sizes)
+        notes: dict[str, str] = {}
+        cands = _candidates(analysis, opts, dims, costs, residency[0], skipped, sizes, notes)
         load = kinds.default_tier().load.direction
         kv = kv_choice(analysis, opts, dims, overlap_window(
             costs.prefix(), lambda b: costs.transfer_time(b, load), opts), sizes)
         skipped.update(kv.skipped)
         start = schedule_memory(analysis, kv, dims, residency, baseline.memory) \
             if kv.inputs or kv.outputs else baseline.memory
-        return _Basis(residency, baseline, cands, skipped, kv, start)
+        return _Basis(residency, baseline, cands, skipped, kv, start, notes)
 
     @functools.cached_property
     def by_name(self) -> dict[str, Candidate]:
@@ -733,7 +754,7 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     skipped = dict(basis.skipped)
     cands = basis.candidates
     ctx = _Context(analysis, opts, costs, dims, cands, basis.by_name, residency,
-                   baseline.memory, basis.kv)
+                   baseline.memory, basis.kv, basis.cpu_experts)
     mem = basis.start.copy()
     start_peak = int(mem.max(initial=0))
     if start_peak > ctx.budget:
@@ -758,8 +779,9 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     sel = _Selection(early, mem, {})
     sel = replace(sel, tiers=_assign_tiers(ctx, sel.early, {}))
     choice = _place(ctx, sel)
-    planned = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims, residency,
-                       baseline.memory, host_ahead=costs.host_ahead)
+    planned = simulate(analysis, choice, costs.with_host(host_positions(choice)),
+                       costs.transfer_time, dims, residency, baseline.memory,
+                       host_ahead=costs.host_ahead)
     choice, planned = _make_room(ctx, sel, choice, planned, skipped)
     offloaded = {x.name for x in [*choice.weights, *choice.activations]}
     for c in cands:

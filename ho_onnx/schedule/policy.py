@@ -11,11 +11,11 @@ from ..graph.analyse import GraphAnalysis, TensorInfo
 from .eligibility import (
     Routed,
     WeightGroups,
+    in_place_readers,
     ineligible,
     kind_of,
     largest_gap,
     placement_reasons,
-    row_readers,
     split_shape_readers,
     wanted,
 )
@@ -50,7 +50,8 @@ def describe(options: OffloadOptions) -> str:
     o = options
     return (f"offload={o.offloads}{' kv' if o.kv else ''} min_bytes={o.min_bytes_or_default} "
             f"min_gap={o.min_gap} "
-            f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}")
+            f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}"
+            + (f" cpu_experts={o.cpu_experts}" if o.cpu_experts != "off" else ""))
 
 
 def choose(analysis: GraphAnalysis, options: OffloadOptions,
@@ -84,14 +85,17 @@ def _weight(analysis: GraphAnalysis, t: TensorInfo, options: OffloadOptions,
     if nbytes < options.min_bytes_or_default:
         return f"{nbytes} bytes < min_bytes"
     own, shape_readers = split_shape_readers(analysis, t)
-    rows = () if t.name in groups.members else row_readers(analysis, t, options.weight_tier)
-    data = tuple(c for c in groups.data_uses(analysis, t.name, own) if c not in rows)
-    d = options.prefetch_distance
     routed = Routed.of(analysis, dims, options)
+    rows, host, why = in_place_readers(analysis, t, options, groups, routed)
+    choice.cpu_experts.update({t.name: why} if why else {})
+    data = tuple(c for c in groups.data_uses(analysis, t.name, own)
+                 if c not in rows and c not in host)
+    d = options.prefetch_distance
     gates, share, after = routed.of_weight(analysis, t.name, data)
     choice.weights.append(WeightOffload(
         t.name, nbytes, data, tuple(max(a, c - d, 0) for c, a in zip(data, after, strict=True)),
-        shape_readers, options.weight_tier, gates, share, rows, routed.routes_of(t.name, data)))
+        shape_readers, options.weight_tier, gates, share, rows, routed.routes_of(t.name, data),
+        host_readers=host))
     return None
 
 

@@ -51,6 +51,9 @@ class WeightOffload:
     # MoE/QMoE op reads: (the op's selection rule, its k), and only the experts it selects
     # move (the gate is its router input; schedule.eligibility.Routed); None otherwise.
     routes: tuple[tuple[str, int] | None, ...] = ()
+    # MatMuls of it computed where it lives (HostMatMul on the CPU EP against the host
+    # store: an MoE expert, ``cpu_experts``); no reload, no fast-tier copy.
+    host_readers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
@@ -161,6 +164,8 @@ class OffloadChoice:
     notes: list[str] = field(default_factory=list)
     # Weights streamed in blocks, or kept whole, and why (before deciding: rewrite.blocks).
     splits: list[WeightSplit] = field(default_factory=list)
+    # Offloaded MoE expert weights (``cpu_experts``): computed on the host or moved, and why.
+    cpu_experts: dict[str, str] = field(default_factory=dict)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -172,6 +177,11 @@ class OffloadChoice:
     def kv_bytes(self) -> int:
         """Bytes of the KV cache kept in the caller's host memory (past and present)."""
         return sum(i.nbytes for i in self.inputs) + sum(o.nbytes for o in self.outputs)
+
+
+def host_positions(c: OffloadChoice) -> list[int]:
+    """Positions of the MatMuls ``c`` computes on the host (HostMatMul: their host time)."""
+    return [p for w in c.weights for p in w.host_readers]
 
 
 def kv_pairs_text(c: OffloadChoice) -> str:

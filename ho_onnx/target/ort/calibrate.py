@@ -291,6 +291,9 @@ def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cp
         r = gpu(256 << 20)
         result.update({"h2d_bw": float(r["h2d_bw"]), "d2h_bw": float(r["d2h_bw"]),
                        "h2d_source": "cudaMemcpyAsync, pinned"})
+        say("measuring ONNX Runtime's CPU EP (the host's rates: experts computed there)")
+        cpu = measure_cpu_compute()
+        result.update({"host_flops": cpu["peak_flops"], "host_mem_bw": cpu["mem_bw"]})
     else:
         say("measuring host memcpy (no CUDA device: the CPU EP's transfers are host copies)")
         bw = measure_host_copy()

@@ -168,7 +168,8 @@ def _ir(model: Model) -> ir.Model:
 
 def _has_cuda_kernel(node: ir.Node) -> bool:
     return node.domain in _CUDA_DOMAINS and not (
-        node.domain in ("", "ai.onnx") and node.op_type in NO_CUDA_KERNEL)
+        node.domain in ("", "ai.onnx") and node.op_type in NO_CUDA_KERNEL) and not (
+        node.domain == contract.DOMAIN and node.op_type in contract.CPU_ONLY)
 
 
 def _small_constant(node: ir.Node) -> bool:

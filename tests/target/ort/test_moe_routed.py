@@ -6,8 +6,6 @@ a real export), never only the library's counters."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnx.parser
@@ -20,6 +18,10 @@ from ho_onnx.graph.analyse import analyse
 from ho_onnx.graph.moe import empty_gate, find_experts, gate_column
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.options import OffloadOptions
+from tests.graphs import MOE_E as E
+from tests.graphs import MOE_H as H
+from tests.graphs import MOE_W as W
+from tests.graphs import moe_model as _model
 
 pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 
@@ -34,56 +36,6 @@ def _so(level: str = "ORT_ENABLE_BASIC") -> ort.SessionOptions:
     so.add_session_config_entry("session.disable_prepacking", "1")
     return so
 
-H, W, E = 16, 32, 4  # hidden, expert width, experts (top-1)
-
-
-def _moe_text() -> str:
-    """Tokens gathered per expert (NonZero of the routing mask), the expert's SwiGLU on
-    them, scattered back; ``idx`` (the router's choice) is a graph output."""
-    body = [f"""
-moe (float[N, {H}] x) => (float[N, {H}] y, int64[N, 1] idx) {{
-  k = Constant<value = int64[1] {{1}}>()
-  zero = Constant<value = int64 {{0}}>()
-  last = Constant<value = int64[1] {{-1}}>()
-  logits = MatMul(x, R)
-  p = Softmax<axis=-1>(logits)
-  v, idx = TopK<axis=-1>(p, k)
-  base = Mul(x, zeros)"""]
-    acc = "base"
-    for e in range(E):
-        body.append(f"""
-  c{e} = Constant<value = int64 {{{e}}}>()
-  m{e} = Equal(idx, c{e})
-  nz{e} = NonZero(m{e})
-  tok{e} = Gather<axis=0>(nz{e}, zero)
-  xe{e} = Gather<axis=0>(x, tok{e})
-  g{e} = MatMul(xe{e}, G{e})
-  u{e} = MatMul(xe{e}, U{e})
-  s{e} = Sigmoid(g{e})
-  a{e} = Mul(g{e}, s{e})
-  h{e} = Mul(a{e}, u{e})
-  d{e} = MatMul(h{e}, D{e})
-  ti{e} = Unsqueeze(tok{e}, last)
-  o{e} = ScatterND({acc}, ti{e}, d{e})""")
-        acc = f"o{e}"
-    body.append(f"  y = Identity({acc})\n}}")
-    return "\n".join(body)
-
-
-def _model(tmp: Path) -> Path:
-    model = onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 17]>\n' + _moe_text())
-    rng = np.random.default_rng(0)
-    inits = {"R": (H, E), "zeros": (1, H)} | {
-        f"{w}{e}": s for e in range(E) for w, s in (("G", (H, W)), ("U", (H, W)), ("D", (W, H)))}
-    for name, shape in inits.items():
-        arr = np.zeros(shape, np.float32) if name == "zeros" else \
-            rng.standard_normal(shape).astype(np.float32)
-        model.graph.initializer.append(numpy_helper.from_array(arr, name))
-    onnx.checker.check_model(model)
-    path = tmp / "moe.onnx"
-    onnx.save(model, path, save_as_external_data=True, location="moe.onnx.data",
-              size_threshold=0)
-    return path
 
 
 def test_the_gate_of_an_expert_is_the_nonzero_that_selects_its_tokens(tmp_path):
