@@ -27,6 +27,10 @@
    arena peak exceeds the budget, the plan is made again for a budget lowered by the
    excess (``options.arena_refits`` times at most); the plan keeps the user's budget and
    records the budget it was made for and the arena it predicts.
+7. **Refinement and a bound** (:mod:`.refine`, :mod:`.exact`): the chosen plan is refined
+   by a local search scored by the simulator (``options.refine_s``), then solved by CP-SAT
+   over the same space where asked (``options.exact_s``), both at the budget it was made
+   for; every plan carries a lower bound on its space's times and the gap to it.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every
 candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
@@ -68,6 +72,8 @@ from .eligibility import (
     split_shape_readers,
     wanted,
 )
+from .exact import available as exact_available
+from .exact import solve as exact_solve
 from .kv import kv_choice, overlap_window
 from .lifetimes import (
     Interval,
@@ -892,8 +898,9 @@ def _improve(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     greedy = best.planned.total_s
     start = space.score(seed)
     if start is None:  # (ties the insertion order breaks the other way: not in the space)
-        return replace(best, greedy_s=greedy, refined_s=greedy, bound=Bound(min(weak_bound(space).seconds, greedy),
-                       "weak"), improved="greedy plan outside the search space: kept")
+        return replace(best, greedy_s=greedy, refined_s=greedy,
+                       bound=Bound(min(weak_bound(space).seconds, greedy), "weak"),
+                       improved="greedy plan outside the search space: kept")
     got = refine(space, seed, start, opts.refine_s, by_tensor)
     state, sim = got.state, got.sim
     how = [f"refined: {got.moves} moves of {got.tries} tried in {got.seconds:.2f} s "
@@ -920,17 +927,16 @@ def _solve(space: Space, state: State, sim: Simulation, bound: Bound, opts: Offl
            how: list[str]) -> tuple[State, Simulation, Bound]:
     """The exact planner on ``space`` from ``state`` where ``opts`` asks and it can run
     (why not, or what it did, appended to ``how``); its plan only where shorter."""
-    from . import exact
-
     n = len(space.compute_s)
     why = ("exact_s 0" if opts.exact_s <= 0 else
            f"{n} nodes > exact_nodes {opts.exact_nodes}" if n > opts.exact_nodes else
-           "ortools missing (the exact extra)" if not exact.available() else
+           "ortools missing (the exact extra)" if not exact_available() else
+           "the plan is at the weak bound" if sim.total_s <= bound.seconds else
            ", ".join(space.fixed))
     if why:
         how.append(f"exact: not run ({why})")
         return state, sim, bound
-    got = exact.solve(space, state, opts.exact_s)
+    got = exact_solve(space, state, opts.exact_s)
     how.append(f"exact: {got.status} in {got.seconds:.2f} s")
     if got.bound.seconds > bound.seconds:
         bound = got.bound
