@@ -836,15 +836,7 @@ def _space(ctx: _Context, choice: OffloadChoice, start: np.ndarray
     the greedy's early uses, the others' largest gaps), ``choice`` as a state of it, and
     the candidate each simulated tensor belongs to (a group's members: its primary)."""
     groups = WeightGroups.of(ctx.analysis)
-    seed = State({}, {})
-    tiers: dict[str, Tier] = {}
-    for w in choice.weights:
-        name = groups.primary_of.get(w.name, w.name)
-        seed.early[name], tiers[name] = (), w.tier
-        seed.positions.update(((name, k), p) for k, p in enumerate(w.prefetch_at))
-    for a in choice.activations:
-        seed.early[a.name] = a.early
-        seed.positions[(a.name, 0)] = a.prefetch_at
+    seed, tiers = _state_of(choice, groups)
     pool = ctx.candidates if ctx.options.host_budget is None else [  # (tiers fixed)
         ctx.by_name[k] for k in seed.early]
     early = {c.name: e for c in pool if (e := seed.early.get(c.name, _early_uses_at_largest_gap(
@@ -866,9 +858,34 @@ def _space(ctx: _Context, choice: OffloadChoice, start: np.ndarray
         lambda ch: simulate(ctx.analysis, ch, ctx.costs.compute_s, ctx.costs.transfer_time,
                             ctx.dims, ctx.residency, ctx.base_memory,
                             host_ahead=ctx.costs.host_ahead),
-        _unmodelled(ctx, groups))
+        _unmodelled(ctx, groups), place=functools.partial(_replace_all, ctx, start, tiers))
     by_tensor = {m: p for p, ms in groups.members.items() for m in ms} | {k: k for k in early}
     return space, seed, by_tensor
+
+
+def _state_of(choice: OffloadChoice, groups: WeightGroups) -> tuple[State, dict[str, Tier]]:
+    """``choice`` as a state of its space (:mod:`.refine`) and its weights' tiers."""
+    out = State({}, {})
+    tiers: dict[str, Tier] = {}
+    for w in choice.weights:
+        name = groups.primary_of.get(w.name, w.name)
+        out.early[name], tiers[name] = (), w.tier
+        out.positions.update(((name, k), p) for k, p in enumerate(w.prefetch_at))
+    for a in choice.activations:
+        out.early[a.name] = a.early
+        out.positions[(a.name, 0)] = a.prefetch_at
+    return out, tiers
+
+
+def _replace_all(ctx: _Context, start: np.ndarray, tiers: Mapping[str, Tier],
+                 early: Mapping[str, tuple[int, ...]]) -> dict[tuple[str, int], int]:
+    """Every reload of the selection ``early`` placed by :func:`_place` (step 4)."""
+    mem = start.copy()
+    for k, e in early.items():
+        _offload(mem, ctx.by_name[k], e)
+    sel = _Selection(dict(early), mem, {k: tiers.get(k, ctx.options.weight_tier)
+                                        for k in early if not ctx.by_name[k].stored})
+    return _state_of(_place(ctx, sel), WeightGroups.of(ctx.analysis))[0].positions
 
 
 def _unmodelled(ctx: _Context, groups: WeightGroups) -> tuple[str, ...]:
@@ -931,7 +948,7 @@ def _solve(space: Space, state: State, sim: Simulation, bound: Bound, opts: Offl
     why = ("exact_s 0" if opts.exact_s <= 0 else
            f"{n} nodes > exact_nodes {opts.exact_nodes}" if n > opts.exact_nodes else
            "ortools missing (the exact extra)" if not exact_available() else
-           "the plan is at the weak bound" if sim.total_s <= bound.seconds else
+           "the plan is at the weak bound" if sim.total_s <= bound.seconds * (1 + 1e-9) else
            ", ".join(space.fixed))
     if why:
         how.append(f"exact: not run ({why})")

@@ -13,9 +13,11 @@ event`). The exact planner (:mod:`.exact`) solves over the same space.
 kept when it shortens the predicted time and the simulated peak stays within the budget:
 a stalled reload's Prefetch issued earlier (halving steps toward its window's start), an
 offloaded tensor kept resident (drop), one more offloaded where a stalled reload's window
-was closed by the budget (add), and the two at once (swap). It stops when a round finds
-nothing or at its deadline (``options.refine_s``): on large graphs each simulation costs
-O(nodes), so the deadline, not the neighbourhood, bounds it.
+was closed by the budget (add), and the two at once (swap), each also with every Prefetch
+placed anew by the greedy's placement; after a set move its positions descend (up to 32
+tries) before it is judged. It stops when a round finds nothing or at its deadline
+(``options.refine_s``): on large graphs each simulation costs O(nodes), so the deadline,
+not the neighbourhood, bounds it.
 
 **The weak bound** (:func:`weak_bound`): no plan runs faster than its compute, nor than the
 reload time that frees the step the budget is most exceeded at (a fractional knapsack of
@@ -89,6 +91,8 @@ class Space:
     build: Callable[[State], OffloadChoice]
     simulate: Callable[[OffloadChoice], Simulation]
     fixed: tuple[str, ...] = ()  # why the exact planner cannot model it ("" none)
+    # the greedy's placement of every reload of a selection (None: positions kept)
+    place: Callable[[Mapping[str, tuple[int, ...]]], dict[Key, int]] | None = None
     order: dict[str, list[Reload]] = field(default_factory=dict)  # per channel, reader order
 
     def __post_init__(self) -> None:
@@ -191,7 +195,7 @@ def _set_moves(space: Space, s: State, sim: Simulation) -> list[State]:
     blocked = {ev.issue_pos - 1 for ev in sim.transfers
                if ev.kind == "reload" and ev.stall_s > 0 and ev.issue_pos > 0}
     adds = [k for k in space.change if k not in s.early and any(
-        space.freed(k, q) > 0 for q in blocked)][:4]
+        space.freed(k, q) > 0 for q in blocked)][:8]
     out = []
     for d in drops:
         t = s.copy()
@@ -201,38 +205,76 @@ def _set_moves(space: Space, s: State, sim: Simulation) -> list[State]:
         out.append(t)
     out += [space.with_offload(s, a) for a in adds]
     out += [space.with_offload(t, a) for t in out[:len(drops)] for a in adds]
+    if space.place is not None:  # each again with every Prefetch placed anew, greedily
+        out += [State(t.early, space.place(t.early)) for t in out]
     return out
+
+
+class _Search:
+    """One refinement's clock and counts, and its best point so far."""
+
+    def __init__(self, space: Space, seed: State, sim: Simulation, seconds: float,
+                 by_tensor: Mapping[str, str]) -> None:
+        self.space, self.by_tensor = space, by_tensor
+        self.t0, self.seconds = time.perf_counter(), seconds
+        self.best = Refined(seed, sim)
+
+    def late(self) -> bool:
+        return time.perf_counter() - self.t0 > self.seconds
+
+    def descend(self, s: State, sim: Simulation, most: int) -> tuple[State, Simulation]:
+        """Position moves from ``s`` while one shortens the time (``most`` tries at most)."""
+        tries = 0
+        while tries < most and not self.late():
+            for t in _position_moves(self.space, s, sim, self.by_tensor):
+                tries += 1
+                self.best.tries += 1
+                got = self.space.score(t)
+                if got is not None and got.total_s < sim.total_s * (1 - 1e-9):
+                    s, sim = t, got
+                    break
+                if tries >= most or self.late():
+                    return s, sim
+            else:
+                return s, sim
+        return s, sim
+
+    def step(self) -> bool:
+        """One improving move from the best point (a set move, then its positions
+        descended), or False when none is found."""
+        b = self.best
+        for t in _set_moves(self.space, b.state, b.sim):
+            if self.late():
+                return False
+            b.tries += 1
+            got = self.space.score(t)
+            if got is None:
+                continue
+            t, got = self.descend(t, got, 32)
+            if got.total_s < b.sim.total_s * (1 - 1e-9):
+                b.state, b.sim = t, got
+                b.moves += 1
+                return True
+        return False
 
 
 def refine(space: Space, seed: State, sim: Simulation, seconds: float,
            by_tensor: Mapping[str, str]) -> Refined:
     """Local search from ``seed`` (simulated as ``sim``) for at most ``seconds`` (module
     docstring); ``by_tensor``: the candidate each simulated tensor name belongs to."""
-    t0 = time.perf_counter()
-    best = Refined(seed, sim)
     if seconds <= 0:
-        best.stopped = "off (refine_s 0)"
-        return best
-    while True:
-        improved = False
-        for moves in (_position_moves, _set_moves):
-            args = (by_tensor,) if moves is _position_moves else ()
-            for t in moves(space, best.state, best.sim, *args):  # type: ignore[operator]
-                if time.perf_counter() - t0 > seconds:
-                    best.stopped = f"deadline ({seconds:g} s)"
-                    best.seconds = time.perf_counter() - t0
-                    return best
-                best.tries += 1
-                got = space.score(t)
-                if got is not None and got.total_s < best.sim.total_s * (1 - 1e-9):
-                    best.state, best.sim, improved = t, got, True
-                    best.moves += 1
-                    break
-            if improved:
-                break
-        if not improved:
-            best.seconds = time.perf_counter() - t0
-            return best
+        return Refined(seed, sim, stopped="off (refine_s 0)")
+    run = _Search(space, seed, sim, seconds, by_tensor)
+    b = run.best
+    state, got = run.descend(seed, sim, 1 << 30)
+    if got.total_s < b.sim.total_s * (1 - 1e-9):
+        b.state, b.sim, b.moves = state, got, b.moves + 1
+    while run.step():
+        pass
+    b.seconds = time.perf_counter() - run.t0
+    if run.late():
+        b.stopped = f"deadline ({seconds:g} s)"
+    return b
 
 
 @dataclass(frozen=True)
