@@ -9,11 +9,13 @@ its Prefetches) and when it starts (``S_i``, after its Waits); per copy, its sta
 compute_i`` and ``>=`` the end of each store detached after ``i``; a reload starts at or
 after ``T`` of its position, the end of the copy before it on its channel (FIFO in reader
 order, the space's order) and, for an activation, its store's end; a store starts after its
-producer and its channel's previous store. Memory: per step the unmodified bytes plus each
-offloaded candidate's change (reloads just in time) plus each reload's window (from its
-Prefetch to its reader) within the budget. Minimising ``T_n`` makes every time its
-earliest, which is the simulation's; times are whole units of :data:`UNIT` s (the solver's
-objective differs from the simulator's time by rounding only, at most a unit a step).
+producer and its channel's previous store; and (redundant, for the solver's bound) a step
+starts no earlier than the copies of every reload read by then take back to back. Memory:
+per step the unmodified bytes plus each offloaded candidate's change (reloads just in
+time) plus each reload's window (from its Prefetch to its reader) within the budget.
+Minimising ``T_n`` makes every time its earliest, which is the simulation's; times are
+whole units of :data:`UNIT` s (the solver's objective differs from the simulator's time by
+rounding only, at most a unit a step and a copy).
 
 Seeded with the refined plan (a hint). What it returns: the best state found, its status
 (``optimal`` when proven) and the solver's lower bound on every plan of the space.
@@ -121,6 +123,13 @@ class _Model:
                 if prev_q is not None:
                     m.add(q >= prev_q + int(_strict(prev_r, r)))
                 prev_end, prev_q, prev_r, self.end[r.key] = end, q, r, end
+            # Redundant (tightens the relaxation): a channel moves one copy at a time from
+            # 0, so a step starts no earlier than every copy read by then could take.
+            busy: list[Any] = []
+            for k, r in enumerate(rs):
+                busy.append(_units(r.seconds) * self.o[r.key[0]])
+                if k + 1 == len(rs) or rs[k + 1].reader != r.reader:
+                    m.add(self.S[r.reader] >= sum(busy))
 
     def _memory(self) -> None:
         sp = self.space

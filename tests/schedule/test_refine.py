@@ -31,7 +31,7 @@ def decoder(tmp_path_factory):
     a = analyse(load_model(path).model, {})
     m = load_machine("h100")
     costs = CostModel(analytic_costs(a, m, {}).seconds, m.transfer_time)
-    return a, costs, simulate(a, None, costs.compute_s, costs.transfer_time, {})
+    return a, costs, simulate(a, None, costs.compute_s, costs.transfer_time, {}), path
 
 
 def _opts(base, frac: float, **kw) -> OffloadOptions:
@@ -46,7 +46,7 @@ def _resimulated(a, costs, p) -> float:
 
 @pytest.mark.parametrize("frac", [0.25, 0.5, 0.75])
 def test_refinement_never_worse_than_greedy_and_feasible(decoder, frac):
-    a, costs, base = decoder
+    a, costs, base, _ = decoder
     off = plan(a, _opts(base, frac, refine_s=0.0), costs, {})
     on = plan(a, _opts(base, frac), costs, {})
     assert off.planned.total_s == pytest.approx(on.greedy_s)  # the same greedy plan
@@ -63,7 +63,7 @@ def test_refinement_never_worse_than_greedy_and_feasible(decoder, frac):
 def test_refinement_fixes_a_provably_suboptimal_greedy(decoder):
     """At 50% the greedy plan stalls; refinement removes most of it, and the exact planner
     proves the rest optimal (bound == its time)."""
-    a, costs, base = decoder
+    a, costs, base, _ = decoder
     p = plan(a, _opts(base, 0.5), costs, {})
     assert p.refined_s < 0.9 * p.greedy_s
     if not exact.available():
@@ -82,7 +82,7 @@ def test_refinement_fixes_a_provably_suboptimal_greedy(decoder):
 def test_solver_objective_is_the_simulators_time(decoder, frac):
     """The CP-SAT model's objective for its plan equals the simulation of that plan (up to
     its time unit per step and copy)."""
-    a, costs, base = decoder
+    a, costs, base, _ = decoder
     opts = _opts(base, frac)
     basis = _Basis.of(a, opts, costs, {})
     greedy = plan(a, replace_refine(opts), costs, {})
@@ -104,7 +104,7 @@ def replace_refine(opts: OffloadOptions) -> OffloadOptions:
 
 
 def test_json_and_metadata_carry_the_bound_and_gap(decoder):
-    a, costs, base = decoder
+    a, costs, base, _ = decoder
     p = plan(a, _opts(base, 0.5), costs, {})
     d = plan_to_dict(p, [n.name or n.op_type for n in map(a.node_at, range(len(a.order)))])
     lb = d["lower_bound"]
@@ -119,7 +119,29 @@ def test_json_and_metadata_carry_the_bound_and_gap(decoder):
 
 
 def test_exact_is_skipped_in_words_above_its_size(decoder):
-    a, costs, base = decoder
+    a, costs, base, _ = decoder
     p = plan(a, _opts(base, 0.5, exact_s=5, exact_nodes=10), costs, {})
     assert f"{len(a.order)} nodes > exact_nodes 10" in p.improved
     assert p.bound is not None and p.bound.kind == "weak"
+
+
+def test_the_rewritten_models_metadata_records_bound_and_gap(decoder):
+    """Through the passes: the annotated model carries ``ho_onnx.lower_bound_s`` and
+    ``ho_onnx.gap`` as the plan computed them."""
+    import onnx_ir as ir
+
+    from ho_onnx import contract
+    from ho_onnx.rewrite.passes import DECISION, AnalysePass, AnnotatePass, DecidePass
+    from ho_onnx.schedule.planner import BudgetPlanner
+
+    _, costs, base, path = decoder
+    model = ir.load(path)
+    planner = BudgetPlanner(_opts(base, 0.5), costs)
+    ir.passes.Sequential(AnalysePass({}), DecidePass(planner, {}), AnnotatePass({}))(model)
+    p = model.meta[DECISION]
+    meta = dict(model.metadata_props)
+    key = contract.META_PREFIX
+    assert float(meta[key + "lower_bound_s"]) == pytest.approx(p.bound.seconds, rel=1e-5)
+    assert float(meta[key + "gap"]) == pytest.approx(p.gap, rel=1e-5, abs=1e-9)
+    assert meta[key + "lower_bound_kind"] == p.bound.kind
+    assert float(meta[key + "predicted_time_s"]) >= float(meta[key + "lower_bound_s"])
