@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .refine import Bound, Reload, Space, State
+from .refine import Bound, Space, State
 
 UNIT = 1e-10  # seconds per time unit of the model
 
@@ -104,8 +104,12 @@ class _Model:
 
     def _reloads(self) -> None:
         m = self.m
+        every = sorted((r for rs in self.space.order.values() for r in rs),
+                       key=lambda r: r.event)
+        self.rank = {r.key: k for k, r in enumerate(every)}  # the insertion order
+        self.ranks = len(every) + 1
         for rs in self.space.order.values():
-            prev_end, prev_q, prev_r = None, None, None
+            prev_end, prev_q = None, None
             for r in rs:
                 name = r.key[0]
                 ys = {p: m.new_bool_var(f"y:{r.key}:{p}") for p in range(r.lo, r.reader + 1)}
@@ -117,12 +121,14 @@ class _Model:
                 if name in self.store_end:
                     m.add(start >= self.store_end[name]).only_enforce_if(self.o[name])
                 m.add(self.S[r.reader] >= end).only_enforce_if(self.o[name])
-                # FIFO in reader order: q, the issue position (free when not offloaded)
-                q = m.new_int_var(0, len(self.S), f"q:{r.key}")
-                m.add(q == sum(p * y for p, y in ys.items())).only_enforce_if(self.o[name])
+                # FIFO in reader order: q = (issue position, insertion rank) as one number,
+                # never decreasing along the channel (free where not offloaded)
+                q = m.new_int_var(0, (len(self.S) + 1) * self.ranks, f"q:{r.key}")
+                m.add(q == sum(p * self.ranks * y for p, y in ys.items())
+                      + self.rank[r.key]).only_enforce_if(self.o[name])
                 if prev_q is not None:
-                    m.add(q >= prev_q + int(_strict(prev_r, r)))
-                prev_end, prev_q, prev_r, self.end[r.key] = end, q, r, end
+                    m.add(q >= prev_q)
+                prev_end, prev_q, self.end[r.key] = end, q, end
             # Redundant (tightens the relaxation): a channel moves one copy at a time from
             # 0, so a step starts no earlier than every copy read by then could take.
             busy: list[Any] = []
@@ -173,10 +179,23 @@ class _Model:
         return out
 
 
-def _strict(a: Reload | None, b: Reload) -> bool:
-    """Whether ``b`` (after ``a`` in reader order) must be issued strictly after ``a``: at
-    one position the insertion order would issue it first."""
-    return a is not None and b.event < a.event
+def _completed(space: Space, seed: State, seconds: float, workers: int) -> list[int] | None:
+    """Every variable's value in the model of ``space`` with ``seed``'s decisions fixed (its
+    times are then propagated), by proto index; None where none is found in ``seconds``."""
+    fixed = _Model(space)
+    for name, o in fixed.o.items():
+        fixed.m.add(o == int(name in seed.early))
+    for key, ys in fixed.y.items():
+        p = seed.positions.get(key) if key[0] in seed.early else None
+        for q, y in ys.items():
+            fixed.m.add(y == int(q == p))
+    solver = fixed.cp.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.1, seconds)
+    solver.parameters.num_workers = max(1, workers)
+    if solver.solve(fixed.m) not in (fixed.cp.OPTIMAL, fixed.cp.FEASIBLE):
+        return None
+    return [solver.value(fixed.m.get_int_var_from_proto_index(i))
+            for i in range(len(fixed.m.proto.variables))]
 
 
 def solve(space: Space, seed: State | None, seconds: float, workers: int = 2) -> Solved:
@@ -186,9 +205,14 @@ def solve(space: Space, seed: State | None, seconds: float, workers: int = 2) ->
     t0 = time.perf_counter()
     model = _Model(space)
     if seed is not None:
-        model.hint(seed)
+        values = _completed(space, seed, seconds / 4, workers)
+        if values is None:
+            model.hint(seed)
+        else:  # every variable hinted: the solver starts from the seed's full solution
+            for i, v in enumerate(values):
+                model.m.add_hint(model.m.get_int_var_from_proto_index(i), v)
     solver = model.cp.CpSolver()
-    solver.parameters.max_time_in_seconds = float(seconds)
+    solver.parameters.max_time_in_seconds = max(0.1, seconds - (time.perf_counter() - t0))
     solver.parameters.num_workers = max(1, workers)
     code = solver.solve(model.m)
     status = solver.status_name(code).lower()
