@@ -99,7 +99,7 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
     compute_s, tt = nc.seconds, machine.transfer_time
     base = simulate(a, None, compute_s, tt, dims)
     opts = OffloadOptions(budget=max(1, int(base.peak_bytes * args.frac)), min_bytes=args.min_bytes,
-                          arena_refits=args.arena_refits)
+                          arena_refits=args.arena_refits, refine_s=args.refine_s)
     sec["plan"], p = _best(lambda: plan(a, opts, CostModel(compute_s, tt), dims), args.repeat)
     assert isinstance(p, Plan)
     # insertion works in place: each repetition rewrites a freshly loaded and analysed model
@@ -121,6 +121,7 @@ def run_one(layers: int, work: Path, args: argparse.Namespace,
         "budget_bytes": opts.budget, "baseline_peak_bytes": base.peak_bytes,
         "planned_peak_bytes": p.planned.peak_bytes, "arena_refits": args.arena_refits,
         "predicted_arena_bytes": p.arena_bytes, "planned_for_bytes": p.planned_for,
+        "refine": p.improved, "greedy_s": p.greedy_s, "planned_s": p.planned.total_s,
         "offloaded_weights": len(p.choice.weights),
         "offloaded_activations": len(p.choice.activations),
         "transfers": len(p.planned.transfers), "cache_nodes": rw.cache_nodes,
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="plans again while ORT's replayed arena exceeds the budget, at most "
                          "this many times (default %(default)s; 0: the tensor count only, as "
                          "the planner before it, for side-by-side runs with older trees)")
+    ap.add_argument("--refine-s", type=float, default=OffloadOptions.refine_s,
+                    help="seconds of refinement after the greedy (default %(default)s; 0: off)")
     ap.add_argument("--machine", default="cpu")
     ap.add_argument("--repeat", type=int, default=3, help="best of N per phase (default 3)")
     ap.add_argument("--json", type=Path, help="write the figures here")

@@ -430,6 +430,21 @@ _CPU_EXPERTS_OPTION = click.option(
          "move instead of the weights). all: every expert; auto (needs --budget): per "
          "expert, where the cost model (--machine, its host_flops/host_mem_bw from "
          "`ho-onnx calibrate`) finds it cheaper than moving the weight.")
+# The search after the greedy plan (both commands with a budget; _planner_options).
+_SEARCH_OPTIONS = [
+    click.option("--refine-s", type=float, default=_DEFAULTS.refine_s,
+                 show_default=True,
+                 help="Seconds at most the refinement after the greedy plan may search "
+                      "(add, drop and swap offloads, issue stalled reloads earlier; each "
+                      "move scored by the simulator; a count of tries that grows with the "
+                      "graph stops it first unless the machine is overloaded). 0: the "
+                      "greedy plan."),
+    click.option("--exact-s", type=float, default=_DEFAULTS.exact_s, show_default=True,
+                 help="Seconds the exact planner (CP-SAT; pip install ho-onnx[exact]) may "
+                      "search the same plan space, on graphs of at most "
+                      f"{_DEFAULTS.exact_nodes} nodes; its bound is then the plan's "
+                      "lower bound. 0: off."),
+]
 
 
 def _planner_options(f):  # type: ignore[no-untyped-def]
@@ -464,6 +479,7 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                           "embedding's) may be streamed in up to this many column blocks, "
                           "where the planner predicts it pays: the budget can then fall "
                           "below the weight. 0 keeps every weight whole."),
+        *_SEARCH_OPTIONS,
         click.option("--offload-kv", "offload_kv", is_flag=True,
                      help="Keep the KV cache of a decoder exported with past in the caller's "
                           "host memory: each layer's past is copied in just before its "
@@ -529,9 +545,9 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, arena_refits: int, max_blocks: int, offload_kv: bool,
-             cpu_experts: str, dims: tuple[str, ...], shapes: tuple[str, ...],
-             points: tuple[str, ...], ort_level: str | None) -> None:
+             host_budget: int | None, arena_refits: int, max_blocks: int, refine_s: float,
+             exact_s: float, offload_kv: bool, cpu_experts: str, dims: tuple[str, ...],
+             shapes: tuple[str, ...], points: tuple[str, ...], ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
@@ -554,7 +570,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
-                           max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts)
+                           max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts,
+                           refine_s=refine_s, exact_s=exact_s)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         bound = parse_dims(dims, ranges)
@@ -613,9 +630,10 @@ def _say_result(output_model: str, result: Any) -> None:
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         arena_refits: int, max_blocks: int, offload_kv: bool, cpu_experts: str,
-         dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
-         ort_level: str | None, as_json: bool, plot_path: str | None) -> None:
+         arena_refits: int, max_blocks: int, refine_s: float, exact_s: float,
+         offload_kv: bool, cpu_experts: str, dims: tuple[str, ...], shapes: tuple[str, ...],
+         points: tuple[str, ...], ort_level: str | None, as_json: bool,
+         plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
@@ -643,7 +661,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                      weight_tier=weight_tier, host_budget=host_budget,
                      arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv,
-                     cpu_experts=cpu_experts),
+                     cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s),
             bound, costs, ort_level=ort_level, log=_log, shapes=parse_shape_options(shapes),
             dim_ranges=ranges, dim_points=named)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type

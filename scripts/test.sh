@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "test: set-up, ruff, the test suite, the Ray Serve and training stages, then the native" \
   "library under ASan + UBSan; ~20 minutes on 2 cores (the suite prints one dot per test)" >&2
-EXTRAS=${EXTRAS:-cpu,test,hf,genai,serve} bash scripts/setup.sh
+EXTRAS=${EXTRAS:-cpu,test,hf,genai,serve,exact} bash scripts/setup.sh
 .venv/bin/ruff check ho_onnx cli models tests bench
 echo "test: the test suite ($(date +%T); most of the time is here)" >&2
 .venv/bin/python -m pytest -q -ra -m "not serve" "$@"

@@ -53,6 +53,11 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         "arena_fits": plan.arena_fits,
         "planned_for_bytes": plan.planned_for,
         "host_bytes": plan.host_bytes,
+        # a lower bound on the time of every plan of the planner's space, and which one
+        "lower_bound": None if plan.bound is None else {
+            "time_s": plan.bound.seconds, "kind": plan.bound.kind, "gap": plan.gap,
+            "greedy_time_s": plan.greedy_s, "refined_time_s": plan.refined_s,
+            "search": plan.improved},
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),
         "offloaded": {
@@ -161,6 +166,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         + (f"; the KV cache in the caller's host memory ({len(c.inputs)} past, "
            f"{len(c.outputs)} present, {_mib(c.kv_bytes)})" if c.inputs or c.outputs else "")
         + _routed_summary(c.weights),
+        *([f"bound  {plan.bound_summary()}"] if plan.bound is not None else []),
         *_skipped_summary(c.skipped),
         *_cpu_experts_summary(c.cpu_experts),
         *_splits_summary(plan),

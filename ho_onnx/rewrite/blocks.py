@@ -27,6 +27,7 @@ smallest floor is applied, so the floor the planner then reports is one it meets
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -366,6 +367,9 @@ def choose_blocks(analysis: GraphAnalysis, planner: Decider, dims: Mapping[str, 
     if not columns:
         declined |= {s.weight: COLUMNS_REASON for s in sites if not s.rows}
         sites = [s for s in sites if s.rows]
+    if dataclasses.is_dataclass(planner):  # the trials unrefined: only the final plan is
+        planner = dataclasses.replace(  # type: ignore[type-var]
+            planner, options=dataclasses.replace(opts, refine_s=0.0, exact_s=0.0))
     base = _try(planner, analysis, dims, 0)
     if base is None or (base.plan is not None and not base.plan.choice.weights):
         return None, []  # (no weight moves: nothing to say)

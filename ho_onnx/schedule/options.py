@@ -71,6 +71,16 @@ class OffloadOptions:
       replayed arena peak exceeds ``budget``, plan again for a budget lowered by the excess,
       at most this many times (0: fit the tensor count only). The replay is ORT's arena
       with memory patterns off, as ``ho_onnx.InferenceSession`` runs.
+      ``refine_s``: seconds the refinement after the greedy may search (joint add, drop and
+      swap of offloads and moves of Prefetch positions, each scored by the simulator:
+      :mod:`~ho_onnx.schedule.refine`), a safety cap: a count of scored points that grows
+      with the graph's size (:func:`~ho_onnx.schedule.refine.tries_for`) stops it first on
+      a machine that is not overloaded, so the plan does not depend on the load; 0: the
+      greedy plan as it is.
+      ``exact_s``: seconds the exact planner (CP-SAT, the ``exact`` extra:
+      :mod:`~ho_onnx.schedule.exact`) may search the same space, seeded by the refined plan,
+      on graphs of at most ``exact_nodes`` nodes; 0: off. Every plan reports a lower bound
+      on its time: the solver's where it ran, else :func:`~ho_onnx.schedule.refine.weak_bound`.
       ``max_blocks``: a weight read whole by one MatMul/Gemm (an lm_head) may be streamed in
       up to this many column blocks, where the planner predicts it pays
       (:mod:`ho_onnx.rewrite.blocks`); 0 or 1 keeps every weight whole.
@@ -93,6 +103,9 @@ class OffloadOptions:
     max_extra_s: float = 2.0
     arena_refits: int = 4
     max_blocks: int = 32
+    refine_s: float = 3.0
+    exact_s: float = 0.0
+    exact_nodes: int = 400
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -100,7 +113,8 @@ class OffloadOptions:
             raise ValueError(f"weight_tier must be {'|'.join(tier_names())}, "
                              f"not {self.weight_tier!r}")
         for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s",
-                     "min_bytes", "max_blocks"):  # (None: min_bytes' default)
+                     "min_bytes", "max_blocks", "refine_s", "exact_s", "exact_nodes"):
+            # (None: min_bytes' default)
             if (v := getattr(self, name)) is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, not {v!r}")
         if self.budget is not None and self.budget <= 0:
@@ -136,7 +150,7 @@ class OffloadOptions:
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
         for name in ("budget", "host_budget", "min_bytes", "min_gap", "prefetch_distance",
-                     "max_extra", "arena_refits", "max_blocks"):
+                     "max_extra", "arena_refits", "max_blocks", "exact_nodes"):
             v = getattr(self, name)
             if (v is None and name in ("budget", "host_budget", "min_bytes")) \
                     or isinstance(v, _Unset):
@@ -144,7 +158,7 @@ class OffloadOptions:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise ValueError(f"{name} must be a whole number, not {v!r}")
             object.__setattr__(self, name, int(v))
-        for name in ("preferred_overlap", "max_overlap", "max_extra_s"):
+        for name in ("preferred_overlap", "max_overlap", "max_extra_s", "refine_s", "exact_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
                 raise ValueError(f"{name} must be a number, not {v!r}")

@@ -27,6 +27,10 @@
    arena peak exceeds the budget, the plan is made again for a budget lowered by the
    excess (``options.arena_refits`` times at most); the plan keeps the user's budget and
    records the budget it was made for and the arena it predicts.
+7. **Refinement and a bound** (:mod:`.refine`, :mod:`.exact`): the chosen plan is refined
+   by a local search scored by the simulator (``options.refine_s``), then solved by CP-SAT
+   over the same space where asked (``options.exact_s``), both at the budget it was made
+   for; every plan carries a lower bound on its space's times and the gap to it.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every
 candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
@@ -68,6 +72,8 @@ from .eligibility import (
     split_shape_readers,
     wanted,
 )
+from .exact import available as exact_available
+from .exact import solve as exact_solve
 from .kv import kv_choice, overlap_window
 from .lifetimes import (
     Interval,
@@ -81,6 +87,7 @@ from .lifetimes import (
     schedule_memory,
 )
 from .options import OffloadOptions
+from .refine import MAX_WINDOW, Bound, Reload, Space, State, Store, refine, weak_bound
 from .simulate import Simulation, simulate
 from .types import (
     ActivationOffload,
@@ -129,6 +136,23 @@ class Plan(Decision):
     arena_bytes: int = 0  # ORT's arena peak, buffer reuse replayed (module docstring, 6)
     planned_for: int = 0  # the budget the choice was made for (lower after arena refits)
     costs: CostModel | None = field(default=None, repr=False)  # what the plan was timed by
+    greedy_s: float = 0.0  # the greedy plan's predicted time (before refinement)
+    refined_s: float = 0.0  # after refinement (before the exact planner)
+    bound: Bound | None = None  # a lower bound on the time of every plan of its space
+    improved: str = ""  # what refinement and the exact planner did
+
+    @property
+    def gap(self) -> float | None:
+        """The predicted time's excess over the lower bound (0.05: 5% above it)."""
+        return None if self.bound is None else self.bound.gap(self.planned.total_s)
+
+    def bound_summary(self) -> str:
+        """The greedy and final times against the bound, for reports and logs."""
+        if self.bound is None:
+            return ""
+        ms = self.bound.seconds * 1e3
+        return (f"lower bound {ms:,.3f} ms ({self.bound.kind}); gap {self.gap:.1%} "
+                f"(greedy {self.greedy_s * 1e3:,.3f} ms; {self.improved})")
 
     @property
     def budget(self) -> int:
@@ -163,6 +187,8 @@ class Plan(Decision):
                  + (f", planned for {mib(self.planned_for)} to leave room for ORT's arena"
                     if self.planned_for < self.budget else "")
                  + ")"]  # (the arena itself: arena_summary())
+        if self.bound is not None:
+            lines.append(self.bound_summary())
         if self.costs is not None:  # (found by hand: a profile's gaps went unsaid)
             lines.append(f"costs: {self.costs.description}")
             lines += [f"note: {line}" for line in self.costs.notes]
@@ -178,6 +204,10 @@ class Plan(Decision):
             "baseline_time_s": f"{b.total_s:.6g}",
             "predicted_stall_s": f"{p.stall_s:.6g}",
             "predicted_arena_bytes": str(self.arena_bytes),
+            **({"greedy_time_s": f"{self.greedy_s:.6g}",
+                "lower_bound_s": f"{self.bound.seconds:.6g}",
+                "lower_bound_kind": self.bound.kind, "gap": f"{self.gap:.6g}"}
+               if self.bound is not None else {}),
         } | super().metadata() | {"host_bytes": str(self.host_bytes)}
 
 
@@ -644,7 +674,8 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
                                     "offload under a budget")
     basis = _Basis.of(analysis, opts, costs, dims)  # shared by the plan and its refits
     first = _plan(analysis, opts, costs, dims, search=True, basis=basis)
-    return _fit_arena(analysis, opts, costs, dims, first, basis, runtime=target)
+    best = _fit_arena(analysis, opts, costs, dims, first, basis, runtime=target)
+    return _improve(analysis, opts, costs, dims, basis, best, target)
 
 
 @dataclass
@@ -793,3 +824,162 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         raise AssertionError(f"plan peak {planned.peak_bytes} > budget {ctx.budget}")
     return Plan(choice, opts, baseline, planned, min_budget, host_bytes(choice),
                 planned_for=ctx.budget, costs=costs)
+
+
+def _reloads(ctx: _Context, c: Candidate, early: tuple[int, ...], tier: Tier,
+             rank: int, seed: Mapping[tuple[str, int], int]) -> tuple[Reload, ...]:
+    """The reloads of ``c`` offloaded with ``early`` (:mod:`.refine`: its space), each
+    window as the greedy placement bounds it, widened to hold ``seed``'s position."""
+    prefix, opts = ctx.costs.prefix(), ctx.options
+    routed = Routed.of(ctx.analysis, ctx.dims, opts)
+    if c.stored:
+        readers, after = (next(u for u in c.uses if u not in early),), ((early[-1] if early
+                                                                        else c.producer) + 1,)
+        share, d = 1.0, kinds.default_tier().load.direction
+    else:
+        readers = c.uses
+        _, share, after = routed.of_weight(ctx.analysis, c.name, c.uses)
+        d = kinds.tier(tier).load.direction
+    moved = c.nbytes if share >= 1.0 else int(c.nbytes * share)
+    tt = ctx.costs.transfer_time(moved, d)
+    out = []
+    for k, u in enumerate(readers):
+        lo = max(after[k], u - MAX_WINDOW,
+                 int(np.searchsorted(prefix, prefix[u] - opts.max_overlap * tt)))
+        lo = min(lo, seed.get((c.name, k), u), u)
+        out.append(Reload((c.name, k), u, lo, c.nbytes, d, tt,
+                          (int(c.stored), rank, k)))
+    return tuple(out)
+
+
+def _space(ctx: _Context, choice: OffloadChoice, start: np.ndarray
+           ) -> tuple[Space, State, dict[str, str]]:
+    """The space refinement and the exact planner search around ``choice`` (:mod:`.refine`:
+    the greedy's early uses, the others' largest gaps), ``choice`` as a state of it, and
+    the candidate each simulated tensor belongs to (a group's members: its primary)."""
+    groups = WeightGroups.of(ctx.analysis)
+    seed, tiers = _state_of(choice, groups)
+    pool = ctx.candidates if ctx.options.host_budget is None else [  # (tiers fixed)
+        ctx.by_name[k] for k in seed.early]
+    early = {c.name: e for c in pool if (e := seed.early.get(c.name, _early_uses_at_largest_gap(
+        c, ctx.options.min_gap))) is not None}
+    rank = {k: i for i, k in enumerate(sorted(early, key=lambda k: (
+        ctx.by_name[k].stored, ctx.by_name[k].producer, ctx.by_name[k].uses[:1], k)))}
+    store, _ = kinds.stored_links()
+    space = Space(
+        ctx.budget, ctx.costs.compute_s, start, early,
+        {k: _reloads(ctx, ctx.by_name[k], e, tiers.get(k, ctx.options.weight_tier), rank[k],
+                     seed.positions) for k, e in early.items()},
+        {k: Store(c.producer, e[-1] if e else c.producer, store.direction,
+                  ctx.costs.transfer_time(c.nbytes, store.direction))
+         for k, e in early.items() if (c := ctx.by_name[k]).stored},
+        {k: ((*ctx.by_name[k].span, -ctx.by_name[k].nbytes),
+             *_just_in_time_intervals(ctx.by_name[k], e)) for k, e in early.items()},
+        lambda s: _choice(ctx, _Selection(dict(sorted(s.early.items(), key=lambda kv: rank[
+            kv[0]])), ctx.base_memory, tiers), s.positions),
+        lambda ch: simulate(ctx.analysis, ch, ctx.costs.compute_s, ctx.costs.transfer_time,
+                            ctx.dims, ctx.residency, ctx.base_memory,
+                            host_ahead=ctx.costs.host_ahead),
+        _unmodelled(ctx, groups), place=functools.partial(_replace_all, ctx, start, tiers))
+    by_tensor = {m: p for p, ms in groups.members.items() for m in ms} | {k: k for k in early}
+    return space, seed, by_tensor
+
+
+def _state_of(choice: OffloadChoice, groups: WeightGroups) -> tuple[State, dict[str, Tier]]:
+    """``choice`` as a state of its space (:mod:`.refine`) and its weights' tiers."""
+    out = State({}, {})
+    tiers: dict[str, Tier] = {}
+    for w in choice.weights:
+        name = groups.primary_of.get(w.name, w.name)
+        out.early[name], tiers[name] = (), w.tier
+        out.positions.update(((name, k), p) for k, p in enumerate(w.prefetch_at))
+    for a in choice.activations:
+        out.early[a.name] = a.early
+        out.positions[(a.name, 0)] = a.prefetch_at
+    return out, tiers
+
+
+def _replace_all(ctx: _Context, start: np.ndarray, tiers: Mapping[str, Tier],
+                 early: Mapping[str, tuple[int, ...]]) -> dict[tuple[str, int], int]:
+    """Every reload of the selection ``early`` placed by :func:`_place` (step 4)."""
+    mem = start.copy()
+    for k, e in early.items():
+        _offload(mem, ctx.by_name[k], e)
+    sel = _Selection(dict(early), mem, {k: tiers.get(k, ctx.options.weight_tier)
+                                        for k in early if not ctx.by_name[k].stored})
+    return _state_of(_place(ctx, sel), WeightGroups.of(ctx.analysis))[0].positions
+
+
+def _unmodelled(ctx: _Context, groups: WeightGroups) -> tuple[str, ...]:
+    """What the exact planner's model leaves out of the simulator here (then it is not run)."""
+    why = []
+    if ctx.kv.inputs or ctx.kv.outputs:
+        why.append("the KV cache's copies")
+    if groups.members:
+        why.append("weight groups (each member timed apart)")
+    if Routed.of(ctx.analysis, ctx.dims, ctx.options).gates:
+        why.append("routed expert weights")
+    if ctx.costs.host_ahead:
+        why.append("host-ahead load timing")
+    return tuple(why)
+
+
+def _improve(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+             dims: Mapping[str, int] | None, basis: _Basis, best: Plan, runtime: Target
+             ) -> Plan:
+    """``best`` refined, then solved exactly where asked and possible (:mod:`.refine`,
+    :mod:`.exact`), at the budget it was made for, with its lower bound; a result whose
+    replayed arena exceeds both the budget and ``best``'s is not kept."""
+    ctx = _Context(analysis, replace(opts, budget=best.planned_for), costs, dict(dims or {}),
+                   basis.candidates, basis.by_name, basis.residency, basis.baseline.memory,
+                   basis.kv)
+    space, seed, by_tensor = _space(ctx, best.choice, basis.start)
+    greedy = best.planned.total_s
+    start = space.score(seed)
+    if start is None:  # (ties the insertion order breaks the other way: not in the space)
+        return replace(best, greedy_s=greedy, refined_s=greedy,
+                       bound=Bound(min(weak_bound(space).seconds, greedy), "weak"),
+                       improved="greedy plan outside the search space: kept")
+    got = refine(space, seed, start, opts.refine_s, by_tensor)
+    state, sim = got.state, got.sim
+    how = [f"refined: {got.moves} moves of {got.tries} tried in {got.seconds:.2f} s "
+           f"({got.stopped})"]
+    bound, refined = weak_bound(space), min(sim.total_s, greedy)
+    state, sim, bound = _solve(space, state, sim, bound, opts, how)
+    bound = Bound(min(bound.seconds, greedy, sim.total_s), bound.kind)
+    out = replace(best, greedy_s=greedy, refined_s=refined, bound=bound,
+                  improved="; ".join(how))
+    if sim.total_s >= greedy:
+        return out
+    choice = space.build(state)
+    choice.skipped = {k: v for k, v in best.choice.skipped.items() if k not in state.early}
+    choice.skipped.update({k: "refinement: shorter predicted time with it resident"
+                           for k in seed.early if k not in state.early})
+    arena = int(arena_memory(analysis, choice, dims, basis.residency, target=runtime).max())
+    if opts.arena_refits and arena > max(best.budget, best.arena_bytes):
+        return replace(out, improved=out.improved + "; not kept: its arena is larger")
+    return replace(out, choice=choice, planned=sim, host_bytes=host_bytes(choice),
+                   arena_bytes=arena)
+
+
+def _solve(space: Space, state: State, sim: Simulation, bound: Bound, opts: OffloadOptions,
+           how: list[str]) -> tuple[State, Simulation, Bound]:
+    """The exact planner on ``space`` from ``state`` where ``opts`` asks and it can run
+    (why not, or what it did, appended to ``how``); its plan only where shorter."""
+    n = len(space.compute_s)
+    why = ("exact_s 0" if opts.exact_s <= 0 else
+           f"{n} nodes > exact_nodes {opts.exact_nodes}" if n > opts.exact_nodes else
+           "ortools missing (the exact extra)" if not exact_available() else
+           "the plan is at the weak bound" if sim.total_s <= bound.seconds * (1 + 1e-9) else
+           ", ".join(space.fixed))
+    if why:
+        how.append(f"exact: not run ({why})")
+        return state, sim, bound
+    got = exact_solve(space, state, opts.exact_s)
+    how.append(f"exact: {got.status} in {got.seconds:.2f} s")
+    if got.bound.seconds > bound.seconds:
+        bound = got.bound
+    found = space.score(got.state) if got.state is not None else None
+    if found is not None and found.total_s < sim.total_s:
+        return got.state, found, bound
+    return state, sim, bound
