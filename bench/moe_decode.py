@@ -32,8 +32,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -91,6 +92,68 @@ def selected_bytes(choice: Any, routed: Any, chosen: dict[str, set[int]]) -> int
         if owner is None or owner[1] in chosen[owner[0]]:
             total += w.nbytes * len(w.consumers)
     return total
+
+
+class Load(NamedTuple):
+    """One weight Prefetch of an optimized model that reads the data file (the disk tier)."""
+
+    key: tuple[str, int, int]  # (location, offset, length): the library's cache key's range
+    expert: tuple[str, int] | None  # gated: (its router's TopK node, its column), else None
+    nbytes: int
+    cached: int  # its ``expert_cache`` attribute (bytes), 0 when absent
+
+
+def disk_loads(model: Path, routed: Any) -> list[Load]:
+    """The disk-tier weight Prefetches of ``model`` in file order (the order they run in:
+    ``ho_onnx.InferenceSession`` runs ORT's PRIORITY_BASED order, which follows the file),
+    each with the expert whose gate it reads (``routed.expert_of``)."""
+    import onnx
+    from onnx import helper
+
+    from ho_onnx import contract
+
+    out = []
+    for n in onnx.load(str(model), load_external_data=False).graph.node:
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        if n.domain != contract.DOMAIN or n.op_type != contract.PREFETCH \
+                or a.get(contract.ATTR_TIER) != b"disk":
+            continue
+        expert = routed.expert_of[a["name"].decode()] if a.get(contract.ATTR_GATED) else None
+        out.append(Load((a["location"].decode(), a["offset"], a["length"]), expert,
+                        a["length"], a.get(contract.ATTR_EXPERT_CACHE, 0)))
+    return out
+
+
+class LruSim:
+    """The expert cache's policy (``csrc/expert_cache.h``) replayed over the router's own
+    choices: an LRU of ``capacity`` bytes, touched when a load asks for an entry, filled when
+    it misses; an entry larger than the capacity is never kept."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: OrderedDict[tuple[str, int, int], int] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def step(self, loads: list[Load], chosen: set[tuple[str, int]]) -> int:
+        """Bytes one run reads from the file: every load whose gate is open (its expert is
+        in ``chosen``: (router, column) pairs) and that the cache did not hold."""
+        read = 0
+        for ld in loads:
+            if ld.expert is not None and ld.expert not in chosen:
+                continue  # (a closed gate: nothing moves)
+            if not ld.cached or not self.capacity:
+                read += ld.nbytes
+            elif ld.key in self.held:
+                self.held.move_to_end(ld.key)
+                self.hits += 1
+            else:
+                self.misses += 1
+                read += ld.nbytes
+                if ld.nbytes <= self.capacity:
+                    while sum(self.held.values()) + ld.nbytes > self.capacity:
+                        self.held.popitem(last=False)
+                    self.held[ld.key] = ld.nbytes
+        return read
 
 
 def session_options() -> Any:

@@ -31,6 +31,7 @@
 #include "common.h"
 #include "disk_io.h"
 #include "engine.h"
+#include "expert_cache.h"
 #include "fault_hooks.h"
 #include "host_memory.h"
 #include "run_records.h"
@@ -155,6 +156,7 @@ struct Pending {
   std::shared_ptr<CpuStored> stored;       // a stored activation
   std::shared_ptr<DiskTransfer> disk;      // a streamed tier (disk)
   const void* input = nullptr;             // a graph input of the run (read by its Wait)
+  std::string cache_key;  // an expert-cache load: its key (else empty)
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
   void abandon() {}
@@ -221,35 +223,31 @@ class CpuEngine final : public Engine {
   void prefetch_streamed(const std::shared_ptr<const WeightSource>& w, void* dst,
                          const ExecContext& ctx) override {
     counters().prefetches += 1;
-    const size_t bytes = w->size();
     Pending p;
-    p.bytes = bytes;
-    if (bytes != 0) {
-      // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
-      // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
-      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
-      const Chunks c = chunks_of(*w, disk_chunk_bytes());
-      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, c.count());
-      char* out = t->data();
-      for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q) {
-        q = c.after(pos);
-        disk_->submit(
-            [t, w, pos, q, to = out + (pos - c.begin), first = pos == c.begin] {
-              if (first) fault_delay();
-              std::string error;
-              if (!t->failed()) {
-                try {
-                  w->read(pos, static_cast<size_t>(q - pos), to);
-                } catch (const std::exception& e) {
-                  error = std::string("disk channel: ") + e.what();
-                }
-              }
-              t->part_done(std::move(error));
-            },
-            nullptr);
-      }
-      p.disk = std::move(t);
+    p.bytes = w->size();
+    if (p.bytes != 0) p.disk = read_streamed(w);
+    add_pending(dst, std::move(p), ctx);
+  }
+
+  void plan_expert_cache(size_t bytes) override { cache_.reserve(bytes); }
+
+  void prefetch_cached(const std::shared_ptr<const WeightSource>& w, const std::string& key,
+                       void* dst, const ExecContext& ctx) override {
+    if (w->size() == 0 || cache_.capacity() == 0) return prefetch_streamed(w, dst, ctx);
+    counters().prefetches += 1;
+    Pending p;
+    p.bytes = w->size();
+    p.disk = cache_.find(key);
+    if (p.disk) {  // a hit: its Wait copies the cached bytes (waiting if still being read)
+      counters().expert_cache_hits += 1;
+      counters().bytes_expert_cache_hit += p.bytes;
+    } else {  // a miss: read as streamed, into a buffer the cache keeps
+      counters().expert_cache_misses += 1;
+      p.disk = read_streamed(w);
+      std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after the lock)
+      cache_.insert(key, p.disk, p.bytes, &evicted);
     }
+    p.cache_key = key;
     add_pending(dst, std::move(p), ctx);
   }
 
@@ -341,6 +339,10 @@ class CpuEngine final : public Engine {
     if (p.disk) {
       error = p.disk->wait();
       src = p.disk->data();
+      if (!error.empty() && !p.cache_key.empty()) {  // never served again
+        std::vector<std::shared_ptr<DiskTransfer>> evicted;
+        cache_.erase(p.cache_key, p.disk.get(), &evicted);
+      }
     }
     counters().waits += 1;
     counters().wait_ns += static_cast<uint64_t>(
@@ -358,6 +360,36 @@ class CpuEngine final : public Engine {
  private:
   static constexpr size_t kStagingAlign = 4096;
 
+  // A read of all of `w` (not empty) on the disk channel into a staging buffer of the
+  // engine, in chunks (FIFO on the I/O threads).
+  std::shared_ptr<DiskTransfer> read_streamed(const std::shared_ptr<const WeightSource>& w) {
+    const size_t bytes = w->size();
+    // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
+    // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
+    const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
+    const Chunks c = chunks_of(*w, disk_chunk_bytes());
+    auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, c.count());
+    char* out = t->data();
+    for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q) {
+      q = c.after(pos);
+      disk_->submit(
+          [t, w, pos, q, to = out + (pos - c.begin), first = pos == c.begin] {
+            if (first) fault_delay();
+            std::string error;
+            if (!t->failed()) {
+              try {
+                w->read(pos, static_cast<size_t>(q - pos), to);
+              } catch (const std::exception& e) {
+                error = std::string("disk channel: ") + e.what();
+              }
+            }
+            t->part_done(std::move(error));
+          },
+          nullptr);
+    }
+    return t;
+  }
+
   // `counted`: this call is the op's first call into the engine (run tracking counts each
   // op once per Compute).
   void add_pending(void* dst, Pending p, const ExecContext& ctx, bool counted = true) {
@@ -372,7 +404,9 @@ class CpuEngine final : public Engine {
 
   HostStore host_store_;
   std::shared_ptr<HostPool> pool_;     // stored activations (bounded)
-  std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight)
+  std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight, and cached)
+  // Streamed expert loads kept across runs (its entries: finished or running reads).
+  ExpertCache<DiskTransfer> cache_{&counters().expert_cache_bytes};
   std::mutex rng_mu_;  // guards rng_
   std::mt19937_64 rng_;
   // (a run's start bounds what the pools keep idle: HostPool::run_started)

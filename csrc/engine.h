@@ -105,6 +105,20 @@ class Engine {
   virtual void prefetch_streamed(const std::shared_ptr<const WeightSource>& src, void* dst,
                                  const ExecContext& ctx) = 0;
 
+  // Session creation: a model asks for an expert cache of `bytes` bytes (the attribute
+  // `expert_cache` of its cached Prefetches). The CPU engine keeps one (expert_cache.h), of
+  // the largest capacity its sessions asked for; an engine without one ignores it.
+  virtual void plan_expert_cache(size_t /*bytes*/) {}
+
+  // Like prefetch_streamed, through the engine's expert cache under `key` (weight_key of
+  // `src`): a hit copies the cached bytes (nothing is read), a miss reads them into a
+  // buffer the cache then keeps. The default (the CUDA engine: no device-memory cache yet)
+  // streams every load.
+  virtual void prefetch_cached(const std::shared_ptr<const WeightSource>& src,
+                               const std::string& /*key*/, void* dst, const ExecContext& ctx) {
+    prefetch_streamed(src, dst, ctx);
+  }
+
   // Start copying the `bytes` bytes at `src`, a tensor the run holds in host memory (a graph
   // input the caller passed: its past KV cache), into `dst` (fast tier) on the load channel;
   // keyed by `dst`. `src` is the caller's and lives for the run: the CPU engine reads it only

@@ -81,12 +81,17 @@ struct Kernel {
   // from its source at every run (disk).
   std::shared_ptr<const HostBlob> blob;
   std::shared_ptr<const WeightSource> streamed;
+  // A streamed weight with attribute `expert_cache` > 0: its key in the engine's expert
+  // cache (weight_key), else empty.
+  std::string cache_key;
   size_t row_bytes = 0;  // GatherRows: bytes of one row of the table (fixed at creation)
 
   void compute(OrtKernelContext* ctx);
 
  private:
   void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
+  void init_expert_cache(const OrtKernelInfo* info, const WeightSource& src,
+                         const std::string& content);
   void init_arena_sampling(const OpDef& op, const OrtKernelInfo* info);
   void init_guard(const OrtKernelInfo* info);
   void guard(OrtKernelContext* ctx);

@@ -56,6 +56,10 @@ ATTR_TIER = "tier"
 # when no token reaches the reader (an MoE expert no token was routed to); an empty gate
 # skips the transfer (only the gate's shape is read).
 ATTR_GATED = "gated"
+# On a gated Prefetch of a streamed tier (disk): the bytes of the library's expert cache the
+# model asks for (the largest asked by an engine's sessions); its loads go through that cache
+# (LRU: a hit copies the cached bytes, a miss reads them and keeps them). Absent or 0: none.
+ATTR_EXPERT_CACHE = "expert_cache"
 # On every Store: the most bytes of stored activations the plan holds at once (sizes the
 # CUDA engine's pinned ring; it grows beyond when concurrent runs need more).
 ATTR_HOST_BYTES = "host_bytes"

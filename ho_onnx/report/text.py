@@ -51,6 +51,7 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         "arena_fits": plan.arena_fits,
         "planned_for_bytes": plan.planned_for,
         "host_bytes": plan.host_bytes,
+        "expert_cache_bytes": c.expert_cache,  # (schedule/expert_cache.py; in the budget)
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),
         "offloaded": {
@@ -58,6 +59,7 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                          "prefetch_at": list(w.prefetch_at), "tier": w.tier,
                          # routed (MoE experts): each reader's gate, the expected share moved
                          "gates": list(w.gates), "fraction": w.fraction,
+                         "hit": w.hit,  # the expert cache's expected share of those
                          "row_readers": list(w.row_readers)}  # (GatherRows)
                         for w in c.weights],
             "activations": [{"name": a.name, "bytes": a.nbytes, "producer": a.producer,

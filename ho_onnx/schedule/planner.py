@@ -27,6 +27,10 @@
    arena peak exceeds the budget, the plan is made again for a budget lowered by the
    excess (``options.arena_refits`` times at most); the plan keeps the user's budget and
    records the budget it was made for and the arena it predicts.
+7. **Expert cache** (:mod:`.expert_cache`): routed MoE experts of a streamed tier get a
+   cache of the slack the plan leaves (``expert_cache="auto"``) or of the bytes asked (the
+   plan is then made for the budget less them); the plan is timed again at its expected
+   hit rate.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every
 candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
@@ -68,6 +72,8 @@ from .eligibility import (
     split_shape_readers,
     wanted,
 )
+from .expert_cache import asked, cacheable, with_cache
+from .expert_cache import describe as describe_cache
 from .kv import kv_choice, overlap_window
 from .lifetimes import (
     Interval,
@@ -128,7 +134,8 @@ class Plan(Decision):
 
     @property
     def fits(self) -> bool:
-        return self.planned.peak_bytes <= self.budget
+        """The simulated peak and the expert cache within the budget."""
+        return self.planned.peak_bytes + self.choice.expert_cache <= self.budget
 
     @property
     def arena_fits(self) -> bool:
@@ -154,6 +161,8 @@ class Plan(Decision):
                  + (f", planned for {mib(self.planned_for)} to leave room for ORT's arena"
                     if self.planned_for < self.budget else "")
                  + ")"]  # (the arena itself: arena_summary())
+        if cached := describe_cache(self.choice):
+            lines.append(cached + " (in the budget)")
         if self.costs is not None:  # (found by hand: a profile's gaps went unsaid)
             lines.append(f"costs: {self.costs.description}")
             lines += [f"note: {line}" for line in self.costs.notes]
@@ -624,8 +633,37 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         raise UnsupportedModelError("the main graph has no nodes: there is nothing to plan or "
                                     "offload under a budget")
     basis = _Basis.of(analysis, opts, costs, dims)  # shared by the plan and its refits
-    first = _plan(analysis, opts, costs, dims, search=True, basis=basis)
-    return _fit_arena(analysis, opts, costs, dims, first, basis, runtime=target)
+    cache = asked(opts)
+    inner = replace(opts, budget=opts.budget - cache, expert_cache=0) \
+        if cache and opts.budget is not None else opts
+    try:
+        first = _plan(analysis, inner, costs, dims, search=True, basis=basis)
+        fitted = _fit_arena(analysis, inner, costs, dims, first, basis, runtime=target)
+    except InfeasibleBudgetError as e:
+        if not cache:
+            raise
+        raise InfeasibleBudgetError(
+            f"{e}; with the expert cache of {format_bytes(cache)} the smallest budget is "
+            f"{format_bytes(e.min_budget + cache)}", e.min_budget + cache) from None
+    return _with_expert_cache(analysis, opts, costs, dims, fitted, basis, cache)
+
+
+def _with_expert_cache(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+                       dims: Mapping[str, int] | None, p: Plan, basis: _Basis,
+                       cache: int | None) -> Plan:
+    """``p`` (planned for the budget less ``cache``) for ``opts``, with its expert cache
+    (:mod:`~ho_onnx.schedule.expert_cache`): ``cache`` bytes, or (``auto``: None) the slack
+    the plan leaves under the budget, its tensors' peak and ORT's arena; timed again with
+    the cache's expected hit rate."""
+    if not any(cacheable(w) for w in p.choice.weights):
+        return replace(p, options=opts)
+    if cache is None:
+        cache = max(0, opts.budget - max(p.planned.peak_bytes, p.arena_bytes))
+    if not with_cache(p.choice, cache).expert_cache:
+        return replace(p, options=opts)
+    planned = simulate(analysis, p.choice, costs.compute_s, costs.transfer_time, dict(dims or {}),
+                       basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead)
+    return replace(p, options=opts, planned=planned)
 
 
 @dataclass

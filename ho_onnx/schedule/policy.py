@@ -19,6 +19,7 @@ from .eligibility import (
     split_shape_readers,
     wanted,
 )
+from .expert_cache import asked, with_cache
 from .kv import distance_window, kv_choice
 from .options import OffloadOptions
 from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, WeightOffload
@@ -50,7 +51,8 @@ def describe(options: OffloadOptions) -> str:
     o = options
     return (f"offload={o.offloads}{' kv' if o.kv else ''} min_bytes={o.min_bytes_or_default} "
             f"min_gap={o.min_gap} "
-            f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}")
+            f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}"
+            + (f" expert_cache={o.expert_cache}" if asked(o) else ""))
 
 
 def choose(analysis: GraphAnalysis, options: OffloadOptions,
@@ -74,6 +76,8 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     choice.inputs, choice.outputs = kv.inputs, kv.outputs
     choice.skipped.update(kv.skipped)
     choice.notes += kv.notes
+    if cache := asked(options):  # (auto: none, there is no budget's slack)
+        with_cache(choice, cache)
     return choice
 
 

@@ -47,6 +47,8 @@ class WeightOffload:
     # Readers that gather rows of it (embedding lookups): each becomes a GatherRows that
     # copies only the selected rows from the host store; no reload, no fast-tier copy.
     row_readers: tuple[int, ...] = ()
+    # Expected share of its moved reloads the expert cache serves (schedule.expert_cache).
+    hit: float = 0.0
 
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
@@ -55,6 +57,8 @@ class WeightOffload:
                              f"{len(self.consumers)} consumers")
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"{self.name}: fraction {self.fraction} is not in [0, 1]")
+        if not 0.0 <= self.hit <= 1.0:
+            raise ValueError(f"{self.name}: hit {self.hit} is not in [0, 1]")
         if len(self.prefetch_at) != len(self.consumers) or any(
             not 0 <= p <= c for p, c in zip(self.prefetch_at, self.consumers, strict=True)
         ):
@@ -149,6 +153,9 @@ class OffloadChoice:
     notes: list[str] = field(default_factory=list)
     # Weights streamed in blocks, or kept whole, and why (before deciding: rewrite.blocks).
     splits: list[WeightSplit] = field(default_factory=list)
+    # Bytes of the expert cache the library keeps for the routed weights of a streamed tier
+    # (schedule.expert_cache; 0: none), recorded on their Prefetches.
+    expert_cache: int = 0
 
     @property
     def offloaded_bytes(self) -> int:
@@ -196,6 +203,7 @@ class Decision:
                 "kv_bytes": str(c.kv_bytes), "kv_pairs": kv_pairs_text(c)}
                if c.inputs or c.outputs else {}),
             "host_bytes": str(host_bytes(c)),
+            **({"expert_cache_bytes": str(c.expert_cache)} if c.expert_cache else {}),
             **({"split_weights": ",".join(f"{s.name}:{len(s.blocks)}" for s in c.splits
                                           if s.blocks)}
                if any(s.blocks for s in c.splits) else {}),
