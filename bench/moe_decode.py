@@ -13,12 +13,20 @@ Rows (every weight offloaded to the host tier, the KV cache left as exported):
 * ``routed, budget``   the planner at half the resident peak (or its smallest feasible
   budget when that is above), routed.
 
+The same on the disk tier (every offloaded weight read from the data file at each use; moved
+= bytes read from the file): ``all streamed, disk``, ``routed, disk`` (no cache), ``routed +
+cache, disk`` (an LRU expert cache of ``--cache-share`` of the experts' bytes) and ``routed +
+cache, budget, disk`` (the planner at the budget above plus half the experts' bytes, with a
+cache of that half: the plan is made for the rest).
+
 Each decode step feeds every row the same inputs (the resident row's greedy tokens, teacher
 forced), so each row's logits are compared with the resident row's (bit-exact at ORT's
 optimizations off) and its bytes with the router's own choice: a copy of the unmodified
 model with every router's TopK indices as extra outputs says which experts each step
 selected; ``selected`` is their weights' bytes plus the bytes of the offloaded weights that
-are not experts (moved at every step either way). Goal: ``moved / selected <= 1.1``.
+are not experts (moved at every step either way); with a cache, less the experts an LRU
+simulation of its capacity over the router's choices held (``LruSim``). Goal: ``moved /
+selected <= 1.1``.
 
     python bench/moe_decode.py --json out.json            # CPU: 8 experts, top-2, 4 layers
     python bench/moe_decode.py --quick --json out.json    # tiny (CI)
@@ -33,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -182,6 +191,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
 
     import ho_onnx
     from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.expert_cache import cacheable_bytes
     from ho_onnx.schedule.options import OffloadOptions
     from ho_onnx.target.ort.generate import _empty_past, kv_layout
 
@@ -211,19 +221,34 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
     except InfeasibleBudgetError as e:
         budget = e.min_budget
     configs["routed, budget"] = OffloadOptions(activations=False, min_bytes=0, budget=budget)
+    disk = OffloadOptions(activations=False, min_bytes=0, weight_tier="disk", expert_cache=0)
+    configs |= {"all streamed, disk": replace(disk, routed=False), "routed, disk": disk}
     sessions: dict[str, Any] = {"resident": ort.InferenceSession(
         str(src), session_options(), providers=["CPUExecutionProvider"])}
     choices: dict[str, Any] = {}
-    for name, opts in configs.items():
-        out = root / name.replace(" ", "_").replace(",", "").replace("%", "") / "model.onnx"
+    loads: dict[str, list[Load]] = {}
+
+    def make(name: str, opts: OffloadOptions) -> None:
+        out = root / name.replace(" ", "_").replace(",", "").replace("+", "") / "model.onnx"
         out.parent.mkdir()
-        r = optimize(src, out, opts, {"batch_size": 1}, dim_ranges=ranges)
-        choices[name] = r.choice
+        choices[name] = optimize(src, out, opts, {"batch_size": 1}, dim_ranges=ranges).choice
+        loads[name] = disk_loads(out, routed)
         sessions[name] = ho_onnx.InferenceSession(out, sess_options=session_options())
+
+    for name, opts in configs.items():
+        make(name, opts)
+    experts = cacheable_bytes(choices["routed, disk"])
+    make("routed + cache, disk", replace(disk, expert_cache=int(experts * args.cache_share)))
+    # (the budget above plus a cache of half the experts, planned for: the rest fits the
+    # budget less the cache)
+    make("routed + cache, budget, disk", replace(disk, budget=budget + experts // 2,
+                                                 expert_cache=experts // 2))
+    sims = {k: LruSim(c.expert_cache) for k, c in choices.items() if c.expert_cache}
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg["vocab"], cfg["prompt"]).tolist()
     rows: dict[str, dict[str, Any]] = {k: {"row": k, "moved": [], "selected": [], "step_s": [],
-                                           "ttft_s": None, "equal": True} for k in sessions}
+                                           "ttft_s": None, "equal": True, "hits": 0,
+                                           "misses": 0} for k in sessions}
     past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
     tokens = list(prompt)
     for step in range(cfg["tokens"] + 1):
@@ -231,6 +256,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
         outs = ref.run(None, feeds)
         chosen = {r: set(v.reshape(-1).tolist())
                   for r, v in zip(routers, outs[n_out - len(routers):], strict=True)}
+        pairs = {(r, e) for r, es in chosen.items() for e in es}
         for name, sess in sessions.items():
             ho_onnx.reset_counters()
             t = time.perf_counter()
@@ -238,13 +264,18 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
             dt = time.perf_counter() - t
             row = rows[name]
             row["equal"] &= bool(np.array_equal(got[0], outs[0]))
+            c = ho_onnx.counters()
+            sel = sims[name].step(loads[name], pairs) if name in sims else \
+                selected_bytes(choices[name], routed, chosen) if name in choices else 0
             if step == 0:
                 row["ttft_s"] = dt
             else:
                 row["step_s"].append(dt)
-                row["moved"].append(ho_onnx.counters()["bytes_loaded"])
-                row["selected"].append(selected_bytes(choices[name], routed, chosen)
-                                       if name in choices else 0)
+                row["moved"].append(c["bytes_read_disk" if name.endswith("disk")
+                                      else "bytes_loaded"])
+                row["selected"].append(sel)
+                row["hits"] += c["expert_cache_hits"]
+                row["misses"] += c["expert_cache_misses"]
         names = [o.name for o in ref.get_outputs()]
         past = {p: outs[names.index(q)] for p, q in lay.pairs}
         tokens = [int(np.argmax(outs[0][0, -1]))]
@@ -253,7 +284,11 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
         row |= {"moved_per_token": moved / max(len(row["moved"]), 1),
                 "selected_per_token": sel / max(len(row["selected"]), 1),
                 "ratio": moved / sel if sel else None,
-                "tok_s": 1 / statistics.median(row["step_s"])}
+                "tok_s": 1 / statistics.median(row["step_s"]),
+                "hit_rate": row["hits"] / (row["hits"] + row["misses"])
+                if row["hits"] + row["misses"] else None,
+                "expert_cache": choices[row["row"]].expert_cache
+                if row["row"] in choices else 0}
         del row["step_s"]
     return {"arch": args.arch, "config": cfg, "rows": list(rows.values()), "complete": True,
             "resident_peak": peak, "budget": budget,
@@ -267,19 +302,23 @@ def print_table(doc: dict[str, Any]) -> None:
           f"experts top-{cfg['top_k']}, "
           f"hidden {cfg['hidden']}, expert width {cfg['moe_ffn']}; prompt {cfg['prompt']}, "
           f"{cfg['tokens']} decode steps")
-    head = (f"{'row':<14}{'moved KiB/tok':>15}{'selected KiB/tok':>18}{'moved/selected':>16}"
-            f"{'tok/s':>9}{'TTFT ms':>9}  logits")
+    head = (f"{'row':<29}{'moved KiB/tok':>14}{'selected KiB/tok':>17}{'moved/sel':>10}"
+            f"{'cache KiB':>10}{'hit rate':>9}{'tok/s':>8}{'TTFT ms':>9}  logits")
     print(head + "\n" + "-" * len(head))
     for r in doc["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         sel = "-" if r["row"] == "resident" else f"{r['selected_per_token'] / 1024:.1f}"
-        print(f"{r['row']:<14}{r['moved_per_token'] / 1024:>15.1f}{sel:>18}{ratio:>16}"
-              f"{r['tok_s']:>9.1f}{r['ttft_s'] * 1e3:>9.1f}  "
+        hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.0%}"
+        cache = f"{r.get('expert_cache', 0) / 1024:.0f}" if r.get("expert_cache") else "-"
+        print(f"{r['row']:<29}{r['moved_per_token'] / 1024:>14.1f}{sel:>17}{ratio:>10}"
+              f"{cache:>10}{hit:>9}{r['tok_s']:>8.1f}{r['ttft_s'] * 1e3:>9.1f}  "
               f"{'= resident' if r['equal'] else 'MISMATCH'}")
-    print("moved = bytes the library loaded per decode step (its counters); selected = the "
-          "bytes of the experts the router chose that step (its TopK indices) plus the "
-          "offloaded weights that are not experts; logits compared bit for bit (ORT's "
-          "optimizations off).")
+    print("moved = bytes the library loaded per decode step (its counters; the rows on the "
+          "disk tier: bytes read from the data file); selected = the bytes of the experts "
+          "the router chose that step (its TopK indices) plus the offloaded weights that are "
+          "not experts, and with an expert cache less the experts an LRU simulation of its "
+          "capacity over the router's choices held; hit rate = the library's cache hits / "
+          "(hits + misses); logits compared bit for bit (ORT's optimizations off).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", choices=ARCHS, default="qwen3_moe",
                     help="the architecture (models.moe_export): Qwen3-MoE, Qwen2-MoE (a "
                          "shared expert beside the routed ones) or Mixtral")
+    ap.add_argument("--cache-share", type=float, default=0.5,
+                    help="the 'routed + cache, disk' row's expert cache, as a share of the "
+                         "experts' bytes (default 0.5)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     cfg = PRESETS["quick" if args.quick else "cpu"]

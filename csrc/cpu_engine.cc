@@ -35,6 +35,7 @@
 #include "fault_hooks.h"
 #include "host_memory.h"
 #include "run_records.h"
+#include "weak_cache.h"
 #include "tiers.h"
 
 namespace ho {
@@ -156,7 +157,9 @@ struct Pending {
   std::shared_ptr<CpuStored> stored;       // a stored activation
   std::shared_ptr<DiskTransfer> disk;      // a streamed tier (disk)
   const void* input = nullptr;             // a graph input of the run (read by its Wait)
-  std::string cache_key;  // an expert-cache load: its key (else empty)
+  // An expert-cache load: its cache and key (a failed read is dropped from it).
+  std::shared_ptr<ExpertCache<DiskTransfer>> cache;
+  std::string cache_key;
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
   void abandon() {}
@@ -229,15 +232,26 @@ class CpuEngine final : public Engine {
     add_pending(dst, std::move(p), ctx);
   }
 
-  void plan_expert_cache(size_t bytes) override { cache_.reserve(bytes); }
+  std::shared_ptr<ExpertCacheBase> expert_cache(const std::string& content,
+                                                size_t bytes) override {
+    std::shared_ptr<Cache> cache = caches_.get(content, [] {
+      return std::make_shared<Cache>(&counters().expert_cache_bytes);
+    });
+    cache->reserve(bytes);
+    return cache;
+  }
 
-  void prefetch_cached(const std::shared_ptr<const WeightSource>& w, const std::string& key,
+  void prefetch_cached(const std::shared_ptr<const WeightSource>& w,
+                       const std::shared_ptr<ExpertCacheBase>& slot, const std::string& key,
                        void* dst, const ExecContext& ctx) override {
-    if (w->size() == 0 || cache_.capacity() == 0) return prefetch_streamed(w, dst, ctx);
+    auto cache = std::static_pointer_cast<Cache>(slot);  // (made by expert_cache() above)
+    if (w->size() == 0 || !cache || cache->capacity() == 0) {
+      return prefetch_streamed(w, dst, ctx);
+    }
     counters().prefetches += 1;
     Pending p;
     p.bytes = w->size();
-    p.disk = cache_.find(key);
+    p.disk = cache->find(key);
     if (p.disk) {  // a hit: its Wait copies the cached bytes (waiting if still being read)
       counters().expert_cache_hits += 1;
       counters().bytes_expert_cache_hit += p.bytes;
@@ -245,8 +259,9 @@ class CpuEngine final : public Engine {
       counters().expert_cache_misses += 1;
       p.disk = read_streamed(w);
       std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after the lock)
-      cache_.insert(key, p.disk, p.bytes, &evicted);
+      cache->insert(key, p.disk, p.bytes, &evicted);
     }
+    p.cache = std::move(cache);
     p.cache_key = key;
     add_pending(dst, std::move(p), ctx);
   }
@@ -339,9 +354,9 @@ class CpuEngine final : public Engine {
     if (p.disk) {
       error = p.disk->wait();
       src = p.disk->data();
-      if (!error.empty() && !p.cache_key.empty()) {  // never served again
+      if (!error.empty() && p.cache) {  // never served again
         std::vector<std::shared_ptr<DiskTransfer>> evicted;
-        cache_.erase(p.cache_key, p.disk.get(), &evicted);
+        p.cache->erase(p.cache_key, p.disk.get(), &evicted);
       }
     }
     counters().waits += 1;
@@ -405,8 +420,10 @@ class CpuEngine final : public Engine {
   HostStore host_store_;
   std::shared_ptr<HostPool> pool_;     // stored activations (bounded)
   std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight, and cached)
-  // Streamed expert loads kept across runs (its entries: finished or running reads).
-  ExpertCache<DiskTransfer> cache_{&counters().expert_cache_bytes};
+  // Streamed expert loads kept across runs, one cache per data file's content (entries:
+  // finished or running reads), held by the kernels that read through it.
+  using Cache = ExpertCache<DiskTransfer>;
+  WeakCache<Cache> caches_;
   std::mutex rng_mu_;  // guards rng_
   std::mt19937_64 rng_;
   // (a run's start bounds what the pools keep idle: HostPool::run_started)

@@ -1,6 +1,9 @@
 // The expert cache (issue 37): the bytes of routed expert weights of a streamed tier (disk)
 // kept in library memory across runs, least recently used first out, so a hot expert is not
-// read from its file again. One per engine, shared by its sessions and their concurrent runs.
+// read from its file again. An engine keeps one per data file (its content key: the sessions
+// of one model share it, those of another model, or of a new version of the file, have
+// their own), held by the kernels that read through it: it goes with the last of them. Its
+// capacity is the largest its kernels' models asked for; it serves concurrent runs.
 //
 // Policy: LRU by bytes. An entry is touched when a Prefetch asks for it (a hit) or made when
 // it misses (the read that fills it starts then), in the order the Prefetches run; entries
@@ -23,19 +26,26 @@
 
 namespace ho {
 
+// What the engine seam hands a kernel (engine.h: Engine::expert_cache); the engine that made
+// it knows its entries' type.
+class ExpertCacheBase {
+ public:
+  virtual ~ExpertCacheBase() = default;
+};
+
 template <typename T>
-class ExpertCache {
+class ExpertCache final : public ExpertCacheBase {
  public:
   // `gauge` (may be null): a process-wide count of the bytes held, kept up to date.
   explicit ExpertCache(std::atomic<int64_t>* gauge = nullptr) : gauge_(gauge) {}
-  ~ExpertCache() {
+  ~ExpertCache() override {
     if (gauge_ != nullptr) *gauge_ -= static_cast<int64_t>(held_);
   }
   ExpertCache(const ExpertCache&) = delete;
   ExpertCache& operator=(const ExpertCache&) = delete;
 
-  // Raise the capacity to `bytes` (sessions sharing the engine get the largest any model
-  // asked for; it never shrinks while the engine lives).
+  // Raise the capacity to `bytes` (the largest any of its kernels asked for; it never
+  // shrinks while the cache lives).
   void reserve(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     if (bytes > capacity_) capacity_ = bytes;

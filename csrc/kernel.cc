@@ -255,8 +255,8 @@ void Kernel::init_expert_cache(const OrtKernelInfo* info, const WeightSource& sr
     fail(ORT_INVALID_ARGUMENT, std::string("negative ") + kExpertCacheAttr + " " +
                                    std::to_string(bytes));
   }
-  engine->plan_expert_cache(static_cast<size_t>(bytes));
-  cache_key = weight_key(src, content);
+  expert_cache = engine->expert_cache(content, static_cast<size_t>(bytes));
+  if (expert_cache) cache_key = weight_key(src, content);
 }
 
 // ---- Compute ------------------------------------------------------------------------------
@@ -389,9 +389,9 @@ void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
     return;
   }
   OrtValue* y = output(api, ctx, shape);
-  if (streamed && !cache_key.empty()) {
-    engine->prefetch_cached(streamed, cache_key, streamed->size() ? tensor_data(api, y) : nullptr,
-                            ec);
+  if (streamed && expert_cache) {
+    engine->prefetch_cached(streamed, expert_cache, cache_key,
+                            streamed->size() ? tensor_data(api, y) : nullptr, ec);
   } else if (streamed) {
     engine->prefetch_streamed(streamed, streamed->size() ? tensor_data(api, y) : nullptr, ec);
   } else {

@@ -81,8 +81,9 @@ struct Kernel {
   // from its source at every run (disk).
   std::shared_ptr<const HostBlob> blob;
   std::shared_ptr<const WeightSource> streamed;
-  // A streamed weight with attribute `expert_cache` > 0: its key in the engine's expert
-  // cache (weight_key), else empty.
+  // A streamed weight with attribute `expert_cache` > 0: its data file's expert cache
+  // (Engine::expert_cache; null: none, or an engine without one) and its key there.
+  std::shared_ptr<ExpertCacheBase> expert_cache;
   std::string cache_key;
   size_t row_bytes = 0;  // GatherRows: bytes of one row of the table (fixed at creation)
 

@@ -1,5 +1,6 @@
 """bench/moe_decode.py runs (its --quick mode): the routed rows move exactly the bytes the
-router selected, all rows' logits equal the resident model's. Not a timing test."""
+router selected (with an expert cache: less what an LRU simulation of it held), all rows'
+logits equal the resident model's. Not a timing test."""
 
 from __future__ import annotations
 
@@ -24,8 +25,17 @@ def test_quick_run(tmp_path, arch):
     doc = json.loads(out.read_text())
     assert doc["arch"] == arch
     rows = {r["row"]: r for r in doc["rows"]}
-    assert set(rows) == {"resident", "all streamed", "routed", "routed, budget"}
+    assert set(rows) == {"resident", "all streamed", "routed", "routed, budget",
+                         "all streamed, disk", "routed, disk", "routed + cache, disk",
+                         "routed + cache, budget, disk"}
     assert all(r["equal"] for r in rows.values())
-    assert rows["routed"]["ratio"] == pytest.approx(1.0)
-    assert rows["all streamed"]["ratio"] > 1.0
-    assert rows["routed"]["moved_per_token"] < rows["all streamed"]["moved_per_token"]
+    for tier in ("", ", disk"):
+        assert rows["routed" + tier]["ratio"] == pytest.approx(1.0)
+        assert rows["all streamed" + tier]["ratio"] > 1.0
+        assert rows["routed" + tier]["moved_per_token"] < \
+            rows["all streamed" + tier]["moved_per_token"]
+    # the cache: bytes read == the router's choice less what an LRU of its size held
+    cached = rows["routed + cache, disk"]
+    assert cached["expert_cache"] > 0 and cached["ratio"] == pytest.approx(1.0)
+    assert cached["hit_rate"] > 0
+    assert cached["moved_per_token"] < rows["routed, disk"]["moved_per_token"]

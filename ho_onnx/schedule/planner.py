@@ -28,9 +28,9 @@
    excess (``options.arena_refits`` times at most); the plan keeps the user's budget and
    records the budget it was made for and the arena it predicts.
 7. **Expert cache** (:mod:`.expert_cache`): routed MoE experts of a streamed tier get a
-   cache of the slack the plan leaves (``expert_cache="auto"``) or of the bytes asked (the
-   plan is then made for the budget less them); the plan is timed again at its expected
-   hit rate.
+   cache of the bytes asked (the plan is then made for the budget less them) or, with
+   ``expert_cache="auto"``, of the slack the plan leaves; the plan is timed again at the
+   cache's expected hit rate.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every
 candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
@@ -645,19 +645,19 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         raise InfeasibleBudgetError(
             f"{e}; with the expert cache of {format_bytes(cache)} the smallest budget is "
             f"{format_bytes(e.min_budget + cache)}", e.min_budget + cache) from None
-    return _with_expert_cache(analysis, opts, costs, dims, fitted, basis, cache)
+    return _cached(analysis, opts, costs, dims, fitted, basis, cache)
 
 
-def _with_expert_cache(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-                       dims: Mapping[str, int] | None, p: Plan, basis: _Basis,
-                       cache: int | None) -> Plan:
-    """``p`` (planned for the budget less ``cache``) for ``opts``, with its expert cache
-    (:mod:`~ho_onnx.schedule.expert_cache`): ``cache`` bytes, or (``auto``: None) the slack
-    the plan leaves under the budget, its tensors' peak and ORT's arena; timed again with
-    the cache's expected hit rate."""
+def _cached(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+            dims: Mapping[str, int] | None, p: Plan, basis: _Basis, cache: int | None) -> Plan:
+    """``p`` (planned for the budget less ``cache``) for ``opts``, with an expert cache of
+    ``cache`` bytes, or (``auto``: None) of the slack it leaves under the budget (its
+    tensors' peak and ORT's arena); timed again at the cache's expected hit rate
+    (:mod:`~ho_onnx.schedule.expert_cache`)."""
     if not any(cacheable(w) for w in p.choice.weights):
         return replace(p, options=opts)
     if cache is None:
+        assert opts.budget is not None
         cache = max(0, opts.budget - max(p.planned.peak_bytes, p.arena_bytes))
     if not with_cache(p.choice, cache).expert_cache:
         return replace(p, options=opts)
