@@ -251,12 +251,15 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
                                            "misses": 0} for k in sessions}
     past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
     tokens = list(prompt)
+    used: set[tuple[str, int]] = set()
     for step in range(cfg["tokens"] + 1):
         feeds = decode_feeds(lay, tokens, past)
         outs = ref.run(None, feeds)
         chosen = {r: set(v.reshape(-1).tolist())
                   for r, v in zip(routers, outs[n_out - len(routers):], strict=True)}
         pairs = {(r, e) for r, es in chosen.items() for e in es}
+        if step:
+            used |= pairs  # (how repetitive the routing is: what a cache can exploit)
         for name, sess in sessions.items():
             ho_onnx.reset_counters()
             t = time.perf_counter()
@@ -292,6 +295,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
         del row["step_s"]
     return {"arch": args.arch, "config": cfg, "rows": list(rows.values()), "complete": True,
             "resident_peak": peak, "budget": budget,
+            "experts_chosen_at_decode": len(used), "experts": len(routers) * cfg["experts"],
             "onnxruntime": ort.__version__}
 
 
