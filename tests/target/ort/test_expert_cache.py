@@ -236,3 +236,27 @@ def test_the_planner_sizes_the_cache_from_the_budgets_slack(moe_export):
         plan_model(src, replace(opts, budget=budget, expert_cache=budget - 1024), DIMS)
     with pytest.raises(ValueError, match="leaves nothing"):
         OffloadOptions(budget=100, expert_cache=100)
+
+
+def test_the_command_line_records_the_cache_and_refuses_a_bad_one(tmp_path, moe_export):
+    """``--expert-cache 16KiB`` (explicit policy, disk tier) is written on every gated
+    Prefetch; a word that is no size is a usage error naming the flag."""
+    from click.testing import CliRunner
+
+    from ho_onnx.cli import main
+
+    src, out = moe_export("qwen3_moe"), tmp_path / "o" / "model.onnx"
+    out.parent.mkdir()
+    args = ["optimize", str(src), str(out), "--offload", "weights", "--min-bytes", "0",
+            "--weight-tier", "disk", "--dim", "batch_size=1", "--dim", "sequence_length=1",
+            "--dim", "past_sequence_length=24"]
+    r = CliRunner().invoke(main, [*args, "--expert-cache", "16KiB"])
+    assert r.exit_code == 0, r.output
+    gated = [n for n in onnx.load(str(out), load_external_data=False).graph.node
+             if any(a.name == contract.ATTR_GATED for a in n.attribute)
+             and n.op_type == contract.PREFETCH]
+    assert gated and all(onnx.helper.get_attribute_value(next(
+        a for a in n.attribute if a.name == contract.ATTR_EXPERT_CACHE)) == 16 << 10
+        for n in gated)
+    r = CliRunner().invoke(main, [*args, "--expert-cache", "lots"])
+    assert r.exit_code != 0 and "--expert-cache" in r.output, r.output
