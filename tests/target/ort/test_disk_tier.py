@@ -202,6 +202,41 @@ def test_an_expert_cache_smaller_than_the_weight_keeps_nothing(tmp_path):
         assert (c["expert_cache_misses"], c["expert_cache_hits"]) == (2 * run, 0)
 
 
+def test_an_expert_cache_shared_by_threads_evicts_under_readers_exactly(tmp_path):
+    """Four models reading four weights of one data file share its expert cache (room for
+    two): four threads run them at once, so entries are evicted while other runs copy out of
+    them (held by shared_ptr); every output stays exact."""
+    import threading
+
+    n, k = 4096, 4
+    w = _data(tmp_path, n * k, 0)
+    sessions = [runtime.InferenceSession(_model(tmp_path, n=n, offset=4 * n * i, copies=2,
+                                                expert_cache=8 * n, name=f"e{i}",
+                                                file_name=f"m{i}.onnx")) for i in range(k)]
+    x = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            want = (x + w[i * n:(i + 1) * n]) + w[i * n:(i + 1) * n]
+            for _ in range(60):
+                np.testing.assert_array_equal(sessions[i].run(None, {"x": x})[0], want)
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+
+    runtime.reset_counters()
+    held0 = _c()["expert_cache_bytes"]  # (a gauge: any other live cache's bytes)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    c = _c()
+    assert c["expert_cache_hits"] > 0 and c["expert_cache_misses"] > k
+    assert 0 < c["expert_cache_bytes"] - held0 <= 8 * n
+
+
 def test_a_negative_expert_cache_is_refused_at_creation(tmp_path):
     _data(tmp_path, 16, 0)
     with pytest.raises(Exception, match="negative expert_cache -1") as info:
