@@ -20,12 +20,20 @@ Rows (every weight offloaded to the host tier, the KV cache left as exported):
 memory the experts computed on the host leave free); ``peak`` the plan's predicted peak
 (budget rows).
 
+The same on the disk tier (every offloaded weight read from the data file at each use; moved
+= bytes read from the file): ``all streamed, disk``, ``routed, disk`` (no cache), ``routed +
+cache, disk`` (an LRU expert cache of ``--cache-share`` of the experts' bytes) and ``routed +
+cache, budget, disk`` (the planner at the budget above plus half the experts' bytes, with a
+cache of that half: the plan is made for the rest).
+
 Each decode step feeds every row the same inputs (the resident row's greedy tokens, teacher
 forced), so each row's logits are compared with the resident row's (bit-exact at ORT's
 optimizations off) and its bytes with the router's own choice: a copy of the unmodified
 model with every router's TopK indices as extra outputs says which experts each step
 selected; ``selected`` is their weights' bytes plus the bytes of the offloaded weights that
-are not experts (moved at every step either way). Goal: ``moved / selected <= 1.1``.
+are not experts (moved at every step either way); with a cache, less the experts an LRU
+simulation of its capacity over the router's choices held (``LruSim``). Goal: ``moved /
+selected <= 1.1``.
 
 ``--arch contrib`` (``contrib_q``: 8-bit QMoE) runs the same rows on ``models.moe_contrib``:
 the experts in ORT's ``MoE``/``QMoE`` contrib op, each layer's fc1/fc2 one stacked [E, ...]
@@ -43,12 +51,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -119,11 +130,75 @@ def floor(src: Path, opts: Any, ranges: dict[str, tuple[int, int]]) -> int:
     from ho_onnx.rewrite.pipeline import plan_model
     from ho_onnx.schedule.planner import InfeasibleBudgetError
 
+    cache = opts.expert_cache if isinstance(opts.expert_cache, int) else 0  # (in the budget)
     try:
-        plan_model(src, replace(opts, budget=1), {"batch_size": 1}, dim_ranges=ranges)
+        plan_model(src, replace(opts, budget=1, expert_cache=0), {"batch_size": 1},
+                   dim_ranges=ranges)
     except InfeasibleBudgetError as e:
-        return e.min_budget
-    return 1
+        return e.min_budget + cache
+    return 1 + cache
+
+
+class Load(NamedTuple):
+    """One weight Prefetch of an optimized model that reads the data file (the disk tier)."""
+
+    key: tuple[str, int, int]  # (location, offset, length): the library's cache key's range
+    expert: tuple[str, int] | None  # gated: (its router's TopK node, its column), else None
+    nbytes: int
+    cached: int  # its ``expert_cache`` attribute (bytes), 0 when absent
+
+
+def disk_loads(model: Path, routed: Any) -> list[Load]:
+    """The disk-tier weight Prefetches of ``model`` in file order (the order they run in:
+    ``ho_onnx.InferenceSession`` runs ORT's PRIORITY_BASED order, which follows the file),
+    each with the expert whose gate it reads (``routed.expert_of``)."""
+    import onnx
+    from onnx import helper
+
+    from ho_onnx import contract
+
+    out = []
+    for n in onnx.load(str(model), load_external_data=False).graph.node:
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        if n.domain != contract.DOMAIN or n.op_type != contract.PREFETCH \
+                or a.get(contract.ATTR_TIER) != b"disk":
+            continue
+        expert = routed.expert_of[a["name"].decode()] if a.get(contract.ATTR_GATED) else None
+        out.append(Load((a["location"].decode(), a["offset"], a["length"]), expert,
+                        a["length"], a.get(contract.ATTR_EXPERT_CACHE, 0)))
+    return out
+
+
+class LruSim:
+    """The expert cache's policy (``csrc/expert_cache.h``) replayed over the router's own
+    choices: an LRU of ``capacity`` bytes, touched when a load asks for an entry, filled when
+    it misses; an entry larger than the capacity is never kept."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: OrderedDict[tuple[str, int, int], int] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def step(self, loads: list[Load], chosen: set[tuple[str, int]]) -> int:
+        """Bytes one run reads from the file: every load whose gate is open (its expert is
+        in ``chosen``: (router, column) pairs) and that the cache did not hold."""
+        read = 0
+        for ld in loads:
+            if ld.expert is not None and ld.expert not in chosen:
+                continue  # (a closed gate: nothing moves)
+            if not ld.cached or not self.capacity:
+                read += ld.nbytes
+            elif ld.key in self.held:
+                self.held.move_to_end(ld.key)
+                self.hits += 1
+            else:
+                self.misses += 1
+                read += ld.nbytes
+                if ld.nbytes <= self.capacity:
+                    while sum(self.held.values()) + ld.nbytes > self.capacity:
+                        self.held.popitem(last=False)
+                    self.held[ld.key] = ld.nbytes
+        return read
 
 
 def session_options(sample_arena: bool = False) -> Any:
@@ -157,6 +232,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
 
     import ho_onnx
     from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.expert_cache import cacheable_bytes
     from ho_onnx.schedule.options import OffloadOptions
     from ho_onnx.target.ort.generate import _empty_past, kv_layout
 
@@ -190,32 +266,51 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
                                                      cpu_experts="all")
     configs["CPU experts, budget"] = OffloadOptions(activations=False, min_bytes=0,
                                                     budget=budget, cpu_experts="auto")
+    disk = OffloadOptions(activations=False, min_bytes=0, weight_tier="disk", expert_cache=0)
+    configs |= {"all streamed, disk": replace(disk, routed=False), "routed, disk": disk}
     sessions: dict[str, Any] = {"resident": ort.InferenceSession(
         str(src), session_options(), providers=["CPUExecutionProvider"])}
     choices: dict[str, Any] = {}
     plans: dict[str, dict[str, Any]] = {}
-    for name, opts in configs.items():
-        out = root / name.replace(" ", "_").replace(",", "").replace("%", "") / "model.onnx"
+    loads: dict[str, list[Load]] = {}
+
+    def make(name: str, opts: OffloadOptions) -> None:
+        out = root / re.sub(r"[^a-z]+", "_", name) / "model.onnx"
         out.parent.mkdir()
         r = optimize(src, out, opts, {"batch_size": 1}, dim_ranges=ranges)
         choices[name] = r.choice
         plans[name] = {"floor": floor(src, opts, ranges),
                        "peak": r.plan.planned.peak_bytes if r.plan else None}
+        loads[name] = disk_loads(out, routed)
         sessions[name] = ho_onnx.InferenceSession(out, sess_options=session_options(True))
+
+    for name, opts in configs.items():
+        make(name, opts)
+    experts = cacheable_bytes(choices["routed, disk"])
+    make("routed + cache, disk", replace(disk, expert_cache=int(experts * args.cache_share)))
+    # (the budget above plus a cache of half the experts, planned for: the rest fits the
+    # budget less the cache)
+    make("routed + cache, budget, disk", replace(disk, budget=budget + experts // 2,
+                                                 expert_cache=experts // 2))
+    sims = {k: LruSim(c.expert_cache) for k, c in choices.items() if c.expert_cache}
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg["vocab"], cfg["prompt"]).tolist()
     rows: dict[str, dict[str, Any]] = {k: {"row": k, "moved": [], "selected": [], "step_s": [],
                                            "host_matmuls": [], "arena": None, "ttft_s": None,
-                                           "equal": True}
+                                           "equal": True, "hits": 0, "misses": 0}
                                        | plans.get(k, {"floor": None, "peak": peak})
                                        for k in sessions}
     past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
     tokens = list(prompt)
+    used: set[tuple[str, int]] = set()
     for step in range(cfg["tokens"] + 1):
         feeds = decode_feeds(lay, tokens, past)
         outs = ref.run(None, feeds)
         chosen = {r: set(v.reshape(-1).tolist())
                   for r, v in zip(routers, outs[n_out - len(routers):], strict=True)}
+        pairs = {(r, e) for r, es in chosen.items() for e in es}
+        if step:
+            used |= pairs  # (how repetitive the routing is: what a cache can exploit)
         for name, sess in sessions.items():
             ho_onnx.reset_counters()
             t = time.perf_counter()
@@ -223,24 +318,30 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
             dt = time.perf_counter() - t
             row = rows[name]
             row["equal"] &= bool(np.array_equal(got[0], outs[0]))
+            c = ho_onnx.counters()
+            sel = sims[name].step(loads[name], pairs) if name in sims else \
+                selected_bytes(choices[name], routed, chosen) if name in choices else 0
             if step == 0:
                 row["ttft_s"] = dt
             else:
                 row["step_s"].append(dt)
-                row["moved"].append(ho_onnx.counters()["bytes_loaded"])
-                row["host_matmuls"].append(ho_onnx.counters()["host_matmuls"])
-                c = ho_onnx.counters()
+                row["moved"].append(c["bytes_read_disk" if name.endswith("disk")
+                                      else "bytes_loaded"])
+                row["host_matmuls"].append(c["host_matmuls"])
                 if name in choices and c["waits"]:  # (no Wait: nothing sampled this run)
                     row["arena"] = max(row["arena"] or 0, c["ort_arena_max_in_use"])
-                row["selected"].append(selected_bytes(choices[name], routed, chosen)
-                                       if name in choices else 0)
+                row["selected"].append(sel)
+                row["hits"] += c["expert_cache_hits"]
+                row["misses"] += c["expert_cache_misses"]
         names = [o.name for o in ref.get_outputs()]
         past = {p: outs[names.index(q)] for p, q in lay.pairs}
         tokens = [int(np.argmax(outs[0][0, -1]))]
     for row in rows.values():
         summarise(row)
+        row["expert_cache"] = choices[row["row"]].expert_cache if row["row"] in choices else 0
     return {"arch": args.arch, "config": cfg, "rows": list(rows.values()), "complete": True,
             "resident_peak": peak, "budget": budget,
+            "experts_chosen_at_decode": len(used), "experts": len(routers) * cfg["experts"],
             "onnxruntime": ort.__version__}
 
 
@@ -341,6 +442,8 @@ def summarise(row: dict[str, Any]) -> None:
             "ratio": moved / sel if sel else None,
             "tok_s": 1 / statistics.median(row["step_s"]),
             "host_matmuls_per_token": statistics.mean(row.pop("host_matmuls", None) or [0])}
+    hits, misses = row.pop("hits", 0), row.pop("misses", 0)
+    row["hit_rate"] = hits / (hits + misses) if hits + misses else None
     del row["step_s"]
 
 
@@ -352,28 +455,31 @@ def print_table(doc: dict[str, Any]) -> None:
           f"experts top-{cfg['top_k']}, "
           f"hidden {cfg['hidden']}, expert width {cfg['moe_ffn']}; prompt {cfg['prompt']}, "
           f"{cfg['tokens']} decode steps")
-    head = (f"{'row':<22}{'moved KiB/tok':>15}{'selected KiB/tok':>18}{'moved/selected':>16}"
-            f"{'host MM/tok':>12}{'floor KiB':>11}{'peak KiB':>10}{'arena KiB':>11}{'tok/s':>9}"
-            f"{'TTFT ms':>9}"
-            "  logits")
+    head = (f"{'row':<29}{'moved KiB/tok':>14}{'selected KiB/tok':>17}{'moved/sel':>10}"
+            f"{'host MM/tok':>12}{'floor KiB':>10}{'peak KiB':>10}{'arena KiB':>10}"
+            f"{'cache KiB':>10}{'hit rate':>9}{'tok/s':>8}{'TTFT ms':>9}  logits")
     print(head + "\n" + "-" * len(head))
     for r in doc["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         sel = "-" if r["row"] == "resident" else f"{r['selected_per_token'] / 1024:.1f}"
         kib = {k: "-" if r.get(k) is None or r[k] < 0 else f"{r[k] / 1024:.0f}"
                for k in ("floor", "peak", "arena")}
-        print(f"{r['row']:<22}{r['moved_per_token'] / 1024:>15.1f}{sel:>18}{ratio:>16}"
-              f"{r.get('host_matmuls_per_token', 0):>12.1f}{kib['floor']:>11}{kib['peak']:>10}"
-              f"{kib['arena']:>11}"
-              f"{r['tok_s']:>9.1f}{r['ttft_s'] * 1e3:>9.1f}  "
-              f"{'= resident' if r['equal'] else 'MISMATCH'}")
-    print("moved = bytes the library loaded per decode step (its counters); selected = the "
-          "bytes of the experts the router chose that step (its TopK indices) plus the "
-          "offloaded weights that are not experts; host MM = HostMatMul calls (experts computed "
-          "on the host); floor = the smallest budget the planner meets with the row's options; "
-          "peak = the plan's predicted peak (resident: the unmodified model's); arena = ORT's "
-          "arena high-water mark, measured (sampled at each Wait, ho_onnx.sample_arena); logits "
-          "compared bit for bit (ORT's optimizations off).")
+        hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.0%}"
+        cache = f"{r.get('expert_cache', 0) / 1024:.0f}" if r.get("expert_cache") else "-"
+        print(f"{r['row']:<29}{r['moved_per_token'] / 1024:>14.1f}{sel:>17}{ratio:>10}"
+              f"{r.get('host_matmuls_per_token', 0):>12.1f}{kib['floor']:>10}{kib['peak']:>10}"
+              f"{kib['arena']:>10}{cache:>10}{hit:>9}{r['tok_s']:>8.1f}"
+              f"{r['ttft_s'] * 1e3:>9.1f}  {'= resident' if r['equal'] else 'MISMATCH'}")
+    print("moved = bytes the library loaded per decode step (its counters; the rows on the "
+          "disk tier: bytes read from the data file); selected = the bytes of the experts "
+          "the router chose that step (its TopK indices) plus the offloaded weights that are "
+          "not experts, and with an expert cache less the experts an LRU simulation of its "
+          "capacity over the router's choices held; host MM = HostMatMul calls (experts "
+          "computed on the host); floor = the smallest budget the planner meets with the "
+          "row's options; peak = the plan's predicted peak (resident: the unmodified model's); "
+          "arena = ORT's arena high-water mark, measured (sampled at each Wait, "
+          "ho_onnx.sample_arena); hit rate = the library's cache hits / (hits + misses); "
+          "logits compared bit for bit (ORT's optimizations off).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the architecture (models.moe_export): Qwen3-MoE, Qwen2-MoE (a "
                          "shared expert beside the routed ones) or Mixtral; contrib, "
                          "contrib_q: ORT's MoE / QMoE op (models.moe_contrib)")
+    ap.add_argument("--cache-share", type=float, default=0.5,
+                    help="the 'routed + cache, disk' row's expert cache, as a share of the "
+                         "experts' bytes (default 0.5)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     cfg = PRESETS["quick" if args.quick else "wide" if args.wide else "cpu"]

@@ -447,6 +447,27 @@ _SEARCH_OPTIONS = [
 ]
 
 
+def _tier_options() -> list:  # type: ignore[type-arg]
+    """Options of where offloaded weights wait (for `_planner_options`)."""
+    return [
+        click.option("--weight-tier", type=click.Choice(list(kinds.tier_names())),
+                     default=_DEFAULTS.weight_tier,
+                     show_default=True,
+                     help="Where offloaded weights wait: the library's host store, or the "
+                          "model's data file (read at every reload)."),
+        click.option("--host-budget", type=SizeType(), default=None,
+                     help="Host (slow-tier) memory budget: offloaded weights that do not fit "
+                          "stay in the model's data file and are read from disk at each use."),
+        click.option("--expert-cache", default=_DEFAULTS.expert_cache, show_default=True,
+                     metavar="BYTES|auto|0",
+                     help="The library's expert cache for routed MoE experts on the disk tier "
+                          "(kept across tokens, least recently used first out: a hit is "
+                          "not read from the file again): its size, 'auto' (with --budget "
+                          "the slack the plan leaves under it, counted in the budget; without "
+                          "a budget none), or 0 (none)."),
+    ]
+
+
 def _planner_options(f):  # type: ignore[no-untyped-def]
     """Options shared by `optimize --budget` and `plan`."""
     opts = [
@@ -461,14 +482,7 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      show_default=True,
                      help="Offload an activation only across a gap of at least this many "
                           "nodes between two of its uses."),
-        click.option("--weight-tier", type=click.Choice(list(kinds.tier_names())),
-                     default=_DEFAULTS.weight_tier,
-                     show_default=True,
-                     help="Where offloaded weights wait: the library's host store, or the "
-                          "model's data file (read at every reload)."),
-        click.option("--host-budget", type=SizeType(), default=None,
-                     help="Host (slow-tier) memory budget: offloaded weights that do not fit "
-                          "stay in the model's data file and are read from disk at each use."),
+        *_tier_options(),
         click.option("--arena-refits", type=int,
                      default=_DEFAULTS.arena_refits, show_default=True,
                      help="ORT's arena holds more than the live tensors (it keeps reused "
@@ -545,9 +559,10 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, arena_refits: int, max_blocks: int, refine_s: float,
-             exact_s: float, offload_kv: bool, cpu_experts: str, dims: tuple[str, ...],
-             shapes: tuple[str, ...], points: tuple[str, ...], ort_level: str | None) -> None:
+             host_budget: int | None, expert_cache: str, arena_refits: int, max_blocks: int,
+             refine_s: float, exact_s: float, offload_kv: bool, cpu_experts: str,
+             dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
+             ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
 
     INPUT_MODEL may be a model folder: onnxruntime-genai (genai_config.json + model) or
@@ -571,7 +586,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
                            max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts,
-                           refine_s=refine_s, exact_s=exact_s)
+                           refine_s=refine_s, exact_s=exact_s, expert_cache=expert_cache)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         bound = parse_dims(dims, ranges)
@@ -630,19 +645,17 @@ def _say_result(output_model: str, result: Any) -> None:
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         arena_refits: int, max_blocks: int, refine_s: float, exact_s: float,
-         offload_kv: bool, cpu_experts: str, dims: tuple[str, ...], shapes: tuple[str, ...],
-         points: tuple[str, ...], ort_level: str | None, as_json: bool,
-         plot_path: str | None) -> None:
+         expert_cache: str, arena_refits: int, max_blocks: int, refine_s: float,
+         exact_s: float, offload_kv: bool, cpu_experts: str, dims: tuple[str, ...],
+         shapes: tuple[str, ...], points: tuple[str, ...], ort_level: str | None,
+         as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
 
     The table lists every transfer (bytes, prefetch window in steps and compute ms, copy
     time, predicted stall), the peak and the predicted time before and after.
     """
-    from ho_onnx.graph.dims import format_ranges
     from ho_onnx.graph.moe import find_experts
-    from ho_onnx.report.text import format_moe, format_plan, moe_to_dict, plan_to_dict
-    from ho_onnx.rewrite.pipeline import format_points, plan_model, range_points
+    from ho_onnx.rewrite.pipeline import plan_model, range_points
 
     _refuse_overwriting_inputs({"--plot": plot_path}, [input_model, profile_path,
                                                        machine if os.path.isfile(machine)
@@ -661,7 +674,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                      weight_tier=weight_tier, host_budget=host_budget,
                      arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv,
-                     cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s),
+                     cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s,
+                     expert_cache=expert_cache),
             bound, costs, ort_level=ort_level, log=_log, shapes=parse_shape_options(shapes),
             dim_ranges=ranges, dim_points=named)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type
@@ -674,6 +688,16 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
         moe = find_experts(analysis)
         figures = range_points(loaded, p.choice, bound, ranges, parse_shape_options(shapes),
                                named, costs) if ranges else {}
+    _print_plan(p, names, moe, ranges, named, figures, as_json)
+
+
+def _print_plan(p: Any, names: list[str], moe: Any, ranges: dict[str, tuple[int, int]],
+                named: dict[str, Any], figures: dict[str, Any], as_json: bool) -> None:
+    """`plan`'s output: the table, the experts and the range points, or all as JSON."""
+    from ho_onnx.graph.dims import format_ranges
+    from ho_onnx.report.text import format_moe, format_plan, moe_to_dict, plan_to_dict
+    from ho_onnx.rewrite.pipeline import format_points
+
     if as_json:
         _echo(json.dumps(plan_to_dict(p, names, steps=True) | {"moe": moe_to_dict(moe)}
                          | ({"dim_ranges": {k: list(v) for k, v in ranges.items()},
@@ -688,6 +712,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             _echo(f"ranges: {format_ranges(ranges)}, planned at the top of each, timed at "
                   + (f"point {next(iter(named))!r}" if named else "the bottom") + "; "
                   + format_points(figures))
+
 
 
 @main.command()

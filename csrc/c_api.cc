@@ -112,6 +112,10 @@ const CounterDef kCounters[] = {
     HO_COUNTER(disk_direct_reads),
     HO_COUNTER(disk_buffered_reads),
     HO_COUNTER(disk_reopens),
+    HO_COUNTER(expert_cache_hits),
+    HO_COUNTER(expert_cache_misses),
+    HO_COUNTER(bytes_expert_cache_hit),
+    HO_COUNTER(expert_cache_bytes),  // (a gauge: bytes the expert caches hold now)
     // data files whose descriptors the disk tier holds now (a gauge, disk_io.h)
     {"disk_files_open", [] { return static_cast<int64_t>(ho::disk_open_files_now()); }},
     HO_COUNTER(host_store_bytes),
@@ -223,6 +227,9 @@ void HoOnnx_ResetCounters(void) {
   c.disk_direct_reads = 0;
   c.disk_buffered_reads = 0;
   c.disk_reopens = 0;
+  c.expert_cache_hits = 0;
+  c.expert_cache_misses = 0;
+  c.bytes_expert_cache_hit = 0;
   c.ops_cpu = 0;
   c.ops_cuda = 0;
   c.cuda_bytes_h2d = 0;

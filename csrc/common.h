@@ -65,6 +65,12 @@ struct Counters {
   std::atomic<uint64_t> disk_buffered_reads{0};
   // Disk tier: data files opened again after the bounded open-file cache closed them.
   std::atomic<uint64_t> disk_reopens{0};
+  // Expert cache (expert_cache.h): streamed expert loads served from it (no read) and not
+  // (read from the tier, then kept), the bytes served from it, and the bytes it holds now.
+  std::atomic<uint64_t> expert_cache_hits{0};
+  std::atomic<uint64_t> expert_cache_misses{0};
+  std::atomic<uint64_t> bytes_expert_cache_hit{0};
+  std::atomic<int64_t> expert_cache_bytes{0};
   std::atomic<int64_t> host_store_bytes{0};
   std::atomic<int64_t> host_pool_bytes_in_use{0};
   std::atomic<int64_t> host_pool_bytes_reserved{0};

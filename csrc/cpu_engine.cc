@@ -31,9 +31,11 @@
 #include "common.h"
 #include "disk_io.h"
 #include "engine.h"
+#include "expert_cache.h"
 #include "fault_hooks.h"
 #include "host_memory.h"
 #include "run_records.h"
+#include "weak_cache.h"
 #include "tiers.h"
 
 namespace ho {
@@ -164,6 +166,9 @@ struct Pending {
   // A routed transfer: only these slices of `blob` (each slice_bytes) are copied.
   size_t slice_bytes = 0;
   std::vector<uint32_t> slices;
+  // An expert-cache load: its cache and key (a failed read is dropped from it).
+  std::shared_ptr<ExpertCache<DiskTransfer>> cache;
+  std::string cache_key;
 
   // Released without its Wait: its chunk jobs still run, into the staging they hold.
   void abandon() {}
@@ -241,7 +246,7 @@ class CpuEngine final : public Engine {
 
   void prefetch_streamed(const std::shared_ptr<const WeightSource>& w, void* dst,
                          const ExecContext& ctx) override {
-    stream(w, {{w->offset(), w->offset() + w->size()}}, 0, {}, dst, ctx);
+    stream(w, {}, 0, {}, dst, ctx);
   }
 
   void prefetch_streamed_slices(const std::shared_ptr<const WeightSource>& w,
@@ -253,6 +258,40 @@ class CpuEngine final : public Engine {
       ranges.emplace_back(b, b + slice_bytes);
     }
     stream(w, ranges, slice_bytes, std::move(slices), dst, ctx);
+  }
+
+  std::shared_ptr<ExpertCacheBase> expert_cache(const std::string& content,
+                                                size_t bytes) override {
+    std::shared_ptr<Cache> cache = caches_.get(content, [] {
+      return std::make_shared<Cache>(&counters().expert_cache_bytes);
+    });
+    cache->reserve(bytes);
+    return cache;
+  }
+
+  void prefetch_cached(const std::shared_ptr<const WeightSource>& w,
+                       const std::shared_ptr<ExpertCacheBase>& slot, const std::string& key,
+                       void* dst, const ExecContext& ctx) override {
+    auto cache = std::static_pointer_cast<Cache>(slot);  // (made by expert_cache() above)
+    if (w->size() == 0 || !cache || cache->capacity() == 0) {
+      return prefetch_streamed(w, dst, ctx);
+    }
+    counters().prefetches += 1;
+    Pending p;
+    p.bytes = w->size();
+    p.disk = cache->find(key);
+    if (p.disk) {  // a hit: its Wait copies the cached bytes (waiting if still being read)
+      counters().expert_cache_hits += 1;
+      counters().bytes_expert_cache_hit += p.bytes;
+    } else {  // a miss: read as streamed, into a buffer the cache keeps
+      counters().expert_cache_misses += 1;
+      p.disk = read_streamed(w);
+      std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after the lock)
+      cache->insert(key, p.disk, p.bytes, &evicted);
+    }
+    p.cache = std::move(cache);
+    p.cache_key = key;
+    add_pending(dst, std::move(p), ctx);
   }
 
   StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,
@@ -343,6 +382,10 @@ class CpuEngine final : public Engine {
     if (p.disk) {
       error = p.disk->wait();
       src = p.disk->data();
+      if (!error.empty() && p.cache) {  // never served again
+        std::vector<std::shared_ptr<DiskTransfer>> evicted;
+        p.cache->erase(p.cache_key, p.disk.get(), &evicted);
+      }
     }
     counters().waits += 1;
     counters().wait_ns += static_cast<uint64_t>(
@@ -366,50 +409,57 @@ class CpuEngine final : public Engine {
  private:
   static constexpr size_t kStagingAlign = 4096;
 
-  // Reads `ranges` (absolute [begin, end) within `w`'s range) of `w` on the disk channel into
-  // a staging buffer laid out like the weight; `slices` (of slice_bytes each): what the Wait
-  // copies out (none: all of it).
+  // Reads `ranges` (absolute [begin, end) within `w`'s range; none: all of it) of `w` on the
+  // disk channel into a staging buffer of the engine laid out like the weight, in chunks
+  // (FIFO on the I/O threads). `w` is not empty.
+  std::shared_ptr<DiskTransfer> read_streamed(
+      const std::shared_ptr<const WeightSource>& w,
+      std::vector<std::pair<uint64_t, uint64_t>> ranges = {}) {
+    const size_t bytes = w->size();
+    if (ranges.empty()) ranges.emplace_back(w->offset(), w->offset() + bytes);
+    // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
+    // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
+    const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
+    const uint64_t chunk = disk_chunk_bytes();
+    size_t parts = 0;
+    for (const auto& r : ranges) parts += Chunks{r.first, r.second, chunk}.count();
+    auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
+    char* out = t->data();
+    bool first = true;
+    for (const auto& r : ranges) {
+      const Chunks c{r.first, r.second, chunk};
+      for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q, first = false) {
+        q = c.after(pos);
+        disk_->submit(
+            [t, w, pos, q, to = out + (pos - w->offset()), first] {
+              if (first) fault_delay();
+              std::string error;
+              if (!t->failed()) {
+                try {
+                  w->read(pos, static_cast<size_t>(q - pos), to);
+                } catch (const std::exception& e) {
+                  error = std::string("disk channel: ") + e.what();
+                }
+              }
+              t->part_done(std::move(error));
+            },
+            nullptr);
+      }
+    }
+    return t;
+  }
+
+  // A streamed load of `ranges` of `w` (read_streamed); `slices` (of slice_bytes each): what
+  // the Wait copies out (none: all of it).
   void stream(const std::shared_ptr<const WeightSource>& w,
-              const std::vector<std::pair<uint64_t, uint64_t>>& ranges, size_t slice_bytes,
+              std::vector<std::pair<uint64_t, uint64_t>> ranges, size_t slice_bytes,
               std::vector<uint32_t> slices, void* dst, const ExecContext& ctx) {
     counters().prefetches += 1;
-    const size_t bytes = w->size();
     Pending p;
-    p.bytes = bytes;
+    p.bytes = w->size();
     p.slice_bytes = slice_bytes;
     p.slices = std::move(slices);
-    if (bytes != 0) {
-      // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
-      // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
-      const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
-      const uint64_t chunk = disk_chunk_bytes();
-      size_t parts = 0;
-      for (const auto& r : ranges) parts += Chunks{r.first, r.second, chunk}.count();
-      auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);
-      char* out = t->data();
-      bool first = true;
-      for (const auto& r : ranges) {
-        const Chunks c{r.first, r.second, chunk};
-        for (uint64_t pos = c.begin, q = 0; pos < c.end; pos = q, first = false) {
-          q = c.after(pos);
-          disk_->submit(
-              [t, w, pos, q, to = out + (pos - w->offset()), first] {
-                if (first) fault_delay();
-                std::string error;
-                if (!t->failed()) {
-                  try {
-                    w->read(pos, static_cast<size_t>(q - pos), to);
-                  } catch (const std::exception& e) {
-                    error = std::string("disk channel: ") + e.what();
-                  }
-                }
-                t->part_done(std::move(error));
-              },
-              nullptr);
-        }
-      }
-      p.disk = std::move(t);
-    }
+    if (p.bytes != 0) p.disk = read_streamed(w, std::move(ranges));
     add_pending(dst, std::move(p), ctx);
   }
 
@@ -427,7 +477,11 @@ class CpuEngine final : public Engine {
 
   HostStore host_store_;
   std::shared_ptr<HostPool> pool_;     // stored activations (bounded)
-  std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight)
+  std::shared_ptr<HostPool> staging_;  // disk-tier staging (what is in flight, and cached)
+  // Streamed expert loads kept across runs, one cache per data file's content (entries:
+  // finished or running reads), held by the kernels that read through it.
+  using Cache = ExpertCache<DiskTransfer>;
+  WeakCache<Cache> caches_;
   std::mutex rng_mu_;  // guards rng_
   std::mt19937_64 rng_;
   // (a run's start bounds what the pools keep idle: HostPool::run_started)

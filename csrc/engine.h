@@ -27,6 +27,7 @@
 namespace ho {
 
 class WeightSource;
+class ExpertCacheBase;
 
 // Per-call context a kernel passes to the engine.
 struct ExecContext {
@@ -125,6 +126,25 @@ class Engine {
   // matching wait().
   virtual void prefetch_streamed(const std::shared_ptr<const WeightSource>& src, void* dst,
                                  const ExecContext& ctx) = 0;
+
+  // Session creation: a model asks for an expert cache of `bytes` bytes for the streamed
+  // weights of the data file `content` (Registration::content_key; the attribute
+  // `expert_cache` of its cached Prefetches). The CPU engine returns that file's cache
+  // (expert_cache.h; made, or raised to `bytes`), which the kernel holds; an engine without
+  // one returns null (the CUDA engine: no device-memory cache yet).
+  virtual std::shared_ptr<ExpertCacheBase> expert_cache(const std::string& /*content*/,
+                                                        size_t /*bytes*/) {
+    return nullptr;
+  }
+
+  // Like prefetch_streamed, through `cache` (from expert_cache(), not null) under `key`
+  // (weight_key of `src`): a hit copies the cached bytes (nothing is read), a miss reads them
+  // into a buffer the cache then keeps.
+  virtual void prefetch_cached(const std::shared_ptr<const WeightSource>& src,
+                               const std::shared_ptr<ExpertCacheBase>& /*cache*/,
+                               const std::string& /*key*/, void* dst, const ExecContext& ctx) {
+    prefetch_streamed(src, dst, ctx);
+  }
 
   // Start copying the `bytes` bytes at `src`, a tensor the run holds in host memory (a graph
   // input the caller passed: its past KV cache), into `dst` (fast tier) on the load channel;

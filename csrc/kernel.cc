@@ -239,6 +239,7 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
       blob = engine->load_weight(*src, op.reg->content_key(*file));
     } else {
       engine->prepare_streamed();
+      init_expert_cache(info, *src, op.reg->content_key(*file));
       streamed = std::move(src);
     }
   } catch (const Error& e) {
@@ -298,6 +299,21 @@ bool Kernel::prefetch_routed(OrtKernelContext* ctx, const ExecContext& ec) {
   }
   produce_issued(api, ctx);
   return true;
+}
+
+// Attribute `expert_cache` (bytes, on a streamed weight's Prefetch): its loads go through
+// the engine's expert cache, which the model asks to hold that many bytes. Ignored on a tier
+// in host memory (a cache there would copy host memory to host memory).
+void Kernel::init_expert_cache(const OrtKernelInfo* info, const WeightSource& src,
+                               const std::string& content) {
+  int64_t bytes = 0;
+  if (!attr_int(api, info, kExpertCacheAttr, &bytes) || bytes == 0) return;
+  if (bytes < 0) {
+    fail(ORT_INVALID_ARGUMENT, std::string("negative ") + kExpertCacheAttr + " " +
+                                   std::to_string(bytes));
+  }
+  expert_cache = engine->expert_cache(content, static_cast<size_t>(bytes));
+  if (expert_cache) cache_key = weight_key(src, content);
 }
 
 // ---- Compute ------------------------------------------------------------------------------
@@ -433,7 +449,10 @@ void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
   }
   if (prefetch_routed(ctx, ec)) return;
   OrtValue* y = output(api, ctx, shape);
-  if (streamed) {
+  if (streamed && expert_cache) {
+    engine->prefetch_cached(streamed, expert_cache, cache_key,
+                            streamed->size() ? tensor_data(api, y) : nullptr, ec);
+  } else if (streamed) {
     engine->prefetch_streamed(streamed, streamed->size() ? tensor_data(api, y) : nullptr, ec);
   } else {
     engine->prefetch_weight(blob, blob->size() ? tensor_data(api, y) : nullptr, ec);

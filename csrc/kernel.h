@@ -90,6 +90,10 @@ struct Kernel {
   // from its source at every run (disk).
   std::shared_ptr<const HostBlob> blob;
   std::shared_ptr<const WeightSource> streamed;
+  // A streamed weight with attribute `expert_cache` > 0: its data file's expert cache
+  // (Engine::expert_cache; null: none, or an engine without one) and its key there.
+  std::shared_ptr<ExpertCacheBase> expert_cache;
+  std::string cache_key;
   size_t row_bytes = 0;  // GatherRows: bytes of one row of the table (fixed at creation)
   // HostMatMul: ORT's own CPU MatMul kernel (CreateOp) and the weight as an OrtValue over
   // the host store's bytes (no copy; `blob` keeps them alive), both made at creation.
@@ -100,6 +104,8 @@ struct Kernel {
 
  private:
   void init_weight(const OpDef& op, const OrtKernelInfo* info, const std::string& location);
+  void init_expert_cache(const OrtKernelInfo* info, const WeightSource& src,
+                         const std::string& content);
   void init_arena_sampling(const OpDef& op, const OrtKernelInfo* info);
   void init_guard(const OrtKernelInfo* info);
   void init_host_matmul(const OrtKernelInfo* info);

@@ -27,6 +27,8 @@ constexpr const char* kModelDirKey = "ho_onnx.model_dir";
 // session creation). Also a Store attribute of the same meaning: `host_bytes`.
 constexpr const char* kHostBytesKey = "ho_onnx.host_bytes";
 constexpr const char* kHostBytesAttr = "host_bytes";
+// On a streamed weight's Prefetch: the bytes of expert cache its model asks for (kernel.cc).
+constexpr const char* kExpertCacheAttr = "expert_cache";
 // Bound of the host pool of stored activations (bytes; default: half the physical memory).
 constexpr const char* kPoolLimitKey = "ho_onnx.host_pool_limit_bytes";
 // "1": every Wait samples ORT's arena statistics into the ort_arena_* gauges (a string

@@ -74,6 +74,10 @@ ATTR_ROUTE = "route"
 ATTR_ROUTE_K = "route_k"
 ROUTE_SOFTMAX = "softmax"  # MoE: softmax over all E, then the top k (a larger index wins a tie)
 ROUTE_TOPK = "topk"  # QMoE: the top k of the raw router row (a larger index wins a tie)
+# On a gated Prefetch of a streamed tier (disk): the bytes of the library's expert cache the
+# model asks for (the largest asked by an engine's sessions); its loads go through that cache
+# (LRU: a hit copies the cached bytes, a miss reads them and keeps them). Absent or 0: none.
+ATTR_EXPERT_CACHE = "expert_cache"
 # On every Store: the most bytes of stored activations the plan holds at once (sizes the
 # CUDA engine's pinned ring; it grows beyond when concurrent runs need more).
 ATTR_HOST_BYTES = "host_bytes"

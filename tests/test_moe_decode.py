@@ -1,6 +1,7 @@
 """bench/moe_decode.py runs (its --quick mode): the routed rows move exactly the bytes the
-router selected, all rows' logits equal the resident model's; on Optimum exports and on ORT's
-MoE/QMoE contrib ops. Not a timing test."""
+router selected (with an expert cache: less what an LRU simulation of it held), all rows'
+logits equal the resident model's; on Optimum exports and on ORT's MoE/QMoE contrib ops. Not
+a timing test."""
 
 from __future__ import annotations
 
@@ -26,7 +27,16 @@ def test_quick_run(tmp_path, arch):
     assert doc["arch"] == arch
     rows = {r["row"]: r for r in doc["rows"]}
     assert set(rows) == {"resident", "all streamed", "routed", "routed, budget",
-                         "routed + CPU experts", "CPU experts, budget"}
+                         "routed + CPU experts", "CPU experts, budget",
+                         "all streamed, disk", "routed, disk", "routed + cache, disk",
+                         "routed + cache, budget, disk"}
+    assert rows["routed, disk"]["ratio"] == pytest.approx(1.0)
+    assert rows["all streamed, disk"]["ratio"] > 1.0
+    # the cache: bytes read == the router's choice less what an LRU of its size held
+    cached = rows["routed + cache, disk"]
+    assert cached["expert_cache"] > 0 and cached["ratio"] == pytest.approx(1.0)
+    assert cached["hit_rate"] > 0
+    assert cached["moved_per_token"] < rows["routed, disk"]["moved_per_token"]
     assert all(r["equal"] for r in rows.values())
     assert rows["routed"]["ratio"] == pytest.approx(1.0)
     assert rows["all streamed"]["ratio"] > 1.0

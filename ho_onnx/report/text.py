@@ -58,19 +58,11 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
             "time_s": plan.bound.seconds, "kind": plan.bound.kind, "gap": plan.gap,
             "greedy_time_s": plan.greedy_s, "refined_time_s": plan.refined_s,
             "search": plan.improved},
+        "expert_cache_bytes": c.expert_cache,  # (schedule/expert_cache.py; in the budget)
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),
         "offloaded": {
-            "weights": [{"name": w.name, "bytes": w.nbytes, "readers": list(w.consumers),
-                         "prefetch_at": list(w.prefetch_at), "tier": w.tier,
-                         # routed (MoE experts): each reader's gate, the expected share moved
-                         "gates": list(w.gates), "fraction": w.fraction,
-                         # (stacked experts of a MoE/QMoE op: [rule, k] where only the
-                         # selected experts' slices move)
-                         "routes": [list(r) if r else None for r in w.routes],
-                         "row_readers": list(w.row_readers),  # (GatherRows)
-                         "host_readers": list(w.host_readers)}  # (HostMatMul)
-                        for w in c.weights],
+            "weights": [_weight_dict(w) for w in c.weights],
             "activations": [{"name": a.name, "bytes": a.nbytes, "producer": a.producer,
                              "early": list(a.early), "late": list(a.late),
                              "prefetch_at": a.prefetch_at} for a in c.activations],
@@ -102,6 +94,20 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                        "bytes_before": int(plan.baseline.memory[i])}
                       for i in range(len(analysis_names))]
     return d
+
+
+def _weight_dict(w: WeightOffload) -> dict[str, Any]:
+    """One offloaded weight as JSON-ready data (plan_to_dict)."""
+    return {"name": w.name, "bytes": w.nbytes, "readers": list(w.consumers),
+            "prefetch_at": list(w.prefetch_at), "tier": w.tier,
+            # routed (MoE experts): each reader's gate, the expected share moved
+            "gates": list(w.gates), "fraction": w.fraction,
+            # (stacked experts of a MoE/QMoE op: [rule, k] where only the selected experts'
+            # slices move)
+            "routes": [list(r) if r else None for r in w.routes],
+            "hit": w.hit,  # the expert cache's expected share of those
+            "row_readers": list(w.row_readers),  # (GatherRows)
+            "host_readers": list(w.host_readers)}  # (HostMatMul)
 
 
 def _routed_summary(weights: Sequence[WeightOffload]) -> str:

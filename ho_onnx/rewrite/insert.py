@@ -22,6 +22,7 @@ from ..graph.analyse import GraphAnalysis, TensorInfo, all_graphs, attribute_val
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
 from ..schedule.eligibility import cuda_host_tensors
+from ..schedule.expert_cache import cacheable
 from ..schedule.lifetimes import stored_peak_bytes
 from ..schedule.types import (
     ActivationOffload,
@@ -146,9 +147,10 @@ class _Emitter:
            *attrs: ir.Attr, channel: str | None = None) -> _Op:
         return _Op(op, list(inputs), outputs, self.names.fresh(node_name), list(attrs), channel)
 
-    def offload_weight(self, w: WeightOffload) -> None:
+    def offload_weight(self, w: WeightOffload, cache: int = 0) -> None:
         """Prefetch/Wait pairs before each data reader of ``w``; shape readers become
-        constants."""
+        constants. ``cache``: the bytes of the expert cache, recorded on each gated
+        Prefetch of a cacheable ``w`` (:mod:`~ho_onnx.schedule.expert_cache`)."""
         t = self.analysis.tensors[w.name]
         assert t.elem_type is not None and t.shape is not None
         self.weight_prefetches[w.name] = []
@@ -182,12 +184,14 @@ class _Emitter:
             route = w.routes[k] if w.routes else None
             routes = [ir.AttrString(contract.ATTR_ROUTE, route[0]),
                       ir.AttrInt64(contract.ATTR_ROUTE_K, route[1])] if route else []
+            cached = [ir.AttrInt64(contract.ATTR_EXPERT_CACHE, cache)] \
+                if gate and cache and cacheable(w) else []
             # A Prefetch with only constant inputs would be folded by ORT: at the very start
             # it is ordered after a graph input.
             pf_deps = self.dep_before(s) or ([] if gate else _first_graph_input(self.analysis))
             pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *gate, *pf_deps],
                          [self.like(y, t)], f"ho.prefetch.{w.name}.{k}", *attrs, *gated,
-                         *routes, channel=tier.channel)
+                         *routes, *cached, channel=tier.channel)
             wait = self.op(contract.WAIT, [y, *gate, *self.dep_before(c, floor=s - 1)],
                            [self.like(z, t)], f"ho.wait.{w.name}.{k}", *gated)
             self.before_pf[s].append(pf)
@@ -408,7 +412,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice, *,
     names.used.update(reserved)
     em = _Emitter(analysis, names)
     for w in choice.weights:
-        em.offload_weight(w)
+        em.offload_weight(w, choice.expert_cache)
     ring = stored_peak_bytes(choice)
     for a in choice.activations:
         em.offload_activation(a, ring)

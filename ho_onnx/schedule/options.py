@@ -52,6 +52,12 @@ class OffloadOptions:
       schedule steps between two of its uses.
       ``weight_tier``: where offloaded weights wait (``host`` store, or ``disk``: read from
       the data file at every reload).
+      ``expert_cache``: bytes of the library's expert cache (:mod:`~ho_onnx.schedule.
+      expert_cache`: routed MoE expert weights of a streamed tier kept across runs, least
+      recently used first out; a size, ``"512MiB"``, is kept as bytes), ``"auto"`` (the
+      default: with a ``budget`` the slack the plan leaves under it, without one none), or 0
+      (none: every routed reload is read). With a budget the cache counts in the plan's
+      memory: the rest is planned for the budget less the cache.
 
     Explicit policy (no ``budget``): every eligible tensor is offloaded.
       ``prefetch_distance``: compute nodes between a Prefetch and its Wait (default
@@ -94,6 +100,7 @@ class OffloadOptions:
     min_bytes: int | None = None
     min_gap: int = 2
     weight_tier: Tier = HOST.name
+    expert_cache: int | str = "auto"
     prefetch_distance: int = _DEFAULT_DISTANCE
     budget: int | None = None
     host_budget: int | None = None
@@ -113,9 +120,10 @@ class OffloadOptions:
             raise ValueError(f"weight_tier must be {'|'.join(tier_names())}, "
                              f"not {self.weight_tier!r}")
         for name in ("min_gap", "prefetch_distance", "max_extra", "arena_refits", "max_extra_s",
-                     "min_bytes", "max_blocks", "refine_s", "exact_s", "exact_nodes"):
+                     "min_bytes", "max_blocks", "refine_s", "exact_s", "exact_nodes",
+                     "expert_cache"):
             # (None: min_bytes' default)
-            if (v := getattr(self, name)) is not None and v < 0:
+            if (v := getattr(self, name)) is not None and v != "auto" and v < 0:
                 raise ValueError(f"{name} must be >= 0, not {v!r}")
         if self.budget is not None and self.budget <= 0:
             raise ValueError(f"budget must be positive, not {self.budget!r}")
@@ -123,6 +131,10 @@ class OffloadOptions:
             raise ValueError(f"prefetch_distance={self.prefetch_distance} is for the explicit "
                              "policy (no budget): with a budget the planner places every "
                              "Prefetch; leave it unset")
+        if self.budget is not None and self.expert_cache != "auto" \
+                and self.expert_cache >= self.budget:
+            raise ValueError(f"expert_cache {self.expert_cache} leaves nothing of the budget "
+                             f"{self.budget} for the model")
         if self.host_budget is not None and self.budget is None:
             raise ValueError("host_budget needs a budget (the planner)")
         if self.cpu_experts not in CPU_EXPERTS:
@@ -142,18 +154,21 @@ class OffloadOptions:
         kept as bytes), numbers (not NaN) for the ratios and seconds, booleans for the kinds
         (found by hand: ``budget=float("nan")`` and ``budget=1.5`` were accepted, ``"8GiB"``
         was a TypeError about ``<=``)."""
-        for name in ("budget", "host_budget", "min_bytes"):
+        for name in ("budget", "host_budget", "min_bytes", "expert_cache"):
             v = getattr(self, name)
+            if name == "expert_cache" and v == "auto":
+                continue
             if isinstance(v, str):
                 try:
                     object.__setattr__(self, name, parse_size(v))
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
         for name in ("budget", "host_budget", "min_bytes", "min_gap", "prefetch_distance",
-                     "max_extra", "arena_refits", "max_blocks", "exact_nodes"):
+                     "max_extra", "arena_refits", "max_blocks", "exact_nodes",
+                     "expert_cache"):
             v = getattr(self, name)
             if (v is None and name in ("budget", "host_budget", "min_bytes")) \
-                    or isinstance(v, _Unset):
+                    or isinstance(v, _Unset) or (name == "expert_cache" and v == "auto"):
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise ValueError(f"{name} must be a whole number, not {v!r}")

@@ -31,6 +31,10 @@
    by a local search scored by the simulator (``options.refine_s``), then solved by CP-SAT
    over the same space where asked (``options.exact_s``), both at the budget it was made
    for; every plan carries a lower bound on its space's times and the gap to it.
+8. **Expert cache** (:mod:`.expert_cache`): routed MoE experts of a streamed tier get a
+   cache of the bytes asked (the plan is then made for the budget less them) or, with
+   ``expert_cache="auto"``, of the slack the plan leaves; the plan is timed again at the
+   cache's expected hit rate.
 
 No compute nodes are reordered (the refinement moves only cache operators). Every
 candidate that stays resident gets its reason in the choice's ``skipped``. The planner's
@@ -74,6 +78,8 @@ from .eligibility import (
 )
 from .exact import available as exact_available
 from .exact import solve as exact_solve
+from .expert_cache import asked, cacheable, with_cache
+from .expert_cache import describe as describe_cache
 from .kv import kv_choice, overlap_window
 from .lifetimes import (
     Interval,
@@ -161,7 +167,8 @@ class Plan(Decision):
 
     @property
     def fits(self) -> bool:
-        return self.planned.peak_bytes <= self.budget
+        """The simulated peak and the expert cache within the budget."""
+        return self.planned.peak_bytes + self.choice.expert_cache <= self.budget
 
     @property
     def arena_fits(self) -> bool:
@@ -189,6 +196,8 @@ class Plan(Decision):
                  + ")"]  # (the arena itself: arena_summary())
         if self.bound is not None:
             lines.append(self.bound_summary())
+        if cached := describe_cache(self.choice):
+            lines.append(cached + " (in the budget)")
         if self.costs is not None:  # (found by hand: a profile's gaps went unsaid)
             lines.append(f"costs: {self.costs.description}")
             lines += [f"note: {line}" for line in self.costs.notes]
@@ -673,9 +682,40 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         raise UnsupportedModelError("the main graph has no nodes: there is nothing to plan or "
                                     "offload under a budget")
     basis = _Basis.of(analysis, opts, costs, dims)  # shared by the plan and its refits
-    first = _plan(analysis, opts, costs, dims, search=True, basis=basis)
-    best = _fit_arena(analysis, opts, costs, dims, first, basis, runtime=target)
-    return _improve(analysis, opts, costs, dims, basis, best, target)
+    cache = asked(opts)
+    inner = replace(opts, budget=opts.budget - cache, expert_cache=0) \
+        if cache and opts.budget is not None else opts
+    try:
+        first = _plan(analysis, inner, costs, dims, search=True, basis=basis)
+        fitted = _fit_arena(analysis, inner, costs, dims, first, basis, runtime=target)
+        improved = _improve(analysis, inner, costs, dims, basis, fitted, target)
+    except InfeasibleBudgetError as e:
+        if not cache:
+            raise
+        raise InfeasibleBudgetError(
+            f"{e}; with the expert cache of {format_bytes(cache)} the smallest budget is "
+            f"{format_bytes(e.min_budget + cache)}", e.min_budget + cache) from None
+    return _cached(analysis, opts, costs, dims, improved, basis, cache)
+
+
+def _cached(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+            dims: Mapping[str, int] | None, p: Plan, basis: _Basis, cache: int | None) -> Plan:
+    """``p`` (planned for the budget less ``cache``) for ``opts``, with an expert cache of
+    ``cache`` bytes, or (``auto``: None) of the slack it leaves under the budget (its
+    tensors' peak and ORT's arena); timed again at the cache's expected hit rate
+    (:mod:`~ho_onnx.schedule.expert_cache`)."""
+    if not any(cacheable(w) for w in p.choice.weights):
+        return replace(p, options=opts)
+    if cache is None:
+        assert opts.budget is not None
+        cache = max(0, opts.budget - max(p.planned.peak_bytes, p.arena_bytes))
+    if not with_cache(p.choice, cache).expert_cache:
+        return replace(p, options=opts)
+    planned = simulate(analysis, p.choice, costs.compute_s, costs.transfer_time, dict(dims or {}),
+                       basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead)
+    bound = None if p.bound is None else Bound(min(p.bound.seconds, planned.total_s),
+                                               p.bound.kind)  # (the space had no cache)
+    return replace(p, options=opts, planned=planned, bound=bound)
 
 
 @dataclass
@@ -877,9 +917,9 @@ def _space(ctx: _Context, choice: OffloadChoice, start: np.ndarray
              *_just_in_time_intervals(ctx.by_name[k], e)) for k, e in early.items()},
         lambda s: _choice(ctx, _Selection(dict(sorted(s.early.items(), key=lambda kv: rank[
             kv[0]])), ctx.base_memory, tiers), s.positions),
-        lambda ch: simulate(ctx.analysis, ch, ctx.costs.compute_s, ctx.costs.transfer_time,
-                            ctx.dims, ctx.residency, ctx.base_memory,
-                            host_ahead=ctx.costs.host_ahead),
+        lambda ch: simulate(ctx.analysis, ch, ctx.costs.with_host(host_positions(ch)),
+                            ctx.costs.transfer_time, ctx.dims, ctx.residency,
+                            ctx.base_memory, host_ahead=ctx.costs.host_ahead),
         _unmodelled(ctx, groups), place=functools.partial(_replace_all, ctx, start, tiers))
     by_tensor = {m: p for p, ms in groups.members.items() for m in ms} | {k: k for k in early}
     return space, seed, by_tensor
@@ -932,7 +972,7 @@ def _improve(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     replayed arena exceeds both the budget and ``best``'s is not kept."""
     ctx = _Context(analysis, replace(opts, budget=best.planned_for), costs, dict(dims or {}),
                    basis.candidates, basis.by_name, basis.residency, basis.baseline.memory,
-                   basis.kv)
+                   basis.kv, basis.cpu_experts)
     space, seed, by_tensor = _space(ctx, best.choice, basis.start)
     greedy = best.planned.total_s
     start = space.score(seed)

@@ -19,6 +19,7 @@ from .eligibility import (
     split_shape_readers,
     wanted,
 )
+from .expert_cache import asked, with_cache
 from .kv import distance_window, kv_choice
 from .options import OffloadOptions
 from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, WeightOffload
@@ -51,7 +52,8 @@ def describe(options: OffloadOptions) -> str:
     return (f"offload={o.offloads}{' kv' if o.kv else ''} min_bytes={o.min_bytes_or_default} "
             f"min_gap={o.min_gap} "
             f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}"
-            + (f" cpu_experts={o.cpu_experts}" if o.cpu_experts != "off" else ""))
+            + (f" cpu_experts={o.cpu_experts}" if o.cpu_experts != "off" else "")
+            + (f" expert_cache={o.expert_cache}" if asked(o) else ""))
 
 
 def choose(analysis: GraphAnalysis, options: OffloadOptions,
@@ -75,6 +77,8 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     choice.inputs, choice.outputs = kv.inputs, kv.outputs
     choice.skipped.update(kv.skipped)
     choice.notes += kv.notes
+    if cache := asked(options):  # (auto: none, there is no budget's slack)
+        with_cache(choice, cache)
     return choice
 
 

@@ -175,7 +175,10 @@ def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
         return events
     for w in choice.weights:
         d: Direction = kinds.tier(w.tier).load.direction
-        moved = w.nbytes if w.fraction >= 1.0 else int(w.nbytes * w.fraction)  # (routed)
+        # (routed: the expected share moved; cached: less what the expert cache serves, a
+        # copy out of host memory not timed here)
+        share = w.fraction * (1.0 - w.hit)
+        moved = w.nbytes if share >= 1.0 else int(w.nbytes * share)
         events.extend(TransferEvent(w.name, "reload", d, moved, p, c)
                       for c, p in zip(w.consumers, w.prefetch_at, strict=True))
     store, load = kinds.stored_links()

@@ -54,6 +54,8 @@ class WeightOffload:
     # MatMuls of it computed where it lives (HostMatMul on the CPU EP against the host
     # store: an MoE expert, ``cpu_experts``); no reload, no fast-tier copy.
     host_readers: tuple[int, ...] = ()
+    # Expected share of its moved reloads the expert cache serves (schedule.expert_cache).
+    hit: float = 0.0
 
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
@@ -66,6 +68,8 @@ class WeightOffload:
                              f"{len(self.consumers)} consumers")
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"{self.name}: fraction {self.fraction} is not in [0, 1]")
+        if not 0.0 <= self.hit <= 1.0:
+            raise ValueError(f"{self.name}: hit {self.hit} is not in [0, 1]")
         if len(self.prefetch_at) != len(self.consumers) or any(
             not 0 <= p <= c for p, c in zip(self.prefetch_at, self.consumers, strict=True)
         ):
@@ -166,6 +170,9 @@ class OffloadChoice:
     splits: list[WeightSplit] = field(default_factory=list)
     # Offloaded MoE expert weights (``cpu_experts``): computed on the host or moved, and why.
     cpu_experts: dict[str, str] = field(default_factory=dict)
+    # Bytes of the expert cache the library keeps for the routed weights of a streamed tier
+    # (schedule.expert_cache; 0: none), recorded on their Prefetches.
+    expert_cache: int = 0
 
     @property
     def offloaded_bytes(self) -> int:
@@ -218,6 +225,7 @@ class Decision:
                 "kv_bytes": str(c.kv_bytes), "kv_pairs": kv_pairs_text(c)}
                if c.inputs or c.outputs else {}),
             "host_bytes": str(host_bytes(c)),
+            **({"expert_cache_bytes": str(c.expert_cache)} if c.expert_cache else {}),
             **({"split_weights": ",".join(f"{s.name}:{len(s.blocks)}" for s in c.splits
                                           if s.blocks)}
                if any(s.blocks for s in c.splits) else {}),

@@ -55,13 +55,16 @@ def _node(op: str, inputs: list[str], outputs: list[str], **attrs) -> onnx.NodeP
 
 def _model(directory: Path, *, n: int, location: str = "w.bin", offset: int = 0,
            length: int | None = None, tier: str | None = "disk", name: str = "layer.weight",
-           copies: int = 1, file_name: str = "model.onnx") -> str:
+           copies: int = 1, file_name: str = "model.onnx", expert_cache: int | None = None
+           ) -> str:
     """`copies` Prefetch/Wait pairs of the same weight, summed with x."""
     attrs: dict[str, object] = dict(location=location, offset=offset,
                                     length=4 * n if length is None else length, shape=[n],
                                     name=name)
     if tier is not None:
         attrs["tier"] = tier
+    if expert_cache is not None:
+        attrs[contract.ATTR_EXPERT_CACHE] = expert_cache
     nodes, acc = [], "x"
     for i in range(copies):
         nodes += [_node("Prefetch", ["s0"], [f"wy{i}"], **attrs),
@@ -167,6 +170,87 @@ def test_hostile_or_bad_disk_weights_refused_at_creation(hostile_model_dir, kwar
     # the process is fine and a good model still loads and runs afterwards
     sess = runtime.InferenceSession(_model(model_dir, n=16, file_name="good.onnx"))
     assert sess.run(None, {"x": np.zeros(16, np.float32)})[0].shape == (16,)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_expert_cache_reads_a_weight_once_then_serves_it(tmp_path, order):
+    """Attribute expert_cache: the first Prefetch misses and reads the file, every later one
+    (the second reader, later runs) is a hit served from the cache's copy; exact."""
+    n = 1000
+    w = _data(tmp_path, n, 100, tail=7)
+    runtime.reset_counters()
+    sess = runtime.InferenceSession(_model(tmp_path, n=n, offset=100, copies=2,
+                                           expert_cache=8 * n), execution_order=order)
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    for run in range(1, 4):
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], (x + w) + w)
+        c = _c()
+        assert c["bytes_read_disk"] == 4 * n  # once, in the first run
+        assert (c["expert_cache_misses"], c["expert_cache_hits"]) == (1, 2 * run - 1)
+        assert c["bytes_expert_cache_hit"] == (2 * run - 1) * 4 * n
+        assert c["bytes_loaded"] == run * 2 * 4 * n  # (every reload still lands in ORT's)
+    assert _c()["expert_cache_bytes"] >= 4 * n
+    del sess
+    gc.collect()
+    assert _c()["expert_cache_bytes"] == 0  # (the cache went with its last kernel)
+
+
+def test_an_expert_cache_smaller_than_the_weight_keeps_nothing(tmp_path):
+    n = 256
+    w = _data(tmp_path, n, 0)
+    runtime.reset_counters()
+    sess = runtime.InferenceSession(_model(tmp_path, n=n, copies=2, expert_cache=4 * n - 1))
+    host = runtime.InferenceSession(_model(tmp_path, n=n, tier=None, expert_cache=4 * n,
+                                           file_name="host.onnx"))
+    x = np.zeros(n, np.float32)
+    for run in range(1, 3):
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], w + w)
+        np.testing.assert_array_equal(host.run(None, {"x": x})[0], w)
+        c = _c()
+        assert c["bytes_read_disk"] == run * 2 * 4 * n
+        assert (c["expert_cache_misses"], c["expert_cache_hits"]) == (2 * run, 0)
+
+
+def test_an_expert_cache_shared_by_threads_evicts_under_readers_exactly(tmp_path):
+    """Four models reading four weights of one data file share its expert cache (room for
+    two): four threads run them at once, so entries are evicted while other runs copy out of
+    them (held by shared_ptr); every output stays exact."""
+    import threading
+
+    n, k = 4096, 4
+    w = _data(tmp_path, n * k, 0)
+    sessions = [runtime.InferenceSession(_model(tmp_path, n=n, offset=4 * n * i, copies=2,
+                                                expert_cache=8 * n, name=f"e{i}",
+                                                file_name=f"m{i}.onnx")) for i in range(k)]
+    x = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            want = (x + w[i * n:(i + 1) * n]) + w[i * n:(i + 1) * n]
+            for _ in range(60):
+                np.testing.assert_array_equal(sessions[i].run(None, {"x": x})[0], want)
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+
+    runtime.reset_counters()
+    held0 = _c()["expert_cache_bytes"]  # (a gauge: any other live cache's bytes)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    c = _c()
+    assert c["expert_cache_hits"] > 0 and c["expert_cache_misses"] > k
+    assert 0 < c["expert_cache_bytes"] - held0 <= 8 * n
+
+
+def test_a_negative_expert_cache_is_refused_at_creation(tmp_path):
+    _data(tmp_path, 16, 0)
+    with pytest.raises(Exception, match="negative expert_cache -1") as info:
+        runtime.InferenceSession(_model(tmp_path, n=16, expert_cache=-1))
+    assert "layer.weight" in str(info.value)
 
 
 def test_the_librarys_tier_registry_is_the_python_one(tmp_path):
