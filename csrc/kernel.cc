@@ -194,14 +194,15 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     k->init_weight(op, info, location);
     if (op.kind == OpKind::kPrefetch) k->init_route(info);
   }
-  if (op.kind == OpKind::kGatherRows && (!k->blob || k->shape.empty() || k->shape[0] <= 0 ||
-                                         k->bits < 8)) {
-    fail(ORT_INVALID_ARGUMENT, "GatherRows needs a host-tier table of at least one row of "
-                               "whole bytes (attributes location/offset/length/shape; tier "
-                               "host; no sub-byte element type)");
+  if (op.kind == OpKind::kGatherRows && ((!k->blob && !k->streamed) || k->shape.empty() ||
+                                         k->shape[0] <= 0 || k->bits < 8)) {
+    fail(ORT_INVALID_ARGUMENT, "GatherRows needs a table of at least one row of whole bytes "
+                               "(attributes location/offset/length/shape; tier host or disk; "
+                               "no sub-byte element type)");
   }
   if (op.kind == OpKind::kGatherRows) {  // (the table's length was checked against shape)
-    k->row_bytes = k->blob->size() / static_cast<size_t>(k->shape[0]);
+    const size_t bytes = k->blob ? k->blob->size() : k->streamed->size();
+    k->row_bytes = bytes / static_cast<size_t>(k->shape[0]);
   }
   if (op.kind == OpKind::kHostMatMul) k->init_host_matmul(info);
   if (k->gpu) {
@@ -498,7 +499,9 @@ void Kernel::emit(OrtKernelContext* ctx, const ExecContext& ec) {
 }
 
 // Like Gather(table, ids) on axis 0: the output is ids.shape + the table's row shape; a
-// negative id counts from the end; an id outside [-rows, rows) fails the run.
+// negative id counts from the end; an id outside [-rows, rows) fails the run. A table of a
+// streamed tier (disk) is read a row at a time from its file, here, inside this Compute,
+// straight into the output (no staging: nothing is in flight after it returns).
 void Kernel::gather_rows(OrtKernelContext* ctx) {
   const OrtValue* ids = input(api, ctx, 1);
   const TensorInfo ti = tensor_info(api, ids);
@@ -509,7 +512,7 @@ void Kernel::gather_rows(OrtKernelContext* ctx) {
   if (ti.numel == 0 || row == 0) return;
   const auto* id = static_cast<const int64_t*>(tensor_data(api, ids));
   auto* dst = static_cast<char*>(tensor_data(api, y));
-  const char* table = static_cast<const char*>(blob->data());
+  const char* table = blob ? static_cast<const char*>(blob->data()) : nullptr;
   const int64_t rows = shape[0];
   for (size_t i = 0; i < ti.numel; ++i) {
     const int64_t r = id[i] < 0 ? id[i] + rows : id[i];
@@ -517,7 +520,15 @@ void Kernel::gather_rows(OrtKernelContext* ctx) {
       fail(ORT_INVALID_ARGUMENT, "index " + std::to_string(id[i]) + " is out of range [-" +
                                      std::to_string(rows) + ", " + std::to_string(rows) + ")");
     }
-    std::memcpy(dst + i * row, table + static_cast<size_t>(r) * row, row);
+    if (table != nullptr) {
+      std::memcpy(dst + i * row, table + static_cast<size_t>(r) * row, row);
+    } else {
+      try {
+        streamed->read(streamed->offset() + static_cast<uint64_t>(r) * row, row, dst + i * row);
+      } catch (const std::exception& e) {
+        fail(ORT_FAIL, std::string("GatherRows: ") + e.what());
+      }
+    }
   }
   counters().bytes_gathered += ti.numel * row;
 }

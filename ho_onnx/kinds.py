@@ -64,6 +64,10 @@ class StorageTier:
     channel: str  # the copy channel its Prefetches queue on (FIFO, one per channel)
     in_host_memory: bool  # its bytes occupy host memory (host_bytes, --host-budget)
     store: Link | None = None  # the direction a Store copies into it; None: holds no stores
+    # Its reloads land in a staging buffer of the CPU engine first (reads in flight never
+    # write ORT's memory: a failed run may free it), so on the CPU EP a reload holds its
+    # bytes twice from its Prefetch to its Wait (WeightOffload.staged).
+    staged: bool = False
 
 
 _TIERS: dict[str, StorageTier] = {}
@@ -259,4 +263,5 @@ KV = register_kind(TensorKind("kv", "kv", stored=False, fixed=True, priority=10,
 
 # The registered tiers and kinds (after the functions: registering reads them).
 HOST = register_tier(StorageTier("host", 0, H2D, "load", in_host_memory=True, store=D2H))
-DISK = register_tier(StorageTier("disk", 1, DISK_READ, "disk", in_host_memory=False))
+DISK = register_tier(StorageTier("disk", 1, DISK_READ, "disk", in_host_memory=False,
+                                 staged=True))

@@ -2,8 +2,10 @@
 
 Weights that were in external data keep their file, offset and length; offloaded weights
 that were inline go to a sidecar ``<output name>.data`` beside the output, page aligned when
-big (O_DIRECT reads later). The result says what the save writes (:class:`OutputFiles`);
-nothing is written here.
+big (O_DIRECT reads later), and so do the resident blocks cut out of a weight's external data
+(:mod:`.blocks`' lazy slices: inline they would grow the model proto, toward its 2 GiB limit,
+and ORT would copy them to its heap instead of mapping them). The result says what the save
+writes (:class:`OutputFiles`); nothing is written here.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def place_weight_data(rewritten: RewrittenModel, base_dir: Path,
     out_dir = output_folder(out)
     referenced = _referenced_files(rewritten, base_dir)
     sidecar = Sidecar(f"{out.name}.data")
-    where = _sidecar_layout(rewritten, sidecar)
+    where = _sidecar_layout(rewritten, sidecar, out_dir)
     if sidecar.tensors and (any(p == out_dir / sidecar.name for p in referenced.values()) or any(
         (out_dir / loc).resolve() == out_dir / sidecar.name for loc in referenced
     )):  # (only when a sidecar is needed: the genai builder's data is model.onnx.data)
@@ -102,9 +104,10 @@ def _referenced_files(rewritten: RewrittenModel, base_dir: Path) -> dict[str, Pa
             for loc, name in named.items()}
 
 
-def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar
+def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar, out_dir: Path
                     ) -> dict[str, tuple[str, int, int]]:
-    """Lay the inline offloaded weights out in ``sidecar``; (file, offset, length) of each."""
+    """Lay the inline offloaded weights out in ``sidecar``, (file, offset, length) of each,
+    and the resident blocks (made external there, in ``out_dir``: module docstring)."""
     where: dict[str, tuple[str, int, int]] = {}
     pos = 0
     for name, v in rewritten.weights.items():
@@ -117,4 +120,15 @@ def _sidecar_layout(rewritten: RewrittenModel, sidecar: Sidecar
         sidecar.tensors.append((name, v.const_value, pos, length))
         where[name] = (sidecar.name, pos, length)
         pos += length
+    for g in all_graphs(rewritten.model.graph):  # resident blocks: external in the sidecar
+        for name, v in g.initializers.items():
+            t = v.const_value
+            if not isinstance(t, ir.LazyTensor):
+                continue
+            length = _nbytes(t)
+            pos += (-pos) % (_ALIGN_BIG if length >= _BIG else _ALIGN_SMALL)
+            sidecar.tensors.append((name, t, pos, length))
+            v.const_value = ir.ExternalTensor(sidecar.name, pos, length, t.dtype, shape=t.shape,
+                                              name=name, base_dir=str(out_dir))
+            pos += length
     return where

@@ -114,9 +114,11 @@ def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
 def row_readers(analysis: GraphAnalysis, t: TensorInfo, tier: str) -> tuple[int, ...]:
     """Readers of the weight ``t`` that gather rows of it (a default-domain ``Gather`` on axis
     0 with int64 indices: an embedding lookup): they become ``GatherRows``, which copies only
-    the selected rows out of the host store (so the table never enters the fast tier). Only
-    for a table of known shape waiting in the host store (``tier``)."""
-    if kinds.tier(tier) is not kinds.HOST or not t.is_initializer or not t.shape \
+    the selected rows out of the host store, or reads them from the data file on the disk
+    tier (so the table never enters the fast tier). Only for a table of known shape; any
+    registered ``tier`` (both the library's read rows)."""
+    kinds.tier(tier)  # (a registered one)
+    if not t.is_initializer or not t.shape \
             or not all(isinstance(d, int) and d > 0 for d in t.shape) \
             or ELEMENT_BITS.get(t.elem_type or 0, 0) < 8:  # (rows of whole bytes only)
         return ()

@@ -116,7 +116,8 @@ def offloaded_intervals(choice: OffloadChoice) -> tuple[set[str], list[Interval]
     out: list[Interval] = []
     for w in choice.weights:
         names.add(w.name)
-        out.extend((p, c, w.nbytes) for c, p in zip(w.consumers, w.prefetch_at, strict=True))
+        out.extend((p, c, w.nbytes * (2 if w.staged else 1))  # (with its staging copy)
+                   for c, p in zip(w.consumers, w.prefetch_at, strict=True))
     for a in choice.activations:
         names.add(a.name)
         b = a.nbytes or 0

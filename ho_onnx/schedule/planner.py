@@ -128,6 +128,7 @@ class Candidate(NamedTuple):  # thousands per plan: a tuple is built 3x faster
     span: tuple[int, int]  # baseline residency
     rows: tuple[int, ...] = ()  # readers that gather its rows (GatherRows: no reload)
     host: tuple[int, ...] = ()  # MatMuls computed on the host (HostMatMul: no reload)
+    staged: bool = False  # each reload holds a staging copy too (WeightOffload.staged)
 
 
 @dataclass
@@ -333,7 +334,7 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
             busy = sum(compute_s[c] for c in uses)
             score = nbytes * max(total - busy, 0.0) / (tt * max(len(uses), 1))
             out.append(Candidate(name, kind.name, False, nbytes, uses, shape_readers, -1, score,
-                                 spans[name], rows, host))
+                                 spans[name], rows, host, _selected_staged(opts, costs)))
             continue
         assert t.producer is not None
         uses = tuple(sorted(t.consumers))
@@ -374,10 +375,20 @@ def _early_uses_at_largest_gap(c: Candidate, min_gap: int) -> tuple[int, ...] | 
     return tuple(c.uses[:k]) if gap >= min_gap else None
 
 
+def _selected_staged(opts: OffloadOptions, costs: CostModel) -> bool:
+    """Whether a weight's reloads are counted with a staging copy at selection: its tier's
+    or the one ``--host-budget`` may spill it to is staged, on the CPU EP (as placement
+    counts them, :func:`_staged`)."""
+    tier = kinds.tier(opts.weight_tier)
+    spill = kinds.spill_tier(tier) if opts.host_budget is not None else None
+    return (tier.staged or (spill is not None and spill.staged)) and not costs.host_ahead
+
+
 def _just_in_time_intervals(c: Candidate, early: tuple[int, ...]) -> list[Interval]:
-    """Fast-tier intervals of ``c`` offloaded with every reload just before its reader."""
+    """Fast-tier intervals of ``c`` offloaded with every reload just before its reader (a
+    staged one with its staging copy: the Wait copies out of it)."""
     if not c.stored:
-        return [(u, u, c.nbytes) for u in c.uses]
+        return [(u, u, c.nbytes * (2 if c.staged else 1)) for u in c.uses]
     late = [u for u in c.uses if u not in early]
     last_early = early[-1] if early else c.producer
     return [(c.producer, last_early, c.nbytes), (late[0], late[-1], c.nbytes)]
@@ -434,11 +445,21 @@ def _smallest_budget(ctx: _Context, base: np.ndarray, spans: dict[str, tuple[int
     (``skipped``); ``base``: the baseline's bytes per step."""
     early = {c.name: e for c in ctx.candidates
              if (e := _early_uses_at_largest_gap(c, ctx.options.min_gap)) is not None}
-    change = itertools.chain.from_iterable(  # what _offload of each does to ``base``
-        [(*c.span, -c.nbytes), *_just_in_time_intervals(c, early[c.name])]
-        for c in ctx.candidates if c.name in early)
-    mem = base + memory_profile(len(base), change)
+
+    def profile(early: Mapping[str, tuple[int, ...]]) -> np.ndarray:
+        change = itertools.chain.from_iterable(  # what _offload of each does to ``base``
+            [(*c.span, -c.nbytes), *_just_in_time_intervals(c, early[c.name])]
+            for c in ctx.candidates if c.name in early)
+        return base + memory_profile(len(base), change)
+
+    mem = profile(early)
     pos = int(mem.argmax())
+    for _ in range(8):  # a staged reload at the peak holds twice the tensor: kept resident
+        worse = [k for k in early if ctx.by_name[k].staged and pos in ctx.by_name[k].uses]
+        trial = {k: e for k, e in early.items() if k not in worse}
+        if not worse or (m := profile(trial)).max() >= mem.max():
+            break  # (only while keeping them resident lowers the peak)
+        early, mem, pos = trial, m, int(m.argmax())
 
     def still_resident(k: str) -> bool:  # at ``pos``, in its span: offloaded, still there?
         return k not in early or any(
@@ -569,7 +590,9 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
     home = kinds.default_tier().name  # where stored tensors wait
     for u, name, k in reloads:
         c = ctx.by_name[name]
-        direction = kinds.tier(sel.tiers.get(name, home)).load.direction
+        tier = kinds.tier(sel.tiers.get(name, home))
+        direction = tier.load.direction
+        held = c.nbytes * (2 if _staged(ctx, tier) and not c.stored else 1)  # (its staging)
         tt = ctx.costs.transfer_time(c.nbytes, direction)
         early = sel.early[name]
         lo = 0 if not c.stored else (early[-1] if early else c.producer) + 1
@@ -579,7 +602,7 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
         p = u
         while p > lo:
             q = p - 1
-            if mem[q] + c.nbytes > ctx.budget or prefix[u] - prefix[q] > opts.max_overlap * tt:
+            if mem[q] + held > ctx.budget or prefix[u] - prefix[q] > opts.max_overlap * tt:
                 break
             p = q
             end = max(prefix[p], free[direction]) + tt
@@ -587,11 +610,18 @@ def _place(ctx: _Context, sel: _Selection) -> OffloadChoice:
                 best_p, best_end = p, end
             if prefix[u] - end >= margin:
                 break
-        mem[best_p:u] += c.nbytes
+        mem[best_p:u] += held
         positions[(name, k)] = best_p
         free[direction] = best_end
         last_issue[direction] = best_p
     return _choice(ctx, sel, positions)
+
+
+def _staged(ctx: _Context, tier: kinds.StorageTier) -> bool:
+    """Whether a reload from ``tier`` also holds a staging copy in the fast tier: a staged
+    tier on the CPU EP (host memory is the fast tier; not under host-ahead GPU timing, where
+    staging is pinned host memory)."""
+    return tier.staged and not ctx.costs.host_ahead
 
 
 def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], int]
@@ -605,7 +635,8 @@ def _choice(ctx: _Context, sel: _Selection, positions: Mapping[tuple[str, int], 
             choice.weights.append(WeightOffload(
                 name, c.nbytes, c.uses, tuple(positions[(name, k)] for k in range(len(c.uses))),
                 c.shape_readers, sel.tiers.get(name, ctx.options.weight_tier), gates, share,
-                c.rows, routed.routes_of(name, c.uses), host_readers=c.host))
+                c.rows, routed.routes_of(name, c.uses), host_readers=c.host,
+                staged=_staged(ctx, kinds.tier(sel.tiers.get(name, ctx.options.weight_tier)))))
             if name in ctx.cpu_experts:
                 choice.cpu_experts[name] = ctx.cpu_experts[name]
         else:
@@ -961,6 +992,8 @@ def _unmodelled(ctx: _Context, groups: WeightGroups) -> tuple[str, ...]:
         why.append("routed expert weights")
     if ctx.costs.host_ahead:
         why.append("host-ahead load timing")
+    if _staged(ctx, kinds.tier(ctx.options.weight_tier)):
+        why.append("the staging copies of a staged tier")
     return tuple(why)
 
 

@@ -57,6 +57,11 @@ class WeightOffload:
     # Expected share of its moved reloads the expert cache serves (schedule.expert_cache).
     hit: float = 0.0
 
+    # Each reload also holds a staging copy of its bytes in the fast tier from its Prefetch
+    # through its Wait (a staged tier on the CPU EP, where host memory is the fast tier:
+    # kinds.StorageTier.staged); counted by the memory model (lifetimes).
+    staged: bool = False
+
     def __post_init__(self) -> None:
         kinds.tier(self.tier)  # a registered tier, or a ValueError naming them
         if self.routes and (len(self.routes) != len(self.consumers) or any(

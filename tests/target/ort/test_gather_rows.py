@@ -81,3 +81,29 @@ def test_a_decoders_embeddings_are_gathered_and_exact(tmp_path):
     assert "embed.tok.weight" in rows
     for dims in ({"batch": 2, "seq": 16}, {"batch": 1, "seq": 3}):
         assert verify(src, out, dims=dims, opt_level="basic", isolate=False, atol=0.0).exact
+
+
+def test_disk_tier_rows_are_read_from_the_file(tmp_path):
+    """On the disk tier the table stays in its data file: GatherRows reads the selected rows
+    from it inside its Compute (no staging, nothing in flight after it), exact; the plan of
+    a budget below the table gathers instead of reloading it (a staged reload would hold it
+    twice); an id outside the table fails the run before any read."""
+    src, out = _model(tmp_path), tmp_path / "emb.disk.onnx"
+    r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, weight_tier="disk",
+                                          budget=V * H * 4 // 2), {"N": 8})
+    table = next(w for w in r.choice.weights if w.name == "E")
+    assert table.tier == "disk" and table.row_readers and not table.consumers
+    assert [w.name for w in r.choice.weights] == ["E"]  # (W fits: resident)
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    sess = InferenceSession(out)
+    for ids in (np.array([3, 0, V - 1, 3], np.int64), np.array([-1, -V], np.int64),
+                np.zeros(0, np.int64)):
+        reset_counters()
+        np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0],
+                                      ref.run(None, {"ids": ids})[0])
+        c = counters()
+        assert c["bytes_gathered"] == ids.size * H * 4
+        assert c["bytes_read_disk"] == ids.size * H * 4  # the rows, read from the file
+        assert c["disk_staging_peak"] == 0  # (read in place: nothing staged)
+    with pytest.raises(Exception, match=rf"index {V} is out of range \[-{V}, {V}\)"):
+        sess.run(None, {"ids": np.array([V], np.int64)})

@@ -315,3 +315,25 @@ def test_host_bytes_count_a_tied_tables_row_blocks_as_the_library_holds_them(tmp
     sess = InferenceSession(out)
     assert r.plan is not None and sess is not None
     assert r.plan.host_bytes == counters()["host_store_bytes"] - before
+
+
+def test_resident_column_blocks_are_external_in_the_sidecar(tmp_path):
+    """Column blocks the plan keeps resident are written to the output's sidecar as external
+    data (was: inline in the model proto, toward its 2 GiB limit, and copied to ORT's heap
+    instead of mapped); outputs exact."""
+    src = _save(tmp_path, MATMUL, W=(K, N))
+    out = tmp_path / "o.onnx"
+    r = optimize(src, out, OffloadOptions(budget=200_000, min_bytes=0, activations=False),
+                 {"M": 4})
+    (split,) = [s for s in r.choice.splits if s.blocks]
+    moved = {w.name for w in r.choice.weights}
+    resident = [b for b in split.blocks if b not in moved]
+    assert resident and moved  # (both kinds of block at this budget)
+    m = onnx.load(str(out), load_external_data=False)
+    inits = {t.name: t for t in m.graph.initializer}
+    for b in resident:
+        assert not inits[b].raw_data and {e.key: e.value for e in inits[b].external_data}[
+            "location"] == "o.onnx.data"
+    assert out.stat().st_size < N * K  # (no block's bytes in the proto)
+    x = np.random.default_rng(2).standard_normal((4, K)).astype(np.float32)
+    np.testing.assert_array_equal(_run(out, {"x": x}, True), _run(src, {"x": x}, False))
