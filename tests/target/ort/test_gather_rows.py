@@ -42,6 +42,19 @@ emb (int64[N] ids) => (float[N, {H}] y) {{
     return path
 
 
+def _runs(src: Path, out: Path):  # type: ignore[no-untyped-def]
+    """Ids (some, negative ones, none) run on both models, outputs equal; yields each with
+    the counters of its run."""
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    sess = InferenceSession(out)
+    for ids in (np.array([3, 0, V - 1, 3], np.int64), np.array([-1, -V], np.int64),
+                np.zeros(0, np.int64)):
+        reset_counters()
+        np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0],
+                                      ref.run(None, {"ids": ids})[0])
+        yield ids, counters()
+
+
 def test_only_the_selected_rows_move(tmp_path):
     src, out = _model(tmp_path), tmp_path / "emb.ho.onnx"
     r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0), {"N": 8})
@@ -52,16 +65,10 @@ def test_only_the_selected_rows_move(tmp_path):
     assert ops.count(contract.GATHER_ROWS) == 1 and "Gather" not in [
         n.op_type for n in m.graph.node]
     assert "E" not in {i.name for i in m.graph.initializer}
-    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
-    sess = InferenceSession(out)
-    for ids in (np.array([3, 0, V - 1, 3], np.int64), np.array([-1, -V], np.int64),
-                np.zeros(0, np.int64)):
-        reset_counters()
-        np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0],
-                                      ref.run(None, {"ids": ids})[0])
-        assert counters()["bytes_gathered"] == ids.size * H * 4  # rows, never the table
+    for ids, c in _runs(src, out):
+        assert c["bytes_gathered"] == ids.size * H * 4  # rows, never the table
     with pytest.raises(Exception, match=rf"index {V} is out of range \[-{V}, {V}\)"):
-        sess.run(None, {"ids": np.array([V], np.int64)})
+        InferenceSession(out).run(None, {"ids": np.array([V], np.int64)})
 
 
 def test_the_floor_falls_below_the_table(tmp_path):
@@ -94,16 +101,9 @@ def test_disk_tier_rows_are_read_from_the_file(tmp_path):
     table = next(w for w in r.choice.weights if w.name == "E")
     assert table.tier == "disk" and table.row_readers and not table.consumers
     assert [w.name for w in r.choice.weights] == ["E"]  # (W fits: resident)
-    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
-    sess = InferenceSession(out)
-    for ids in (np.array([3, 0, V - 1, 3], np.int64), np.array([-1, -V], np.int64),
-                np.zeros(0, np.int64)):
-        reset_counters()
-        np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0],
-                                      ref.run(None, {"ids": ids})[0])
-        c = counters()
+    for ids, c in _runs(src, out):
         assert c["bytes_gathered"] == ids.size * H * 4
         assert c["bytes_read_disk"] == ids.size * H * 4  # the rows, read from the file
         assert c["disk_staging_peak"] == 0  # (read in place: nothing staged)
     with pytest.raises(Exception, match=rf"index {V} is out of range \[-{V}, {V}\)"):
-        sess.run(None, {"ids": np.array([V], np.int64)})
+        InferenceSession(out).run(None, {"ids": np.array([V], np.int64)})
