@@ -325,8 +325,10 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
                 row["ttft_s"] = dt
             else:
                 row["step_s"].append(dt)
-                row["moved"].append(c["bytes_read_disk" if name.endswith("disk")
-                                      else "bytes_loaded"])
+                # (disk rows: what the Prefetches read; the embedding's GatherRows reads
+                # its rows from the file too, on every row alike)
+                row["moved"].append(c["bytes_read_disk"] - c["bytes_gathered"]
+                                    if name.endswith("disk") else c["bytes_loaded"])
                 row["host_matmuls"].append(c["host_matmuls"])
                 if name in choices and c["waits"]:  # (no Wait: nothing sampled this run)
                     row["arena"] = max(row["arena"] or 0, c["ort_arena_max_in_use"])
