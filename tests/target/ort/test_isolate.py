@@ -84,18 +84,22 @@ def test_what_the_child_prints_is_shown_never_obeyed(capfd):
 
 def test_an_interrupt_leaves_no_child_behind():
     before = _children()
+    calling = threading.Lock()  # held while run_isolated runs: the only time to interrupt
 
     def interrupt_once_the_child_runs() -> None:
         deadline = time.monotonic() + 30
         while _children() == before and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # (past Popen: the parent waits for the answer)
-        os.kill(os.getpid(), signal.SIGINT)
+        # (never after the call: a stray SIGINT would end a later test, or the whole run)
+        if calling.locked() and time.monotonic() < deadline:
+            os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_the_child_runs, daemon=True).start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        isolate.run_isolated(time.sleep, 60, what="sleeping")
+    with calling:
+        threading.Thread(target=interrupt_once_the_child_runs, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            isolate.run_isolated(time.sleep, 60, what="sleeping")
     assert time.monotonic() - t0 < 30
     assert _children() == before
 
