@@ -320,14 +320,15 @@ def _chains(nodes: list[ir.Node]) -> list[tuple[str, list[int]]]:
 
 
 def split_chains(model: Model, placement: Placement | None = None) -> PlacementReport:
-    """Check that every transfer's cache ops all run on the CUDA EP."""
+    """Check that every transfer's cache ops all run on the CUDA EP (the ops registered for
+    the CPU EP alone, ``contract.CPU_ONLY``, run on the CPU by design: not counted off it)."""
     placement = placement or predict_cuda_placement(model)
     nodes = list(_ir(model).graph)
     report = PlacementReport()
     for n, p in zip(nodes, placement.providers, strict=True):
         if n.domain == contract.DOMAIN:
             report.per_provider[p] = report.per_provider.get(p, 0) + 1
-            if p != CUDA:
+            if p != CUDA and n.op_type not in contract.CPU_ONLY:
                 report.off_cuda.append(n.name or "")
     for tensor, chain in _chains(nodes):
         provs = {placement.providers[i] for i in chain}

@@ -96,10 +96,16 @@ def test_an_interrupt_leaves_no_child_behind():
             os.kill(os.getpid(), signal.SIGINT)
 
     t0 = time.monotonic()
-    with calling:
-        threading.Thread(target=interrupt_once_the_child_runs, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            isolate.run_isolated(time.sleep, 60, what="sleeping")
+    # (Python's handler, whatever the run inherited: a shell's background job starts with
+    # SIGINT ignored, and the signal then ended the whole test run)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with calling:
+            threading.Thread(target=interrupt_once_the_child_runs, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                isolate.run_isolated(time.sleep, 60, what="sleeping")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t0 < 30
     assert _children() == before
 
