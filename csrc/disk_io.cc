@@ -26,6 +26,7 @@ namespace ho {
 namespace {
 
 constexpr size_t kBounceAlign = 4096;  // alignment of bounce buffers (>= any accepted DIO alignment)
+constexpr uint64_t kSmallBounce = 64 << 10;  // a piece this small bounces through its own buffer
 
 int64_t env_int(const char* name, int64_t dflt, int64_t lo, int64_t hi) {
   const char* v = std::getenv(name);
@@ -427,7 +428,13 @@ bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
       continue;
     }
     const uint64_t piece_end = mid_direct && p < m0 ? m0 : end;
-    AlignedBuf& b = bounce();
+    // A small piece (a row, the ragged ends of a weight) bounces through a buffer of its own,
+    // freed here: the thread's chunk-sized one is for the I/O threads (a compute thread that
+    // reads rows, GatherRows on the disk tier, would keep it for its life: 8 MiB each).
+    const uint64_t need = round_up(piece_end, A) - round_down(p, A);
+    std::unique_ptr<AlignedBuf> small;
+    if (need <= kSmallBounce) small = std::make_unique<AlignedBuf>(static_cast<size_t>(need));
+    AlignedBuf& b = small ? *small : bounce();
     const uint64_t a0 = round_down(p, A);
     const uint64_t a1 = std::min<uint64_t>(a0 + (b.size() - b.size() % A), round_up(piece_end, A));
     const uint64_t q = std::min<uint64_t>(piece_end, a1);
