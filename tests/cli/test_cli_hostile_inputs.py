@@ -709,8 +709,11 @@ def _big_data_model(tmp_path: Path, mib: int) -> Path:
 def test_signal_during_the_data_copy_leaves_nothing_behind(tmp_path: Path, sig: int):
     p = _big_data_model(tmp_path, 768)
     out_dir = tmp_path / "out"
+    # (the signal's default disposition in the child: a run started as a shell's background
+    # job inherits SIGINT ignored, and the command then rightly keeps it so)
     proc = subprocess.Popen([HO, "optimize", str(p), str(out_dir / "m.ho.onnx"), "--offload",
-                             "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if out_dir.exists() and any(out_dir.iterdir()):
