@@ -312,10 +312,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
         if step:
             used |= pairs  # (how repetitive the routing is: what a cache can exploit)
         for name, sess in sessions.items():
-            ho_onnx.reset_counters()
-            t = time.perf_counter()
-            got = sess.run(None, feeds)
-            dt = time.perf_counter() - t
+            got, dt = timed_run(sess, feeds)
             row = rows[name]
             row["equal"] &= bool(np.array_equal(got[0], outs[0]))
             c = ho_onnx.counters()
@@ -415,10 +412,7 @@ def run_contrib(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> di
         outs = probe.run(None, feeds)
         chosen = [select(r, cfg["top_k"], softmax=not quant) for r in outs[2:]]
         for name, sess in sessions.items():
-            ho_onnx.reset_counters()
-            t = time.perf_counter()
-            got = sess.run(None, feeds)
-            dt = time.perf_counter() - t
+            got, dt = timed_run(sess, feeds)
             row = rows[name]
             row["equal"] &= all(np.array_equal(a, b) for a, b in zip(got, outs, strict=False))
             if step == 0:
@@ -434,6 +428,16 @@ def run_contrib(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> di
         summarise(row)
     return {"arch": args.arch, "config": cfg, "rows": list(rows.values()), "complete": True,
             "resident_peak": peak, "budget": budget, "onnxruntime": ort.__version__}
+
+
+def timed_run(sess: Any, feeds: dict[str, Any]) -> tuple[list[Any], float]:
+    """One run with the library's counters reset first: its outputs and seconds."""
+    import ho_onnx
+
+    ho_onnx.reset_counters()
+    t = time.perf_counter()
+    got = sess.run(None, feeds)
+    return got, time.perf_counter() - t
 
 
 def summarise(row: dict[str, Any]) -> None:
