@@ -78,6 +78,9 @@ PRESETS = {
              "heads": 8, "kv_heads": 4, "vocab": 256, "prompt": 64, "tokens": 24},
     "quick": {"layers": 2, "hidden": 32, "moe_ffn": 16, "experts": 4, "top_k": 2,
               "heads": 4, "kv_heads": 2, "vocab": 128, "prompt": 8, "tokens": 6},
+    # --device cuda: 2.0 GiB fp32, experts 1.7 GiB (9 MiB each), 1/8 of them chosen per token
+    "gpu": {"layers": 6, "hidden": 1024, "moe_ffn": 768, "experts": 32, "top_k": 4,
+            "heads": 16, "kv_heads": 4, "vocab": 32000, "prompt": 64, "tokens": 24},
 }
 
 
@@ -430,6 +433,194 @@ def run_contrib(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> di
             "resident_peak": peak, "budget": budget, "onnxruntime": ort.__version__}
 
 
+CUDA_EP = "CUDAExecutionProvider"
+PARTITION_KEY = "session.resource_cuda_partitioning_settings"
+
+
+def graph_model(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> Path:
+    """The model to measure: ``--graph DIR`` (a graph carried without its weights,
+    ``models.regrow``: its data file regrown here when absent), else a fresh export."""
+    if not args.graph:
+        return export(cfg, root, args.arch)
+    import onnx
+
+    from models.regrow import regrow
+
+    src = Path(args.graph) / "model.onnx"
+    if not src.is_file():
+        raise SystemExit(f"moe_decode: --graph {args.graph}: no model.onnx there")
+    locs = {e.value for t in onnx.load(str(src), load_external_data=False).graph.initializer
+            for e in t.external_data if e.key == "location"}
+    if any(not (src.parent / loc).is_file() for loc in locs):
+        t0 = time.perf_counter()
+        regrow(src)
+        print(f"regrew the weights of {src} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return src
+
+
+def cuda_options() -> Any:
+    """ORT's optimizations off on CUDA too: the rows run the same kernels (bit-exact)."""
+    import onnxruntime as ort
+
+    from ho_onnx.contract import CONFIG_SAMPLE_ARENA
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
+    return so
+
+
+def hf_accelerate(cfg: dict[str, int], prompt: list[int], tokens: int) -> dict[str, Any]:
+    """The same architecture in transformers (random weights: its tokens are not comparable)
+    under ``accelerate.cpu_offload``: TTFT and decode tokens/s."""
+    import torch
+    import transformers as tf
+    from accelerate import cpu_offload
+
+    conf = tf.Qwen3MoeConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+        intermediate_size=2 * cfg["hidden"], moe_intermediate_size=cfg["moe_ffn"],
+        head_dim=cfg["hidden"] // cfg["heads"], num_experts=cfg["experts"],
+        num_experts_per_tok=cfg["top_k"], max_position_embeddings=512)
+    with torch.device("meta"):
+        model = tf.Qwen3MoeForCausalLM(conf)
+    model = model.to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.ones_(p) if p.dim() == 1 else torch.nn.init.normal_(p, std=0.02)
+    model.model.rotary_emb = type(model.model.rotary_emb)(conf)
+    cpu_offload(model.eval(), execution_device=torch.device("cuda:0"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from llm_generate import HfGenerator
+
+    gen = HfGenerator(model, "cuda", offloaded=False)
+    ids = np.asarray([prompt], np.int64)
+    gen.generate(ids, len(prompt), 2)  # warm-up
+    r = gen.generate(ids, len(prompt), tokens)
+    return {"row": "hf + accelerate cpu_offload", "ttft_s": r["ttft_s"],
+            "tok_s": tokens / r["decode_s"], "transformers": tf.__version__,
+            "torch_max_allocated": torch.cuda.max_memory_allocated()}
+
+
+def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, Any]:
+    """``--device cuda``: every row on the CUDA EP, at a budget that holds a quarter of the
+    experts (the issue's goal) and with everything offloaded; ORT's capacity-aware
+    partitioning at that budget; transformers + accelerate (``--hf``)."""
+    import onnxruntime as ort
+
+    import ho_onnx
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.rewrite.pipeline import optimize, plan_model
+    from ho_onnx.schedule.options import OffloadOptions
+    from ho_onnx.schedule.planner import InfeasibleBudgetError
+    from ho_onnx.target.ort.generate import _empty_past, kv_layout
+
+    if CUDA_EP not in ort.get_available_providers():
+        raise SystemExit(f"moe_decode: onnxruntime {ort.__version__} has no {CUDA_EP}")
+    providers = [(CUDA_EP, {"device_id": 0, "arena_extend_strategy": "kSameAsRequested"})]
+    src = graph_model(args, cfg, root)
+    dims = {"batch_size": 1, "sequence_length": 1,
+            "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
+    ranges = {"sequence_length": (1, cfg["prompt"]),
+              "past_sequence_length": (0, cfg["prompt"] + cfg["tokens"])}
+    costs = CostSource(machine=args.machine)
+    prb, routers, routed = probe(src, dims, root / "probe.onnx")
+    lay = kv_layout(src)
+    peak = plan_model(src, OffloadOptions(budget=1 << 50), {"batch_size": 1}, costs,
+                      dim_ranges=ranges)[2].baseline.peak_bytes
+    base = OffloadOptions(activations=False, min_bytes=0)
+    sessions: dict[str, Any] = {}
+    choices: dict[str, Any] = {}
+    plans: dict[str, dict[str, Any]] = {}
+
+    def make(name: str, opts: OffloadOptions) -> None:
+        out = root / re.sub(r"[^a-z0-9]+", "_", name) / "model.onnx"
+        out.parent.mkdir()
+        t0 = time.perf_counter()
+        r = optimize(src, out, opts, {"batch_size": 1}, costs=costs, dim_ranges=ranges)
+        choices[name] = r.choice
+        plans[name] = {"peak": r.plan.planned.peak_bytes if r.plan else None,
+                       "pred_s": r.plan.planned.total_s if r.plan else None}
+        sessions[name] = ho_onnx.InferenceSession(out, providers=providers,
+                                                  sess_options=cuda_options())
+        print(f"  {name}: optimized and loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    sessions["resident"] = ort.InferenceSession(str(prb), cuda_options(), providers=providers)
+    make("all streamed", replace(base, routed=False))
+    make("routed", base)
+    experts = sum(w.nbytes for w in choices["routed"].weights if w.name in routed.expert_of)
+    try:  # what holds a quarter of the experts resident (or the planner's floor, if above)
+        budget = peak - experts * 3 // 4
+        plan_model(src, replace(base, budget=budget), {"batch_size": 1}, costs,
+                   dim_ranges=ranges)
+    except InfeasibleBudgetError as e:
+        budget = e.min_budget
+    make("all streamed, 1/4 experts", replace(base, routed=False, budget=budget))
+    make("routed, 1/4 experts", replace(base, budget=budget))
+    make("CPU experts, 1/4 experts", replace(base, budget=budget, cpu_experts="auto"))
+    make("routed + CPU experts", replace(base, cpu_experts="all"))
+    so = cuda_options()
+    so.add_session_config_entry(PARTITION_KEY, f"{max(1, budget >> 10)},")
+    sessions["ort partition, 1/4 experts"] = ort.InferenceSession(str(src), so,
+                                                                  providers=providers)
+    for name, sess in sessions.items():
+        if sess.get_providers()[0] != CUDA_EP:
+            raise SystemExit(f"moe_decode: {name} runs on {sess.get_providers()}: refused")
+    n_out = len(sessions["resident"].get_outputs())
+    names = [o.name for o in sessions["resident"].get_outputs()]
+    prompt = np.random.default_rng(0).integers(0, cfg["vocab"], cfg["prompt"]).tolist()
+    rows: dict[str, dict[str, Any]] = {
+        k: {"row": k, "moved": [], "selected": [], "step_s": [], "arena": None,
+            "ttft_s": None, "equal": True, "same_tokens": True, "max_abs_diff": 0.0,
+            "ops_cuda": 0, "ops_cpu": 0, "host_matmuls": []}
+        | plans.get(k, {"peak": None, "pred_s": None}) for k in sessions}
+    past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
+    tokens = list(prompt)
+    for step in range(cfg["tokens"] + 1):
+        feeds = decode_feeds(lay, tokens, past)
+        outs = None
+        for name, sess in sessions.items():
+            got, dt = timed_run(sess, feeds)
+            c = ho_onnx.counters()
+            if outs is None:  # the resident row: the reference and the router's choice
+                outs = got
+                chosen = {r: set(v.reshape(-1).tolist())
+                          for r, v in zip(routers, outs[n_out - len(routers):], strict=True)}
+            row = rows[name]
+            row["equal"] &= bool(np.array_equal(got[0], outs[0]))
+            row["same_tokens"] &= bool(got[0][0, -1].argmax() == outs[0][0, -1].argmax())
+            row["max_abs_diff"] = max(row["max_abs_diff"],
+                                      float(np.abs(got[0] - outs[0]).max()))
+            row["ops_cuda"] += c["ops_cuda"]
+            row["ops_cpu"] += c["ops_cpu"]
+            if step == 0:
+                row["ttft_s"] = dt
+                continue
+            row["step_s"].append(dt)
+            row["moved"].append(c["bytes_loaded"])
+            row["host_matmuls"].append(c["host_matmuls"])
+            row["selected"].append(selected_bytes(choices[name], routed, chosen)
+                                   if name in choices else 0)
+            if name in choices and c["waits"]:
+                row["arena"] = max(row["arena"] or 0, c["ort_arena_max_in_use"])
+        past = {p: outs[names.index(q)] for p, q in lay.pairs}
+        tokens = [int(np.argmax(outs[0][0, -1]))]
+    for row in rows.values():
+        # bit-exact where the kernels are the same; the experts computed on the host (other
+        # kernels) must give the same greedy tokens
+        row["ok"] = row["same_tokens"] and (row["equal"] or any(row["host_matmuls"]))
+        summarise(row)
+    doc = {"arch": args.arch, "device": "cuda", "config": cfg, "rows": list(rows.values()),
+           "complete": True, "resident_peak": peak, "budget": budget, "expert_bytes": experts,
+           "machine": args.machine, "onnxruntime": ort.__version__}
+    if args.hf:
+        try:
+            doc["hf"] = hf_accelerate(cfg, prompt, cfg["tokens"])
+        except Exception as e:  # (a peer's failure is reported, not fatal)
+            doc["hf"] = {"row": "hf + accelerate cpu_offload", "error": f"{type(e).__name__}: {e}"}
+    return doc
+
+
 def timed_run(sess: Any, feeds: dict[str, Any]) -> tuple[list[Any], float]:
     """One run with the library's counters reset first: its outputs and seconds."""
     import ho_onnx
@@ -488,6 +679,43 @@ def print_table(doc: dict[str, Any]) -> None:
           "logits compared bit for bit (ORT's optimizations off).")
 
 
+def print_cuda_table(doc: dict[str, Any]) -> None:
+    cfg = doc["config"]
+    print(f"\nQwen3-MoE on CUDA: {cfg['layers']} layers, {cfg['experts']} experts top-"
+          f"{cfg['top_k']}, hidden {cfg['hidden']}, expert width {cfg['moe_ffn']} (experts "
+          f"{doc['expert_bytes'] / 2**30:.2f} GiB of a {doc['resident_peak'] / 2**30:.2f} GiB "
+          f"resident peak); budget '1/4 experts' {doc['budget'] / 2**30:.2f} GiB; prompt "
+          f"{cfg['prompt']}, {cfg['tokens']} decode steps")
+    head = (f"{'row':<28}{'moved MiB/tok':>14}{'sel MiB/tok':>12}{'moved/sel':>10}"
+            f"{'host MM':>8}{'peak MiB':>9}{'arena MiB':>10}{'tok/s':>8}{'x streamed':>11}"
+            f"{'TTFT ms':>9}  logits")
+    print(head + "\n" + "-" * len(head))
+    streamed = next((r["tok_s"] for r in doc["rows"] if r["row"] == "all streamed, 1/4 experts"),
+                    None)
+    for r in doc["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        mib = {k: "-" if r.get(k) is None else f"{r[k] / 2**20:.0f}" for k in ("peak", "arena")}
+        sel = "-" if r["row"] in ("resident", "ort partition, 1/4 experts") else \
+            f"{r['selected_per_token'] / 2**20:.1f}"
+        xs = f"{r['tok_s'] / streamed:.2f}" if streamed else "-"
+        logits = ("= resident" if r["equal"] else
+                  f"tokens equal, max |d| {r['max_abs_diff']:.1e}" if r["same_tokens"] else
+                  "MISMATCH")
+        print(f"{r['row']:<28}{r['moved_per_token'] / 2**20:>14.1f}{sel:>12}{ratio:>10}"
+              f"{r['host_matmuls_per_token']:>8.0f}{mib['peak']:>9}{mib['arena']:>10}"
+              f"{r['tok_s']:>8.1f}{xs:>11}{r['ttft_s'] * 1e3:>9.1f}  {logits}")
+    hf = doc.get("hf")
+    if hf:
+        print(f"{hf['row']:<28}" + (f"  error: {hf['error']}" if "error" in hf else
+              f"{'':>63}{hf['tok_s']:>8.1f}{hf['tok_s'] / streamed if streamed else 0:>11.2f}"
+              f"{hf['ttft_s'] * 1e3:>9.1f}  (random weights of its own: tokens not compared)"))
+    print("CUDA EP, ORT's optimizations off in every ONNX row (the same kernels: logits bit for "
+          "bit); moved = bytes the library loaded per decode step; sel = the offloaded bytes "
+          "the router's own TopK chose that step plus the offloaded non-expert weights; "
+          "x streamed = tok/s over the 'all streamed, 1/4 experts' row's; arena = ORT's CUDA "
+          "arena high-water mark sampled at each Wait.")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
@@ -503,15 +731,44 @@ def main(argv: list[str] | None = None) -> int:
                     help="the 'routed + cache, disk' row's expert cache, as a share of the "
                          "experts' bytes (default 0.5)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the rows of the GPU goal (module docstring), Qwen3-MoE, preset "
+                         "'gpu' unless --quick")
+    ap.add_argument("--graph", default=None, metavar="DIR",
+                    help="measure DIR/model.onnx, a graph carried without its weights "
+                         "(--strip-to; the weights regrown here from a seed, models.regrow) "
+                         "instead of exporting one (a GPU machine has no Optimum)")
+    ap.add_argument("--strip-to", default=None, metavar="DIR",
+                    help="export the model of --device's preset, write its graph without the "
+                         "weights to DIR (for --graph on another machine) and stop")
+    ap.add_argument("--machine", default="h100",
+                    help="--device cuda: the planner's machine (a preset or a calibrated "
+                         "machine.json)")
+    ap.add_argument("--hf", action="store_true",
+                    help="--device cuda: also transformers' Qwen3-MoE under accelerate's "
+                         "cpu_offload")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep the models here (default: a temporary folder)")
     args = ap.parse_args(argv)
-    cfg = PRESETS["quick" if args.quick else "wide" if args.wide else "cpu"]
-    with tempfile.TemporaryDirectory(prefix="moe_decode_") as tmp:
-        doc = (run_contrib if args.arch in CONTRIB else run)(args, cfg, Path(tmp))
-    print_table(doc)
+    cuda = args.device == "cuda"
+    if args.arch in CONTRIB and cuda:
+        ap.error("--device cuda measures the Qwen3-MoE export (contrib routing moves whole "
+                 "tensors on CUDA)")
+    cfg = PRESETS["quick" if args.quick else "gpu" if cuda else "wide" if args.wide else "cpu"]
+    if args.strip_to:
+        from models.regrow import strip
+
+        with tempfile.TemporaryDirectory(prefix="moe_decode_") as tmp:
+            print(strip(export(cfg, Path(tmp), args.arch), args.strip_to))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="moe_decode_", dir=args.workdir) as tmp:
+        doc = (run_cuda if cuda else run_contrib if args.arch in CONTRIB else run)(
+            args, cfg, Path(tmp))
+    (print_cuda_table if cuda else print_table)(doc)
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
-    return 0 if all(r["equal"] for r in doc["rows"]) else 1
+    return 0 if all(r.get("ok", r["equal"]) for r in doc["rows"]) else 1
 
 
 if __name__ == "__main__":

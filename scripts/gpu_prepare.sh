@@ -7,7 +7,11 @@
 #   2. the onnxruntime-gpu wheel for Python 3.12, cut into parts of PART_MB MiB (default: the
 #      64 MiB a call carries, less the working tree that travels with it, less 1 MiB)
 #      -> .ortgpu/part-N, .ortgpu/wheel.sha256 (../shared/device/ort-gpu-parts.sh)
-#   3. .ortgpu/calls.txt: the exact device calls, in order (command + carry), also printed.
+#   3. the MoE benchmark's graph without its weights -> .moegraph/ (ignored; ~3 MB; the GPU
+#      machine has no Optimum to export it and regrows the weights from a seed)
+#   4. .ortgpu/calls.txt: the exact device calls, in order (command + carry), also printed:
+#      the parts, build + gpu tests, the LLM and MoE benchmarks, then the weight-streaming
+#      benchmark with a fresh calibration (the last call: when device time is left).
 #
 # usage: scripts/gpu_prepare.sh [ORT_GPU_VERSION]      (default: the newest onnxruntime-gpu
 # that the package's `gpu` extra allows, 1.31.1 today). Re-running reuses what is there.
@@ -22,7 +26,7 @@ export PART_MB=${PART_MB:-$((64 - tree_mib - 1))}
 
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")" && touch "$exclude"  # (a checkout may have no .git/info)
-for ign in /.ortgpu/ /.ortheaders/; do
+for ign in /.ortgpu/ /.ortheaders/ /.moegraph/; do
   grep -qx "$ign" .gitignore "$exclude" 2>/dev/null || echo "$ign" >> "$exclude"
 done
 
@@ -51,7 +55,15 @@ fi
 ls .ortgpu/part-* > /dev/null
 (cd .ortgpu && ls part-* | sort -V) > .ortgpu/parts.txt
 
-# ---- 3. the calls -----------------------------------------------------------------------------------
+# ---- 3. the MoE graph ------------------------------------------------------------------------------
+if [[ ! -f .moegraph/model.onnx ]]; then
+  py=python3; [[ -x .venv/bin/python ]] && py=.venv/bin/python
+  rm -rf .moegraph
+  "$py" bench/moe_decode.py --device cuda --strip-to .moegraph > /dev/null
+fi
+echo "gpu_prepare: the MoE graph in .moegraph ($(du -sh .moegraph | cut -f1))"
+
+# ---- 4. the calls -----------------------------------------------------------------------------------
 parts=()
 mapfile -t parts < .ortgpu/parts.txt
 n=${#parts[@]}
@@ -62,6 +74,8 @@ n=${#parts[@]}
     printf 'bash scripts/gpu_run.sh receive\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256\n' "${parts[i]}"
   done
   printf 'bash scripts/gpu_run.sh receive setup build test\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256,.ortheaders\n' "${parts[n-1]}"
+  printf 'bash scripts/gpu_run.sh setup llmbench\t\n'
+  printf 'bash scripts/gpu_run.sh setup moebench\t.moegraph\n'
   printf 'bash scripts/gpu_run.sh setup calibrate bench\t\n'
 } > .ortgpu/calls.txt
 echo "gpu_prepare: $n parts of at most $PART_MB MiB; device calls (.ortgpu/calls.txt):"

@@ -24,6 +24,10 @@
 #              transformers rows) -> $OUT/llm_generate.json, bounded by HO_LLM_S seconds
 #              (default 220: `setup llmbench` on a warm, built machine ends within ~4 min);
 #              LLM_ARGS replaces its sizes (default: --contexts 2048,32768 --repeats 2 --new-tokens 16)
+#   moebench   bench/moe_decode.py --device cuda --hf on the carried graph .moegraph/ (written
+#              by gpu_prepare.sh: a 2.0 GiB Qwen3-MoE exported here without its weights, which
+#              are regrown on the machine from a seed, models/regrow.py) -> $OUT/moe_decode.json,
+#              bounded by HO_MOE_S seconds (default 300); MOE_ARGS adds options
 # Logs and JSON go to $OUT (default ./gpu_out), at most 8 files per call. Every step is
 # bounded so that the call ends inside 10 minutes with its logs (HO_GPU_CALL_S, default 570).
 # BENCH_ARGS adds options to the benchmark, PYTEST_ARGS to the gpu pytest.
@@ -216,9 +220,7 @@ bench() {
 # ---- llmbench -----------------------------------------------------------------------------------
 llmbench() {
   [[ -e $ROOT/ho_onnx/_ops$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') ]] || install_built || return 1
-  local bound=${HO_LLM_S:-220} machine=()
-  # This machine's rates when this call calibrated (else the h100 preset).
-  [[ -s $OUT/machine.json ]] && machine=(--machine "$OUT/machine.json")
+  local bound=${HO_LLM_S:-220} machine=(--machine "$(machine_arg)")
   [[ $bound -lt $(( $(left) - 10 )) ]] || bound=$(( $(left) - 10 ))
   # Rows are saved to the JSON as each ends: a bound that cuts the run short still brings back
   # every row it measured ("complete": false).
@@ -226,6 +228,26 @@ llmbench() {
   PYTHONUNBUFFERED=1 timeout "$bound" "$PY" bench/llm_generate.py --device cuda \
     --workdir /tmp/ho_llm --json "$OUT/llm_generate.json" --timeout 120 "${machine[@]}" \
     ${LLM_ARGS:---contexts 2048,32768 --repeats 2 --new-tokens 16} 2>&1 | tee "$OUT/llmbench.log"
+  return "${PIPESTATUS[0]}"
+}
+
+# The planner's rates: this call's calibration, else the preset of this GPU (h200 / h100).
+machine_arg() {
+  if [[ -s $OUT/machine.json ]]; then echo "$OUT/machine.json"
+  elif nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200; then echo h200
+  else echo h100; fi
+}
+
+# ---- moebench -----------------------------------------------------------------------------------
+moebench() {
+  [[ -e $ROOT/ho_onnx/_ops$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') ]] || install_built || return 1
+  [[ -f .moegraph/model.onnx ]] || { say "no .moegraph/model.onnx: carry .moegraph (scripts/gpu_prepare.sh)"; return 1; }
+  local bound=${HO_MOE_S:-300}
+  [[ $bound -lt $(( $(left) - 10 )) ]] || bound=$(( $(left) - 10 ))
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 timeout "$bound" "$PY" bench/moe_decode.py --device cuda --graph .moegraph \
+    --hf --machine "$(machine_arg)" --workdir /tmp --json "$OUT/moe_decode.json" ${MOE_ARGS:-} \
+    2>&1 | tee "$OUT/moebench.log"
   return "${PIPESTATUS[0]}"
 }
 
@@ -239,6 +261,7 @@ step_files() {
     calibrate) echo gpu_run.log machine.json calibrate.log ;;
     bench) echo gpu_run.log bench.log gpu_offload.json machine.json calibrate.log ;;
     llmbench) echo gpu_run.log llmbench.log llm_generate.json ;;
+    moebench) echo gpu_run.log moebench.log moe_decode.json ;;
   esac
 }
 
@@ -299,6 +322,13 @@ check() {
     fail "bench/gpu_offload.py --help fails"
   "$vpy" bench/llm_generate.py --help > /dev/null 2>&1 && ok "bench/llm_generate.py parses its options" ||
     fail "bench/llm_generate.py --help fails"
+  "$vpy" bench/moe_decode.py --help > /dev/null 2>&1 && ok "bench/moe_decode.py parses its options" ||
+    fail "bench/moe_decode.py --help fails"
+  if grep -q moebench .ortgpu/calls.txt 2>/dev/null; then
+    [[ -f .moegraph/model.onnx ]] && ok "the MoE graph in .moegraph ($(du -sh .moegraph | cut -f1))" ||
+      fail ".moegraph/model.onnx missing (scripts/gpu_prepare.sh)"
+    git check-ignore -q .moegraph/x || fail ".moegraph/ must be ignored (else it travels every call)"
+  fi
   local llm_files
   llm_files=$( { step_files setup; step_files llmbench; } | tr ' ' '\n' | sort -u | wc -l)
   [[ $llm_files -le $LIMIT_FILES ]] && ok "'setup llmbench' brings back $llm_files files" ||
