@@ -80,7 +80,7 @@ PRESETS = {
               "heads": 4, "kv_heads": 2, "vocab": 128, "prompt": 8, "tokens": 6},
     # --device cuda: 2.0 GiB fp32, experts 1.7 GiB (9 MiB each), 1/8 of them chosen per token
     "gpu": {"layers": 6, "hidden": 1024, "moe_ffn": 768, "experts": 32, "top_k": 4,
-            "heads": 16, "kv_heads": 4, "vocab": 32000, "prompt": 64, "tokens": 24},
+            "heads": 16, "kv_heads": 4, "vocab": 32000, "prompt": 64, "tokens": 16},
 }
 
 
@@ -93,10 +93,12 @@ def export(cfg: dict[str, int], root: Path, arch: str) -> Path:
     return export_moe(hf, root / "onnx", arch)
 
 
-def probe(src: Path, dims: dict[str, int], out: Path) -> tuple[Path, list[str], Any]:
-    """A copy of ``src`` with each router's TopK indices as extra outputs; the routers' TopK
-    node names in that order; the model's routed reloads (``Routed``: each expert weight's
-    router and column)."""
+def probe(src: Path, dims: dict[str, int], out: Path | None
+          ) -> tuple[Path | None, list[str], Any]:
+    """A copy of ``src`` at ``out`` (None: none) with each router's TopK indices as extra
+    outputs (beside ``src``: the graph alone, sharing its data file); the routers' TopK node
+    names in that order; the model's routed reloads (``Routed``: each expert weight's router
+    and column)."""
     import onnx
     from onnx import helper
 
@@ -104,14 +106,20 @@ def probe(src: Path, dims: dict[str, int], out: Path) -> tuple[Path, list[str], 
     from ho_onnx.graph.moe import find_experts
     from ho_onnx.schedule.eligibility import Routed
 
-    a = analyse(onnx.load(str(src), load_external_data=False), dims)
+    graph = onnx.load(str(src), load_external_data=False)
+    a = analyse(graph, dims)
     layers = find_experts(a)
-    model = onnx.load(str(src))
-    names = [next(n for n in a.nodes if n.name == layer.node).outputs[1].name
-             for layer in layers]
-    model.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.INT64, None)
-                              for n in names)
-    onnx.save(model, out, save_as_external_data=True, location=out.name + ".data")
+    if out is not None:
+        beside = out.parent.resolve() == src.parent.resolve()  # (the same data file: no copy)
+        model = graph if beside else onnx.load(str(src))
+        names = [next(n for n in a.nodes if n.name == layer.node).outputs[1].name
+                 for layer in layers]
+        model.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.INT64, None)
+                                  for n in names)
+        if beside:
+            onnx.save(model, out)
+        else:
+            onnx.save(model, out, save_as_external_data=True, location=out.name + ".data")
     return out, [layer.node for layer in layers], Routed.of(a, dims)
 
 
@@ -502,53 +510,50 @@ def hf_accelerate(cfg: dict[str, int], prompt: list[int], tokens: int) -> dict[s
             "torch_max_allocated": torch.cuda.max_memory_allocated()}
 
 
-def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, Any]:
-    """``--device cuda``: every row on the CUDA EP, at a budget that holds a quarter of the
-    experts (the issue's goal) and with everything offloaded; ORT's capacity-aware
-    partitioning at that budget; transformers + accelerate (``--hf``)."""
-    import onnxruntime as ort
+class Weight(NamedTuple):
+    """What ``selected_bytes`` reads of an offloaded weight (a manifest's row)."""
 
-    import ho_onnx
+    name: str
+    nbytes: int
+    consumers: tuple[str, ...]
+
+
+def prepare_cuda(src: Path, cfg: dict[str, int], out_dir: Path, machine: str) -> dict[str, Any]:
+    """Plan and write the optimized models of the ``--device cuda`` rows into ``out_dir``
+    (beside ``src``'s data when ``out_dir`` is its folder: they share it), each as
+    ``<row>.onnx``; returns the manifest (rows: file, offloaded weights, predicted peak and
+    time; the budget, the resident peak, the experts' bytes, the data file's fingerprint)."""
     from ho_onnx.cost.source import CostSource
+    from ho_onnx.graph.fingerprint import data_fingerprint
     from ho_onnx.rewrite.pipeline import optimize, plan_model
     from ho_onnx.schedule.options import OffloadOptions
     from ho_onnx.schedule.planner import InfeasibleBudgetError
-    from ho_onnx.target.ort.generate import _empty_past, kv_layout
 
-    if CUDA_EP not in ort.get_available_providers():
-        raise SystemExit(f"moe_decode: onnxruntime {ort.__version__} has no {CUDA_EP}")
-    providers = [(CUDA_EP, {"device_id": 0, "arena_extend_strategy": "kSameAsRequested"})]
-    src = graph_model(args, cfg, root)
     dims = {"batch_size": 1, "sequence_length": 1,
             "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
     ranges = {"sequence_length": (1, cfg["prompt"]),
               "past_sequence_length": (0, cfg["prompt"] + cfg["tokens"])}
-    costs = CostSource(machine=args.machine)
-    prb, routers, routed = probe(src, dims, root / "probe.onnx")
-    lay = kv_layout(src)
+    costs = CostSource(machine=machine)
+    _, _, routed = probe(src, dims, None)
     peak = plan_model(src, OffloadOptions(budget=1 << 50), {"batch_size": 1}, costs,
                       dim_ranges=ranges)[2].baseline.peak_bytes
     base = OffloadOptions(activations=False, min_bytes=0)
-    sessions: dict[str, Any] = {}
-    choices: dict[str, Any] = {}
-    plans: dict[str, dict[str, Any]] = {}
+    rows: dict[str, Any] = {}
 
-    def make(name: str, opts: OffloadOptions) -> None:
-        out = root / re.sub(r"[^a-z0-9]+", "_", name) / "model.onnx"
-        out.parent.mkdir()
+    def make(name: str, opts: OffloadOptions) -> Any:
+        out = out_dir / (re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ".onnx")
         t0 = time.perf_counter()
         r = optimize(src, out, opts, {"batch_size": 1}, costs=costs, dim_ranges=ranges)
-        choices[name] = r.choice
-        plans[name] = {"peak": r.plan.planned.peak_bytes if r.plan else None,
-                       "pred_s": r.plan.planned.total_s if r.plan else None}
-        sessions[name] = ho_onnx.InferenceSession(out, providers=providers,
-                                                  sess_options=cuda_options())
-        print(f"  {name}: optimized and loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+        rows[name] = {"file": out.name,
+                      "weights": [[w.name, w.nbytes, list(w.consumers)] for w in r.choice.weights],
+                      "peak": r.plan.planned.peak_bytes if r.plan else None,
+                      "pred_s": r.plan.planned.total_s if r.plan else None}
+        print(f"  {name}: optimized in {time.perf_counter() - t0:.0f} s", flush=True)
+        return r.choice
 
-    sessions["resident"] = ort.InferenceSession(str(prb), cuda_options(), providers=providers)
     make("all streamed", replace(base, routed=False))
-    make("routed", base)
-    experts = sum(w.nbytes for w in choices["routed"].weights if w.name in routed.expert_of)
+    choice = make("routed", base)
+    experts = sum(w.nbytes for w in choice.weights if w.name in routed.expert_of)
     try:  # what holds a quarter of the experts resident (or the planner's floor, if above)
         budget = peak - experts * 3 // 4
         plan_model(src, replace(base, budget=budget), {"batch_size": 1}, costs,
@@ -559,6 +564,69 @@ def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[
     make("routed, 1/4 experts", replace(base, budget=budget))
     make("CPU experts, 1/4 experts", replace(base, budget=budget, cpu_experts="auto"))
     make("routed + CPU experts", replace(base, cpu_experts="all"))
+    data = {e.value for t in __import__("onnx").load(str(src), load_external_data=False)
+            .graph.initializer for e in t.external_data if e.key == "location"}
+    return {"rows": rows, "budget": budget, "resident_peak": peak, "expert_bytes": experts,
+            "machine": machine, "fingerprints": {d: data_fingerprint(src.parent / d)
+                                                 for d in sorted(data)}}
+
+
+def prepared(src: Path) -> dict[str, Any] | None:
+    """The manifest written beside ``src`` by ``--strip-to``, when its data files are the
+    ones it was made with (the weights regrew to the same bytes); else None."""
+    from ho_onnx.graph.fingerprint import data_fingerprint
+
+    path = src.parent / "manifest.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    for name, fp in doc["fingerprints"].items():
+        if data_fingerprint(src.parent / name) != fp:
+            print(f"{name} regrew to other bytes than the manifest's: optimizing here",
+                  flush=True)
+            return None
+    return doc
+
+
+def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, Any]:
+    """``--device cuda``: every row on the CUDA EP, at a budget that holds a quarter of the
+    experts (the issue's goal) and with everything offloaded; ORT's capacity-aware
+    partitioning at that budget; transformers + accelerate (``--hf``). The rows' models
+    come from ``--graph``'s manifest (optimized where the graph was stripped) or are
+    optimized here."""
+    import types
+
+    import onnxruntime as ort
+
+    import ho_onnx
+    from ho_onnx.target.ort.generate import _empty_past, kv_layout
+
+    if CUDA_EP not in ort.get_available_providers():
+        raise SystemExit(f"moe_decode: onnxruntime {ort.__version__} has no {CUDA_EP}")
+    providers = [(CUDA_EP, {"device_id": 0, "arena_extend_strategy": "kSameAsRequested"})]
+    src = graph_model(args, cfg, root)
+    dims = {"batch_size": 1, "sequence_length": 1,
+            "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
+    prb, routers, routed = probe(src, dims, src.parent / "probe.onnx")
+    lay = kv_layout(src)
+    pre = prepared(src) if args.graph else None
+    man = pre or prepare_cuda(src, cfg, src.parent, args.machine)
+    where = src.parent
+    budget = man["budget"]
+    sessions: dict[str, Any] = {}
+    choices: dict[str, Any] = {}
+    plans: dict[str, dict[str, Any]] = {}
+    sessions["resident"] = ort.InferenceSession(str(prb), cuda_options(), providers=providers)
+    for name, r in man["rows"].items():
+        t0 = time.perf_counter()
+        sessions[name] = ho_onnx.InferenceSession(where / r["file"], providers=providers,
+                                                  sess_options=cuda_options())
+        choices[name] = types.SimpleNamespace(
+            weights=[Weight(w, n, tuple(c)) for w, n, c in r["weights"]])
+        plans[name] = {"peak": r["peak"], "pred_s": r["pred_s"]}
+        print(f"  {name}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"rows (step times in this order): resident, {', '.join(man['rows'])}, "
+          "ort partition", flush=True)
     so = cuda_options()
     so.add_session_config_entry(PARTITION_KEY, f"{max(1, budget >> 10)},")
     sessions["ort partition, 1/4 experts"] = ort.InferenceSession(str(src), so,
@@ -576,11 +644,15 @@ def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[
         | plans.get(k, {"peak": None, "pred_s": None}) for k in sessions}
     past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
     tokens = list(prompt)
+    for sess in sessions.values():  # warm-up: kernels, handles, arenas (TTFT is a warm one)
+        sess.run(None, decode_feeds(lay, tokens, past))
     for step in range(cfg["tokens"] + 1):
         feeds = decode_feeds(lay, tokens, past)
         outs = None
+        took = []
         for name, sess in sessions.items():
             got, dt = timed_run(sess, feeds)
+            took.append(f"{dt * 1e3:.1f}")
             c = ho_onnx.counters()
             if outs is None:  # the resident row: the reference and the router's choice
                 outs = got
@@ -605,19 +677,18 @@ def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[
                 row["arena"] = max(row["arena"] or 0, c["ort_arena_max_in_use"])
         past = {p: outs[names.index(q)] for p, q in lay.pairs}
         tokens = [int(np.argmax(outs[0][0, -1]))]
+        print(f"  step {step} ms: {' '.join(took)}", flush=True)
     for row in rows.values():
         # bit-exact where the kernels are the same; the experts computed on the host (other
         # kernels) must give the same greedy tokens
         row["ok"] = row["same_tokens"] and (row["equal"] or any(row["host_matmuls"]))
         summarise(row)
     doc = {"arch": args.arch, "device": "cuda", "config": cfg, "rows": list(rows.values()),
-           "complete": True, "resident_peak": peak, "budget": budget, "expert_bytes": experts,
-           "machine": args.machine, "onnxruntime": ort.__version__}
-    if args.hf:
-        try:
-            doc["hf"] = hf_accelerate(cfg, prompt, cfg["tokens"])
-        except Exception as e:  # (a peer's failure is reported, not fatal)
-            doc["hf"] = {"row": "hf + accelerate cpu_offload", "error": f"{type(e).__name__}: {e}"}
+           "complete": True, "resident_peak": man["resident_peak"], "budget": budget,
+           "expert_bytes": man["expert_bytes"], "machine": man["machine"],
+           "prepared": pre is not None,
+           "onnxruntime": ort.__version__}
+    doc["prompt"] = prompt
     return doc
 
 
@@ -740,7 +811,9 @@ def main(argv: list[str] | None = None) -> int:
                          "instead of exporting one (a GPU machine has no Optimum)")
     ap.add_argument("--strip-to", default=None, metavar="DIR",
                     help="export the model of --device's preset, write its graph without the "
-                         "weights to DIR (for --graph on another machine) and stop")
+                         "weights to DIR (for --graph on another machine; with --device cuda "
+                         "also the rows' optimized models, planned for --machine, and "
+                         "manifest.json) and stop")
     ap.add_argument("--machine", default="h100",
                     help="--device cuda: the planner's machine (a preset or a calibrated "
                          "machine.json)")
@@ -756,10 +829,18 @@ def main(argv: list[str] | None = None) -> int:
                  "tensors on CUDA)")
     cfg = PRESETS["quick" if args.quick else "gpu" if cuda else "wide" if args.wide else "cpu"]
     if args.strip_to:
-        from models.regrow import strip
+        from models.regrow import regrow, strip
 
+        out = Path(args.strip_to)
         with tempfile.TemporaryDirectory(prefix="moe_decode_") as tmp:
-            print(strip(export(cfg, Path(tmp), args.arch), args.strip_to))
+            src = strip(export(cfg, Path(tmp), args.arch), out)
+        data = regrow(src)  # (the bytes the other machine regrows: the rows are made for them)
+        if cuda:
+            man = prepare_cuda(src, cfg, out, args.machine)
+            (out / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
+        for d in data:
+            d.unlink()
+        print(f"{out}: {sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB")
         return 0
     with tempfile.TemporaryDirectory(prefix="moe_decode_", dir=args.workdir) as tmp:
         doc = (run_cuda if cuda else run_contrib if args.arch in CONTRIB else run)(
@@ -768,6 +849,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
+    if cuda and args.hf:  # (after the table and the JSON: a bound that stops it loses only it)
+        try:
+            doc["hf"] = hf_accelerate(cfg, doc["prompt"], cfg["tokens"])
+        except Exception as e:  # (a peer's failure is reported, not fatal)
+            doc["hf"] = {"row": "hf + accelerate cpu_offload", "error": f"{type(e).__name__}: {e}"}
+        print_cuda_table(doc)
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0 if all(r.get("ok", r["equal"]) for r in doc["rows"]) else 1
 
 

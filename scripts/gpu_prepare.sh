@@ -59,7 +59,7 @@ ls .ortgpu/part-* > /dev/null
 if [[ ! -f .moegraph/model.onnx ]]; then
   py=python3; [[ -x .venv/bin/python ]] && py=.venv/bin/python
   rm -rf .moegraph
-  "$py" bench/moe_decode.py --device cuda --strip-to .moegraph > /dev/null
+  "$py" bench/moe_decode.py --device cuda --machine "${MOE_MACHINE:-h100}" --strip-to .moegraph > /dev/null
 fi
 echo "gpu_prepare: the MoE graph in .moegraph ($(du -sh .moegraph | cut -f1))"
 
