@@ -617,15 +617,31 @@ def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[
     choices: dict[str, Any] = {}
     plans: dict[str, dict[str, Any]] = {}
     sessions["resident"] = ort.InferenceSession(str(prb), cuda_options(), providers=providers)
-    for name, r in man["rows"].items():
+    wanted = [r.strip() for r in args.rows.split(";")] if args.rows else list(man["rows"])
+    unknown = [r for r in wanted if r not in man["rows"]]
+    if unknown:
+        raise SystemExit(f"moe_decode: --rows {unknown}: not rows of this bench "
+                         f"({', '.join(man['rows'])})")
+    for name in wanted:
+        r = man["rows"][name]
         t0 = time.perf_counter()
+        c0 = ho_onnx.counters()
         sessions[name] = ho_onnx.InferenceSession(where / r["file"], providers=providers,
                                                   sess_options=cuda_options())
+        c1 = ho_onnx.counters()
         choices[name] = types.SimpleNamespace(
             weights=[Weight(w, n, tuple(c)) for w, n, c in r["weights"]])
-        plans[name] = {"peak": r["peak"], "pred_s": r["pred_s"]}
-        print(f"  {name}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"rows (step times in this order): resident, {', '.join(man['rows'])}, "
+        # where the session's creation went: the library's kernels, their weight loads
+        created = {"create_s": time.perf_counter() - t0,
+                   "kernel_create_s": (c1["kernel_create_ns"] - c0["kernel_create_ns"]) / 1e9,
+                   "weight_load_s": (c1["weight_load_ns"] - c0["weight_load_ns"]) / 1e9,
+                   "pinned_bytes": c1["pinned_bytes"] - c0["pinned_bytes"]}
+        plans[name] = {"peak": r["peak"], "pred_s": r["pred_s"]} | created
+        print(f"  {name}: session in {created['create_s']:.1f} s (library kernels "
+              f"{created['kernel_create_s']:.1f} s, of which weight loads "
+              f"{created['weight_load_s']:.1f} s; pinned +{created['pinned_bytes'] / 2**20:.0f} "
+              "MiB)", flush=True)
+    print(f"rows (step times in this order): resident, {', '.join(wanted)}, "
           "ort partition", flush=True)
     so = cuda_options()
     so.add_session_config_entry(PARTITION_KEY, f"{max(1, budget >> 10)},")
@@ -820,6 +836,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", action="store_true",
                     help="--device cuda: also transformers' Qwen3-MoE under accelerate's "
                          "cpu_offload")
+    ap.add_argument("--rows", default=None,
+                    help="--device cuda: the ONNX rows to run besides resident and ORT's "
+                         "partitioning, separated by semicolons (default: all; each session takes "
+                         "long to create on a GPU machine, see docs/benchmarks.md)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep the models here (default: a temporary folder)")
     args = ap.parse_args(argv)

@@ -116,6 +116,8 @@ const CounterDef kCounters[] = {
     HO_COUNTER(expert_cache_misses),
     HO_COUNTER(bytes_expert_cache_hit),
     HO_COUNTER(expert_cache_bytes),  // (a gauge: bytes the expert caches hold now)
+    HO_COUNTER(kernel_create_ns),  // (session creation: not reset)
+    HO_COUNTER(weight_load_ns),
     // data files whose descriptors the disk tier holds now (a gauge, disk_io.h)
     {"disk_files_open", [] { return static_cast<int64_t>(ho::disk_open_files_now()); }},
     HO_COUNTER(host_store_bytes),

@@ -71,6 +71,11 @@ struct Counters {
   std::atomic<uint64_t> expert_cache_misses{0};
   std::atomic<uint64_t> bytes_expert_cache_hit{0};
   std::atomic<int64_t> expert_cache_bytes{0};
+  // Session creation: time in the library's kernel creation (every cache op's), and the part
+  // of it spent loading host-tier weights into the host store (reading them, pinning them
+  // on CUDA). Not reset by reset_counters: they accumulate over the process's sessions.
+  std::atomic<uint64_t> kernel_create_ns{0};
+  std::atomic<uint64_t> weight_load_ns{0};
   std::atomic<int64_t> host_store_bytes{0};
   std::atomic<int64_t> host_pool_bytes_in_use{0};
   std::atomic<int64_t> host_pool_bytes_reserved{0};

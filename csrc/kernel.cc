@@ -3,6 +3,7 @@
 // compute stream) the difference is named next to the code.
 #include "kernel.h"
 
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <utility>
@@ -162,8 +163,28 @@ std::shared_ptr<WeightFile> weight_file(const OrtApi* api, const OrtKernelInfo* 
 
 // ---- session creation ---------------------------------------------------------------------
 
+namespace {
+// Adds the nanoseconds from construction to destruction to `total`.
+class ScopedNs {
+ public:
+  explicit ScopedNs(std::atomic<uint64_t>* total)
+      : total_(total), t0_(std::chrono::steady_clock::now()) {}
+  ~ScopedNs() {
+    *total_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now() - t0_).count());
+  }
+  ScopedNs(const ScopedNs&) = delete;
+  ScopedNs& operator=(const ScopedNs&) = delete;
+
+ private:
+  std::atomic<uint64_t>* total_;
+  std::chrono::steady_clock::time_point t0_;
+};
+}  // namespace
+
 std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
                                        const OrtKernelInfo* info, const std::string& node) {
+  const ScopedNs timed(&counters().kernel_create_ns);
   auto k = std::make_unique<Kernel>();
   k->api = api;
   k->kind = op.kind;
@@ -237,6 +258,7 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
   try {
     std::shared_ptr<const WeightSource> src = r.tier->open(file, r.offset, r.length, name);
     if (r.tier->in_host_memory) {
+      const ScopedNs timed(&counters().weight_load_ns);
       blob = engine->load_weight(*src, op.reg->content_key(*file));
     } else {
       engine->prepare_streamed();

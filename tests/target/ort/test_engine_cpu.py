@@ -328,6 +328,24 @@ def test_reset_counters_resets_the_per_provider_counters(tmp_path):
     assert c["ops_cpu"] == 0 and c["ops_cuda"] == 0 and c["cuda_bytes_h2d"] == 0
 
 
+def test_session_creation_times_the_kernels_and_the_weight_loads(tmp_path):
+    """kernel_create_ns / weight_load_ns (where a session's creation goes: the GPU session
+    of stop 45 spent 25-30 s creating each MoE session) grow with every session made, are
+    left alone by reset_counters and by runs, and loading is part of creating."""
+    _weight(tmp_path)
+    runtime.reset_counters()
+    c0 = runtime.counters()
+    sess = runtime.InferenceSession(_model(tmp_path, PROPER))
+    c1 = runtime.counters()
+    made, loaded = (c1[k] - c0[k] for k in ("kernel_create_ns", "weight_load_ns"))
+    assert 0 < loaded <= made
+    runtime.reset_counters()
+    sess.run(None, {"x": np.ones(N, np.float32)})
+    c2 = runtime.counters()
+    assert (c2["kernel_create_ns"], c2["weight_load_ns"]) == (c1["kernel_create_ns"],
+                                                              c1["weight_load_ns"])
+
+
 # --------------------------------------------------------------------------------------------
 # ORT's arena as measured: AllocatorGetStats (ORT API 23) sampled at every Wait
 
