@@ -475,6 +475,9 @@ def cuda_options() -> Any:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
+    # (the CPU EP's pre-packed constants are another kernel path than an offloaded weight's:
+    # off, so the CPU nodes of every row run the same kernels too)
+    so.add_session_config_entry("session.disable_prepacking", "1")
     return so
 
 
@@ -830,6 +833,9 @@ def main(argv: list[str] | None = None) -> int:
                          "weights to DIR (for --graph on another machine; with --device cuda "
                          "also the rows' optimized models, planned for --machine, and "
                          "manifest.json) and stop")
+    ap.add_argument("--keep-bytes", type=int, default=1 << 20,
+                    help="--strip-to: tensors below this travel inside the graph, verbatim "
+                         "(default 1 MiB: norms, routers, rotary tables)")
     ap.add_argument("--machine", default="h100",
                     help="--device cuda: the planner's machine (a preset or a calibrated "
                          "machine.json)")
@@ -853,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
 
         out = Path(args.strip_to)
         with tempfile.TemporaryDirectory(prefix="moe_decode_") as tmp:
-            src = strip(export(cfg, Path(tmp), args.arch), out)
+            src = strip(export(cfg, Path(tmp), args.arch), out, args.keep_bytes)
         data = regrow(src)  # (the bytes the other machine regrows: the rows are made for them)
         if cuda:
             man = prepare_cuda(src, cfg, out, args.machine)

@@ -111,11 +111,12 @@ def regrow(model: str | Path, seed: int = 0, std: float = 0.02) -> list[Path]:
             raise ValueError(f"{t.name}: length {length} is not {n} x {dt.itemsize} bytes")
         ranges.setdefault(_safe_location(model.parent, ext["location"]), []).append(
             (int(ext.get("offset", 0)), length, t))
-    for path, rs in ranges.items():
+    for path, rs in ranges.items():  # (every check before anything is written)
         rs.sort(key=lambda r: r[0])
         for (o1, l1, a), (o2, _, b) in itertools.pairwise(rs):
             if o1 + l1 > o2:
                 raise ValueError(f"{a.name} and {b.name} overlap in {path.name}")
+    for path, rs in ranges.items():
         tmp = path.with_name(path.name + ".regrow")
         with open(tmp, "wb") as f:
             for offset, length, t in rs:

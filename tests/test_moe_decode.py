@@ -64,3 +64,46 @@ def test_quick_run_contrib(tmp_path, arch):
     assert rows["routed"]["ratio"] == pytest.approx(1.0)
     assert rows["routed, budget"]["ratio"] == pytest.approx(1.0)
     assert rows["all streamed"]["ratio"] > 1.0
+
+
+def test_cuda_mode_prepared_here_loads_there(tmp_path, monkeypatch):
+    """``--strip-to`` with ``--device cuda`` writes the graph without its weights, the rows'
+    optimized models and a manifest; ``--graph`` regrows the weights to the same bytes (the
+    manifest's fingerprints hold) and loads the rows without planning again. The bench's
+    bookkeeping runs end to end with the CPU EP standing in for CUDA (not a GPU test: the
+    device runs it as ``gpu_run.sh moebench``); a regrow from another seed is caught and the
+    rows are planned again on the spot."""
+    pytest.importorskip("optimum.exporters.onnx")
+    from models.regrow import regrow
+
+    graph = tmp_path / "graph"
+    assert moe_decode.main(["--quick", "--device", "cuda", "--strip-to", str(graph),
+                            "--keep-bytes", "1024"]) == 0  # (experts 2 KiB: regrown)
+    man = json.loads((graph / "manifest.json").read_text())
+    assert man["fingerprints"] and not any(  # (weights to regrow, none carried)
+        (graph / name).exists() for name in man["fingerprints"])
+    assert set(man["rows"]) == {"all streamed", "routed", "all streamed, 1/4 experts",
+                                "routed, 1/4 experts", "CPU experts, 1/4 experts",
+                                "routed + CPU experts"}
+    assert all((graph / r["file"]).is_file() for r in man["rows"].values())
+    with pytest.raises(SystemExit, match="no CUDAExecutionProvider"):
+        moe_decode.main(["--quick", "--device", "cuda", "--graph", str(graph)])
+    monkeypatch.setattr(moe_decode, "CUDA_EP", "CPUExecutionProvider")
+    out = tmp_path / "moe.json"
+    rows = "routed, 1/4 experts;routed + CPU experts"
+    assert moe_decode.main(["--quick", "--device", "cuda", "--graph", str(graph),
+                            "--rows", rows, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["prepared"] and doc["budget"] == man["budget"]
+    got = {r["row"]: r for r in doc["rows"]}
+    assert set(got) == {"resident", "routed, 1/4 experts", "routed + CPU experts",
+                        "ort partition, 1/4 experts"}
+    assert all(r["ok"] and r["same_tokens"] for r in got.values())
+    assert got["routed + CPU experts"]["host_matmuls_per_token"] > 0
+    assert got["routed, 1/4 experts"]["ratio"] == pytest.approx(1.0)
+    assert got["routed, 1/4 experts"]["kernel_create_s"] > 0
+    with pytest.raises(SystemExit, match="not rows of this bench"):
+        moe_decode.main(["--quick", "--device", "cuda", "--graph", str(graph),
+                         "--rows", "routed, 1/2 experts"])
+    regrow(graph / "model.onnx", seed=1)  # other bytes: the prepared rows cannot be used
+    assert moe_decode.prepared(graph / "model.onnx") is None
