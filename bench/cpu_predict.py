@@ -82,7 +82,8 @@ def predicted(analysis: Any, choice: Any, dims: dict[str, int], machine: Any) ->
     from ho_onnx.schedule.simulate import simulate
 
     cm = CostSource(machine=machine).cost_model(analysis, dims)
-    return simulate(analysis, choice, cm.compute_s, cm.transfer_time, dims).total_s
+    return simulate(analysis, choice, cm.compute_s, cm.transfer_time, dims,
+                    copy_in_compute=cm.copy_in_compute).total_s
 
 
 def run(cfg: dict[str, Any], work: Path, machine_file: Path) -> list[dict[str, Any]]:

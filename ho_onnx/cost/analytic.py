@@ -259,10 +259,13 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
     return float(flops or 0.0), bytes_moved
 
 
-def node_time(machine: Machine, flops: float, nbytes: float, movement: bool = False) -> float:
+def node_time(machine: Machine, flops: float, nbytes: float, movement: bool = False,
+              transpose: bool = False) -> float:
     """Roofline seconds of one node: ``max(compute, memory) + launch overhead``; the bytes of
-    a data-movement op (``movement``) at the machine's movement rate."""
-    bw = machine.movement_bw if movement else machine.mem_bw
+    a data-movement op (``movement``) at the machine's movement rate, a Transpose's
+    (``transpose``: a strided copy) at its transpose rate."""
+    bw = machine.transposing_bw if transpose else machine.movement_bw if movement else \
+        machine.mem_bw
     return max(flops / (machine.peak_flops * machine.efficiency),
                nbytes / bw) + machine.launch_overhead_s
 
@@ -273,7 +276,8 @@ def node_seconds(machine: Machine, analysis: GraphAnalysis, pos: int,
     """:func:`node_time` of the node at ``pos`` (:func:`node_flops_bytes`, its family)."""
     op = analysis.node_at(pos).op_type
     return node_time(machine, *node_flops_bytes(analysis, pos, dims, sizes),
-                     movement=op in _MOVEMENT_OPS or op in _GATHER_OPS)
+                     movement=op in _MOVEMENT_OPS or op in _GATHER_OPS,
+                     transpose=op == "Transpose")
 
 
 def host_node_time(analysis: GraphAnalysis, machine: Machine, dims: Mapping[str, int],

@@ -53,6 +53,9 @@ class CostModel:
     transfer_time: TransferTime
     description: str = ""
     host_ahead: bool = False
+    # The fast tier is host memory (the CPU EP): the CPU engine copies inside the Waits and
+    # Stores, on the compute stream (simulate's ``copy_in_compute``).
+    copy_in_compute: bool = False
     notes: tuple[str, ...] = ()  # what the user should know of the times (a profile's gaps)
     # Seconds of the node at a position computed on the host CPU against host memory, its
     # activations copied there and back (an MoE expert's MatMul as HostMatMul); None: the

@@ -61,10 +61,16 @@ class CostSource:
         # Compute measured on a GPU: loads are timed as the CUDA engine issues them.
         host = None if not machine.host_flops or not machine.host_mem_bw else \
             functools.partial(host_node_time, analysis, machine, dict(dims))
+        # (no host of its own: the fast tier's compute is the host's, the CPU EP, whose
+        # engine copies inside the Waits and Stores)
+        in_compute = host is None and not nc.gpu
         return CostModel(nc.seconds, machine.transfer_time,
                          f"{what}; transfers on {machine.name}"
-                         + ("; loads issued ahead of the GPU" if nc.gpu else ""),
-                         host_ahead=nc.gpu, notes=tuple(nc.notes), host_time=host)
+                         + ("; loads issued ahead of the GPU" if nc.gpu else "")
+                         + ("; copies inside the Waits and Stores (the CPU engine)"
+                            if in_compute else ""),
+                         host_ahead=nc.gpu, copy_in_compute=in_compute,
+                         notes=tuple(nc.notes), host_time=host)
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,8 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
             cm = costs.cost_model(a, at)
             seconds = simulate(a, choice, cm.with_host(host_positions(choice)),
                                cm.transfer_time, at,
-                               host_ahead=cm.host_ahead).total_s
+                               host_ahead=cm.host_ahead,
+                               copy_in_compute=cm.copy_in_compute).total_s
         out[name] = PointFigures(dict(point), unmodified, planned, seconds)
     return out
 

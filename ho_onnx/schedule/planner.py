@@ -691,7 +691,8 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
         new_sim = simulate(ctx.analysis, new_choice, ctx.costs.with_host(host_positions(
                                new_choice)),
                            ctx.costs.transfer_time, ctx.dims, ctx.residency, ctx.base_memory,
-                           host_ahead=ctx.costs.host_ahead)
+                           host_ahead=ctx.costs.host_ahead,
+                           copy_in_compute=ctx.costs.copy_in_compute)
         if new_sim.total_s < planned.total_s - 1e-12 and new_sim.peak_bytes <= ctx.budget:
             sel, choice, planned = trial, new_choice, new_sim
             skipped.pop(c.name, None)
@@ -743,7 +744,8 @@ def _cached(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     if not with_cache(p.choice, cache).expert_cache:
         return replace(p, options=opts)
     planned = simulate(analysis, p.choice, costs.compute_s, costs.transfer_time, dict(dims or {}),
-                       basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead)
+                       basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead,
+                       copy_in_compute=costs.copy_in_compute)
     bound = None if p.bound is None else Bound(min(p.bound.seconds, planned.total_s),
                                                p.bound.kind)  # (the space had no cache)
     return replace(p, options=opts, planned=planned, bound=bound)
@@ -883,7 +885,8 @@ def _plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     choice = _place(ctx, sel)
     planned = simulate(analysis, choice, costs.with_host(host_positions(choice)),
                        costs.transfer_time, dims, residency, baseline.memory,
-                       host_ahead=costs.host_ahead)
+                       host_ahead=costs.host_ahead,
+                       copy_in_compute=costs.copy_in_compute)
     choice, planned = _make_room(ctx, sel, choice, planned, skipped)
     offloaded = {x.name for x in [*choice.weights, *choice.activations]}
     for c in cands:
@@ -950,7 +953,8 @@ def _space(ctx: _Context, choice: OffloadChoice, start: np.ndarray
             kv[0]])), ctx.base_memory, tiers), s.positions),
         lambda ch: simulate(ctx.analysis, ch, ctx.costs.with_host(host_positions(ch)),
                             ctx.costs.transfer_time, ctx.dims, ctx.residency,
-                            ctx.base_memory, host_ahead=ctx.costs.host_ahead),
+                            ctx.base_memory, host_ahead=ctx.costs.host_ahead,
+                           copy_in_compute=ctx.costs.copy_in_compute),
         _unmodelled(ctx, groups), place=functools.partial(_replace_all, ctx, start, tiers))
     by_tensor = {m: p for p, ms in groups.members.items() for m in ms} | {k: k for k in early}
     return space, seed, by_tensor
@@ -992,6 +996,8 @@ def _unmodelled(ctx: _Context, groups: WeightGroups) -> tuple[str, ...]:
         why.append("routed expert weights")
     if ctx.costs.host_ahead:
         why.append("host-ahead load timing")
+    if ctx.costs.copy_in_compute:
+        why.append("copies inside the Waits and Stores (the CPU engine)")
     if _staged(ctx, kinds.tier(ctx.options.weight_tier)):
         why.append("the staging copies of a staged tier")
     return tuple(why)

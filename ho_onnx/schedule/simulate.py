@@ -16,6 +16,14 @@ and for the device staging buffer it lands in. Staging buffers are reused by siz
 released first, each after the Wait's copy that last read it (``DeviceStaging`` in
 ``csrc/cuda/cuda_engine.cc``); a run starts with as many free buffers of each size as it
 holds at once. Disk loads keep the default timing.
+
+``copy_in_compute=True`` times the CPU engine (the fast tier is host memory, the CPU EP):
+every copy into or out of ORT's memory runs inside a Wait's or a Store's Compute, on the
+compute stream (``csrc/cpu_engine.cc``, the transfer lifetime rule). A load from host memory
+(the host tier, a stored activation, a caller's input) is then a copy at its Wait, a store
+a copy at its Store, both stalling the run for their whole time; a disk read still runs on
+its channel from its Prefetch, and its Wait then copies the bytes out of staging at the
+host tier's load rate (memcpy).
 """
 
 from __future__ import annotations
@@ -99,17 +107,21 @@ def _by_position(events: list[TransferEvent], n: int
 def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: np.ndarray,
              transfer_time: TransferTime, dims: Mapping[str, int] | None = None,
              residency: Residency | None = None, base_memory: np.ndarray | None = None,
-             *, host_ahead: bool = False) -> Simulation:
+             *, host_ahead: bool = False, copy_in_compute: bool = False) -> Simulation:
     """Predict time (with FIFO channels) and memory of the schedule of ``choice``
     (``residency``: the unmodified schedule's, when the caller already has it;
     ``base_memory``: that schedule's bytes per step, when known too; ``host_ahead``: loads
-    timed as the CUDA engine issues them, module docstring)."""
+    timed as the CUDA engine issues them; ``copy_in_compute``: as the CPU engine copies,
+    module docstring)."""
     n = len(analysis.order)
     events = _events(choice)
     loads_at, waits_at, stores_after, detach_after = _by_position(events, n)
     stored = {ev.tensor: ev for ev in events if ev.kind == "store"}
     staged = kinds.host_loads()  # loads through the CUDA engine's device staging buffers
     staging = _staging_pool(n, loads_at, waits_at, staged) if host_ahead else None
+    # (the CPU engine: loads out of host memory are the Wait's copy, nothing runs before)
+    in_wait = _host_memory_loads() if copy_in_compute else frozenset()
+    memcpy = kinds.tier("host").load.direction
     free = dict.fromkeys((link.direction for link in kinds.links()), 0.0)
     now = 0.0
     starts = np.zeros(n)
@@ -117,6 +129,8 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     seconds = compute_s.tolist()  # the same floats, without a numpy scalar per step
     for i in range(n):
         for ev in loads_at.get(i, ()):
+            if ev.direction in in_wait:
+                continue  # (timed at its Wait)
             ready = now
             if staging is not None and ev.direction in staged:
                 ready = staging[ev.nbytes].popleft()  # its buffer's last Wait copy
@@ -126,9 +140,19 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
             ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
             free[ev.direction] = ev.end_s
         for ev in waits_at.get(i, ()):
+            if ev.direction in in_wait:  # the copy itself, on the compute stream
+                ev.start_s = now
+                ev.end_s = now + transfer_time(ev.nbytes, ev.direction)
+                ev.stall_s = ev.end_s - now
+                now = ev.end_s
+                continue
             if ev.end_s > now:
                 ev.stall_s = ev.end_s - now
                 now = ev.end_s
+            if copy_in_compute:  # (a disk read: then its copy out of staging)
+                copy = transfer_time(ev.nbytes, memcpy)
+                ev.stall_s += copy
+                now += copy
         if staging is not None:
             for ev in waits_at.get(i, ()):
                 if ev.direction in staged:
@@ -139,6 +163,9 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
             ev.start_s = max(now, free[ev.direction])
             ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
             free[ev.direction] = ev.end_s
+            if copy_in_compute:  # (the Store's copy into the library's pool, in its Compute)
+                ev.stall_s = ev.end_s - now
+                now = ev.end_s
         for ev in detach_after.get(i, ()):
             if ev.end_s > now:
                 ev.stall_s = ev.end_s - now
@@ -146,6 +173,12 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     return Simulation(compute_s, starts,
                       schedule_memory(analysis, choice, dims, residency, base_memory), now,
                       events)
+
+
+def _host_memory_loads() -> frozenset[str]:
+    """The load directions out of host memory: the host-memory tiers' and the stored
+    activations' and inputs' (:func:`kinds.stored_links`)."""
+    return kinds.host_loads() | {kinds.stored_links()[1].direction}
 
 
 def _staging_pool(n: int, loads_at: Mapping[int, list[TransferEvent]],

@@ -252,6 +252,30 @@ def test_movement_ops_at_the_movement_rate():
         cpu.with_overrides(move_bw=5)  # (0 or a real rate)
 
 
+def test_transpose_at_the_transpose_rate():
+    """A Transpose (a strided copy: K^T over a KV cache) moves its bytes at ``transpose_bw``
+    where a machine has one, else at the movement rate; a Concat stays at ``move_bw``."""
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("Concat", ["p", "n"], ["c"], axis=2),
+         helper.make_node("Transpose", ["c"], ["t"], perm=[0, 1, 3, 2])], "g",
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 8, 1024, 64]),
+         helper.make_tensor_value_info("n", TensorProto.FLOAT, [1, 8, 1, 64])],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    a = analyse(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    cpu = MACHINES["cpu"].with_overrides(move_bw=40e9)
+    assert cpu.transpose_bw == 0 and cpu.transposing_bw == cpu.move_bw
+    same = analytic_costs(a, cpu).seconds
+    slow = cpu.with_overrides(transpose_bw=10e9)
+    got = analytic_costs(a, slow).seconds
+    _, tr_bytes = node_flops_bytes(a, 1)
+    assert got[1] == pytest.approx(tr_bytes / 10e9 + cpu.launch_overhead_s)
+    assert got[1] > 3 * (same[1] - cpu.launch_overhead_s) and got[0] == same[0]
+    with pytest.raises(ValueError, match="transpose_bw"):
+        cpu.with_overrides(transpose_bw=5)
+
+
 # ---- profiles ------------------------------------------------------------------------
 
 DIMS = {"batch": 2, "seq": 16}
@@ -359,7 +383,7 @@ def test_a_profile_of_another_model_is_said(decoder: Path, tmp_path: Path):
         plan_model(model, OffloadOptions(budget=budget, min_bytes=0), dims=dims,
                    log=said.append, costs=CostSource(profile=out))
         assert f"costs: profile prof.json ({'0' if said_low else '100'}% of nodes by name); " \
-            "transfers on cpu" in said, said
+            "transfers on cpu; copies inside the Waits and Stores (the CPU engine)" in said, said
         low = [s for s in said if s.startswith("note: the profile times ")]
         assert bool(low) == said_low, said
     c = profile_costs(analyse(onnx.load(str(other))), out)

@@ -92,7 +92,8 @@ def test_cli_plan_json_and_infeasible(decoder, tmp_path):
     # why each other tensor stayed, and what timed the plan (found missing: only the API had
     # the reasons); the text says how many and the commonest reasons
     assert d["skipped"]["logits"] == "graph output" and d["costs"] == {
-        "description": "analytic roofline on cpu; transfers on cpu", "notes": []}
+        "description": "analytic roofline on cpu; transfers on cpu; copies inside the Waits "
+                       "and Stores (the CPU engine)", "notes": []}
     r = runner.invoke(main, ["plan", str(decoder), "--budget", "1MiB", "--dim", "batch=1",
                              "--dim", "seq=64"])
     line = next(ln for ln in r.output.splitlines() if ln.startswith("resident: "))

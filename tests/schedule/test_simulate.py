@@ -1,6 +1,7 @@
 """The simulation's load timing (``schedule/simulate.py``): the default (a load starts when the
-GPU reaches its Prefetch) and ``host_ahead`` (as the CUDA engine issues it: at once, after
-its channel and the Wait copy that last used its staging buffer)."""
+GPU reaches its Prefetch), ``host_ahead`` (as the CUDA engine issues it: at once, after
+its channel and the Wait copy that last used its staging buffer) and ``copy_in_compute``
+(the CPU engine: every copy inside a Wait or a Store, on the compute stream)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ MS = 1e-3
 NBYTES = 512 * 512 * 4
 
 
-def _run(w2_bytes: int, host_ahead: bool):
+def _run(w2_bytes: int, host_ahead: bool, copy_in_compute: bool = False, tier: str = "host"):
     """Steps Relu, Sigmoid, MatMul(W1), MatMul(W2) of 1 ms; W1 prefetched before step 0 and
     read at step 2, W2 prefetched right before its reader (step 3); copies 0.5 ms per
     NBYTES on one channel, no latency."""
     a = analyse(two_weights_model())
-    choice = OffloadChoice(weights=[WeightOffload("W1", NBYTES, (2,), (0,)),
-                                    WeightOffload("W2", w2_bytes, (3,), (3,))])
+    choice = OffloadChoice(weights=[WeightOffload("W1", NBYTES, (2,), (0,), tier=tier),
+                                    WeightOffload("W2", w2_bytes, (3,), (3,), tier=tier)])
     sim = simulate(a, choice, np.full(4, MS), lambda nbytes, d: 0.5 * MS * nbytes / NBYTES,
-                   host_ahead=host_ahead)
+                   host_ahead=host_ahead, copy_in_compute=copy_in_compute)
     return sim, {t.tensor: t for t in sim.transfers}
 
 
@@ -61,6 +62,36 @@ def test_host_ahead_changes_load_times_not_memory():
     (a, ta), (b, tb) = _run(NBYTES, host_ahead=False), _run(NBYTES, host_ahead=True)
     assert ta["W2"].start_s != pytest.approx(tb["W2"].start_s)
     assert a.memory.max() >= NBYTES and np.array_equal(a.memory, b.memory)
+
+
+def test_cpu_engine_copies_a_host_load_inside_its_wait():
+    """The CPU engine copies a host-tier weight in its Wait: a Prefetch two steps ahead hides
+    nothing, each load stalls the run for its whole copy (4 ms of compute + 2 x 0.5 ms)."""
+    sim, t = _run(NBYTES, host_ahead=False, copy_in_compute=True)
+    assert t["W1"].start_s == pytest.approx(2 * MS) and t["W1"].stall_s == pytest.approx(0.5 * MS)
+    assert t["W2"].start_s == pytest.approx(3.5 * MS) and t["W2"].stall_s == pytest.approx(0.5 * MS)
+    assert sim.total_s == pytest.approx(5 * MS)
+    default, _ = _run(NBYTES, host_ahead=False)  # (a channel beside the compute: W1 hidden)
+    assert default.total_s == pytest.approx(4.5 * MS)
+
+
+def test_cpu_engine_reads_the_disk_ahead_then_copies_out_of_staging():
+    """A disk read runs on its channel from the Prefetch (W1's is done by its Wait: no stall
+    for it) and the Wait then copies out of staging at the host tier's rate (0.5 ms each)."""
+    sim, t = _run(NBYTES, host_ahead=False, copy_in_compute=True, tier="disk")
+    assert t["W1"].start_s == 0 and t["W1"].stall_s == pytest.approx(0.5 * MS)  # the copy
+    assert t["W2"].stall_s == pytest.approx(0.5 * MS + 0.5 * MS)  # the read, then the copy
+    assert sim.total_s == pytest.approx(4 * MS + 1.5 * MS)
+
+
+def test_cpu_engine_cost_model_says_it_copies_in_compute():
+    """The cpu machine (no host of its own: the CPU EP) makes a cost model that copies in
+    the Waits; a GPU machine's does not."""
+    from ho_onnx.cost.source import CostSource
+
+    a = analyse(two_weights_model())
+    assert CostSource(machine="cpu").cost_model(a, {}).copy_in_compute
+    assert not CostSource(machine="h100").cost_model(a, {}).copy_in_compute
 
 
 def test_the_planner_times_plans_as_its_cost_model_says():

@@ -234,9 +234,10 @@ def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]
     """ONNX Runtime's CPU EP rates as machine fields: ``peak_flops`` (a 512x1024x1024 fp32
     MatMul; ``efficiency`` 1: the rate is what ORT reaches), ``mem_bw`` (a one-row MatMul
     over a 64 MiB weight: the bytes per second a decode step reads its weights at),
-    ``move_bw`` (a KV cache's ``Concat(past, new)`` of 8 MiB: bytes read and written per
-    second, the rate of the data-movement ops) and ``launch_overhead_s`` (per node of a chain
-    of 200 tiny Adds, less a chain of one)."""
+    ``move_bw`` (a KV cache's ``Concat(past, new)`` at 1, 4 and 8 MiB: bytes read and
+    written per second, the rate of the data-movement ops), ``transpose_bw`` (the attention's
+    ``Transpose`` of the same caches: a strided copy) and ``launch_overhead_s`` (per node of a
+    chain of 200 tiny Adds, less a chain of one)."""
     rng = np.random.default_rng(0)
     m, k, n = 512, 1024, 1024
     mm = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [m, k], "b": [k, n]}, "c")
@@ -246,11 +247,21 @@ def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]
     mv = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [1, k], "b": [k, n]}, "c")
     feeds = {"a": rng.random((1, k), np.float32), "b": rng.random((k, n), np.float32)}
     bw = 4.0 * k * n / _best_run(mv, feeds, threads, repeats)
-    past, new = [1, 8, 4096, 64], [1, 8, 1, 64]
-    cat = _graph([helper.make_node("Concat", ["p", "n"], ["c"], axis=2)], {"p": past, "n": new},
-                 "c")
-    feeds = {"p": rng.random(past, np.float32), "n": rng.random(new, np.float32)}
-    move = 4.0 * 2 * (np.prod(past) + np.prod(new)) / _best_run(cat, feeds, threads, repeats)
+    # A decode step's KV cache at three lengths (1, 4 and 8 MiB a tensor): the bytes over the
+    # seconds of all three, so a small cache's fixed costs weigh as much as a step sees.
+    new = [1, 8, 1, 64]
+    moved = transposed = cat_s = tr_s = 0.0
+    for length in (512, 2048, 4096):
+        past = [1, 8, length, 64]
+        p = rng.random(past, np.float32)
+        cat = _graph([helper.make_node("Concat", ["p", "n"], ["c"], axis=2)],
+                     {"p": past, "n": new}, "c")
+        cat_s += _best_run(cat, {"p": p, "n": rng.random(new, np.float32)}, threads, repeats)
+        moved += 4.0 * 2 * (np.prod(past) + np.prod(new))
+        tr = _graph([helper.make_node("Transpose", ["p"], ["c"], perm=[0, 1, 3, 2])],
+                    {"p": past}, "c")
+        tr_s += _best_run(tr, {"p": p}, threads, repeats)
+        transposed += 4.0 * 2 * np.prod(past)
     one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
 
     def chain(length: int) -> float:
@@ -259,7 +270,8 @@ def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]
                          {"x0": np.ones(16, np.float32)}, threads, repeats)
 
     per_node = max(0.0, (chain(200) - chain(1)) / 199)
-    return {"peak_flops": flops, "efficiency": 1.0, "mem_bw": bw, "move_bw": float(move),
+    return {"peak_flops": flops, "efficiency": 1.0, "mem_bw": bw,
+            "move_bw": float(moved / cat_s), "transpose_bw": float(transposed / tr_s),
             "launch_overhead_s": per_node}
 
 
