@@ -63,11 +63,46 @@ class Sidecar:
 
 def onnx_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
     """``onnx.checker`` on the finished model (a :data:`Validation`): a written one by path,
-    so that its external data is checked where the output will find it."""
+    so that its external data is checked where the output will find it; one in memory (what
+    :class:`~ho_onnx.rewrite.passes.OffloadPass` leaves) with its external tensors checked
+    in ``data_dir`` here (the checker would look in the working directory)."""
     try:
-        onnx.checker.check_model(str(finished) if isinstance(finished, Path) else finished)
+        onnx.checker.check_model(str(finished) if isinstance(finished, Path) else
+                                 _external_checked(finished, data_dir))
     except onnx.checker.ValidationError as e:
         raise OutputPathError(f"the rewritten model does not pass onnx.checker: {e}") from e
+
+
+def _external_checked(model: onnx.ModelProto, data_dir: Path) -> onnx.ModelProto:
+    """``model`` itself when no tensor is in external data; else a copy whose external
+    tensors (each checked here as the checker checks a written model's: a regular file
+    inside ``data_dir``, not a link, holding its range) carry a one-byte placeholder."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in _get_all_tensors(model)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for t in _get_all_tensors(copy):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        ext = {e.key: e.value for e in t.external_data}
+        what = f"tensor {t.name!r}"
+        path = resolve_data_path(data_dir, ext.get("location", ""), what, error=OutputPathError)
+        link = data_dir / ext.get("location", "")
+        if link.is_symlink() or not path.is_file():
+            raise OutputPathError(f"the rewritten model does not pass onnx.checker: data of "
+                                  f"{what} should be in {ext.get('location')!r}, which is "
+                                  f"not a regular file of {str(data_dir)!r}")
+        end = int(ext.get("offset", 0) or 0) + int(ext.get("length", 0) or 0)
+        if end > path.stat().st_size:
+            raise OutputPathError(f"the rewritten model does not pass onnx.checker: {what} "
+                                  f"reads bytes up to {end} of {ext.get('location')!r}, which "
+                                  f"holds {path.stat().st_size}")
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+        t.raw_data = b"\0"  # (checked above; the checker looks for one value field)
+    return copy
 
 
 @dataclass

@@ -140,19 +140,8 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
             ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
             free[ev.direction] = ev.end_s
         for ev in waits_at.get(i, ()):
-            if ev.direction in in_wait:  # the copy itself, on the compute stream
-                ev.start_s = now
-                ev.end_s = now + transfer_time(ev.nbytes, ev.direction)
-                ev.stall_s = ev.end_s - now
-                now = ev.end_s
-                continue
-            if ev.end_s > now:
-                ev.stall_s = ev.end_s - now
-                now = ev.end_s
-            if copy_in_compute:  # (a disk read: then its copy out of staging)
-                copy = transfer_time(ev.nbytes, memcpy)
-                ev.stall_s += copy
-                now += copy
+            now = _wait(ev, now, transfer_time, in_wait,
+                        memcpy if copy_in_compute else None)
         if staging is not None:
             for ev in waits_at.get(i, ()):
                 if ev.direction in staged:
@@ -173,6 +162,27 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     return Simulation(compute_s, starts,
                       schedule_memory(analysis, choice, dims, residency, base_memory), now,
                       events)
+
+
+def _wait(ev: TransferEvent, now: float, transfer_time: TransferTime,
+          in_wait: frozenset[str], memcpy: Direction | None) -> float:
+    """The Wait of load ``ev`` at ``now``: the compute stream waits for the load to land, or,
+    ``in_wait`` (the CPU engine's loads out of host memory), does the copy itself; with
+    ``memcpy`` (the CPU engine) a load read elsewhere is then copied out of its staging at
+    that rate. Returns when the compute stream goes on; ``ev``'s stall is set."""
+    if ev.direction in in_wait:  # the copy itself, on the compute stream
+        ev.start_s = now
+        ev.end_s = now + transfer_time(ev.nbytes, ev.direction)
+        ev.stall_s = ev.end_s - now
+        return ev.end_s
+    if ev.end_s > now:
+        ev.stall_s = ev.end_s - now
+        now = ev.end_s
+    if memcpy is not None:  # (a disk read: then its copy out of staging)
+        copy = transfer_time(ev.nbytes, memcpy)
+        ev.stall_s += copy
+        now += copy
+    return now
 
 
 def _host_memory_loads() -> frozenset[str]:

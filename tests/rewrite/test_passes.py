@@ -70,6 +70,32 @@ def test_pass_without_offloads_changes_nothing(tmp_path):
     assert not _cache_ops(result.model) and len(result.model.graph) == len(model.graph)
 
 
+def test_a_resident_external_weight_is_checked_in_its_folder(tmp_path, monkeypatch):
+    """The pass validates its result in memory: a weight that stays resident in external
+    data (the small W1; the large W2 is offloaded) is checked in the model's folder, not in
+    the working directory (found: the checker looked there and refused every such model);
+    its data file gone or a link is refused by name."""
+    rng = np.random.default_rng(0)
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W1"], ["h"]),
+         onnx.helper.make_node("MatMul", ["h", "W2"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 16])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 64])],
+        [onnx.numpy_helper.from_array(rng.standard_normal((16, 16), np.float32), "W1"),
+         onnx.numpy_helper.from_array(rng.standard_normal((16, 64), np.float32), "W2")])
+    src = save(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)]),
+               tmp_path / "m.onnx", external=True)
+    monkeypatch.chdir(tmp_path.parent)  # (not the model's folder)
+    big = ExplicitPolicy(OffloadOptions(activations=False, min_bytes=2048))
+    out = OffloadPass(big, {})(ir.load(src)).model
+    assert "W1" in out.graph.initializers and "W2" not in out.graph.initializers
+    model = ir.load(src)
+    (tmp_path / "m.onnx.data").rename(tmp_path / "moved.data")
+    (tmp_path / "m.onnx.data").symlink_to(tmp_path / "moved.data")
+    with pytest.raises(Exception, match="not a regular file"):
+        OffloadPass(big, {})(model)
+
+
 def test_inline_weights_are_refused_by_the_precondition():
     model = ir.from_proto(chain_model())
     with pytest.raises(ir.passes.PreconditionError, match="'W1' is not in external data"):
