@@ -260,14 +260,15 @@ def node_flops_bytes(analysis: GraphAnalysis, pos: int,
 
 
 def node_time(machine: Machine, flops: float, nbytes: float, movement: bool = False,
-              transpose: bool = False) -> float:
+              transpose: bool = False, matmul: bool = False) -> float:
     """Roofline seconds of one node: ``max(compute, memory) + launch overhead``; the bytes of
     a data-movement op (``movement``) at the machine's movement rate, a Transpose's
-    (``transpose``: a strided copy) at its transpose rate."""
+    (``transpose``: a strided copy) at its transpose rate; a MatMul (``matmul``) pays the
+    machine's ``matmul_overhead_s`` too."""
     bw = machine.transposing_bw if transpose else machine.movement_bw if movement else \
         machine.mem_bw
-    return max(flops / (machine.peak_flops * machine.efficiency),
-               nbytes / bw) + machine.launch_overhead_s
+    return max(flops / (machine.peak_flops * machine.efficiency), nbytes / bw) \
+        + machine.launch_overhead_s + (machine.matmul_overhead_s if matmul else 0.0)
 
 
 def node_seconds(machine: Machine, analysis: GraphAnalysis, pos: int,
@@ -277,7 +278,7 @@ def node_seconds(machine: Machine, analysis: GraphAnalysis, pos: int,
     op = analysis.node_at(pos).op_type
     return node_time(machine, *node_flops_bytes(analysis, pos, dims, sizes),
                      movement=op in _MOVEMENT_OPS or op in _GATHER_OPS,
-                     transpose=op == "Transpose")
+                     transpose=op == "Transpose", matmul=op in _MATMUL_OPS)
 
 
 def host_node_time(analysis: GraphAnalysis, machine: Machine, dims: Mapping[str, int],

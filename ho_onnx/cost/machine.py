@@ -59,6 +59,10 @@ class Machine:
     # read and written per second; 0: ``movement_bw``. On a CPU it runs well below a
     # Concat's contiguous copy (calibrated: 30 against 60 GB/s on a 2-core VM).
     transpose_bw: float = 0.0
+    # Fixed seconds a MatMul costs beyond its roofline and ``launch_overhead_s`` (ORT's CPU
+    # EP splits it over its thread pool: ~10 us a node on a 2-core VM, which a decode step's
+    # 25 one-row MatMuls pay each); 0 on the presets.
+    matmul_overhead_s: float = 0.0
 
     @property
     def movement_bw(self) -> float:
@@ -149,6 +153,7 @@ LIMITS: dict[str, tuple[float, float, str]] = {
     "efficiency": (1e-3, 1.0, ""),
     "move_bw": (0.0, 1e15, "bytes/s"),
     "transpose_bw": (0.0, 1e15, "bytes/s"),
+    "matmul_overhead_s": (0.0, 1.0, "s"),
     "host_flops": (0.0, 1e19, "FLOP/s"),  # (0: the fast tier's compute is the host's)
     "host_mem_bw": (0.0, 1e15, "bytes/s"),
 }

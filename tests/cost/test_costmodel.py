@@ -276,6 +276,26 @@ def test_transpose_at_the_transpose_rate():
         cpu.with_overrides(transpose_bw=5)
 
 
+def test_a_matmul_pays_the_machines_matmul_overhead():
+    """``matmul_overhead_s`` (ORT's thread-pool dispatch of a MatMul on the CPU EP) is added
+    to every MatMul and to nothing else."""
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.ones((64, 64), np.float32), "w")])
+    a = analyse(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    cpu = MACHINES["cpu"]
+    assert cpu.matmul_overhead_s == 0
+    base = analytic_costs(a, cpu).seconds
+    got = analytic_costs(a, cpu.with_overrides(matmul_overhead_s=1e-5)).seconds
+    assert got[0] == pytest.approx(base[0] + 1e-5) and got[1] == base[1]
+    with pytest.raises(ValueError, match="matmul_overhead_s"):
+        cpu.with_overrides(matmul_overhead_s=5.0)
+
+
 # ---- profiles ------------------------------------------------------------------------
 
 DIMS = {"batch": 2, "seq": 16}

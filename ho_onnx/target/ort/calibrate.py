@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ...errors import HoOnnxError, Log, quiet
 from ...graph.save import free_bytes, new_temp, temporary_files, write_atomic
@@ -230,25 +230,31 @@ def _graph(nodes: list[onnx.NodeProto], inputs: dict[str, list[int]], output: st
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]:
-    """ONNX Runtime's CPU EP rates as machine fields: ``peak_flops`` (a 512x1024x1024 fp32
-    MatMul; ``efficiency`` 1: the rate is what ORT reaches), ``mem_bw`` (a one-row MatMul
-    over a 64 MiB weight: the bytes per second a decode step reads its weights at),
-    ``move_bw`` (a KV cache's ``Concat(past, new)`` at 1, 4 and 8 MiB: bytes read and
-    written per second, the rate of the data-movement ops), ``transpose_bw`` (the attention's
-    ``Transpose`` of the same caches: a strided copy) and ``launch_overhead_s`` (per node of a
-    chain of 200 tiny Adds, less a chain of one)."""
-    rng = np.random.default_rng(0)
-    m, k, n = 512, 1024, 1024
-    mm = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [m, k], "b": [k, n]}, "c")
-    feeds = {"a": rng.random((m, k), np.float32), "b": rng.random((k, n), np.float32)}
-    flops = 2.0 * m * k * n / _best_run(mm, feeds, threads, repeats)
-    k, n = 2048, 8192
-    mv = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [1, k], "b": [k, n]}, "c")
-    feeds = {"a": rng.random((1, k), np.float32), "b": rng.random((k, n), np.float32)}
-    bw = 4.0 * k * n / _best_run(mv, feeds, threads, repeats)
-    # A decode step's KV cache at three lengths (1, 4 and 8 MiB a tensor): the bytes over the
-    # seconds of all three, so a small cache's fixed costs weigh as much as a step sees.
+def _matmul_rates(rng: np.random.Generator, threads: int, repeats: int) -> dict[str, float]:
+    """``mem_bw`` and ``matmul_overhead_s``: a decode step's MatMuls, as chains of one-row
+    MatMuls over 64 MiB of distinct weights (beyond a last-level cache), in 64 pieces of
+    1 MiB and in 4 of 16 MiB; their times fit a fixed cost per MatMul (ORT's thread-pool
+    dispatch) plus the bytes at the weight-read rate."""
+    def matmuls(k: int, count: int) -> float:
+        nodes = [helper.make_node("MatMul", [f"x{i}", f"w{i}"], [f"x{i + 1}"])
+                 for i in range(count)]
+        inits = [numpy_helper.from_array(rng.random((k, k), np.float32), f"w{i}")
+                 for i in range(count)]
+        return _best_run(_graph(nodes, {"x0": [1, k]}, f"x{count}", inits),
+                         {"x0": rng.random((1, k), np.float32)}, threads, repeats)
+
+    many, few = matmuls(512, 64), matmuls(2048, 4)
+    overhead = max(0.0, (many - few) / (64 - 4))
+    return {"mem_bw": 64.0 * 2**20 / max(few - 4 * overhead, few / 2),
+            "matmul_overhead_s": float(overhead)}
+
+
+def _movement_rates(rng: np.random.Generator, threads: int, repeats: int
+                    ) -> dict[str, float]:
+    """``move_bw`` and ``transpose_bw``: a decode step's KV cache at three lengths (1, 4 and
+    8 MiB a tensor) concatenated with a new position, and transposed as attention's K^T;
+    bytes read and written over the seconds of all three (a small cache's fixed costs weigh
+    as much as a step sees them)."""
     new = [1, 8, 1, 64]
     moved = transposed = cat_s = tr_s = 0.0
     for length in (512, 2048, 4096):
@@ -262,6 +268,20 @@ def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]
                     {"p": past}, "c")
         tr_s += _best_run(tr, {"p": p}, threads, repeats)
         transposed += 4.0 * 2 * np.prod(past)
+    return {"move_bw": float(moved / cat_s), "transpose_bw": float(transposed / tr_s)}
+
+
+def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]:
+    """ONNX Runtime's CPU EP rates as machine fields: ``peak_flops`` (a 512x1024x1024 fp32
+    MatMul; ``efficiency`` 1: the rate is what ORT reaches), ``mem_bw`` and
+    ``matmul_overhead_s`` (:func:`_matmul_rates`), ``move_bw`` and ``transpose_bw``
+    (:func:`_movement_rates`) and ``launch_overhead_s`` (per node of a chain of 200 tiny
+    Adds, less a chain of one)."""
+    rng = np.random.default_rng(0)
+    m, k, n = 512, 1024, 1024
+    mm = _graph([helper.make_node("MatMul", ["a", "b"], ["c"])], {"a": [m, k], "b": [k, n]}, "c")
+    feeds = {"a": rng.random((m, k), np.float32), "b": rng.random((k, n), np.float32)}
+    flops = 2.0 * m * k * n / _best_run(mm, feeds, threads, repeats)
     one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
 
     def chain(length: int) -> float:
@@ -270,9 +290,8 @@ def measure_cpu_compute(threads: int = 0, repeats: int = 10) -> dict[str, float]
                          {"x0": np.ones(16, np.float32)}, threads, repeats)
 
     per_node = max(0.0, (chain(200) - chain(1)) / 199)
-    return {"peak_flops": flops, "efficiency": 1.0, "mem_bw": bw,
-            "move_bw": float(moved / cat_s), "transpose_bw": float(transposed / tr_s),
-            "launch_overhead_s": per_node}
+    return {"peak_flops": flops, "efficiency": 1.0, "launch_overhead_s": per_node,
+            **_matmul_rates(rng, threads, repeats), **_movement_rates(rng, threads, repeats)}
 
 
 def calibrate(out_json: str | os.PathLike[str] | None = None, *, base: str = "cpu",

@@ -98,7 +98,7 @@ def test_cpu_compute_rates_are_measured_for_the_cpu_preset_only(tmp_path: Path, 
     r = calibrate.calibrate(out, base=base, size=2 << 20, directory=str(tmp_path))
     m = Machine.from_json(out)
     compute = ("peak_flops", "mem_bw", "launch_overhead_s", "efficiency", "move_bw",
-               "transpose_bw")
+               "transpose_bw", "matmul_overhead_s")
     if base == "h100":
         assert not set(compute) & set(r)
         assert [getattr(m, f) for f in compute] == [getattr(MACHINES["h100"], f)
@@ -109,4 +109,5 @@ def test_cpu_compute_rates_are_measured_for_the_cpu_preset_only(tmp_path: Path, 
     assert m.mem_bw == r["mem_bw"] and 1e8 < m.mem_bw < 1e13
     assert m.move_bw == m.movement_bw == r["move_bw"] and 1e8 < m.move_bw < 1e13
     assert m.transpose_bw == m.transposing_bw == r["transpose_bw"] and 1e8 < m.transpose_bw < 1e13
+    assert m.matmul_overhead_s == r["matmul_overhead_s"] and 0 <= m.matmul_overhead_s < 1e-3
     assert m.launch_overhead_s == r["launch_overhead_s"] and 0 <= m.launch_overhead_s < 1e-3
