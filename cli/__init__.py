@@ -933,8 +933,9 @@ def calibrate(out_json: str, base: str, data_file: str | None, size: int,
               directory: str | None) -> None:
     """Measure host->device / device->host copy rates (pinned, on a GPU; host memcpy on the
     CPU) and the disk read rate (O_DIRECT), and write them as a machine file. With --base
-    cpu (the CPU EP) also ONNX Runtime's own compute rates: a MatMul's FLOP/s, the rate a
-    one-row MatMul reads its weight at (a decode step's memory term) and the cost of one
+    cpu (the CPU EP) also ONNX Runtime's own compute rates: a MatMul's FLOP/s, the rate
+    one-row MatMuls read distinct weights at (a decode step's memory term) and what each
+    MatMul costs beyond it, a KV cache's Concat and Transpose rates, and the cost of one
     node, so that plans are timed as this machine runs them."""
     from ho_onnx.target.ort.calibrate import calibrate as run
 

@@ -51,9 +51,9 @@ class Machine:
     # ``peak_flops``/``mem_bw``.
     host_flops: float = 0.0
     host_mem_bw: float = 0.0
-    # Bandwidth of the data-movement ops (Concat, Transpose, Gather, ...: a KV cache's
-    # Concat(past, new)), bytes/s; 0: mem_bw. A CPU streams a copy well below the rate a
-    # MatMul reads its weights at (calibrated: 18 against 51 GB/s on a 2-core VM).
+    # Bandwidth of the data-movement ops (Concat, Gather, ...: a KV cache's Concat(past,
+    # new)), bytes/s; 0: mem_bw (calibrated on a 2-core VM: 58-62 GB/s over 1-8 MiB caches,
+    # where one-row MatMuls read distinct weights at 27 GB/s).
     move_bw: float = 0.0
     # Bandwidth of a Transpose (a strided copy: the attention's K^T over a KV cache), bytes
     # read and written per second; 0: ``movement_bw``. On a CPU it runs well below a

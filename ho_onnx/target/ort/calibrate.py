@@ -7,8 +7,9 @@ page-aligned buffer) so that the number is the device's, not memory's. ``measure
 is the host tier's: a large memcpy between two host buffers. Both return bytes per second.
 ``measure_cpu_compute`` times ONNX Runtime's CPU EP itself (issue 38, honest CPU time: the
 ``cpu`` preset's modest rates predicted 63.7 ms for a decode step measured at 10.3 ms): a
-large MatMul (FLOP/s), a one-row MatMul over a weight larger than the caches (the rate a
-decode step reads its weights at, the roofline's memory term) and a chain of tiny nodes (the
+large MatMul (FLOP/s), chains of one-row MatMuls over 64 MiB of distinct weights (the rate a
+decode step reads its weights at, the roofline's memory term, and a fixed cost per MatMul),
+a KV cache's Concat and Transpose (the data-movement rates) and a chain of tiny nodes (the
 cost of one node).
 """
 
