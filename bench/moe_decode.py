@@ -93,6 +93,14 @@ def export(cfg: dict[str, int], root: Path, arch: str) -> Path:
     return export_moe(hf, root / "onnx", arch)
 
 
+def step_dims(cfg: dict[str, int]) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """A decode step's dims (the analysis's) and the range plan's dims (prefill to the last
+    decode step), for ``cfg``'s prompt and tokens."""
+    last = cfg["prompt"] + cfg["tokens"]
+    return ({"batch_size": 1, "sequence_length": 1, "past_sequence_length": last},
+            {"sequence_length": (1, cfg["prompt"]), "past_sequence_length": (0, last)})
+
+
 def probe(src: Path, dims: dict[str, int], out: Path | None
           ) -> tuple[Path | None, list[str], Any]:
     """A copy of ``src`` at ``out`` (None: none) with each router's TopK indices as extra
@@ -250,10 +258,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
     t0 = time.perf_counter()
     src = export(cfg, root, args.arch)
     print(f"exported {src} in {time.perf_counter() - t0:.0f} s", flush=True)
-    dims = {"batch_size": 1, "sequence_length": 1,
-            "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
-    ranges = {"sequence_length": (1, cfg["prompt"]),
-              "past_sequence_length": (0, cfg["prompt"] + cfg["tokens"])}
+    dims, ranges = step_dims(cfg)
     prb, routers, routed = probe(src, dims, root / "probe.onnx")
     ref = ort.InferenceSession(str(prb), session_options(), providers=["CPUExecutionProvider"])
     lay = kv_layout(src)
@@ -450,16 +455,13 @@ def graph_model(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> Pa
     ``models.regrow``: its data file regrown here when absent), else a fresh export."""
     if not args.graph:
         return export(cfg, root, args.arch)
-    import onnx
-
+    from ho_onnx.graph.load import data_files
     from models.regrow import regrow
 
     src = Path(args.graph) / "model.onnx"
     if not src.is_file():
         raise SystemExit(f"moe_decode: --graph {args.graph}: no model.onnx there")
-    locs = {e.value for t in onnx.load(str(src), load_external_data=False).graph.initializer
-            for e in t.external_data if e.key == "location"}
-    if any(not (src.parent / loc).is_file() for loc in locs):
+    if any(not p.is_file() for p in data_files(src)):
         t0 = time.perf_counter()
         regrow(src)
         print(f"regrew the weights of {src} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -518,7 +520,7 @@ class Weight(NamedTuple):
 
     name: str
     nbytes: int
-    consumers: tuple[str, ...]
+    consumers: tuple[int, ...]  # (reader positions: selected_bytes counts them)
 
 
 def prepare_cuda(src: Path, cfg: dict[str, int], out_dir: Path, machine: str) -> dict[str, Any]:
@@ -528,14 +530,12 @@ def prepare_cuda(src: Path, cfg: dict[str, int], out_dir: Path, machine: str) ->
     time; the budget, the resident peak, the experts' bytes, the data file's fingerprint)."""
     from ho_onnx.cost.source import CostSource
     from ho_onnx.graph.fingerprint import data_fingerprint
+    from ho_onnx.graph.load import data_files
     from ho_onnx.rewrite.pipeline import optimize, plan_model
     from ho_onnx.schedule.options import OffloadOptions
     from ho_onnx.schedule.planner import InfeasibleBudgetError
 
-    dims = {"batch_size": 1, "sequence_length": 1,
-            "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
-    ranges = {"sequence_length": (1, cfg["prompt"]),
-              "past_sequence_length": (0, cfg["prompt"] + cfg["tokens"])}
+    dims, ranges = step_dims(cfg)
     costs = CostSource(machine=machine)
     _, _, routed = probe(src, dims, None)
     peak = plan_model(src, OffloadOptions(budget=1 << 50), {"batch_size": 1}, costs,
@@ -567,11 +567,10 @@ def prepare_cuda(src: Path, cfg: dict[str, int], out_dir: Path, machine: str) ->
     make("routed, 1/4 experts", replace(base, budget=budget))
     make("CPU experts, 1/4 experts", replace(base, budget=budget, cpu_experts="auto"))
     make("routed + CPU experts", replace(base, cpu_experts="all"))
-    data = {e.value for t in __import__("onnx").load(str(src), load_external_data=False)
-            .graph.initializer for e in t.external_data if e.key == "location"}
     return {"rows": rows, "budget": budget, "resident_peak": peak, "expert_bytes": experts,
-            "machine": machine, "fingerprints": {d: data_fingerprint(src.parent / d)
-                                                 for d in sorted(data)}}
+            "machine": machine, "fingerprints": {
+                str(p.relative_to(src.parent)): data_fingerprint(p)
+                for p in sorted(data_files(src))}}
 
 
 def prepared(src: Path) -> dict[str, Any] | None:
@@ -608,23 +607,22 @@ def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[
         raise SystemExit(f"moe_decode: onnxruntime {ort.__version__} has no {CUDA_EP}")
     providers = [(CUDA_EP, {"device_id": 0, "arena_extend_strategy": "kSameAsRequested"})]
     src = graph_model(args, cfg, root)
-    dims = {"batch_size": 1, "sequence_length": 1,
-            "past_sequence_length": cfg["prompt"] + cfg["tokens"]}
+    dims, _ = step_dims(cfg)
     prb, routers, routed = probe(src, dims, src.parent / "probe.onnx")
     lay = kv_layout(src)
     pre = prepared(src) if args.graph else None
     man = pre or prepare_cuda(src, cfg, src.parent, args.machine)
+    wanted = [r.strip() for r in args.rows.split(";")] if args.rows else list(man["rows"])
+    unknown = [r for r in wanted if r not in man["rows"]]
+    if unknown:
+        raise SystemExit(f"moe_decode: --rows {unknown}: not rows of this bench "
+                         f"({', '.join(man['rows'])})")
     where = src.parent
     budget = man["budget"]
     sessions: dict[str, Any] = {}
     choices: dict[str, Any] = {}
     plans: dict[str, dict[str, Any]] = {}
     sessions["resident"] = ort.InferenceSession(str(prb), cuda_options(), providers=providers)
-    wanted = [r.strip() for r in args.rows.split(";")] if args.rows else list(man["rows"])
-    unknown = [r for r in wanted if r not in man["rows"]]
-    if unknown:
-        raise SystemExit(f"moe_decode: --rows {unknown}: not rows of this bench "
-                         f"({', '.join(man['rows'])})")
     for name in wanted:
         r = man["rows"][name]
         t0 = time.perf_counter()
@@ -697,10 +695,14 @@ def run_cuda(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[
         past = {p: outs[names.index(q)] for p, q in lay.pairs}
         tokens = [int(np.argmax(outs[0][0, -1]))]
         print(f"  step {step} ms: {' '.join(took)}", flush=True)
-    for row in rows.values():
+    # (the counter of the provider the rows must run their cache ops on: the CPU EP's only
+    # where a test stands it in for CUDA)
+    on_device = "ops_cuda" if CUDA_EP == "CUDAExecutionProvider" else "ops_cpu"
+    for name, row in rows.items():
         # bit-exact where the kernels are the same; the experts computed on the host (other
-        # kernels) must give the same greedy tokens
-        row["ok"] = row["same_tokens"] and (row["equal"] or any(row["host_matmuls"]))
+        # kernels) must give the same greedy tokens; an ho row's cache ops ran on the device
+        row["ok"] = row["same_tokens"] and (row["equal"] or any(row["host_matmuls"])) and (
+            name not in choices or row[on_device] > 0)
         summarise(row)
     doc = {"arch": args.arch, "device": "cuda", "config": cfg, "rows": list(rows.values()),
            "complete": True, "resident_peak": man["resident_peak"], "budget": budget,

@@ -72,6 +72,15 @@ AlignedBuf& bounce() {
   return *buf;
 }
 
+// One small bounce buffer per thread (a row, the ragged ends of a weight), freed when the
+// thread exits: kSmallBounce bytes, where the chunk-sized one above would keep 8 MiB for the
+// life of every compute thread that reads rows (GatherRows on the disk tier).
+AlignedBuf& small_bounce() {
+  thread_local std::unique_ptr<AlignedBuf> buf;
+  if (!buf) buf = std::make_unique<AlignedBuf>(static_cast<size_t>(kSmallBounce));
+  return *buf;
+}
+
 // RAII around the caller's write guard.
 class WriteScope {
  public:
@@ -428,13 +437,10 @@ bool DiskFile::read(uint64_t off, size_t n, char* out, const Guard& guard,
       continue;
     }
     const uint64_t piece_end = mid_direct && p < m0 ? m0 : end;
-    // A small piece (a row, the ragged ends of a weight) bounces through a buffer of its own,
-    // freed here: the thread's chunk-sized one is for the I/O threads (a compute thread that
-    // reads rows, GatherRows on the disk tier, would keep it for its life: 8 MiB each).
+    // A small piece (a row, the ragged ends of a weight) bounces through the thread's small
+    // buffer (no allocation per row); the chunk-sized one is for the I/O threads.
     const uint64_t need = round_up(piece_end, A) - round_down(p, A);
-    std::unique_ptr<AlignedBuf> small;
-    if (need <= kSmallBounce) small = std::make_unique<AlignedBuf>(static_cast<size_t>(need));
-    AlignedBuf& b = small ? *small : bounce();
+    AlignedBuf& b = need <= kSmallBounce ? small_bounce() : bounce();
     const uint64_t a0 = round_down(p, A);
     const uint64_t a1 = std::min<uint64_t>(a0 + (b.size() - b.size() % A), round_up(piece_end, A));
     const uint64_t q = std::min<uint64_t>(piece_end, a1);

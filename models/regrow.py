@@ -23,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["KEEP_BYTES", "regrow", "strip"]
+from ho_onnx.errors import ExternalDataError
+from ho_onnx.graph.load import resolve_data_path
+
+__all__ = ["KEEP_BYTES", "RegrowError", "regrow", "strip"]
 
 KEEP_BYTES = 1 << 20  # tensors below this travel inside the graph, verbatim
 _CHUNK = 1 << 24  # elements drawn at a time (bounded memory for multi-GiB tensors)
@@ -33,11 +36,13 @@ def _external(t) -> dict[str, str]:
     return {e.key: e.value for e in t.external_data}
 
 
-def _safe_location(folder: Path, location: str) -> Path:
-    p = (folder / location).resolve()
-    if p.parent != folder.resolve() or not location or "/" in location or "\\" in location:
-        raise ValueError(f"external data location {location!r} is not a file of {folder}")
-    return p
+class RegrowError(ExternalDataError, ValueError):
+    """A model's external-data entry that cannot be regrown (or stripped)."""
+
+
+def _safe_location(folder: Path, location: str, tensor: str) -> Path:
+    """The project's own check (``resolve_data_path``): a relative path inside ``folder``."""
+    return resolve_data_path(folder, location, f"tensor {tensor!r}", error=RegrowError)
 
 
 def strip(model: str | Path, out_dir: str | Path, keep_bytes: int = KEEP_BYTES) -> Path:
@@ -68,13 +73,13 @@ def strip(model: str | Path, out_dir: str | Path, keep_bytes: int = KEEP_BYTES) 
         length = int(ext.get("length", 0))
         if length >= keep_bytes:
             continue
-        with open(_safe_location(model.parent, ext["location"]), "rb") as f:
+        with open(_safe_location(model.parent, ext["location"], t.name), "rb") as f:
             f.seek(int(ext.get("offset", 0)))
             t.raw_data = f.read(length)
         del t.external_data[:]
         t.data_location = onnx.TensorProto.DEFAULT
     if end and grown in data:
-        raise ValueError(f"{model}: {grown} is already a data file of the model")
+        raise RegrowError(f"{model}: {grown} is already a data file of the model")
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / model.name
     onnx.save(m, str(out))
@@ -94,7 +99,8 @@ def regrow(model: str | Path, seed: int = 0, std: float = 0.02) -> list[Path]:
     """Write every data file ``model``'s external tensors name, each tensor's range drawn
     from ``normal(0, std)`` seeded by ``seed`` and its name (integer tensors: zeros). Returns
     the files written; an inconsistent entry (a length that is not the tensor's size,
-    ranges that overlap, a location outside the folder) raises ``ValueError``."""
+    ranges that overlap, a location outside the folder) raises :class:`RegrowError` (a
+    ``ValueError``) before anything is written."""
     import onnx
 
     model = Path(model)
@@ -108,16 +114,17 @@ def regrow(model: str | Path, seed: int = 0, std: float = 0.02) -> list[Path]:
         n = int(np.prod(t.dims, dtype=np.int64))
         length = int(ext.get("length", n * dt.itemsize))
         if length != n * dt.itemsize:
-            raise ValueError(f"{t.name}: length {length} is not {n} x {dt.itemsize} bytes")
-        ranges.setdefault(_safe_location(model.parent, ext["location"]), []).append(
+            raise RegrowError(f"{t.name}: length {length} is not {n} x {dt.itemsize} bytes")
+        ranges.setdefault(_safe_location(model.parent, ext["location"], t.name), []).append(
             (int(ext.get("offset", 0)), length, t))
     for path, rs in ranges.items():  # (every check before anything is written)
         rs.sort(key=lambda r: r[0])
         for (o1, l1, a), (o2, _, b) in itertools.pairwise(rs):
             if o1 + l1 > o2:
-                raise ValueError(f"{a.name} and {b.name} overlap in {path.name}")
+                raise RegrowError(f"{a.name} and {b.name} overlap in {path.name}")
     for path, rs in ranges.items():
         tmp = path.with_name(path.name + ".regrow")
+        path.parent.mkdir(parents=True, exist_ok=True)  # (inside the folder: checked)
         with open(tmp, "wb") as f:
             for offset, length, t in rs:
                 dt = _dtype(t)

@@ -77,8 +77,8 @@ def _with_external(tmp_path: Path, entries: list[tuple[str, int, int, int]]) -> 
 
 
 @pytest.mark.parametrize("entries, match", [
-    ([("../escape.bin", 0, 64, 16)], "not a file of"),
-    ([("/etc/passwd", 0, 64, 16)], "not a file of"),
+    ([("../escape.bin", 0, 64, 16)], "points outside the model folder"),
+    ([("/etc/passwd", 0, 64, 16)], "must be a relative path"),
     ([("w.bin", 0, 60, 16)], "is not 16 x 4 bytes"),
     ([("w.bin", 0, 64, 16), ("w.bin", 32, 64, 16)], "overlap"),
     ([("a.bin", 0, 64, 16), ("w.bin", 0, 64, 16), ("w.bin", 32, 64, 16)], "overlap"),
@@ -89,3 +89,11 @@ def test_hostile_entries_are_refused_and_nothing_is_written(tmp_path, entries, m
         regrow(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
     assert not (tmp_path.parent / "escape.bin").exists()
+
+
+def test_a_data_file_in_a_subfolder_is_regrown_there(tmp_path):
+    path = _with_external(tmp_path, [("sub/w.bin", 0, 64, 16)])
+    (written,) = regrow(path, seed=1)
+    assert written == (tmp_path / "sub" / "w.bin").resolve() and written.stat().st_size == 64
+    a = np.fromfile(written, np.float32)
+    assert a.shape == (16,) and a.any()

@@ -41,7 +41,8 @@ from .analyse import all_graphs
 from .dims import shape_text
 from .fingerprint import data_fingerprint
 from .gcpause import gc_paused
-from .load import LoadedModel, resolve_data_path
+from .load import LoadedModel, external_ref, resolve_data_path
+from .protos import iter_graphs
 
 # (what, done bytes, total bytes); a total of 0: nothing to count (waiting for another
 # process), said once
@@ -73,31 +74,36 @@ def onnx_validation(finished: Path | onnx.ModelProto, data_dir: Path) -> None:
         raise OutputPathError(f"the rewritten model does not pass onnx.checker: {e}") from e
 
 
+def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of ``model`` in external data: initializers and node attributes, in
+    every graph (:func:`~ho_onnx.graph.protos.iter_graphs`)."""
+    for g in iter_graphs(model.graph):
+        tensors = [*g.initializer, *(t for n in g.node for a in n.attribute
+                                     for t in ([a.t] if a.HasField("t") else [])
+                                     + list(a.tensors))]
+        yield from (t for t in tensors if external_ref(t) is not None)
+
+
 def _external_checked(model: onnx.ModelProto, data_dir: Path) -> onnx.ModelProto:
     """``model`` itself when no tensor is in external data; else a copy whose external
     tensors (each checked here as the checker checks a written model's: a regular file
     inside ``data_dir``, not a link, holding its range) carry a one-byte placeholder."""
-    from onnx.external_data_helper import _get_all_tensors
-
-    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in _get_all_tensors(model)):
+    if next(_external_tensors(model), None) is None:
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    for t in _get_all_tensors(copy):
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        ext = {e.key: e.value for e in t.external_data}
+    for t in list(_external_tensors(copy)):
+        ref = external_ref(t)
         what = f"tensor {t.name!r}"
-        path = resolve_data_path(data_dir, ext.get("location", ""), what, error=OutputPathError)
-        link = data_dir / ext.get("location", "")
-        if link.is_symlink() or not path.is_file():
+        path = resolve_data_path(data_dir, ref.location, what, error=OutputPathError)
+        if (data_dir / ref.location).is_symlink() or not path.is_file():
             raise OutputPathError(f"the rewritten model does not pass onnx.checker: data of "
-                                  f"{what} should be in {ext.get('location')!r}, which is "
-                                  f"not a regular file of {str(data_dir)!r}")
-        end = int(ext.get("offset", 0) or 0) + int(ext.get("length", 0) or 0)
+                                  f"{what} should be in {ref.location!r}, which is not a "
+                                  f"regular file of {str(data_dir)!r}")
+        end = ref.offset + (ref.length or 0)
         if end > path.stat().st_size:
             raise OutputPathError(f"the rewritten model does not pass onnx.checker: {what} "
-                                  f"reads bytes up to {end} of {ext.get('location')!r}, which "
+                                  f"reads bytes up to {end} of {ref.location!r}, which "
                                   f"holds {path.stat().st_size}")
         del t.external_data[:]
         t.data_location = onnx.TensorProto.DEFAULT

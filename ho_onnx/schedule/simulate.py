@@ -117,11 +117,13 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     events = _events(choice)
     loads_at, waits_at, stores_after, detach_after = _by_position(events, n)
     stored = {ev.tensor: ev for ev in events if ev.kind == "store"}
-    staged = kinds.host_loads()  # loads through the CUDA engine's device staging buffers
+    # the loads out of host memory (the stored tensors' too: they wait in the default tier):
+    # through the CUDA engine's device staging buffers; the CPU engine's copy in the Wait
+    staged = kinds.host_loads()
     staging = _staging_pool(n, loads_at, waits_at, staged) if host_ahead else None
     # (the CPU engine: loads out of host memory are the Wait's copy, nothing runs before)
-    in_wait = _host_memory_loads() if copy_in_compute else frozenset()
-    memcpy = kinds.tier("host").load.direction
+    in_wait = staged if copy_in_compute else frozenset()
+    memcpy = kinds.default_tier().load.direction  # (a copy out of host memory)
     free = dict.fromkeys((link.direction for link in kinds.links()), 0.0)
     now = 0.0
     starts = np.zeros(n)
@@ -183,12 +185,6 @@ def _wait(ev: TransferEvent, now: float, transfer_time: TransferTime,
         ev.stall_s += copy
         now += copy
     return now
-
-
-def _host_memory_loads() -> frozenset[str]:
-    """The load directions out of host memory: the host-memory tiers' and the stored
-    activations' and inputs' (:func:`kinds.stored_links`)."""
-    return kinds.host_loads() | {kinds.stored_links()[1].direction}
 
 
 def _staging_pool(n: int, loads_at: Mapping[int, list[TransferEvent]],
