@@ -71,7 +71,9 @@ n=${#parts[@]}
   echo "# device calls, in order, back to back (the machine is given back 30 s after a call)"
   echo "# format: COMMAND <TAB> CARRY (comma-separated)"
   for ((i = 0; i < n - 1; i++)); do
-    printf 'bash scripts/gpu_run.sh receive\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256\n' "${parts[i]}"
+    # The first call also probes how fast the machine pins host memory (CUDA runtime only).
+    printf 'bash scripts/gpu_run.sh receive%s\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256\n' \
+      "$([[ $i -eq 0 ]] && echo ' pinprobe')" "${parts[i]}"
   done
   printf 'bash scripts/gpu_run.sh receive setup build test\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256,.ortheaders\n' "${parts[n-1]}"
   printf 'bash scripts/gpu_run.sh setup llmbench\t\n'

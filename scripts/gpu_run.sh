@@ -24,6 +24,9 @@
 #              transformers rows) -> $OUT/llm_generate.json, bounded by HO_LLM_S seconds
 #              (default 220: `setup llmbench` on a warm, built machine ends within ~4 min);
 #              LLM_ARGS replaces its sizes (default: --contexts 2048,32768 --repeats 2 --new-tokens 16)
+#   pinprobe   bench/pin_probe.py: how fast host memory is pinned, by method and block size
+#              (mmap + cudaHostRegister, with huge pages, cudaHostAlloc) -> $OUT/pin_probe.json;
+#              needs only the CUDA runtime, so it fits the first receive call
 #   moebench   bench/moe_decode.py --device cuda --hf on the carried graph .moegraph/ (written
 #              by gpu_prepare.sh: a 2.0 GiB Qwen3-MoE exported here without its weights, which
 #              are regrown on the machine from a seed, models/regrow.py) -> $OUT/moe_decode.json,
@@ -254,6 +257,14 @@ moebench() {
   return "${PIPESTATUS[0]}"
 }
 
+# ---- pinprobe -----------------------------------------------------------------------------------
+# How fast the machine pins host memory, by method and block size (no ORT, no build needed).
+pinprobe() {
+  timeout 150 "$PY" bench/pin_probe.py --mib "${HO_PIN_MIB:-512}" --json "$OUT/pin_probe.json" \
+    2>&1 | tee "$OUT/pin_probe.log"
+  return "${PIPESTATUS[0]}"
+}
+
 # ---- --check ------------------------------------------------------------------------------------
 # Files each step writes under $OUT (a call brings back at most LIMIT_FILES).
 step_files() {
@@ -265,6 +276,7 @@ step_files() {
     bench) echo gpu_run.log bench.log gpu_offload.json machine.json calibrate.log ;;
     llmbench) echo gpu_run.log llmbench.log llm_generate.json ;;
     moebench) echo gpu_run.log moebench.log moe_decode.json ;;
+    pinprobe) echo gpu_run.log pin_probe.log pin_probe.json ;;
   esac
 }
 

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 namespace ho {
@@ -39,14 +40,29 @@ PinnedBlock::PinnedBlock(size_t bytes) {
   if (bytes == 0) return;
   const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   size_ = (bytes + page - 1) / page * page;
-  void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // From one huge page on, the block starts on a huge-page boundary and asks for transparent
+  // huge pages: pinning and the device's mapping then handle 2 MiB pages, not 4 KiB ones. The
+  // slack mapped to find the boundary is unmapped at once: the block is still size_ bytes.
+  const size_t slack = size_ >= kHugePage ? kHugePage : 0;
+  void* p = ::mmap(nullptr, size_ + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
   if (p == MAP_FAILED) {
     const int e = errno;
     size_ = 0;
     fail(ORT_FAIL, "cannot map " + std::to_string(bytes) + " bytes of host memory: " +
                        std::strerror(e));
   }
-  data_ = static_cast<char*>(p);
+  char* base = static_cast<char*>(p);
+  data_ = base;
+  if (slack != 0) {
+    const auto at = reinterpret_cast<uintptr_t>(base);
+    data_ = reinterpret_cast<char*>((at + kHugePage - 1) / kHugePage * kHugePage);
+    const size_t head = static_cast<size_t>(data_ - base);
+    if (head != 0) ::munmap(base, head);
+    if (slack - head != 0) ::munmap(data_ + size_, slack - head);
+    // Advice only: without transparent huge pages the block is pinned in 4 KiB pages.
+    (void)::madvise(data_, size_ / kHugePage * kHugePage, MADV_HUGEPAGE);
+  }
   const cudaError_t e = cudaHostRegister(data_, size_, cudaHostRegisterPortable);
   if (e != cudaSuccess) {
     ::munmap(data_, size_);

@@ -35,9 +35,12 @@ class Stream {
 };
 
 // Page-aligned host memory pinned with cudaHostRegister (portable to every device): exact
-// page-rounded size, no hidden rounding to huge pages. Counted in counters().pinned_bytes.
+// page-rounded size, no hidden rounding to huge pages; a block of at least kHugePage starts
+// on a huge-page boundary with MADV_HUGEPAGE (fewer pages to pin and map where the kernel
+// has transparent huge pages). Counted in counters().pinned_bytes.
 class PinnedBlock {
  public:
+  static constexpr size_t kHugePage = size_t{2} << 20;
   explicit PinnedBlock(size_t bytes);
   ~PinnedBlock();
   PinnedBlock(const PinnedBlock&) = delete;

@@ -9,18 +9,22 @@
 //    segment has room the ring grows by a segment: acquire() never waits, so concurrent runs
 //    can never deadlock on host memory.
 //  * ring_capacity(): the first segment's size from the plan's recorded host bytes.
-//  * WeightPacker: where each pinned weight goes (own block, or packed into a shared chunk),
-//    so that pinned memory stays within 1.1x the weights' bytes for realistic models.
+//  * WeightPacker: where each pinned weight goes (own block, packed into a shared chunk or
+//    into a slab of its data file), so that few blocks are pinned and pinned memory stays
+//    within ~1.1x the weights' bytes for realistic models.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -321,36 +325,66 @@ inline size_t ring_capacity(size_t host_bytes) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Pinned weights: a weight of at least kOwnBlockMin (256 KiB) gets its own page-rounded
-// block (waste < 4 KiB, i.e. < 1.6%); smaller ones are packed at 256-byte alignment into
-// shared chunks of kChunk (4 MiB) bytes (the tail a chunk is left with when the next weight
-// does not fit is < 256 KiB, i.e. < 1/16 of it), so the pinned bytes are at most 1.07x the
-// weights' bytes plus one partly filled chunk (< 4 MiB).
+// Pinned weights, by size, so that few blocks are pinned (each cudaHostRegister has a cost of
+// its own) and the pinned bytes stay close to the weights' bytes:
+//  * small (< kOwnBlockMin, 256 KiB): packed at 256-byte alignment into shared chunks of
+//    kChunk (4 MiB); a chunk's unused tail when the next weight does not fit is < 1/16 of it;
+//  * medium (up to kSlabMax / 16, 4 MiB: an MoE expert's matrix): packed at page alignment
+//    into slabs of their group (a data file's version: its weights come and go together),
+//    the group's k-th slab min(kSlabMax, kChunk << k) bytes; the unused tail of a full slab
+//    is < 4 MiB (< 1/16 of a 64 MiB slab);
+//  * large: a page-rounded block of its own (waste < 4 KiB).
+// So the pinned bytes are at most ~1.07x the weights' plus one partly filled chunk (< 4 MiB)
+// and, per group with medium weights, its last slab's unfilled part (< 64 MiB, and less
+// than 4 MiB plus the group's earlier slabs). A 2 GiB model of 610 3-MiB experts pins 34
+// blocks instead of 610.
 class WeightPacker {
  public:
   static constexpr size_t kPage = 4096;
   static constexpr size_t kAlign = 256;
   static constexpr size_t kOwnBlockMin = size_t{256} << 10;
   static constexpr size_t kChunk = size_t{4} << 20;
+  static constexpr size_t kSlabMax = size_t{64} << 20;
+  static constexpr size_t kMediumMax = kSlabMax / 16;
 
+  enum class Kind { kOwn, kChunk, kSlab };
   struct Placement {
-    bool own_block = false;  // true: a block of `block_bytes` for this weight alone
-    size_t block_bytes = 0;  // own block: its size; packed: the size of a new chunk, or 0
-    size_t chunk = 0;        // packed: index of the chunk
-    size_t offset = 0;       // packed: offset in the chunk
+    Kind kind = Kind::kOwn;
+    size_t block_bytes = 0;  // own block: its size; chunk/slab: the size of a new one, or 0
+    size_t block = 0;        // chunk/slab: its index (chunks and slabs counted apart)
+    size_t offset = 0;       // chunk/slab: offset in it
+    bool own_block() const { return kind == Kind::kOwn; }
   };
 
-  // Where a weight of `bytes` goes; a new chunk is opened when the current one is full
-  // (Placement::block_bytes != 0 then: allocate it before using the placement).
-  Placement place(size_t bytes) {
+  // Where a weight of `bytes` of `group` goes; a new chunk or slab is opened when the current
+  // one is full (Placement::block_bytes != 0 then: allocate it before using the placement).
+  Placement place(size_t bytes, const std::string& group = std::string()) {
     Placement p;
-    if (bytes >= kOwnBlockMin) {
-      p.own_block = true;
-      p.block_bytes = align_up(bytes, kPage);
-      reserved_ += p.block_bytes;
-      payload_ += bytes;
+    payload_ += bytes;
+    if (bytes >= kOwnBlockMin && bytes <= kMediumMax) {
+      p.kind = Kind::kSlab;
+      Slabs& g = groups_[group];
+      const size_t need = align_up(bytes, kPage);
+      if (g.cap == 0 || g.used + need > g.cap) {
+        g.cap = std::min(kSlabMax, kChunk << std::min<size_t>(g.opened, 4));
+        g.used = 0;
+        ++g.opened;
+        ++slabs_;
+        reserved_ += g.cap;
+        p.block_bytes = g.cap;
+        g.index = slabs_ - 1;
+      }
+      p.block = g.index;
+      p.offset = g.used;
+      g.used += need;
       return p;
     }
+    if (bytes >= kOwnBlockMin) {
+      p.block_bytes = align_up(bytes, kPage);
+      reserved_ += p.block_bytes;
+      return p;
+    }
+    p.kind = Kind::kChunk;
     const size_t need = align_up(bytes == 0 ? 1 : bytes, kAlign);
     if (chunks_ == 0 || used_ + need > kChunk) {
       p.block_bytes = kChunk;
@@ -358,22 +392,35 @@ class WeightPacker {
       ++chunks_;
       used_ = 0;
     }
-    p.chunk = chunks_ - 1;
+    p.block = chunks_ - 1;
     p.offset = used_;
     used_ += need;
-    payload_ += bytes;
     return p;
   }
 
-  size_t reserved() const { return reserved_; }
+  // `group`'s current slab is gone (all its weights were dropped): its next medium weight
+  // opens a new slab, as small as the group's first. Forgotten groups take no memory here.
+  void forget(const std::string& group) { groups_.erase(group); }
+
+  size_t reserved() const { return reserved_; }  // bytes of every block ever opened
   size_t payload() const { return payload_; }
   size_t chunks() const { return chunks_; }
+  size_t slabs() const { return slabs_; }
+  size_t groups() const { return groups_.size(); }
 
  private:
+  struct Slabs {
+    size_t opened = 0;  // slabs opened for the group so far
+    size_t cap = 0;     // the current slab's size (0: none)
+    size_t used = 0;
+    size_t index = 0;   // the current slab's index
+  };
   size_t reserved_ = 0;
   size_t payload_ = 0;
   size_t chunks_ = 0;
+  size_t slabs_ = 0;
   size_t used_ = 0;
+  std::map<std::string, Slabs> groups_;
 };
 
 }  // namespace cuda_logic

@@ -1,8 +1,10 @@
 // The CUDA engine's host store of weights: tiers in host memory (tiers.h) read straight into
-// pinned blocks, small weights packed into shared chunks (host_logic.h: WeightPacker).
+// pinned blocks, small weights packed into shared chunks and medium ones into slabs of their
+// data file (host_logic.h: WeightPacker).
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,27 +53,57 @@ class PinnedWeights {
 
   std::shared_ptr<const HostBlob> load(const WeightSource& src, const std::string& content) {
     return blobs_.get(weight_key(src, content),
-                      [&]() -> std::shared_ptr<const HostBlob> { return place(src); });
+                      [&]() -> std::shared_ptr<const HostBlob> { return place(src, content); });
   }
 
  private:
-  // Pins `src`'s bytes (under the cache's lock: the packer's chunk is shared).
-  std::shared_ptr<const HostBlob> place(const WeightSource& src) {
+  // Pins `src`'s bytes (under the cache's lock: the packer's chunk and slabs are shared).
+  // Medium weights share slabs with the other weights of their data file's version
+  // (`content`), which come and go with it.
+  std::shared_ptr<const HostBlob> place(const WeightSource& src, const std::string& content) {
     const size_t n = src.size();
-    const cuda_logic::WeightPacker::Placement p = packer_.place(n);
+    if (n >= cuda_logic::WeightPacker::kOwnBlockMin && n <= cuda_logic::WeightPacker::kMediumMax &&
+        slabs_[content].expired()) {
+      packer_.forget(content);  // its last slab went with its weights: start small again
+    }
+    const cuda_logic::WeightPacker::Placement p = packer_.place(n, content);
     std::shared_ptr<cuda::PinnedBlock> block;
     char* dst = nullptr;
-    if (p.own_block) {
-      block = pinned(p.block_bytes);
-      dst = block->data();
-    } else {
-      if (p.block_bytes != 0) chunk_ = pinned(p.block_bytes);
-      block = chunk_;
-      dst = block->data() + p.offset;
+    switch (p.kind) {
+      case cuda_logic::WeightPacker::Kind::kOwn:
+        block = pinned(p.block_bytes);
+        dst = block->data();
+        break;
+      case cuda_logic::WeightPacker::Kind::kChunk:
+        if (p.block_bytes != 0) chunk_ = pinned(p.block_bytes);
+        block = chunk_;
+        dst = block->data() + p.offset;
+        break;
+      case cuda_logic::WeightPacker::Kind::kSlab:
+        block = p.block_bytes != 0 ? pinned(p.block_bytes) : slabs_[content].lock();
+        if (!block) fail(ORT_FAIL, "internal: a weight placed in a slab that is gone");
+        slabs_[content] = block;  // weak: the slab goes with its last weight
+        dst = block->data() + p.offset;
+        sweep_slabs();
+        break;
     }
     // Straight into pinned memory: no pageable copy in between.
     if (n != 0) src.read(src.offset(), n, dst);
     return std::make_shared<PinnedBlob>(std::move(block), dst, n);
+  }
+
+  // Drops the groups whose slabs are gone, once their count has doubled since the last time.
+  void sweep_slabs() {
+    if (slabs_.size() < 2 * slabs_swept_ + 16) return;
+    for (auto it = slabs_.begin(); it != slabs_.end();) {
+      if (it->second.expired()) {
+        packer_.forget(it->first);
+        it = slabs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    slabs_swept_ = slabs_.size();
   }
 
   // A pinned block whose release first drains the copy streams.
@@ -90,6 +122,9 @@ class PinnedWeights {
   std::shared_ptr<CopyDrain> drain_;
   cuda_logic::WeightPacker packer_;
   std::shared_ptr<cuda::PinnedBlock> chunk_;  // the chunk small weights are packed into
+  // Per data file version: the slab its medium weights are packed into (held by them).
+  std::map<std::string, std::weak_ptr<cuda::PinnedBlock>> slabs_;
+  size_t slabs_swept_ = 0;
   WeakCache<const HostBlob> blobs_;
 };
 

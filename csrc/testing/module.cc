@@ -304,15 +304,22 @@ class TestSlotRing {
   bool finished_in_time_ = false;
 };
 
-py::dict pack_weights(const std::vector<size_t>& sizes) {
+// `groups[i]` (empty: all "") is weight i's group (its data file); a group named in
+// `forget_before[i]` is forgotten before weight i is placed (its slab went).
+py::dict pack_weights(const std::vector<size_t>& sizes, const std::vector<std::string>& groups,
+                      const std::vector<std::string>& forget_before) {
   cl::WeightPacker p;
   py::list places;
-  for (size_t n : sizes) {
-    const cl::WeightPacker::Placement pl = p.place(n);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i < forget_before.size() && !forget_before[i].empty()) p.forget(forget_before[i]);
+    const cl::WeightPacker::Placement pl = p.place(sizes[i], i < groups.size() ? groups[i] : "");
     py::dict d;
-    d["own_block"] = pl.own_block;
+    d["kind"] = pl.kind == cl::WeightPacker::Kind::kOwn     ? "own"
+                : pl.kind == cl::WeightPacker::Kind::kChunk ? "chunk"
+                                                            : "slab";
+    d["own_block"] = pl.own_block();
     d["block_bytes"] = pl.block_bytes;
-    d["chunk"] = pl.chunk;
+    d["block"] = pl.block;
     d["offset"] = pl.offset;
     places.append(d);
   }
@@ -320,6 +327,7 @@ py::dict pack_weights(const std::vector<size_t>& sizes) {
   d["reserved"] = p.reserved();
   d["payload"] = p.payload();
   d["chunks"] = p.chunks();
+  d["slabs"] = p.slabs();
   d["placements"] = places;
   return d;
 }
@@ -515,6 +523,8 @@ PYBIND11_MODULE(_ops_testing, m) {
         "The size class the host pool rounds a request of `size` bytes up to.");
   m.def("ring_capacity", &ho::cuda_logic::ring_capacity,
         "First ring segment for a plan storing `host_bytes` bytes of activations per run.");
-  m.def("pack_weights", &pack_weights,
-        "Where the pinned weight store puts weights of the given sizes (WeightPacker).");
+  m.def("pack_weights", &pack_weights, py::arg("sizes"),
+        py::arg("groups") = std::vector<std::string>(),
+        py::arg("forget_before") = std::vector<std::string>(),
+        "Where the pinned weight store puts weights of the given sizes and groups (WeightPacker).");
 }
