@@ -76,8 +76,8 @@ n=${#parts[@]}
       "$([[ $i -eq 0 ]] && echo ' pinprobe')" "${parts[i]}"
   done
   printf 'bash scripts/gpu_run.sh receive setup build test\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256,.ortheaders\n' "${parts[n-1]}"
-  printf 'bash scripts/gpu_run.sh setup llmbench\t\n'
   printf 'bash scripts/gpu_run.sh setup moebench\t.moegraph\n'
+  printf 'bash scripts/gpu_run.sh setup llmbench\t\n'
   printf 'bash scripts/gpu_run.sh setup calibrate bench\t\n'
 } > .ortgpu/calls.txt
 echo "gpu_prepare: $n parts of at most $PART_MB MiB; device calls (.ortgpu/calls.txt):"

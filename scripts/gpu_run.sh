@@ -260,7 +260,7 @@ moebench() {
 # ---- pinprobe -----------------------------------------------------------------------------------
 # How fast the machine pins host memory, by method and block size (no ORT, no build needed).
 pinprobe() {
-  timeout 150 "$PY" bench/pin_probe.py --mib "${HO_PIN_MIB:-512}" --json "$OUT/pin_probe.json" \
+  timeout 100 "$PY" bench/pin_probe.py --mib "${HO_PIN_MIB:-256}" --row-s 8 --json "$OUT/pin_probe.json" \
     2>&1 | tee "$OUT/pin_probe.log"
   return "${PIPESTATUS[0]}"
 }
