@@ -249,12 +249,26 @@ def _hf_model(cfg: dict[str, Any], ctx: int, device: str, offloaded: bool) -> An
     return model
 
 
+INT32_ELEMENTS = 2**31 - 1
+
+
+def context_chunk(cfg: dict[str, Any], ctx: int) -> int:
+    """The prefill chunk at context ``ctx``: ``cfg["chunk"]``, halved until a chunk's attention
+    scores (heads x chunk x keys, keys up to the range's top) stay under 2**31 elements. ORT's
+    CUDA kernels index elements with int32 (fast_divmod: the unmodified model fails at 32k
+    context with 2,048-token chunks and 32 heads, H200 stop 46)."""
+    chunk = cfg["chunk"]
+    while chunk > 1 and cfg["heads"] * chunk * (ctx + cfg["new_tokens"] + chunk) > INT32_ELEMENTS:
+        chunk //= 2
+    return chunk
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One row at one context: warm-up, ``repeats`` timed generations, memory."""
     import numpy as np
 
     cfg = json.loads(args.cfg)
-    ctx, chunk, new = args.ctx, cfg["chunk"], cfg["new_tokens"]
+    ctx, chunk, new = args.ctx, context_chunk(cfg, args.ctx), cfg["new_tokens"]
     prompt = _prompt(ctx, cfg["vocab"])
     cuda = args.device == "cuda"
     if args.kind == "onnx":  # imports before the RSS baseline
@@ -533,7 +547,12 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
         save(False)
 
     for ctx in contexts:
-        ranges = {"seq": (1, min(cfg["chunk"], ctx)), "past": (0, ctx + cfg["new_tokens"] - 1)}
+        chunk = context_chunk(cfg, ctx)
+        if chunk < cfg["chunk"] and chunk < ctx:
+            print(f"context {ctx}: prefill chunk {chunk}, not {cfg['chunk']} (heads x chunk x "
+                  "context must stay under 2**31 elements: ORT's CUDA kernels index with int32)",
+                  flush=True)
+        ranges = {"seq": (1, min(chunk, ctx)), "past": (0, ctx + cfg["new_tokens"] - 1)}
         # the plan timed at a decode step of this context: its predicted per-token time
         decode = {"decode": {"seq": 1, "past": ctx}}
         print(f"context {ctx} (plan ranges {ranges}):", flush=True)

@@ -92,3 +92,16 @@ def test_bad_input_is_one_line_exit_2(tmp_path, argv, message):
     assert p.returncode == 2
     assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())  # nothing built
+
+
+def test_long_context_chunk_keeps_attention_under_int32_elements():
+    """On the H200 (stop 46) ORT's CUDA Add failed at 32k context with 2,048-token chunks
+    (32 heads x 2,048 x 34,831 scores > 2**31: fast_divmod); the bench halves the chunk there
+    and keeps the configured one where it fits."""
+    mod = _load()
+    cfg = dict(mod.PRESETS["cuda"])
+    assert mod.context_chunk(cfg, 2048) == cfg["chunk"] == 2048
+    c = mod.context_chunk(cfg, 32768)
+    assert c == 1024
+    assert cfg["heads"] * c * (32768 + cfg["new_tokens"] + c) <= 2**31 - 1
+    assert cfg["heads"] * 2 * c * (32768 + cfg["new_tokens"] + 2 * c) > 2**31 - 1

@@ -262,8 +262,12 @@ def test_disk_tier_matches_original(decoder_disk):
         for seed in range(3):
             np.testing.assert_allclose(s.run(None, _feeds(seed))[0],
                                        ref.run(None, _feeds(seed))[0], rtol=1e-3, atol=1e-4)
-    # Every weight byte read from the file went to the device through the CUDA engine.
-    assert oc.delta["bytes_read_disk"] == oc.delta["cuda_bytes_h2d"] > 0
+    # Every weight byte read from the file went to the device through the CUDA engine, but
+    # the embedding rows the GatherRows read (host-only ops: their rows reach the device by
+    # ORT's own copy). H200 stop 46: 5,228,544 read = 5,154,816 H2D + 73,728 gathered.
+    assert oc.delta["bytes_gathered"] > 0
+    assert oc.delta["bytes_read_disk"] - oc.delta["bytes_gathered"] == \
+        oc.delta["cuda_bytes_h2d"] > 0
 
 
 def test_disk_read_error_names_the_node(tmp_path):
@@ -590,6 +594,7 @@ def test_pinned_weights_within_1_1x(decoder):
     gc.collect()
     p0 = _ops.counters()["pinned_bytes"]
     h0 = _ops.counters()["host_store_bytes"]
+    c0_allocs = _ops.counters()["pinned_allocs"]
     s = _session(opt, optimized=True)
     c = _ops.counters()
     weights = c["host_store_bytes"] - h0
@@ -597,8 +602,12 @@ def test_pinned_weights_within_1_1x(decoder):
     with _OnCuda(opt, runs=1) as oc:  # the pinned weights are what the CUDA engine loads
         s.run(None, _feeds(0))
     assert oc.delta["cuda_bytes_h2d"] >= weights
-    # Small test weights: one partly filled 4 MiB chunk beyond the 1.07x of the packing.
-    assert c["pinned_bytes"] - p0 <= 1.1 * weights + (4 << 20)
+    # Small test weights: beyond the 1.07x of the packing, one partly filled 4 MiB chunk and
+    # the data file's partly filled slab of medium weights (host_logic.h: WeightPacker; its
+    # first slab is 4 MiB, the second 8 MiB). H200 stop 46: 8,716,288 pinned for 3,166,720.
+    assert c["pinned_bytes"] - p0 <= 1.07 * weights + (4 << 20) + (8 << 20)
+    # A chunk, a slab or two, a large weight's block, the ring: not a block per weight.
+    assert c["pinned_allocs"] - c0_allocs <= 6 < _cache_ops(opt)["Prefetch"]
     del s
 
 
