@@ -116,6 +116,10 @@ const CounterDef kCounters[] = {
     HO_COUNTER(expert_cache_misses),
     HO_COUNTER(bytes_expert_cache_hit),
     HO_COUNTER(expert_cache_bytes),  // (a gauge: bytes the expert caches hold now)
+    HO_COUNTER(warm_reads),
+    HO_COUNTER(bytes_warm_read),
+    HO_COUNTER(warm_present),
+    HO_COUNTER(warm_hits),
     HO_COUNTER(kernel_create_ns),  // (session creation: not reset)
     HO_COUNTER(weight_load_ns),
     // data files whose descriptors the disk tier holds now (a gauge, disk_io.h)
@@ -232,6 +236,10 @@ void HoOnnx_ResetCounters(void) {
   c.expert_cache_hits = 0;
   c.expert_cache_misses = 0;
   c.bytes_expert_cache_hit = 0;
+  c.warm_reads = 0;
+  c.bytes_warm_read = 0;
+  c.warm_present = 0;
+  c.warm_hits = 0;
   c.ops_cpu = 0;
   c.ops_cuda = 0;
   c.cuda_bytes_h2d = 0;

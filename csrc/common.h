@@ -71,6 +71,14 @@ struct Counters {
   std::atomic<uint64_t> expert_cache_misses{0};
   std::atomic<uint64_t> bytes_expert_cache_hit{0};
   std::atomic<int64_t> expert_cache_bytes{0};
+  // Speculative warming (a Prefetch with attribute `warm`): reads started into the expert
+  // cache for an expert the next layer's router applied early predicts, their bytes, warm
+  // requests the cache already held, and warmed entries a routed Prefetch then asked for
+  // (the speculation's hits; hits / warm_reads is its accuracy).
+  std::atomic<uint64_t> warm_reads{0};
+  std::atomic<uint64_t> bytes_warm_read{0};
+  std::atomic<uint64_t> warm_present{0};
+  std::atomic<uint64_t> warm_hits{0};
   // Session creation: time in the library's kernel creation (every cache op's), and the part
   // of it spent loading host-tier weights into the host store (reading them, pinning them
   // on CUDA). Not reset by reset_counters: they accumulate over the process's sessions.

@@ -119,6 +119,8 @@ class DiskTransfer {
   DiskTransfer& operator=(const DiskTransfer&) = delete;
 
   char* data() const { return static_cast<char*>(staging_->data()) + pad_; }
+  // Read by a warm (speculative) Prefetch and not yet asked for by a routed one.
+  std::atomic<bool> warmed{false};
   bool failed() {
     std::lock_guard<std::mutex> lock(mu_);
     return !error_.empty();
@@ -283,6 +285,7 @@ class CpuEngine final : public Engine {
     if (p.disk) {  // a hit: its Wait copies the cached bytes (waiting if still being read)
       counters().expert_cache_hits += 1;
       counters().bytes_expert_cache_hit += p.bytes;
+      if (p.disk->warmed.exchange(false)) counters().warm_hits += 1;
     } else {  // a miss: read as streamed, into a buffer the cache keeps
       counters().expert_cache_misses += 1;
       p.disk = read_streamed(w);
@@ -292,6 +295,22 @@ class CpuEngine final : public Engine {
     p.cache = std::move(cache);
     p.cache_key = key;
     add_pending(dst, std::move(p), ctx);
+  }
+
+  void warm_cached(const std::shared_ptr<const WeightSource>& w,
+                   const std::shared_ptr<ExpertCacheBase>& slot, const std::string& key) override {
+    auto cache = std::static_pointer_cast<Cache>(slot);  // (made by expert_cache() above)
+    if (w->size() == 0 || !cache || cache->capacity() < w->size()) return;
+    if (cache->find(key)) {
+      counters().warm_present += 1;
+      return;
+    }
+    std::shared_ptr<DiskTransfer> t = read_streamed(w);
+    t->warmed = true;
+    counters().warm_reads += 1;
+    counters().bytes_warm_read += w->size();
+    std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after the lock)
+    cache->insert(key, std::move(t), w->size(), &evicted);
   }
 
   StoreKey store(const void* src, size_t bytes, std::vector<int64_t> shape,

@@ -146,6 +146,13 @@ class Engine {
     prefetch_streamed(src, dst, ctx);
   }
 
+  // Speculation: start reading `src` into `cache` (from expert_cache(), not null) under `key`
+  // unless the cache holds it; nothing waits for the read (a later prefetch_cached of the
+  // key finds the entry and waits for it there). The read fills library memory only.
+  virtual void warm_cached(const std::shared_ptr<const WeightSource>& /*src*/,
+                           const std::shared_ptr<ExpertCacheBase>& /*cache*/,
+                           const std::string& /*key*/) {}
+
   // Start copying the `bytes` bytes at `src`, a tensor the run holds in host memory (a graph
   // input the caller passed: its past KV cache), into `dst` (fast tier) on the load channel;
   // keyed by `dst`. `src` is the caller's and lives for the run: the CPU engine reads it only

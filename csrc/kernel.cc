@@ -214,6 +214,7 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     k->weight = true;
     k->init_weight(op, info, location);
     if (op.kind == OpKind::kPrefetch) k->init_route(info);
+    if (op.kind == OpKind::kPrefetch) k->init_warm(info);
   }
   if (op.kind == OpKind::kGatherRows && ((!k->blob && !k->streamed) || k->shape.empty() ||
                                          k->shape[0] <= 0 || k->bits < 8)) {
@@ -322,6 +323,26 @@ bool Kernel::prefetch_routed(OrtKernelContext* ctx, const ExecContext& ec) {
   }
   produce_issued(api, ctx);
   return true;
+}
+
+// Attributes `warm` (1) and `expert` (>= 0) of a speculative Prefetch, checked against its
+// weight at session creation: a gated Prefetch of a streamed tier with an expert cache.
+void Kernel::init_warm(const OrtKernelInfo* info) {
+  int64_t w = 0;
+  if (!attr_int(api, info, kWarmAttr, &w) || w == 0) return;
+  const std::string who = "ho_onnx Prefetch '" + node + "': ";
+  if (w != 1 || !gated || route != RouteMode::kNone || !streamed ||
+      !attr_int(api, info, kExpertAttr, &warm_expert) || warm_expert < 0) {
+    fail(ORT_INVALID_ARGUMENT, who + "a warm Prefetch needs warm = 1, gated = 1 (the "
+                                     "predicted expert indices as input 1), expert >= 0, no "
+                                     "route, and a streamed tier (disk)");
+  }
+  int64_t cache = 0;
+  if (!attr_int(api, info, kExpertCacheAttr, &cache) || cache <= 0) {
+    fail(ORT_INVALID_ARGUMENT, who + "a warm Prefetch fills the expert cache: it needs "
+                                     "expert_cache > 0");
+  }
+  warm = true;
 }
 
 // Attribute `expert_cache` (bytes, on a streamed weight's Prefetch): its loads go through
@@ -462,7 +483,32 @@ bool Kernel::gate_closed(OrtKernelContext* ctx) const {
   return tensor_info(api, input(api, ctx, 1)).numel == 0;
 }
 
+// A warm Prefetch: its output is empty; the read into the cache starts when the predicted
+// indices (input 1, int64, any shape) hold its expert.
+void Kernel::warm_weight(OrtKernelContext* ctx) {
+  output(api, ctx, {0});
+  produce_issued(api, ctx);
+  if (gpu || !expert_cache) return;  // (the CUDA engine has no expert cache to warm)
+  size_t n = 0;
+  check(api, api->KernelContext_GetInputCount(ctx, &n));
+  if (n < 2) fail(ORT_INVALID_ARGUMENT, "attribute 'warm' needs the predicted experts as input 1");
+  const OrtValue* g = input(api, ctx, 1);
+  const TensorInfo ti = tensor_info(api, g);
+  if (ti.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64) {
+    fail(ORT_INVALID_ARGUMENT, "ho_onnx Prefetch '" + node + "': a warm Prefetch reads int64 "
+                                   "expert indices as input 1");
+  }
+  const auto* idx = static_cast<const int64_t*>(ti.numel ? tensor_data(api, g) : nullptr);
+  for (size_t i = 0; i < ti.numel; ++i) {
+    if (idx[i] == warm_expert) {
+      engine->warm_cached(streamed, expert_cache, cache_key);
+      return;
+    }
+  }
+}
+
 void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
+  if (warm) return warm_weight(ctx);
   if (gate_closed(ctx)) {  // an expert no token was routed to: nothing moves
     output(api, ctx, shape);
     counters().gated_skips += 1;

@@ -94,6 +94,12 @@ struct Kernel {
   // (Engine::expert_cache; null: none, or an engine without one) and its key there.
   std::shared_ptr<ExpertCacheBase> expert_cache;
   std::string cache_key;
+  // A cached Prefetch with attribute `warm` = 1 (a speculation of the next layer's router):
+  // it starts the weight's read into the expert cache when its gate, the int64 indices a
+  // router picked, holds `warm_expert`; its output is empty. A no-op on the CUDA EP (no
+  // device-memory cache) and without a cache.
+  bool warm = false;
+  int64_t warm_expert = -1;
   size_t row_bytes = 0;  // GatherRows: bytes of one row of the table (fixed at creation)
   // HostMatMul: ORT's own CPU MatMul kernel (CreateOp) and the weight as an OrtValue over
   // the host store's bytes (no copy; `blob` keeps them alive), both made at creation.
@@ -114,6 +120,8 @@ struct Kernel {
   ExecContext cpu_context(OrtKernelContext* ctx) const;
   ExecContext gpu_context(OrtKernelContext* ctx) const;
   void prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec);
+  void init_warm(const OrtKernelInfo* info);
+  void warm_weight(OrtKernelContext* ctx);
   void prefetch_stored(OrtKernelContext* ctx, const ExecContext& ec);
   void prefetch_input(OrtKernelContext* ctx, const ExecContext& ec);
   bool gate_closed(OrtKernelContext* ctx) const;

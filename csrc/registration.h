@@ -29,6 +29,11 @@ constexpr const char* kHostBytesKey = "ho_onnx.host_bytes";
 constexpr const char* kHostBytesAttr = "host_bytes";
 // On a streamed weight's Prefetch: the bytes of expert cache its model asks for (kernel.cc).
 constexpr const char* kExpertCacheAttr = "expert_cache";
+// A cached Prefetch with `warm` = 1 only warms the expert cache: when its gate (input 1, the
+// int64 expert indices the next layer's router picks from an earlier hidden state) holds
+// `expert`, the weight's read into the cache starts; its output is empty.
+constexpr const char* kWarmAttr = "warm";
+constexpr const char* kExpertAttr = "expert";
 // Bound of the host pool of stored activations (bytes; default: half the physical memory).
 constexpr const char* kPoolLimitKey = "ho_onnx.host_pool_limit_bytes";
 // "1": every Wait samples ORT's arena statistics into the ort_arena_* gauges (a string

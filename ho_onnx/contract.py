@@ -78,6 +78,13 @@ ROUTE_TOPK = "topk"  # QMoE: the top k of the raw router row (a larger index win
 # model asks for (the largest asked by an engine's sessions); its loads go through that cache
 # (LRU: a hit copies the cached bytes, a miss reads them and keeps them). Absent or 0: none.
 ATTR_EXPERT_CACHE = "expert_cache"
+# On a cached Prefetch: ``warm`` = 1 makes it a speculation (ho_onnx.schedule.speculate): its
+# gate (input 1) is the int64 expert indices the next layer's router picks from an earlier
+# hidden state, ``expert`` the weight's expert (its router column); when the indices hold
+# it, the weight's read into the expert cache starts. Its output is empty (an ordering input
+# of the weight's routed Prefetch); nothing waits for the read. A no-op on the CUDA EP.
+ATTR_WARM = "warm"
+ATTR_EXPERT = "expert"
 # On every Store: the most bytes of stored activations the plan holds at once (sizes the
 # CUDA engine's pinned ring; it grows beyond when concurrent runs need more).
 ATTR_HOST_BYTES = "host_bytes"

@@ -209,6 +209,66 @@ def _router(a: GraphAnalysis, pos: int) -> tuple[str, int, int | None] | None:
     return logits, e, k
 
 
+@dataclass(frozen=True)
+class RouterSource:
+    """How a routed layer's router computes its logits: ``MatMul(activation, weight)``, plus
+    ``bias`` (an initializer added on the way to the TopK) when there is one; ``position``:
+    the MatMul's schedule position. What a speculation needs to apply the router to an
+    earlier hidden state (:mod:`ho_onnx.schedule.speculate`)."""
+
+    position: int
+    activation: str
+    weight: str
+    bias: str | None
+
+
+def router_source(a: GraphAnalysis, layer: MoELayer) -> RouterSource | str:
+    """``layer``'s :class:`RouterSource`, or why there is none that can be applied elsewhere:
+    the logits must come from a MatMul of an activation by an initializer [hidden, E], and
+    the way to the TopK may only keep the ranking (Softmax, Cast, Reshape, Identity, Flatten)
+    or add an initializer (the router's bias)."""
+    if layer.form != "unrolled" and layer.form != "stacked":
+        return "the router probabilities are an input of ORT's MoE op"
+    t = a.tensors.get(layer.router_logits)
+    if t is None or t.producer is None:
+        return "its router logits have no producer"
+    mm = a.nodes[t.producer]
+    ins = input_names(mm)
+    if mm.op_type != "MatMul" or len(ins) != 2 or not ins[0] or not ins[1] \
+            or not a.tensors[ins[1]].is_initializer or a.tensors[ins[0]].is_initializer:
+        return f"its router is a {mm.op_type}, not a MatMul of an activation by an initializer"
+    shape = _shape(a, ins[1])
+    if not shape or len(shape) != 2 or shape[1] != len(layer.experts):
+        return "its router weight is not [hidden, experts]"
+    bias = None
+    topk = next((p for p, n in enumerate(a.nodes) if _name(n) == layer.node), None)
+    if topk is None:
+        return "its TopK is gone"
+    if attribute_values(a.nodes[topk]).get("largest", 1) != 1:
+        return "its TopK picks the smallest"
+    name = input_names(a.nodes[topk])[0]
+    while name != layer.router_logits:
+        node = _producer(a, name)
+        if node is None or node.op_type not in _ROUTER_PATH:
+            return "the way from its router to the TopK is not a plain ranking"
+        nins = [n for n in input_names(node) if n]
+        if node.op_type == "Add":
+            consts = [n for n in nins if a.tensors[n].is_initializer]
+            if len(consts) != 1 or len(nins) != 2 or bias is not None:
+                return "its router adds more than one bias"
+            bias = consts[0]
+            name = next(n for n in nins if n != bias)
+        elif node.op_type == "Reshape" or node.op_type == "Flatten":
+            name = nins[0]
+        else:
+            axis = attribute_values(node).get("axis", -1)
+            if len(nins) != 1 or (node.op_type == "Softmax" and axis != -1
+                                  and axis != len(_shape(a, nins[0]) or ()) - 1):
+                return f"its router's {node.op_type} does not keep the ranking of each row"
+            name = nins[0]
+    return RouterSource(t.producer, ins[0], ins[1], bias)
+
+
 def _readers(a: GraphAnalysis, name: str, through: set[str]) -> Iterator[int]:
     """Positions of the readers of ``name``, looking through the ops in ``through``."""
     for c in a.tensors[name].consumers:

@@ -59,6 +59,12 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
             "greedy_time_s": plan.greedy_s, "refined_time_s": plan.refined_s,
             "search": plan.improved},
         "expert_cache_bytes": c.expert_cache,  # (schedule/expert_cache.py; in the budget)
+        # the next MoE layer's experts read into that cache a layer early (schedule/speculate)
+        "speculations": [{"layer": s.layer, "after": s.after, "k": s.k,
+                          "warms": [{"weight": w.weight, "reload": w.consumer,
+                                     "expert": w.expert} for w in s.warms]}
+                         for s in c.speculations],
+        "speculation_skipped": dict(c.speculation_skipped),
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),
         "offloaded": {

@@ -29,6 +29,7 @@ from ..schedule.types import (
     InputOffload,
     OffloadChoice,
     OutputOffload,
+    Speculation,
     WeightOffload,
 )
 
@@ -90,6 +91,7 @@ class _Op:
     name: str
     attrs: list[ir.Attr]
     channel: str | None = None  # a Prefetch's copy channel
+    domain: str = contract.DOMAIN  # (a speculation's MatMul, Add, TopK: the default domain)
 
 
 def _token(name: str, elem_type: int) -> _Out:
@@ -118,6 +120,10 @@ class _Emitter:
         # position of a reader replaced by an op reading the host store in place -> that op
         # (a row Gather's GatherRows, an expert MatMul's HostMatMul)
         self.rows: dict[int, _Op] = {}
+        # (weight, reload) -> the empty outputs of the warm Prefetches a speculation made for
+        # it, ordering inputs of its routed Prefetch (schedule.speculate)
+        self.warmed: dict[tuple[str, int], list[str]] = {}
+        self.spec_matmuls: list[tuple[_Op, int]] = []  # (MatMul, its position): see rewire
 
     def dep_before(self, pos: int, floor: int = -1) -> list[str]:
         """An output of the latest node at a position < ``pos`` (and > ``floor``)."""
@@ -153,7 +159,7 @@ class _Emitter:
         Prefetch of a cacheable ``w`` (:mod:`~ho_onnx.schedule.expert_cache`)."""
         t = self.analysis.tensors[w.name]
         assert t.elem_type is not None and t.shape is not None
-        self.weight_prefetches[w.name] = []
+        self.weight_prefetches.setdefault(w.name, [])
         for c in w.shape_readers:
             self.replace[c] = [int(x) for x in t.shape]
         attrs = [ir.AttrInt64s("shape", [int(x) for x in t.shape]), ir.AttrString("name", w.name)]
@@ -189,6 +195,7 @@ class _Emitter:
             # A Prefetch with only constant inputs would be folded by ORT: at the very start
             # it is ordered after a graph input.
             pf_deps = self.dep_before(s) or ([] if gate else _first_graph_input(self.analysis))
+            pf_deps += self.warmed.get((w.name, k), [])
             pf = self.op(contract.PREFETCH, [self.source(t.elem_type), *gate, *pf_deps],
                          [self.like(y, t)], f"ho.prefetch.{w.name}.{k}", *attrs, *gated,
                          *routes, *cached, channel=tier.channel)
@@ -198,6 +205,58 @@ class _Emitter:
             self.before_wait[c].append(wait)
             self.rename.setdefault(c, {})[w.name] = z
             self.weight_prefetches[w.name].append(pf)
+
+    def speculate(self, s: Speculation, weights: dict[str, WeightOffload], cache: int) -> None:
+        """Right after the earlier router's MatMul (position ``s.after``): the next router
+        applied to its input, its TopK, and a warm Prefetch per warmed reload, gated by the
+        predicted indices; their empty outputs order the routed Prefetches after them."""
+        a = self.analysis
+        elem = a.tensors[s.router_weight].elem_type
+        assert elem is not None
+        base = f"ho.spec.{s.layer}"
+        logits = self.names.fresh(f"{base}.logits")
+        ops = [self.op("MatMul", [s.activation, s.router_weight], [(logits, elem, None)],
+                       f"{base}.matmul")]
+        ops[0].domain = ""
+        self.spec_matmuls.append((ops[0], s.after))
+        if s.bias is not None:
+            biased = self.names.fresh(f"{base}.biased")
+            ops.append(self.op("Add", [logits, s.bias], [(biased, elem, None)], f"{base}.bias"))
+            ops[-1].domain = ""
+            logits = biased
+        k = self.names.fresh(f"{base}.k")
+        ops.append(self.op("Constant", [], [(k, TensorProto.INT64, [1])], f"{base}.k",
+                           ir.AttrTensor("value", ir.tensor(np.array([s.k], dtype=np.int64)))))
+        ops[-1].domain = ""
+        values, picked = self.names.fresh(f"{base}.values"), self.names.fresh(f"{base}.experts")
+        ops.append(self.op("TopK", [logits, k], [(values, elem, None),
+                                                 (picked, TensorProto.INT64, None)],
+                           f"{base}.topk"))
+        ops[-1].domain = ""
+        for warm in s.warms:
+            w = weights[warm.weight]
+            t = a.tensors[w.name]
+            assert t.elem_type is not None and t.shape is not None
+            tier = kinds.tier(w.tier)
+            y = self.names.fresh(f"{w.name}.ho_warm{warm.consumer}")
+            attrs = [ir.AttrInt64s("shape", [int(x) for x in t.shape]),
+                     ir.AttrString("name", w.name), ir.AttrString(contract.ATTR_TIER, tier.name),
+                     ir.AttrInt64(contract.ATTR_GATED, 1), ir.AttrInt64(contract.ATTR_WARM, 1),
+                     ir.AttrInt64(contract.ATTR_EXPERT, warm.expert),
+                     ir.AttrInt64(contract.ATTR_EXPERT_CACHE, cache)]
+            op = self.op(contract.PREFETCH, [self.source(t.elem_type), picked],
+                         [(y, t.elem_type, [0])], f"ho.warm.{w.name}.{warm.consumer}", *attrs,
+                         channel=tier.channel)
+            ops.append(op)
+            self.warmed.setdefault((w.name, warm.consumer), []).append(y)
+            self.weight_prefetches.setdefault(w.name, []).append(op)
+        self.after[s.after].extend(ops)
+
+    def rewire_speculations(self) -> None:
+        """A speculation's MatMul reads what the earlier router's MatMul reads there (the
+        Wait's output when its input was offloaded and reloaded for it)."""
+        for op, pos in self.spec_matmuls:
+            op.inputs[0] = self.rename.get(pos, {}).get(op.inputs[0], op.inputs[0])
 
     def offload_activation(self, a: ActivationOffload, ring: int) -> None:
         """Store after the producer, Detach after the early uses, Prefetch/Wait before the
@@ -325,7 +384,7 @@ class _Builder:
             if id(o) in self.chained:  # a zero-size tensor produced once issued
                 name = self.em.names.fresh(f"{o.outputs[0][0]}.issued")
                 outputs.append(self.value(name, o.outputs[0][1], [0]))
-        node = ir.Node(contract.DOMAIN, o.op, inputs, o.attrs, outputs=outputs, name=o.name)
+        node = ir.Node(o.domain, o.op, inputs, o.attrs, outputs=outputs, name=o.name)
         if o.op == contract.EMIT:  # its output takes the graph output's place
             outs = self.graph.outputs
             outs[next(k for k, v in enumerate(outs) if v is inputs[0])] = outputs[0]
@@ -411,6 +470,9 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice, *,
     names = Names(analysis.model.graph)
     names.used.update(reserved)
     em = _Emitter(analysis, names)
+    by_name = {w.name: w for w in choice.weights}
+    for s in choice.speculations:  # (before the weights: their Prefetches read the warms)
+        em.speculate(s, by_name, choice.expert_cache)
     for w in choice.weights:
         em.offload_weight(w, choice.expert_cache)
     ring = stored_peak_bytes(choice)
@@ -420,6 +482,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice, *,
         em.offload_input(i)
     for o in choice.outputs:
         em.offload_output(o)
+    em.rewire_speculations()
     builder = _Builder(em)
     result = RewrittenModel(model, cache_nodes=builder.apply())
     result.weight_prefetches = {name: [builder.nodes[id(o)] for o in ops]

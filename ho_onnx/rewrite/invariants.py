@@ -7,7 +7,9 @@ branch has cache ops of its own, :mod:`.branches`):
   of an earlier node;
 * every ``Wait`` reads a ``Prefetch``'s data output, and nothing else does (no compute node,
   no graph output: a reader must wait for the transfer); a routed pair is gated by the same
-  value (a closed gate skips the copy and the Wait's copy together);
+  value (a closed gate skips the copy and the Wait's copy together); a *warm* Prefetch (a
+  speculation: it only starts a read into the expert cache) has an empty output that only
+  a later Prefetch of the same weight reads, as an ordering input;
 * every ``Store``'s token reaches a ``Detach`` (which releases what the Store stored) and
   that Detach's token a ``Prefetch``;
 * each copy channel's Prefetches are chained FIFO in file order: each one after the first on
@@ -103,8 +105,19 @@ def _check_sorted(node: ir.Node, i: int, position: dict[int, int], graph: ir.Gra
 
 
 def _check_prefetch(node: ir.Node, last_on: dict[str, ir.Node]) -> None:
-    """Only a Wait reads ``node``'s data; it is chained after its channel's previous one."""
-    for user, _ in node.outputs[0].uses():
+    """Only a Wait reads ``node``'s data (a warm one's: a Prefetch of its weight, as an
+    ordering input); it is chained after its channel's previous one."""
+    warm = node.attributes.get(contract.ATTR_WARM)
+    for user, idx in node.outputs[0].uses():
+        if warm is not None and warm.value == 1:
+            name = node.attributes.get(contract.ATTR_NAME)
+            other = user.attributes.get(contract.ATTR_NAME)
+            if not _is(user, contract.PREFETCH) or idx < 1 or other is None \
+                    or name is None or other.value != name.value:
+                raise ScheduleError(f"node {_label(user)} reads warm Prefetch {_label(node)}'s "
+                                    "output, not as an ordering input of a Prefetch of its "
+                                    "weight")
+            continue
         if not _is(user, contract.WAIT):
             raise ScheduleError(f"node {_label(user)} reads Prefetch {_label(node)}'s output "
                                 "directly, not through a Wait")

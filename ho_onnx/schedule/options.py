@@ -19,6 +19,8 @@ MIN_BYTES_BUDGET = 64 << 10
 PREFETCH_DISTANCE = 2
 #: Values of ``cpu_experts``.
 CPU_EXPERTS = ("off", "auto", "all")
+#: Values of ``speculate_experts``.
+SPECULATE_EXPERTS = ("off", "auto", "on")
 
 
 class _Unset(int):
@@ -58,6 +60,11 @@ class OffloadOptions:
       default: with a ``budget`` the slack the plan leaves under it, without one none), or 0
       (none: every routed reload is read). With a budget the cache counts in the plan's
       memory: the rest is planned for the budget less the cache.
+      ``speculate_experts``: the next MoE layer's router applied to this layer's router input
+      predicts its experts, whose reads into the expert cache start a layer early
+      (:mod:`~ho_onnx.schedule.speculate`): ``off``, ``on`` (wherever the graph and the cache
+      allow), ``auto`` (the default: where the budget planner's cost model says it pays;
+      never in the explicit policy, which has no cost model).
 
     Explicit policy (no ``budget``): every eligible tensor is offloaded.
       ``prefetch_distance``: compute nodes between a Prefetch and its Wait (default
@@ -101,6 +108,7 @@ class OffloadOptions:
     min_gap: int = 2
     weight_tier: Tier = HOST.name
     expert_cache: int | str = "auto"
+    speculate_experts: str = "auto"
     prefetch_distance: int = _DEFAULT_DISTANCE
     budget: int | None = None
     host_budget: int | None = None
@@ -137,6 +145,9 @@ class OffloadOptions:
                              f"{self.budget} for the model")
         if self.host_budget is not None and self.budget is None:
             raise ValueError("host_budget needs a budget (the planner)")
+        if self.speculate_experts not in SPECULATE_EXPERTS:
+            raise ValueError(f"speculate_experts must be {'|'.join(SPECULATE_EXPERTS)}, "
+                             f"not {self.speculate_experts!r}")
         if self.cpu_experts not in CPU_EXPERTS:
             raise ValueError(f"cpu_experts must be {'|'.join(CPU_EXPERTS)}, "
                              f"not {self.cpu_experts!r}")

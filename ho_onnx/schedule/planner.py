@@ -95,6 +95,8 @@ from .lifetimes import (
 from .options import OffloadOptions
 from .refine import MAX_WINDOW, Bound, Reload, Space, State, Store, refine, weak_bound
 from .simulate import Simulation, simulate
+from .speculate import describe as describe_speculation
+from .speculate import with_speculation
 from .types import (
     ActivationOffload,
     Decision,
@@ -199,6 +201,7 @@ class Plan(Decision):
             lines.append(self.bound_summary())
         if cached := describe_cache(self.choice):
             lines.append(cached + " (in the budget)")
+        lines += describe_speculation(self.choice)
         if self.costs is not None:  # (found by hand: a profile's gaps went unsaid)
             lines.append(f"costs: {self.costs.description}")
             lines += [f"note: {line}" for line in self.costs.notes]
@@ -743,6 +746,7 @@ def _cached(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         cache = max(0, opts.budget - max(p.planned.peak_bytes, p.arena_bytes))
     if not with_cache(p.choice, cache).expert_cache:
         return replace(p, options=opts)
+    with_speculation(analysis, p.choice, opts.speculate_experts, costs)
     planned = simulate(analysis, p.choice, costs.compute_s, costs.transfer_time, dict(dims or {}),
                        basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead,
                        copy_in_compute=costs.copy_in_compute)

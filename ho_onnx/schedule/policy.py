@@ -22,6 +22,7 @@ from .eligibility import (
 from .expert_cache import asked, with_cache
 from .kv import distance_window, kv_choice
 from .options import OffloadOptions
+from .speculate import with_speculation
 from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, WeightOffload
 
 
@@ -53,7 +54,9 @@ def describe(options: OffloadOptions) -> str:
             f"min_gap={o.min_gap} "
             f"prefetch_distance={o.prefetch_distance} weight_tier={o.weight_tier}"
             + (f" cpu_experts={o.cpu_experts}" if o.cpu_experts != "off" else "")
-            + (f" expert_cache={o.expert_cache}" if asked(o) else ""))
+            + (f" expert_cache={o.expert_cache}" if asked(o) else "")
+            + (f" speculate_experts={o.speculate_experts}"
+               if asked(o) and o.speculate_experts != "auto" else ""))
 
 
 def choose(analysis: GraphAnalysis, options: OffloadOptions,
@@ -79,6 +82,7 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     choice.notes += kv.notes
     if cache := asked(options):  # (auto: none, there is no budget's slack)
         with_cache(choice, cache)
+        with_speculation(analysis, choice, options.speculate_experts)
     return choice
 
 

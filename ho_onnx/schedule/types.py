@@ -155,6 +155,33 @@ class WeightSplit:
     rows: bool = False
 
 
+@dataclass(frozen=True)
+class Warm:
+    """One speculative read (:mod:`~ho_onnx.schedule.speculate`): the reload ``consumer``
+    (an index into the weight's consumers) of the cached expert weight ``weight``, whose
+    expert is column ``expert`` of its router."""
+
+    weight: str
+    consumer: int
+    expert: int
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The router of the MoE layer ``layer`` (its TopK) applied to an earlier router's input
+    ``activation`` right after that router's MatMul (schedule position ``after``): the
+    ``k`` experts it picks there have their weights' reads into the expert cache started
+    (``warms``), a layer before the layer's own router asks for them."""
+
+    layer: str
+    after: int
+    activation: str
+    router_weight: str
+    bias: str | None
+    k: int
+    warms: tuple[Warm, ...]
+
+
 @dataclass
 class OffloadChoice:
     """The tensors to offload, and why each other candidate stays resident.
@@ -178,6 +205,10 @@ class OffloadChoice:
     # Bytes of the expert cache the library keeps for the routed weights of a streamed tier
     # (schedule.expert_cache; 0: none), recorded on their Prefetches.
     expert_cache: int = 0
+    # Speculative reads of the next MoE layer's experts into that cache (schedule.speculate),
+    # and, by layer (its TopK), why one was not speculated.
+    speculations: list[Speculation] = field(default_factory=list)
+    speculation_skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def offloaded_bytes(self) -> int:

@@ -463,3 +463,122 @@ def test_chunked_and_buffered_configurations(tmp_path, env, direct):
         assert n_direct >= 4 * 19 and n_buffered == 0
     else:
         assert n_direct == 0 and n_buffered >= 4
+
+
+# --------------------------------------------------------------------------------------------
+# Speculation: a warm Prefetch starts a weight's read into the expert cache (issue 37 item 3)
+
+
+def _warm_model(directory: Path, *, n: int, expert: int = 3, cache: int | None = None,
+                file_name: str = "warm.onnx", idx_type: int = TensorProto.INT64,
+                **warm_attrs) -> str:
+    """out = x + w, where w's routed Prefetch is ordered after a warm Prefetch of w gated by
+    the int64 input `idx` (the predicted experts); both through the expert cache."""
+    base: dict[str, object] = dict(location="w.bin", offset=0, length=4 * n, shape=[n],
+                                   name="expert.weight", tier="disk",
+                                   expert_cache=8 * n if cache is None else cache)
+    warm = {**base, "gated": 1, "warm": 1, "expert": expert, **warm_attrs}
+    warm = {k: v for k, v in warm.items() if v is not None}
+    nodes = [_node("Prefetch", ["s0", "idx"], ["warmed"], **warm),
+             _node("Prefetch", ["s0", "warmed"], ["wy"], **base),
+             _node("Wait", ["wy"], ["w"]),
+             helper.make_node("Add", ["x", "w"], ["out"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n]),
+                     helper.make_tensor_value_info("idx", idx_type, [None])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [n])],
+        [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid(D, 1)])
+    path = directory / file_name
+    onnx.save(model, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_warm_prefetch_reads_the_predicted_expert_once_for_its_reload(tmp_path, order):
+    """Predicted (idx holds its expert): the warm Prefetch reads the weight into the cache
+    and the routed one is served from it (one read, a warm hit); not predicted: nothing is
+    warmed and the routed one reads it (a miss). Exact either way; the warm's output is
+    empty."""
+    n = 5000
+    w = _data(tmp_path, n, 0)
+    x = np.random.default_rng(4).standard_normal(n).astype(np.float32)
+    sess = runtime.InferenceSession(_warm_model(tmp_path, n=n), execution_order=order)
+    runtime.reset_counters()
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "idx": np.array([7, 3], np.int64)})[0],
+                                  x + w)
+    c = _c()
+    assert (c["warm_reads"], c["bytes_warm_read"], c["warm_hits"], c["warm_present"]) == (
+        1, 4 * n, 1, 0)
+    assert (c["expert_cache_hits"], c["expert_cache_misses"], c["bytes_read_disk"]) == (
+        1, 0, 4 * n)
+    # held now: predicted again, nothing is read (present), the reload hits
+    runtime.reset_counters()
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "idx": np.array([3], np.int64)})[0],
+                                  x + w)
+    c = _c()
+    assert (c["warm_reads"], c["warm_present"], c["warm_hits"], c["bytes_read_disk"]) == (
+        0, 1, 0, 0)
+    del sess
+    gc.collect()  # (the cache goes with its last kernel)
+    sess = runtime.InferenceSession(_warm_model(tmp_path, n=n, file_name="w2.onnx"))
+    runtime.reset_counters()
+    for idx in (np.array([0, 1], np.int64), np.zeros(0, np.int64)):  # not predicted, or none
+        np.testing.assert_array_equal(sess.run(None, {"x": x, "idx": idx})[0], x + w)
+    c = _c()
+    assert (c["warm_reads"], c["warm_hits"], c["expert_cache_misses"], c["expert_cache_hits"],
+            c["bytes_read_disk"]) == (0, 0, 1, 1, 4 * n)
+
+
+def test_a_warmed_reload_waits_for_the_speculative_read(tmp_path):
+    """The routed Prefetch finds the entry the warm one is still reading (every transfer
+    delayed 20 ms, Prefetch outputs poisoned): its Wait waits for that read, the output is
+    exact; with the hook that skips the Wait's waiting it is not (the test sees a missing
+    wait)."""
+    n = 3000
+    w = _data(tmp_path, n, 0)
+    x = np.ones(n, np.float32)
+    idx = np.array([3], np.int64)
+    try:
+        testing_ops().set_debug(delay_us=20_000, poison=True)
+        sess = runtime.InferenceSession(_warm_model(tmp_path, n=n))
+        np.testing.assert_array_equal(sess.run(None, {"x": x, "idx": idx})[0], x + w)
+        assert _c()["warm_hits"] >= 1
+        del sess
+        gc.collect()
+        testing_ops().set_debug(delay_us=20_000, poison=True, skip_wait=True)
+        sess = runtime.InferenceSession(_warm_model(tmp_path, n=n, file_name="w2.onnx"))
+        assert np.isnan(sess.run(None, {"x": x, "idx": idx})[0]).all()
+    finally:
+        testing_ops().set_debug()
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(("attrs", "message"), [
+    (dict(gated=None), "a warm Prefetch needs warm = 1, gated = 1"),
+    (dict(expert=-1), "expert >= 0"),
+    (dict(expert=None), "expert >= 0"),
+    (dict(warm=2), "a warm Prefetch needs warm = 1"),
+    (dict(tier=None), "a streamed tier"),
+    (dict(route="topk", route_k=1), "no route"),
+])
+def test_a_malformed_warm_prefetch_is_refused_at_creation(tmp_path, attrs, message):
+    _data(tmp_path, 64, 0)
+    with pytest.raises(Exception, match=message) as info:
+        runtime.InferenceSession(_warm_model(tmp_path, n=64, **attrs))
+    assert "Prefetch" in str(info.value)
+
+
+def test_a_warm_prefetch_needs_the_cache_and_int64_indices(tmp_path):
+    w = _data(tmp_path, 64, 0)
+    with pytest.raises(Exception, match="needs expert_cache > 0"):
+        runtime.InferenceSession(_warm_model(tmp_path, n=64, cache=0))
+    bad = runtime.InferenceSession(_warm_model(tmp_path, n=64, file_name="w3.onnx",
+                                               idx_type=TensorProto.INT32))
+    x = np.zeros(64, np.float32)
+    with pytest.raises(Exception, match="reads int64 expert indices"):
+        bad.run(None, {"x": x, "idx": np.array([3], np.int32)})
+    sess = runtime.InferenceSession(_warm_model(tmp_path, n=64, file_name="w2.onnx"))
+    # (the session still runs a good request afterwards)
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "idx": np.array([3], np.int64)})[0], w)
