@@ -22,9 +22,13 @@ memory the experts computed on the host leave free); ``peak`` the plan's predict
 
 The same on the disk tier (every offloaded weight read from the data file at each use; moved
 = bytes read from the file): ``all streamed, disk``, ``routed, disk`` (no cache), ``routed +
-cache, disk`` (an LRU expert cache of ``--cache-share`` of the experts' bytes) and ``routed +
-cache, budget, disk`` (the planner at the budget above plus half the experts' bytes, with a
-cache of that half: the plan is made for the rest).
+cache, disk`` (an LRU expert cache of ``--cache-share`` of the experts' bytes), ``routed +
+cache + speculation, disk`` (the same cache, each layer's likely experts read into it a
+layer early: the next router applied to this layer's router input, ``speculate_experts="on"``)
+and ``routed + cache, budget, disk`` (the planner at the budget above plus half the experts'
+bytes, with a cache of that half: the plan is made for the rest). The two ``routed + cache``
+rows keep weights up to a router's size resident (the routers, the norms: a speculation
+reads the next router's weight where it is), the others offload every weight.
 
 Each decode step feeds every row the same inputs (the resident row's greedy tokens, teacher
 forced), so each row's logits are compared with the resident row's (bit-exact at ORT's
@@ -165,6 +169,7 @@ class Load(NamedTuple):
     expert: tuple[str, int] | None  # gated: (its router's TopK node, its column), else None
     nbytes: int
     cached: int  # its ``expert_cache`` attribute (bytes), 0 when absent
+    warm: bool = False  # a speculation's warm Prefetch: reads into the cache, moves nothing
 
 
 def disk_loads(model: Path, routed: Any) -> list[Load]:
@@ -184,8 +189,36 @@ def disk_loads(model: Path, routed: Any) -> list[Load]:
             continue
         expert = routed.expert_of[a["name"].decode()] if a.get(contract.ATTR_GATED) else None
         out.append(Load((a["location"].decode(), a["offset"], a["length"]), expert,
-                        a["length"], a.get(contract.ATTR_EXPERT_CACHE, 0)))
+                        a["length"], a.get(contract.ATTR_EXPERT_CACHE, 0),
+                        a.get(contract.ATTR_WARM, 0) == 1))
     return out
+
+
+def speculation_probe(probe_model: Path, speculations: Any) -> list[str]:
+    """Adds to the probe model at ``probe_model`` (in place: its graph; the data file is
+    shared) each speculation's predicted expert indices as an output: the MatMul (+ Add) and
+    TopK the rewrite inserts, on the same values, so ORT's kernels give the same indices.
+    Returns the speculated layers (their TopK node names), in the outputs' order."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(probe_model), load_external_data=False)
+    layers = []
+    for i, s in enumerate(speculations):
+        logits, k, picked = f"spec{i}.logits", f"spec{i}.k", f"spec{i}.experts"
+        nodes = [helper.make_node("MatMul", [s.activation, s.router_weight], [logits])]
+        if s.bias is not None:
+            nodes.append(helper.make_node("Add", [logits, s.bias], [f"{logits}.b"]))
+            logits = f"{logits}.b"
+        nodes += [helper.make_node("Constant", [], [k], value=helper.make_tensor(
+                      k, onnx.TensorProto.INT64, [1], [s.k])),
+                  helper.make_node("TopK", [logits, k], [f"spec{i}.values", picked])]
+        model.graph.node.extend(nodes)
+        model.graph.output.append(helper.make_tensor_value_info(picked, onnx.TensorProto.INT64,
+                                                                None))
+        layers.append(s.layer)
+    onnx.save(model, str(probe_model))
+    return layers
 
 
 class LruSim:
@@ -197,12 +230,36 @@ class LruSim:
         self.capacity = capacity
         self.held: OrderedDict[tuple[str, int, int], int] = OrderedDict()
         self.hits = self.misses = 0
+        # speculation (warm loads): reads started, requests already held, warmed entries a
+        # routed load then asked for; the entries read by a warm load and not yet asked for
+        self.warm_reads = self.warm_present = self.warm_hits = 0
+        self.warmed: set[tuple[str, int, int]] = set()
 
-    def step(self, loads: list[Load], chosen: set[tuple[str, int]]) -> int:
+    def _keep(self, ld: Load) -> None:
+        while sum(self.held.values()) + ld.nbytes > self.capacity:
+            self.warmed.discard(self.held.popitem(last=False)[0])
+        self.held[ld.key] = ld.nbytes
+
+    def step(self, loads: list[Load], chosen: set[tuple[str, int]],
+             predicted: set[tuple[str, int]] = frozenset()) -> int:  # type: ignore[assignment]
         """Bytes one run reads from the file: every load whose gate is open (its expert is
-        in ``chosen``: (router, column) pairs) and that the cache did not hold."""
+        in ``chosen``: (router, column) pairs) and that the cache did not hold, and every
+        warm load whose expert is in ``predicted`` (a speculation's pick) and that the cache
+        did not hold (it is kept; a later load of it is a hit)."""
         read = 0
         for ld in loads:
+            if ld.warm:
+                if ld.expert not in predicted or not ld.cached or ld.nbytes > self.capacity:
+                    continue
+                if ld.key in self.held:
+                    self.held.move_to_end(ld.key)
+                    self.warm_present += 1
+                else:
+                    self.warm_reads += 1
+                    read += ld.nbytes
+                    self._keep(ld)
+                    self.warmed.add(ld.key)
+                continue
             if ld.expert is not None and ld.expert not in chosen:
                 continue  # (a closed gate: nothing moves)
             if not ld.cached or not self.capacity:
@@ -210,13 +267,14 @@ class LruSim:
             elif ld.key in self.held:
                 self.held.move_to_end(ld.key)
                 self.hits += 1
+                if ld.key in self.warmed:
+                    self.warm_hits += 1
+                    self.warmed.discard(ld.key)
             else:
                 self.misses += 1
                 read += ld.nbytes
                 if ld.nbytes <= self.capacity:
-                    while sum(self.held.values()) + ld.nbytes > self.capacity:
-                        self.held.popitem(last=False)
-                    self.held[ld.key] = ld.nbytes
+                    self._keep(ld)
         return read
 
 
@@ -303,17 +361,30 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
     for name, opts in configs.items():
         make(name, opts)
     experts = cacheable_bytes(choices["routed, disk"])
-    make("routed + cache, disk", replace(disk, expert_cache=int(experts * args.cache_share)))
+    # (the routers, fp32 [hidden, experts], resident: a speculation reads the next one early)
+    cached = replace(disk, expert_cache=int(experts * args.cache_share),
+                     min_bytes=4 * cfg["hidden"] * cfg["experts"] + 1)
+    make("routed + cache, disk", replace(cached, speculate_experts="off"))
+    make(SPEC_ROW, replace(cached, speculate_experts="on"))
+    from ho_onnx.schedule.speculate import describe as describe_speculation
+
+    for line in describe_speculation(choices[SPEC_ROW]):
+        print(f"  {SPEC_ROW}: {line}", flush=True)
     # (the budget above plus a cache of half the experts, planned for: the rest fits the
     # budget less the cache)
     make("routed + cache, budget, disk", replace(disk, budget=budget + experts // 2,
                                                  expert_cache=experts // 2))
     sims = {k: LruSim(c.expert_cache) for k, c in choices.items() if c.expert_cache}
+    # the speculation's own picks: its MatMul and TopK added to the probe (ORT's kernels)
+    speculated = speculation_probe(prb, choices[SPEC_ROW].speculations)
+    ref = ort.InferenceSession(str(prb), session_options(), providers=["CPUExecutionProvider"])
+    n_src = n_out  # (the probe's outputs before the speculation's)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg["vocab"], cfg["prompt"]).tolist()
     rows: dict[str, dict[str, Any]] = {k: {"row": k, "moved": [], "selected": [], "step_s": [],
                                            "host_matmuls": [], "arena": None, "ttft_s": None,
-                                           "equal": True, "hits": 0, "misses": 0}
+                                           "equal": True, "hits": 0, "misses": 0,
+                                           "warm_reads": 0, "warm_hits": 0}
                                        | plans.get(k, {"floor": None, "peak": peak})
                                        for k in sessions}
     past = {p: _empty_past(lay, p, 1) for p, _ in lay.pairs}
@@ -323,8 +394,10 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
         feeds = decode_feeds(lay, tokens, past)
         outs = ref.run(None, feeds)
         chosen = {r: set(v.reshape(-1).tolist())
-                  for r, v in zip(routers, outs[n_out - len(routers):], strict=True)}
+                  for r, v in zip(routers, outs[n_src - len(routers):n_src], strict=True)}
         pairs = {(r, e) for r, es in chosen.items() for e in es}
+        predicted = {(layer, int(e)) for layer, v in zip(speculated, outs[n_src:], strict=True)
+                     for e in v.reshape(-1)}
         if step:
             used |= pairs  # (how repetitive the routing is: what a cache can exploit)
         for name, sess in sessions.items():
@@ -332,7 +405,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
             row = rows[name]
             row["equal"] &= bool(np.array_equal(got[0], outs[0]))
             c = ho_onnx.counters()
-            sel = sims[name].step(loads[name], pairs) if name in sims else \
+            sel = sims[name].step(loads[name], pairs, predicted) if name in sims else \
                 selected_bytes(choices[name], routed, chosen) if name in choices else 0
             if step == 0:
                 row["ttft_s"] = dt
@@ -348,6 +421,8 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
                 row["selected"].append(sel)
                 row["hits"] += c["expert_cache_hits"]
                 row["misses"] += c["expert_cache_misses"]
+                row["warm_reads"] += c["warm_reads"]
+                row["warm_hits"] += c["warm_hits"]
         names = [o.name for o in ref.get_outputs()]
         past = {p: outs[names.index(q)] for p, q in lay.pairs}
         tokens = [int(np.argmax(outs[0][0, -1]))]
@@ -361,6 +436,7 @@ def run(args: argparse.Namespace, cfg: dict[str, int], root: Path) -> dict[str, 
 
 
 CONTRIB = ("contrib", "contrib_q")
+SPEC_ROW = "routed + cache + speculation, disk"
 
 
 def contrib_sessions(cfg: dict[str, int], root: Path, quant: bool
@@ -746,9 +822,9 @@ def print_table(doc: dict[str, Any]) -> None:
           f"experts top-{cfg['top_k']}, "
           f"hidden {cfg['hidden']}, expert width {cfg['moe_ffn']}; prompt {cfg['prompt']}, "
           f"{cfg['tokens']} decode steps")
-    head = (f"{'row':<29}{'moved KiB/tok':>14}{'selected KiB/tok':>17}{'moved/sel':>10}"
+    head = (f"{'row':<35}{'moved KiB/tok':>14}{'selected KiB/tok':>17}{'moved/sel':>10}"
             f"{'host MM/tok':>12}{'floor KiB':>10}{'peak KiB':>10}{'arena KiB':>10}"
-            f"{'cache KiB':>10}{'hit rate':>9}{'tok/s':>8}{'TTFT ms':>9}  logits")
+            f"{'cache KiB':>10}{'hit rate':>9}{'spec':>9}{'tok/s':>8}{'TTFT ms':>9}  logits")
     print(head + "\n" + "-" * len(head))
     for r in doc["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
@@ -757,9 +833,10 @@ def print_table(doc: dict[str, Any]) -> None:
                for k in ("floor", "peak", "arena")}
         hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.0%}"
         cache = f"{r.get('expert_cache', 0) / 1024:.0f}" if r.get("expert_cache") else "-"
-        print(f"{r['row']:<29}{r['moved_per_token'] / 1024:>14.1f}{sel:>17}{ratio:>10}"
+        spec = f"{r['warm_hits']}/{r['warm_reads']}" if r.get("warm_reads") else "-"
+        print(f"{r['row']:<35}{r['moved_per_token'] / 1024:>14.1f}{sel:>17}{ratio:>10}"
               f"{r.get('host_matmuls_per_token', 0):>12.1f}{kib['floor']:>10}{kib['peak']:>10}"
-              f"{kib['arena']:>10}{cache:>10}{hit:>9}{r['tok_s']:>8.1f}"
+              f"{kib['arena']:>10}{cache:>10}{hit:>9}{spec:>9}{r['tok_s']:>8.1f}"
               f"{r['ttft_s'] * 1e3:>9.1f}  {'= resident' if r['equal'] else 'MISMATCH'}")
     print("moved = bytes the library loaded per decode step (its counters; the rows on the "
           "disk tier: bytes read from the data file); selected = the bytes of the experts "
@@ -770,6 +847,8 @@ def print_table(doc: dict[str, Any]) -> None:
           "row's options; peak = the plan's predicted peak (resident: the unmodified model's); "
           "arena = ORT's arena high-water mark, measured (sampled at each Wait, "
           "ho_onnx.sample_arena); hit rate = the library's cache hits / (hits + misses); "
+          "spec = speculative reads a routed load then asked for / speculative reads "
+          "(decode steps; their bytes are in moved and, replayed, in selected); "
           "logits compared bit for bit (ORT's optimizations off).")
 
 

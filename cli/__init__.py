@@ -30,6 +30,7 @@ from ho_onnx.schedule.options import (
     CPU_EXPERTS,
     MIN_BYTES_BUDGET,
     MIN_BYTES_EXPLICIT,
+    SPECULATE_EXPERTS,
     OffloadOptions,
     offload_kinds,
 )
@@ -465,6 +466,14 @@ def _tier_options() -> list:  # type: ignore[type-arg]
                           "not read from the file again): its size, 'auto' (with --budget "
                           "the slack the plan leaves under it, counted in the budget; without "
                           "a budget none), or 0 (none)."),
+        click.option("--speculate-experts", type=click.Choice(list(SPECULATE_EXPERTS)),
+                     default=_DEFAULTS.speculate_experts, show_default=True,
+                     help="Read the next MoE layer's likely experts into the expert cache a "
+                          "layer early (its router applied to this layer's router input, as "
+                          "mixtral-offloading does); the outputs are unchanged whatever the "
+                          "guess. auto (with --budget): where the cost model says it pays; "
+                          "on: wherever the graph and the cache allow; off. `plan` says why "
+                          "a layer was left out."),
     ]
 
 
@@ -559,7 +568,8 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, expert_cache: str, arena_refits: int, max_blocks: int,
+             host_budget: int | None, expert_cache: str, speculate_experts: str,
+             arena_refits: int, max_blocks: int,
              refine_s: float, exact_s: float, offload_kv: bool, cpu_experts: str,
              dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
              ort_level: str | None) -> None:
@@ -586,7 +596,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
                            max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts,
-                           refine_s=refine_s, exact_s=exact_s, expert_cache=expert_cache)
+                           refine_s=refine_s, exact_s=exact_s, expert_cache=expert_cache,
+                           speculate_experts=speculate_experts)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         bound = parse_dims(dims, ranges)
@@ -645,7 +656,8 @@ def _say_result(output_model: str, result: Any) -> None:
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         expert_cache: str, arena_refits: int, max_blocks: int, refine_s: float,
+         expert_cache: str, speculate_experts: str, arena_refits: int, max_blocks: int,
+         refine_s: float,
          exact_s: float, offload_kv: bool, cpu_experts: str, dims: tuple[str, ...],
          shapes: tuple[str, ...], points: tuple[str, ...], ort_level: str | None,
          as_json: bool, plot_path: str | None) -> None:
@@ -675,7 +687,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                      weight_tier=weight_tier, host_budget=host_budget,
                      arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv,
                      cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s,
-                     expert_cache=expert_cache),
+                     expert_cache=expert_cache, speculate_experts=speculate_experts),
             bound, costs, ort_level=ort_level, log=_log, shapes=parse_shape_options(shapes),
             dim_ranges=ranges, dim_points=named)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type

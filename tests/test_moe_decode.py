@@ -29,7 +29,7 @@ def test_quick_run(tmp_path, arch):
     assert set(rows) == {"resident", "all streamed", "routed", "routed, budget",
                          "routed + CPU experts", "CPU experts, budget",
                          "all streamed, disk", "routed, disk", "routed + cache, disk",
-                         "routed + cache, budget, disk"}
+                         "routed + cache + speculation, disk", "routed + cache, budget, disk"}
     assert rows["routed, disk"]["ratio"] == pytest.approx(1.0)
     assert rows["all streamed, disk"]["ratio"] > 1.0
     # the cache: bytes read == the router's choice less what an LRU of its size held
@@ -37,6 +37,12 @@ def test_quick_run(tmp_path, arch):
     assert cached["expert_cache"] > 0 and cached["ratio"] == pytest.approx(1.0)
     assert cached["hit_rate"] > 0
     assert cached["moved_per_token"] < rows["routed, disk"]["moved_per_token"]
+    # speculation: bytes read == the replay over the router's choice and the speculation's
+    # own picks (its MatMul and TopK in the probe), and it read some of them early
+    spec = rows["routed + cache + speculation, disk"]
+    assert spec["ratio"] == pytest.approx(1.0)
+    if arch == "qwen3_moe":
+        assert 0 < spec["warm_hits"] <= spec["warm_reads"]
     assert all(r["equal"] for r in rows.values())
     assert rows["routed"]["ratio"] == pytest.approx(1.0)
     assert rows["all streamed"]["ratio"] > 1.0

@@ -15,12 +15,14 @@ unmodified model's whatever the prediction (the real router decides what is comp
 Decided per layer, each skip with its reason (``choice.speculation_skipped``): it needs a
 routed layer before it, routers that are a MatMul by a resident weight (plus a bias), cached
 reloads of unrolled experts (one weight per expert: the cache's entries) and a cache that
-holds both layers' expected selections (else the warmed entries are evicted before use).
+holds both layers' selections for one token (a decode step's; else the warmed entries are
+evicted before use).
 ``auto`` then asks the cost model: with the compute ``G`` between the earlier router and
 the layer's router, and ``R`` the time to read the layer's expected misses, a speculation
 right with probability ``p`` ends the layer's reads ``p R`` earlier when ``G >= R`` and
 ``G - (1 - p) R`` earlier otherwise (the wrong guesses queue ahead on the disk channel), so
-it pays when ``G > (1 - p) R``; ``p`` is :data:`PRIOR` (the graph cannot say how well the
+it pays when ``G > (1 - p) R`` (and ``R > 0``: a cache expected to serve every reload leaves
+nothing to gain); ``p`` is :data:`PRIOR` (the graph cannot say how well the
 routers agree; the library counts it: ``warm_hits / warm_reads``). The plan's predicted
 time does not count the gain (conservative).
 """
@@ -97,15 +99,17 @@ def _speculation(a: GraphAnalysis, choice: OffloadChoice, prev: moe.MoELayer,
     need = _selection(layer, by_name) + _selection(prev, by_name)
     if choice.expert_cache < need:
         return (f"the expert cache ({format_bytes(choice.expert_cache)}) holds less than "
-                f"both layers' expected selections ({format_bytes(need)})")
+                f"both layers' selections for one token ({format_bytes(need)})")
     return Speculation(layer.node, src.position, src.activation, dst.weight, dst.bias,
                        layer.top_k, tuple(warms))
 
 
 def _selection(layer: moe.MoELayer, by_name: Mapping[str, WeightOffload]) -> int:
-    """Expected bytes of ``layer``'s cached expert weights one run selects."""
-    return int(sum(w.nbytes * w.fraction for e in layer.experts for n in e.weights
-                   if (w := by_name.get(n)) is not None and cacheable(w)))
+    """Bytes of ``layer``'s cached expert weights one token selects (its router's k of its
+    experts: a decode step's selection, where speculation matters; a prefill selects more)."""
+    share = (layer.top_k or len(layer.experts)) / len(layer.experts)
+    return int(share * sum(w.nbytes for e in layer.experts for n in e.weights
+                           if (w := by_name.get(n)) is not None and cacheable(w)))
 
 
 def _pays(a: GraphAnalysis, choice: OffloadChoice, spec: Speculation, prev: moe.MoELayer,
@@ -125,6 +129,8 @@ def _pays(a: GraphAnalysis, choice: OffloadChoice, spec: Speculation, prev: moe.
         w = by_name[name]
         read += costs.transfer_time(w.nbytes * w.fraction * (1.0 - w.hit),
                                     kinds.tier(w.tier).load.direction)
+    if read <= 0:
+        return "nothing to gain: the expert cache is expected to serve every reload"
     if gap > (1.0 - PRIOR) * read:
         return None
     return (f"does not pay: {gap * 1e3:.3g} ms of compute from the earlier router hide less "
@@ -138,11 +144,13 @@ def describe(choice: OffloadChoice) -> list[str]:
     lines = []
     if choice.speculations:
         reads = sum(len(s.warms) for s in choice.speculations)
-        lines.append(f"speculation: {len(choice.speculations)} MoE layers' experts read into "
-                     f"the expert cache a layer early ({reads} warm reads on their next "
+        n = len(choice.speculations)
+        lines.append(f"speculation: the experts of {n} MoE layer{'s' if n != 1 else ''} read "
+                     f"into the expert cache a layer early ({reads} warm reads, on the next "
                      "router's pick; counters warm_reads, warm_hits)")
     counts: dict[str, int] = {}
     for why in choice.speculation_skipped.values():
         counts[why] = counts.get(why, 0) + 1
-    lines += [f"no speculation: {n} layers: {why}" for why, n in counts.items()]
+    lines += [f"no speculation: {n} layer{'s' if n != 1 else ''}: {why}"
+              for why, n in counts.items()]
     return lines
