@@ -3,7 +3,8 @@
 Seeds: small models rewritten by ``ho_onnx.optimize`` (weights on the host and on
 the disk tier, activations stored and reloaded). Mutations (seeded, one to four per case):
 bytes of the serialized model, attributes of the cache ops (offset, length, shape, tier,
-location, data_size, data_fingerprint, host_bytes), graph edits (a node dropped, an input of
+location, data_size, data_fingerprint, host_bytes, and the routing ones: gated, route,
+route_k, expert_cache, warm, expert), graph edits (a node dropped, an input of
 a cache op rewired to another tensor, an op type swapped) and the data file (truncated, a
 symlink, bytes changed). Every mutant is loaded with the library and run a few times from
 two threads with random feeds; a Python exception is fine, a crash (signal) is the bug.
@@ -94,13 +95,16 @@ def mutate_attr(m: onnx.ModelProto, rng: random.Random) -> None:
         return
     name = rng.choice(["offset", "length", "shape", "tier", "location", "data_size",
                        "data_fingerprint", "host_bytes", "name", "axes", "lo", "hi", "dims",
-                       "input"])
+                       "input", "gated", "route", "route_k", "expert_cache", "warm", "expert"])
     for i, a in enumerate(n.attribute):
         if a.name == name:
             del n.attribute[i]
             break
-    if name in ("offset", "length", "data_size", "host_bytes"):
+    if name in ("offset", "length", "data_size", "host_bytes", "gated", "route_k",
+                "expert_cache", "warm", "expert"):
         v = rng.choice(_INTS)
+    elif name == "route":
+        v = rng.choice(["softmax", "topk", "", "x" * 50])
     elif name in ("shape", "axes", "lo", "hi"):
         v = [rng.choice(_INTS) for _ in range(rng.randrange(0, 4))]
     elif name == "dims":

@@ -471,11 +471,11 @@ def test_chunked_and_buffered_configurations(tmp_path, env, direct):
 
 def _warm_model(directory: Path, *, n: int, expert: int = 3, cache: int | None = None,
                 file_name: str = "warm.onnx", idx_type: int = TensorProto.INT64,
-                **warm_attrs) -> str:
+                offset: int = 0, name: str = "expert.weight", **warm_attrs) -> str:
     """out = x + w, where w's routed Prefetch is ordered after a warm Prefetch of w gated by
     the int64 input `idx` (the predicted experts); both through the expert cache."""
-    base: dict[str, object] = dict(location="w.bin", offset=0, length=4 * n, shape=[n],
-                                   name="expert.weight", tier="disk",
+    base: dict[str, object] = dict(location="w.bin", offset=offset, length=4 * n, shape=[n],
+                                   name=name, tier="disk",
                                    expert_cache=8 * n if cache is None else cache)
     warm = {**base, "gated": 1, "warm": 1, "expert": expert, **warm_attrs}
     warm = {k: v for k, v in warm.items() if v is not None}
@@ -582,3 +582,62 @@ def test_a_warm_prefetch_needs_the_cache_and_int64_indices(tmp_path):
     sess = runtime.InferenceSession(_warm_model(tmp_path, n=64, file_name="w2.onnx"))
     # (the session still runs a good request afterwards)
     np.testing.assert_array_equal(sess.run(None, {"x": x, "idx": np.array([3], np.int64)})[0], w)
+
+
+def test_a_failed_speculative_read_fails_that_run_only(tmp_path):
+    """The file is cut after session creation: the warm read fails, the routed Prefetch finds
+    that failed entry and its Wait says why (the run fails, naming the file); the entry is
+    dropped, so once the file is whole again the next run reads it afresh, exact."""
+    n = 5000
+    w = _data(tmp_path, n, 0)
+    sess = runtime.InferenceSession(_warm_model(tmp_path, n=n))
+    x = np.zeros(n, np.float32)
+    idx = np.array([3], np.int64)
+    os.truncate(tmp_path / "w.bin", 4 * n // 2)
+    for _ in range(2):
+        with pytest.raises(Exception, match="unexpected end of file") as info:
+            sess.run(None, {"x": x, "idx": idx})
+        assert "w.bin" in str(info.value)
+    w = _data(tmp_path, n, 0, seed=5)
+    runtime.reset_counters()
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "idx": idx})[0], w)
+    assert (_c()["warm_reads"], _c()["warm_hits"]) == (1, 1)
+
+
+def test_warm_and_routed_reads_from_threads_stay_exact(tmp_path):
+    """Four threads run one warm model with random predictions through a cache with room
+    for one weight of the four models sharing the data file: warm reads, hits, misses and
+    evictions interleave; every output is exact."""
+    import threading
+
+    n, k = 4096, 4
+    w = _data(tmp_path, n * k, 0)
+    sessions = [runtime.InferenceSession(_warm_model(
+        tmp_path, n=n, cache=4 * n, file_name=f"m{i}.onnx", offset=4 * n * i,
+        name=f"e{i}", expert=i)) for i in range(k)]
+    errors: list[BaseException] = []
+    rounds = threading.Barrier(k)
+
+    def work(i: int) -> None:
+        rng = np.random.default_rng(i)
+        try:
+            x = rng.standard_normal(n).astype(np.float32)
+            want = x + w[i * n:(i + 1) * n]
+            for _ in range(40):
+                rounds.wait(timeout=60)
+                idx = rng.integers(0, k, size=2).astype(np.int64)
+                np.testing.assert_array_equal(sessions[i].run(None, {"x": x, "idx": idx})[0],
+                                              want)
+        except BaseException as e:  # (reported by the main thread)
+            rounds.abort()
+            errors.append(e)
+
+    runtime.reset_counters()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    c = _c()
+    assert c["warm_reads"] > 0 and c["expert_cache_misses"] > 0 and c["expert_cache_hits"] > 0
