@@ -125,7 +125,9 @@ def _routing(pf: ir.Node) -> str:
     if a.get(contract.ATTR_GATED) != 1:
         return ""
     if contract.ATTR_ROUTE not in a:
-        return "gated"
+        warmed = any(v is not None and (p := v.producer()) is not None
+                     and attribute_values(p).get(contract.ATTR_WARM) == 1 for v in pf.inputs)
+        return "gated, speculated a layer early" if warmed else "gated"
     shape = a.get(contract.ATTR_SHAPE)
     experts = shape[0] if isinstance(shape, list | tuple) and shape else "?"
     return f"{a[contract.ATTR_ROUTE]} top-{a.get(contract.ATTR_ROUTE_K, '?')} of {experts}"
