@@ -121,7 +121,9 @@ def _pays(a: GraphAnalysis, choice: OffloadChoice, spec: Speculation, prev: moe.
                "(--budget); 'on' speculates anyway"
     from .. import kinds
 
-    topk = next(p for p, n in enumerate(a.nodes) if (n.name or n.op_type) == layer.node)
+    topk = next((p for p, n in enumerate(a.nodes) if (n.name or n.op_type) == layer.node), None)
+    if topk is None or topk <= spec.after:
+        return "its router does not come after the earlier one in the schedule"
     gap = float(sum(costs.compute_s[spec.after + 1:topk]))
     misses = {(w.weight, w.consumer) for w in spec.warms}
     read = 0.0
