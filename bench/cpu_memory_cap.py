@@ -11,7 +11,8 @@ interleaved over ``--rounds``. Rows:
   memory-maps the external data; under pressure the kernel drops and re-reads its pages);
 * ``ho F``: the model optimized with ``--weight-tier disk --offload weights`` for a budget of
   ``F`` of its weight bytes, run by ``ho_onnx.InferenceSession`` (pre-packing on: the
-  project's own helper's default).
+  project's own helper's default); ``ho F -pp`` (``--no-prepack-rows``): the same with
+  pre-packing off.
 
 Each child reports its step times and the cgroup's peak (``memory.max_usage_in_bytes``);
 a child killed by the limit is reported as ``OOM``. Prints a table; ``--json`` writes every
@@ -62,6 +63,8 @@ def child(cfg: dict[str, Any]) -> None:
     if cfg["ho"]:
         from ho_onnx import InferenceSession
 
+        if not cfg.get("prepack", True):
+            so.add_session_config_entry("session.disable_prepacking", "1")
         sess = InferenceSession(cfg["model"], sess_options=so)
     else:
         so.add_session_config_entry("session.disable_prepacking", "1")
@@ -172,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--workdir")
     ap.add_argument("--json")
+    ap.add_argument("--no-prepack-rows", action="store_true",
+                    help="also run each ho row with ORT's pre-packing off ('ho F -pp'): the "
+                         "resident weights stay mapped file pages the kernel can reclaim")
     a = ap.parse_args(argv)
     if a.child:
         child(json.loads(a.child))
@@ -189,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         for f in fractions:
             path, budget = models[f]
             limit = budget + allow
-            for name, model, ho in ((f"ort {f:g}", src, False), (f"ho {f:g}", path, True)):
+            configs = [(f"ort {f:g}", src, False, True), (f"ho {f:g}", path, True, True)]
+            if a.no_prepack_rows:
+                configs.append((f"ho {f:g} -pp", path, True, False))
+            for name, model, ho, prepack in configs:
                 row = run_child({"model": str(model), "ho": ho, "seq": a.seq,
-                                 "steps": a.steps}, limit)
+                                 "steps": a.steps, "prepack": prepack}, limit)
                 row.update(name=name, fraction=f, budget_bytes=budget, round=r)
                 rows.append(row)
                 print(f"  round {r} {name:<9} limit {limit / MIB:7.0f} MiB: {row['result']:<5}"

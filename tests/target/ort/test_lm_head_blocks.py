@@ -337,3 +337,24 @@ def test_resident_column_blocks_are_external_in_the_sidecar(tmp_path):
     assert out.stat().st_size < N * K  # (no block's bytes in the proto)
     x = np.random.default_rng(2).standard_normal((4, K)).astype(np.float32)
     np.testing.assert_array_equal(_run(out, {"x": x}, True), _run(src, {"x": x}, False))
+
+
+def test_a_resident_weight_is_tried_in_blocks_when_the_arena_does_not_fit():
+    """The plan without blocks keeps a weight resident: blocks are tried for it only when
+    ORT's replayed arena misses the budget (stop 46: the 2.75 GB decoder at 15 %, its 250 MiB
+    lm_head kept whole and the arena 111 MiB over; in 2 blocks the arena fits), and only
+    over the share of the budget."""
+    from types import SimpleNamespace
+
+    from ho_onnx.rewrite.blocks import SPLIT_SHARE, Site, _Trial, _tried_sites
+
+    big = Site("lm_head", 5, None, "matmul", 64, 600)
+    small = Site("w", 3, None, "matmul", 64, int(SPLIT_SHARE * 1000) - 1)
+    planner = SimpleNamespace(options=SimpleNamespace(budget=1000))
+
+    def base(fits: bool) -> _Trial:
+        plan = SimpleNamespace(choice=SimpleNamespace(weights=[]), arena_fits=fits)
+        return _Trial(0, plan)  # type: ignore[arg-type]
+
+    assert _tried_sites(None, planner, base(True), [big, small]) == []  # type: ignore[arg-type]
+    assert _tried_sites(None, planner, base(False), [big, small]) == [big]  # type: ignore[arg-type]
