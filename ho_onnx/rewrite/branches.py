@@ -338,6 +338,12 @@ def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
             if b.decision is not None and not b.stale and (
                     budget is None or budget >= (b.budget or 0)):
                 continue
+            if budget is not None and budget <= 0:  # (found by the fuzzer: a ValueError)
+                held = total - budget
+                raise InfeasibleBudgetError(
+                    f"{b.label}: the budget {format_bytes(total)} leaves nothing for it: the "
+                    f"main graph holds {format_bytes(held)} at its If (under these dims)",
+                    held + 1)
             again, b.stale = True, False
             b.budget = budget
             sub = b.decider = branch_decider(decider, budget)
