@@ -213,8 +213,10 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
       attr_string(api, info, "location", &location)) {
     k->weight = true;
     k->init_weight(op, info, location);
-    if (op.kind == OpKind::kPrefetch) k->init_route(info);
-    if (op.kind == OpKind::kPrefetch) k->init_warm(info);
+    if (op.kind == OpKind::kPrefetch) {
+      k->init_route(info);
+      k->init_warm(info);
+    }
   }
   if (op.kind == OpKind::kGatherRows && ((!k->blob && !k->streamed) || k->shape.empty() ||
                                          k->shape[0] <= 0 || k->bits < 8)) {

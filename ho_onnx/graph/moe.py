@@ -212,14 +212,15 @@ def _router(a: GraphAnalysis, pos: int) -> tuple[str, int, int | None] | None:
 @dataclass(frozen=True)
 class RouterSource:
     """How a routed layer's router computes its logits: ``MatMul(activation, weight)``, plus
-    ``bias`` (an initializer added on the way to the TopK) when there is one; ``position``:
-    the MatMul's schedule position. What a speculation needs to apply the router to an
-    earlier hidden state (:mod:`ho_onnx.schedule.speculate`)."""
+    ``bias`` (an initializer added on the way to the TopK) when there is one; ``position``
+    and ``topk``: the MatMul's and the TopK's schedule positions. What a speculation needs
+    to apply the router to an earlier hidden state (:mod:`ho_onnx.schedule.speculate`)."""
 
     position: int
     activation: str
     weight: str
     bias: str | None
+    topk: int  # the layer's TopK's position
 
 
 def router_source(a: GraphAnalysis, layer: MoELayer) -> RouterSource | str:
@@ -266,7 +267,7 @@ def router_source(a: GraphAnalysis, layer: MoELayer) -> RouterSource | str:
                                   and axis != len(_shape(a, nins[0]) or ()) - 1):
                 return f"its router's {node.op_type} does not keep the ranking of each row"
             name = nins[0]
-    return RouterSource(t.producer, ins[0], ins[1], bias)
+    return RouterSource(t.producer, ins[0], ins[1], bias, topk)
 
 
 def _readers(a: GraphAnalysis, name: str, through: set[str]) -> Iterator[int]:

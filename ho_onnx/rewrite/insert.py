@@ -150,8 +150,20 @@ class _Emitter:
         return self.sources[elem_type]
 
     def op(self, op: str, inputs: Iterable[str], outputs: list[_Out], node_name: str,
-           *attrs: ir.Attr, channel: str | None = None) -> _Op:
-        return _Op(op, list(inputs), outputs, self.names.fresh(node_name), list(attrs), channel)
+           *attrs: ir.Attr, channel: str | None = None, domain: str = contract.DOMAIN) -> _Op:
+        return _Op(op, list(inputs), outputs, self.names.fresh(node_name), list(attrs), channel,
+                   domain)
+
+    @staticmethod
+    def weight_attrs(w: WeightOffload, t: TensorInfo) -> list[ir.Attr]:
+        """The attributes every op reading ``w``'s bytes carries: its shape, name and tier
+        (the default tier written as none); placement adds location, offset and length."""
+        assert t.shape is not None
+        attrs = [ir.AttrInt64s("shape", [int(x) for x in t.shape]), ir.AttrString("name", w.name)]
+        tier = kinds.tier(w.tier)
+        if tier is not kinds.default_tier():
+            attrs.append(ir.AttrString(contract.ATTR_TIER, tier.name))
+        return attrs
 
     def offload_weight(self, w: WeightOffload, cache: int = 0) -> None:
         """Prefetch/Wait pairs before each data reader of ``w``; shape readers become
@@ -162,10 +174,8 @@ class _Emitter:
         self.weight_prefetches.setdefault(w.name, [])
         for c in w.shape_readers:
             self.replace[c] = [int(x) for x in t.shape]
-        attrs = [ir.AttrInt64s("shape", [int(x) for x in t.shape]), ir.AttrString("name", w.name)]
+        attrs = self.weight_attrs(w, t)
         tier = kinds.tier(w.tier)
-        if tier is not kinds.default_tier():  # the default is written as no attribute
-            attrs.append(ir.AttrString(contract.ATTR_TIER, tier.name))
         for c in w.row_readers:  # an embedding lookup: only its rows leave the host store
             ids = self.analysis.nodes[c].inputs[1]
             assert ids is not None and ids.name
@@ -216,37 +226,33 @@ class _Emitter:
         base = f"ho.spec.{s.layer}"
         logits = self.names.fresh(f"{base}.logits")
         ops = [self.op("MatMul", [s.activation, s.router_weight], [(logits, elem, None)],
-                       f"{base}.matmul")]
-        ops[0].domain = ""
+                       f"{base}.matmul", domain="")]
         self.spec_matmuls.append((ops[0], s.after))
         if s.bias is not None:
             biased = self.names.fresh(f"{base}.biased")
-            ops.append(self.op("Add", [logits, s.bias], [(biased, elem, None)], f"{base}.bias"))
-            ops[-1].domain = ""
+            ops.append(self.op("Add", [logits, s.bias], [(biased, elem, None)], f"{base}.bias",
+                               domain=""))
             logits = biased
         k = self.names.fresh(f"{base}.k")
         ops.append(self.op("Constant", [], [(k, TensorProto.INT64, [1])], f"{base}.k",
-                           ir.AttrTensor("value", ir.tensor(np.array([s.k], dtype=np.int64)))))
-        ops[-1].domain = ""
+                           ir.AttrTensor("value", ir.tensor(np.array([s.k], dtype=np.int64))),
+                           domain=""))
         values, picked = self.names.fresh(f"{base}.values"), self.names.fresh(f"{base}.experts")
         ops.append(self.op("TopK", [logits, k], [(values, elem, None),
                                                  (picked, TensorProto.INT64, None)],
-                           f"{base}.topk"))
-        ops[-1].domain = ""
+                           f"{base}.topk", domain=""))
         for warm in s.warms:
             w = weights[warm.weight]
             t = a.tensors[w.name]
-            assert t.elem_type is not None and t.shape is not None
-            tier = kinds.tier(w.tier)
+            assert t.elem_type is not None
             y = self.names.fresh(f"{w.name}.ho_warm{warm.consumer}")
-            attrs = [ir.AttrInt64s("shape", [int(x) for x in t.shape]),
-                     ir.AttrString("name", w.name), ir.AttrString(contract.ATTR_TIER, tier.name),
-                     ir.AttrInt64(contract.ATTR_GATED, 1), ir.AttrInt64(contract.ATTR_WARM, 1),
-                     ir.AttrInt64(contract.ATTR_EXPERT, warm.expert),
-                     ir.AttrInt64(contract.ATTR_EXPERT_CACHE, cache)]
             op = self.op(contract.PREFETCH, [self.source(t.elem_type), picked],
-                         [(y, t.elem_type, [0])], f"ho.warm.{w.name}.{warm.consumer}", *attrs,
-                         channel=tier.channel)
+                         [(y, t.elem_type, [0])], f"ho.warm.{w.name}.{warm.consumer}",
+                         *self.weight_attrs(w, t), ir.AttrInt64(contract.ATTR_GATED, 1),
+                         ir.AttrInt64(contract.ATTR_WARM, 1),
+                         ir.AttrInt64(contract.ATTR_EXPERT, warm.expert),
+                         ir.AttrInt64(contract.ATTR_EXPERT_CACHE, cache),
+                         channel=kinds.tier(w.tier).channel)
             ops.append(op)
             self.warmed.setdefault((w.name, warm.consumer), []).append(y)
             self.weight_prefetches.setdefault(w.name, []).append(op)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
+from .. import kinds
 from ..cost.model import CostModel
 from ..graph import moe
 from ..graph.analyse import GraphAnalysis
@@ -60,7 +61,7 @@ def with_speculation(a: GraphAnalysis, choice: OffloadChoice, mode: str,
         if isinstance(spec, str):
             choice.speculation_skipped[layer.node] = spec
             continue
-        why = None if mode == "on" else _pays(a, choice, spec, prev, layer, by_name, costs)
+        why = None if mode == "on" else _pays(spec, by_name, costs)
         if why:
             choice.speculation_skipped[layer.node] = why
         else:
@@ -100,7 +101,7 @@ def _speculation(a: GraphAnalysis, choice: OffloadChoice, prev: moe.MoELayer,
     if choice.expert_cache < need:
         return (f"the expert cache ({format_bytes(choice.expert_cache)}) holds less than "
                 f"both layers' selections for one token ({format_bytes(need)})")
-    return Speculation(layer.node, src.position, src.activation, dst.weight, dst.bias,
+    return Speculation(layer.node, dst.topk, src.position, src.activation, dst.weight, dst.bias,
                        layer.top_k, tuple(warms))
 
 
@@ -112,19 +113,13 @@ def _selection(layer: moe.MoELayer, by_name: Mapping[str, WeightOffload]) -> int
                            if (w := by_name.get(n)) is not None and cacheable(w)))
 
 
-def _pays(a: GraphAnalysis, choice: OffloadChoice, spec: Speculation, prev: moe.MoELayer,
-          layer: moe.MoELayer, by_name: Mapping[str, WeightOffload],
+def _pays(spec: Speculation, by_name: Mapping[str, WeightOffload],
           costs: CostModel | None) -> str | None:
     """None when the cost model says ``spec`` pays (module docstring), else why not."""
     if costs is None:
         return "auto speculates where the budget planner's cost model says it pays " \
                "(--budget); 'on' speculates anyway"
-    from .. import kinds
-
-    topk = next((p for p, n in enumerate(a.nodes) if (n.name or n.op_type) == layer.node), None)
-    if topk is None or topk <= spec.after:
-        return "its router does not come after the earlier one in the schedule"
-    gap = float(sum(costs.compute_s[spec.after + 1:topk]))
+    gap = float(sum(costs.compute_s[spec.after + 1:spec.topk]))
     misses = {(w.weight, w.consumer) for w in spec.warms}
     read = 0.0
     for name, _k in misses:

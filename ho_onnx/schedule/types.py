@@ -168,12 +168,13 @@ class Warm:
 
 @dataclass(frozen=True)
 class Speculation:
-    """The router of the MoE layer ``layer`` (its TopK) applied to an earlier router's input
-    ``activation`` right after that router's MatMul (schedule position ``after``): the
-    ``k`` experts it picks there have their weights' reads into the expert cache started
-    (``warms``), a layer before the layer's own router asks for them."""
+    """The router of the MoE layer ``layer`` (its TopK, at schedule position ``topk``)
+    applied to an earlier router's input ``activation`` right after that router's MatMul
+    (position ``after``): the ``k`` experts it picks there have their weights' reads into the
+    expert cache started (``warms``), a layer before the layer's own router asks for them."""
 
     layer: str
+    topk: int
     after: int
     activation: str
     router_weight: str

@@ -72,13 +72,19 @@ def _model(directory: Path, *, n: int, location: str = "w.bin", offset: int = 0,
                   helper.make_node("Add", [acc, f"w{i}"], [f"a{i}"])]
         acc = f"a{i}"
     nodes.append(helper.make_node("Identity", [acc], ["out"]))
+    return _save(directory / file_name, nodes, n)
+
+
+def _save(path: Path, nodes: list[onnx.NodeProto], n: int,
+          extra_inputs: tuple[onnx.ValueInfoProto, ...] = ()) -> str:
+    """A model of ``nodes`` reading x [n] (and ``extra_inputs``) and the empty source s0,
+    writing out [n], saved at ``path``."""
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n]), *extra_inputs],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [n])],
         [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])])
     model = helper.make_model(graph, ir_version=10, opset_imports=[
         helper.make_opsetid("", 21), helper.make_opsetid(D, 1)])
-    path = directory / file_name
     onnx.save(model, str(path))
     return str(path)
 
@@ -483,16 +489,8 @@ def _warm_model(directory: Path, *, n: int, expert: int = 3, cache: int | None =
              _node("Prefetch", ["s0", "warmed"], ["wy"], **base),
              _node("Wait", ["wy"], ["w"]),
              helper.make_node("Add", ["x", "w"], ["out"])]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n]),
-                     helper.make_tensor_value_info("idx", idx_type, [None])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [n])],
-        [helper.make_tensor("s0", TensorProto.FLOAT, [0], [])])
-    model = helper.make_model(graph, ir_version=10, opset_imports=[
-        helper.make_opsetid("", 21), helper.make_opsetid(D, 1)])
-    path = directory / file_name
-    onnx.save(model, str(path))
-    return str(path)
+    return _save(directory / file_name, nodes, n,
+                 (helper.make_tensor_value_info("idx", idx_type, [None]),))
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -605,9 +603,9 @@ def test_a_failed_speculative_read_fails_that_run_only(tmp_path):
 
 
 def test_warm_and_routed_reads_from_threads_stay_exact(tmp_path):
-    """Four threads run one warm model with random predictions through a cache with room
-    for one weight of the four models sharing the data file: warm reads, hits, misses and
-    evictions interleave; every output is exact."""
+    """Four threads run one warm model each with random predictions through a cache with
+    room for one weight of the four models sharing the data file: warm reads, hits, misses
+    and evictions interleave; every output is exact."""
     import threading
 
     n, k = 4096, 4
@@ -615,29 +613,23 @@ def test_warm_and_routed_reads_from_threads_stay_exact(tmp_path):
     sessions = [runtime.InferenceSession(_warm_model(
         tmp_path, n=n, cache=4 * n, file_name=f"m{i}.onnx", offset=4 * n * i,
         name=f"e{i}", expert=i)) for i in range(k)]
-    errors: list[BaseException] = []
-    rounds = threading.Barrier(k)
+    rounds = threading.Barrier(k)  # (every thread runs once per round: they interleave)
 
     def work(i: int) -> None:
         rng = np.random.default_rng(i)
+        x = rng.standard_normal(n).astype(np.float32)
+        want = x + w[i * n:(i + 1) * n]
         try:
-            x = rng.standard_normal(n).astype(np.float32)
-            want = x + w[i * n:(i + 1) * n]
             for _ in range(40):
                 rounds.wait(timeout=60)
                 idx = rng.integers(0, k, size=2).astype(np.int64)
                 np.testing.assert_array_equal(sessions[i].run(None, {"x": x, "idx": idx})[0],
                                               want)
-        except BaseException as e:  # (reported by the main thread)
-            rounds.abort()
-            errors.append(e)
+        except BaseException:
+            rounds.abort()  # (the others stop waiting for this one)
+            raise
 
     runtime.reset_counters()
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_threads(work, k)
     c = _c()
     assert c["warm_reads"] > 0 and c["expert_cache_misses"] > 0 and c["expert_cache_hits"] > 0
