@@ -65,7 +65,8 @@ def child(cfg: dict[str, Any]) -> None:
 
         if not cfg.get("prepack", True):
             so.add_session_config_entry("session.disable_prepacking", "1")
-        sess = InferenceSession(cfg["model"], sess_options=so)
+        sess = InferenceSession(cfg["model"], sess_options=so,
+                                cpu_arena=cfg.get("cpu_arena", "as_requested"))
     else:
         so.add_session_config_entry("session.disable_prepacking", "1")
         sess = ort.InferenceSession(cfg["model"], so, providers=["CPUExecutionProvider"])
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--workdir")
     ap.add_argument("--json")
+    ap.add_argument("--cpu-arena", choices=("as_requested", "ort"), default="as_requested",
+                    help="the ho rows' CPU arena (ho_onnx.InferenceSession's cpu_arena)")
     ap.add_argument("--no-prepack-rows", action="store_true",
                     help="also run each ho row with ORT's pre-packing off ('ho F -pp'): the "
                          "resident weights stay mapped file pages the kernel can reclaim")
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 configs.append((f"ho {f:g} -pp", path, True, False))
             for name, model, ho, prepack in configs:
                 row = run_child({"model": str(model), "ho": ho, "seq": a.seq,
-                                 "steps": a.steps, "prepack": prepack}, limit)
+                                 "steps": a.steps, "prepack": prepack,
+                                 "cpu_arena": a.cpu_arena}, limit)
                 row.update(name=name, fraction=f, budget_bytes=budget, round=r)
                 rows.append(row)
                 print(f"  round {r} {name:<9} limit {limit / MIB:7.0f} MiB: {row['result']:<5}"

@@ -405,3 +405,30 @@ def test_a_staged_tier_holds_each_reload_twice_on_the_cpu():
     diff = schedule_memory(a, one) - schedule_memory(a, plain)
     p, c = w.prefetch_at[0], w.consumers[0]
     assert (diff[p:c + 1] == w.nbytes).all() and diff.sum() == w.nbytes * (c - p + 1)
+
+
+def test_the_arena_prediction_counts_the_staging_beside_orts_buffers():
+    """ORT's replayed arena plus the engine's staging copy of each staged reload (library
+    memory, outside ORT's allocator): the arena fit must see both (found measuring the
+    2.75 GB decoder at 15 % of its weights under a hard limit: the replayed arena fitted
+    the budget while up to 144 MiB of disk reads were staged beside it, and the run was
+    OOM-killed)."""
+    from ho_onnx.schedule.arena import arena_buffer_intervals, arena_memory
+    from ho_onnx.schedule.types import OffloadChoice
+
+    a = analyse(tile_model((64, 64), (64, 2048)))
+    cs = np.full(len(a.order), 2e-3)
+    base = simulate(a, None, cs, linear()).peak_bytes
+    opts = OffloadOptions(budget=base - 64 * 2048 * 4 + 1, min_bytes=0, activations=False,
+                          weight_tier="disk")
+    p = plan(a, opts, CostModel(cs, linear()))
+    w = next(w for w in p.choice.weights if w.staged)
+    one = OffloadChoice(weights=[w])
+    plain = OffloadChoice(weights=[dataclasses.replace(w, staged=False)])
+    diff = arena_memory(a, one) - arena_memory(a, plain)
+    s, c = w.prefetch_at[0], w.consumers[0]
+    assert (diff[s:c + 1] == w.nbytes).all() and diff.sum() == w.nbytes * (c - s + 1)
+    staged, _ = arena_buffer_intervals(a, one)
+    unstaged, _ = arena_buffer_intervals(a, plain)
+    assert sorted(staged) == sorted(unstaged + [(s, c, w.nbytes)])
+    assert p.arena_bytes == int(arena_memory(a, p.choice).max())
