@@ -30,6 +30,7 @@ from ho_onnx.schedule.options import (
     CPU_EXPERTS,
     MIN_BYTES_BUDGET,
     MIN_BYTES_EXPLICIT,
+    RECOMPUTE,
     SPECULATE_EXPERTS,
     OffloadOptions,
     offload_kinds,
@@ -503,6 +504,14 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                           "where the planner predicts it pays: the budget can then fall "
                           "below the weight. 0 keeps every weight whole."),
         *_SEARCH_OPTIONS,
+        click.option("--recompute", type=click.Choice(list(RECOMPUTE)),
+                     default=_DEFAULTS.recompute, show_default=True,
+                     help="A stored activation whose producer (and the few deterministic, "
+                          "cheap nodes it needs: elementwise, layout, normalization) can run "
+                          "again before its late readers is computed again instead of stored "
+                          "and reloaded. auto (with --budget): where the simulated run is "
+                          "faster and the plan still fits; on: wherever it fits; off. `plan "
+                          "--json` says why each stored one was not."),
         click.option("--offload-kv", "offload_kv", is_flag=True,
                      help="Keep the KV cache of a decoder exported with past in the caller's "
                           "host memory: each layer's past is copied in just before its "
@@ -570,7 +579,8 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
              profile_path: str | None, min_gap: int, weight_tier: str,
              host_budget: int | None, expert_cache: str, speculate_experts: str,
              arena_refits: int, max_blocks: int,
-             refine_s: float, exact_s: float, offload_kv: bool, cpu_experts: str,
+             refine_s: float, exact_s: float, recompute: str, offload_kv: bool,
+             cpu_experts: str,
              dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
              ort_level: str | None) -> None:
     """Rewrite INPUT_MODEL into OUTPUT_MODEL with Prefetch/Wait/Store/Detach cache ops.
@@ -597,7 +607,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
                            max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts,
                            refine_s=refine_s, exact_s=exact_s, expert_cache=expert_cache,
-                           speculate_experts=speculate_experts)
+                           speculate_experts=speculate_experts, recompute=recompute)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
         bound = parse_dims(dims, ranges)
@@ -658,7 +668,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
          expert_cache: str, speculate_experts: str, arena_refits: int, max_blocks: int,
          refine_s: float,
-         exact_s: float, offload_kv: bool, cpu_experts: str, dims: tuple[str, ...],
+         exact_s: float, recompute: str, offload_kv: bool, cpu_experts: str,
+         dims: tuple[str, ...],
          shapes: tuple[str, ...], points: tuple[str, ...], ort_level: str | None,
          as_json: bool, plot_path: str | None) -> None:
     """Plan INPUT_MODEL under --budget and print the plan; nothing is written.
@@ -687,7 +698,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                      weight_tier=weight_tier, host_budget=host_budget,
                      arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv,
                      cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s,
-                     expert_cache=expert_cache, speculate_experts=speculate_experts),
+                     expert_cache=expert_cache, speculate_experts=speculate_experts,
+                     recompute=recompute),
             bound, costs, ort_level=ort_level, log=_log, shapes=parse_shape_options(shapes),
             dim_ranges=ranges, dim_points=named)
         names = [analysis.node_at(i).name or analysis.node_at(i).op_type

@@ -417,6 +417,8 @@ void Kernel::compute(OrtKernelContext* ctx) {
       return gather_rows(ctx);
     case OpKind::kHostMatMul:
       return host_matmul(ctx);
+    case OpKind::kFence:
+      return fence(ctx, ec);
   }
 }
 
@@ -474,6 +476,26 @@ void Kernel::guard(OrtKernelContext* ctx) {
     }
   }
   output(api, ctx, {0});
+}
+
+// Fence: its output is its input, after its ordering inputs (ORT aliases the two: nothing is
+// copied); an opaque value to ORT's optimizers, so nodes computed again from it (a
+// recomputed activation: schedule/recompute.py) are never merged with the first ones.
+void Kernel::fence(OrtKernelContext* ctx, ExecContext& ec) {
+  const OrtValue* x = input(api, ctx, 0);
+  const TensorInfo ti = tensor_info(api, x);
+  const size_t bytes = byte_size(ti.numel, bits);
+  OrtValue* y = output(api, ctx, ti.dims);
+  if (bytes == 0) return;
+  const void* src = tensor_data(api, x);
+  void* dst = tensor_data(api, y);
+  if (dst == src) return;
+  counters().alias_copies += 1;  // (ORT did not alias them)
+#if HO_ONNX_WITH_CUDA
+  if (gpu) return cuda_copy_device(dst, src, bytes, ec.stream);
+#endif
+  (void)ec;
+  std::memcpy(dst, src, bytes);
 }
 
 // The gate (input 1) of a gated Prefetch or Wait is empty: no token reaches the reader.

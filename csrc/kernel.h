@@ -117,6 +117,7 @@ struct Kernel {
   void init_host_matmul(const OrtKernelInfo* info);
   void host_matmul(OrtKernelContext* ctx);
   void guard(OrtKernelContext* ctx);
+  void fence(OrtKernelContext* ctx, ExecContext& ec);
   ExecContext cpu_context(OrtKernelContext* ctx) const;
   ExecContext gpu_context(OrtKernelContext* ctx) const;
   void prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec);

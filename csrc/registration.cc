@@ -53,6 +53,8 @@ const char* op_name(OpKind k) {
       return "GatherRows";
     case OpKind::kHostMatMul:
       return "HostMatMul";
+    case OpKind::kFence:
+      return "Fence";
   }
   return "?";
 }
@@ -296,7 +298,7 @@ std::unique_ptr<OpDef> make_op(Registration* reg, OpKind kind, const ElemType& t
   op->GetEndVersion = end_version;
   op->GetMayInplace = nullptr;
   op->ReleaseMayInplace = nullptr;
-  if (kind == OpKind::kWait) {
+  if (kind == OpKind::kWait || kind == OpKind::kFence) {
     op->GetAliasMap = alias_map<0>;
     op->ReleaseAliasMap = release_alias_map;
   } else if (kind == OpKind::kDetach) {
@@ -526,7 +528,7 @@ void add_ops(const OrtApi* api, Registration* reg, std::pair<int, int> rt) {
     if (on_cuda && !reg->cuda) continue;
     for (OpKind kind : {OpKind::kPrefetch, OpKind::kWait, OpKind::kStore, OpKind::kDetach,
                         OpKind::kGuard, OpKind::kPrefetchInput, OpKind::kEmit,
-                        OpKind::kGatherRows, OpKind::kHostMatMul}) {
+                        OpKind::kGatherRows, OpKind::kHostMatMul, OpKind::kFence}) {
       // host memory out: the CPU EP's alone
       if (on_cuda && (kind == OpKind::kEmit || kind == OpKind::kGatherRows ||
                       kind == OpKind::kHostMatMul)) {

@@ -53,7 +53,7 @@ constexpr const char* kSampleArenaKey = "ho_onnx.sample_arena";
 // CPU EP only: on the CUDA EP ORT moves x to host memory and y back (the activations move,
 // never the weight). An empty x does no work.
 enum class OpKind { kPrefetch, kWait, kStore, kDetach, kGuard, kPrefetchInput, kEmit,
-                    kGatherRows, kHostMatMul };
+                    kGatherRows, kHostMatMul, kFence };
 const char* op_name(OpKind k);
 
 struct OpDef;

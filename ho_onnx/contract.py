@@ -28,8 +28,13 @@ GATHER_ROWS = "GatherRows"
 # activations move instead of the weight); input 0 the empty source, input 1 x; attributes
 # of a weight Prefetch. An MoE expert computed where its weights live (``--cpu-experts``).
 HOST_MATMUL = "HostMatMul"
+# Its output is its input (ORT aliases them: no copy), produced after its ordering inputs; an
+# opaque value to ORT's optimizers: the nodes of a recomputed activation read their inputs
+# through Fences, so ORT neither merges them with the first computation (its common
+# subexpression elimination) nor runs them early (schedule/recompute.py).
+FENCE = "Fence"
 ALL_OPS = (PREFETCH, WAIT, STORE, DETACH, GUARD, PREFETCH_INPUT, EMIT, GATHER_ROWS,
-           HOST_MATMUL)
+           HOST_MATMUL, FENCE)
 # Ops that read an offloaded weight's bytes in place from the host store (no reload).
 HOST_READERS = (GATHER_ROWS, HOST_MATMUL)
 # Ops registered for the CPU EP only (csrc/registration.cc: add_ops): on the CUDA EP ORT runs
@@ -39,7 +44,7 @@ CPU_ONLY = (EMIT, GATHER_ROWS, HOST_MATMUL)
 # output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
 # output_count.)
 REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2, GUARD: 1, PREFETCH_INPUT: 1,
-                   EMIT: 1, GATHER_ROWS: 2, HOST_MATMUL: 2}
+                   EMIT: 1, GATHER_ROWS: 2, HOST_MATMUL: 2, FENCE: 1}
 # Ops whose transfers queue on a copy channel (an optional second output, ``issued``).
 PREFETCHES = (PREFETCH, PREFETCH_INPUT)
 # Attributes of a Guard: per checked dim its axis in the input, its range and its name (the

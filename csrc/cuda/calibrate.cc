@@ -1,5 +1,5 @@
-// The CUDA helpers of the C API (cuda_api.h): device selection, memory information and the
-// pinned copy rates calibration measures.
+// The CUDA helpers of the C API and the kernels (cuda_api.h): device selection, memory
+// information, the pinned copy rates calibration measures, a device copy on a stream.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +15,12 @@ namespace ho {
 using cuda::check;
 
 void cuda_set_device(int device) { cuda::set_device(device); }
+
+void cuda_copy_device(void* dst, const void* src, size_t bytes, void* stream) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                        static_cast<cudaStream_t>(stream)),
+        "cudaMemcpyAsync (device to device, a Fence ORT did not alias)");
+}
 
 CudaMemInfo cuda_mem_info(int device) {
   cuda::set_device(device);

@@ -19,6 +19,9 @@ std::shared_ptr<Engine> make_cuda_engine();
 // it: ORT's threads may have another device current). Throws ho::Error.
 void cuda_set_device(int device);
 
+// Copy `bytes` device bytes on `stream` (a kernel's compute stream).
+void cuda_copy_device(void* dst, const void* src, size_t bytes, void* stream);
+
 struct CudaMemInfo {
   size_t free_bytes = 0;
   size_t total_bytes = 0;

@@ -65,6 +65,13 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                                      "expert": w.expert} for w in s.warms]}
                          for s in c.speculations],
         "speculation_skipped": dict(c.speculation_skipped),
+        # stored activations computed again before their late readers (schedule/recompute),
+        # and why each other stored one was not
+        "recomputes": [{"name": r.name, "bytes": r.nbytes, "producer": r.producer,
+                        "early": list(r.early), "late": list(r.late),
+                        "nodes": [analysis_names[p] for p in r.nodes],
+                        "transient_bytes": r.transient} for r in c.recomputes],
+        "recompute_skipped": dict(c.recompute_skipped),
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),
         "offloaded": {
@@ -177,6 +184,8 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
         f"{_mib(plan.host_bytes)}"
         + (f"; the KV cache in the caller's host memory ({len(c.inputs)} past, "
            f"{len(c.outputs)} present, {_mib(c.kv_bytes)})" if c.inputs or c.outputs else "")
+        + (f"; {len(c.recomputes)} recomputed instead "
+           f"({_mib(sum(r.nbytes for r in c.recomputes))})" if c.recomputes else "")
         + _routed_summary(c.weights),
         *([f"bound  {plan.bound_summary()}"] if plan.bound is not None else []),
         *_skipped_summary(c.skipped),

@@ -29,6 +29,7 @@ from ..schedule.types import (
     InputOffload,
     OffloadChoice,
     OutputOffload,
+    Recompute,
     Speculation,
     WeightOffload,
 )
@@ -295,6 +296,45 @@ class _Emitter:
         for c in a.late:
             self.rename.setdefault(c, {})[a.name] = z
 
+    def recompute(self, r: Recompute) -> None:
+        """The nodes of ``r`` run again right before its first late reader, with fresh output
+        names, each reading a copy made before it or one input through a Fence ordered after
+        the node before that reader (so ORT neither merges the copies with the first
+        computation nor runs them early: ``r.fenced``); its late readers read the copy."""
+        u = r.late[0]
+        deps = self.dep_before(u)
+        fence = dict(r.fenced)
+        made: dict[str, str] = {}  # a cone node's output -> its copy's name
+        fenced: dict[str, str] = {}  # a value read through a Fence -> the Fence's output
+        for pos in r.nodes:
+            node = self.analysis.nodes[pos]
+            inputs = []
+            for v in node.inputs:
+                name = v.name if v is not None and v.name else ""
+                if name in made:
+                    name = made[name]
+                elif name and fence.get(pos) == name:
+                    if name not in fenced:
+                        fenced[name] = self.names.fresh(f"{name}.ho_fenced")
+                        self.before_wait[u].append(self.op(
+                            contract.FENCE, [name, *deps],
+                            [self.like(fenced[name], self.analysis.tensors[name])],
+                            f"ho.fence.{name}"))
+                    name = fenced[name]
+                inputs.append(name)
+            outs = list(node.outputs)
+            while outs and not outs[-1].name:  # (unused trailing optional outputs)
+                outs.pop()
+            copies: list[_Out] = []
+            for v in outs:  # (each named and typed: schedule.recompute.cone)
+                made[v.name] = name = self.names.fresh(f"{v.name}.ho_recomputed")
+                copies.append(self.like(name, self.analysis.tensors[v.name]))
+            self.before_wait[u].append(self.op(
+                node.op_type, inputs, copies, f"{node.name or node.op_type}.ho_recompute",
+                *node.attributes.values(), domain=node.domain))
+        for c in r.late:
+            self.rename.setdefault(c, {})[r.name] = made[r.name]
+
     def _fused_by_ort(self, name: str) -> bool:
         """``name`` is a MatMul's output that only an Add reads (ORT fuses the two into a
         Gemm, and only while nothing else reads the product)."""
@@ -381,7 +421,7 @@ class _Builder:
 
     def build(self, o: _Op) -> ir.Node:
         # (an ordering input named after an emitted graph output means its producer's value)
-        inputs = [self.values[self.em.emitted.get(n, n)] for n in o.inputs]
+        inputs = [self.values[self.em.emitted.get(n, n)] if n else None for n in o.inputs]
         outputs = [self.value(*spec) for spec in o.outputs]
         if o.channel is not None:
             prev = self.last_on.get(o.channel)
@@ -488,6 +528,8 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice, *,
         em.offload_input(i)
     for o in choice.outputs:
         em.offload_output(o)
+    for r in choice.recomputes:
+        em.recompute(r)
     em.rewire_speculations()
     builder = _Builder(em)
     result = RewrittenModel(model, cache_nodes=builder.apply())

@@ -12,6 +12,9 @@ branch has cache ops of its own, :mod:`.branches`):
   a later Prefetch of the same weight reads, as an ordering input;
 * every ``Store``'s token reaches a ``Detach`` (which releases what the Store stored) and
   that Detach's token a ``Prefetch``;
+* every ``Fence`` (a recomputed activation's: :mod:`~ho_onnx.schedule.recompute`) has an
+  ordering input and is read by a node that is not a cache op (what it keeps apart and
+  late is a recomputation; a Fence read by nothing, or unordered, recomputes early);
 * each copy channel's Prefetches are chained FIFO in file order: each one after the first on
   its channel reads, as its last input, the ``issued`` output of the one before (what keeps
   the transfers queued in the order the plan simulated, under any node order).
@@ -70,6 +73,10 @@ def _check_graph(graph: ir.Graph) -> None:
             _check_prefetch(node, last_on)
         elif node.op_type == contract.STORE:
             _check_store(node)
+        elif node.op_type == contract.FENCE and (len(node.inputs) < 2 or not any(
+                u.domain != contract.DOMAIN for u, _ in node.outputs[0].uses())):
+            raise ScheduleError(f"Fence {_label(node)} has no ordering input or no "
+                                "reader that recomputes")
     for v in graph.outputs:
         p = v.producer()
         if p is not None and _is_prefetch(p):

@@ -52,6 +52,12 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         elif not t.is_initializer:
             k = None if t.is_graph_output else key(t.elem_type, t.shape)
             values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
+    for r in (choice.recomputes if choice else ()):  # (its copy: a new buffer at late[0])
+        t = analysis.tensors[r.name]
+        k = key(t.elem_type, t.shape)
+        values[r.name] = ArenaValue(spans[r.name][0], r.last_early, r.nbytes, k)
+        values[r.name + "\0recomputed"] = ArenaValue(r.late[0], max(r.late), r.nbytes, k)
+        values[r.name + "\0transient"] = ArenaValue(r.late[0], r.late[0], r.transient, None)
     for w in moved_w.values():
         t = analysis.tensors[w.name]
         k = key(t.elem_type, t.shape)

@@ -123,6 +123,10 @@ def offloaded_intervals(choice: OffloadChoice) -> tuple[set[str], list[Interval]
         b = a.nbytes or 0
         out.append((a.producer, a.last_early, b))
         out.append((a.prefetch_at, max(a.late), b))
+    for r in choice.recomputes:  # (its copy from its late readers' first; the run's others)
+        names.add(r.name)
+        out.extend(((r.producer, r.last_early, r.nbytes), (r.late[0], max(r.late), r.nbytes),
+                    (r.late[0], r.late[0], r.transient)))
     for i in choice.inputs:
         names.add(i.name)
         out.extend((p, c, i.nbytes) for c, p in zip(i.consumers, i.prefetch_at, strict=True))
@@ -158,12 +162,17 @@ def peaks_at(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, 
     """Fast-tier peaks of the unmodified schedule and of ``choice``'s, every size taken from
     ``analysis`` at ``dims``: another binding of the model the choice was made for (the
     bottom of a range the plan was made at the top of)."""
+    from .recompute import transient_bytes  # (it imports this module)
+
     def size(name: str) -> int:
         return analysis.tensors[name].nbytes(dims) or 0
 
     resized = dataclasses.replace(
         choice, weights=[dataclasses.replace(w, nbytes=size(w.name)) for w in choice.weights],
         activations=[dataclasses.replace(a, nbytes=size(a.name)) for a in choice.activations],
+        recomputes=[dataclasses.replace(r, nbytes=size(r.name), transient=transient_bytes(
+            analysis, r.nodes, r.name, (v for _, v in r.fenced), size))
+            for r in choice.recomputes],
         inputs=[dataclasses.replace(i, nbytes=size(i.name)) for i in choice.inputs],
         outputs=[dataclasses.replace(o, nbytes=size(o.name)) for o in choice.outputs])
     residency = resident_intervals(analysis, dims)

@@ -21,6 +21,8 @@ PREFETCH_DISTANCE = 2
 CPU_EXPERTS = ("off", "auto", "all")
 #: Values of ``speculate_experts``.
 SPECULATE_EXPERTS = ("off", "auto", "on")
+#: Values of ``recompute``.
+RECOMPUTE = ("off", "auto", "on")
 
 
 class _Unset(int):
@@ -65,6 +67,11 @@ class OffloadOptions:
       (:mod:`~ho_onnx.schedule.speculate`): ``off``, ``on`` (wherever the graph and the cache
       allow), ``auto`` (the default: where the budget planner's cost model says it pays;
       never in the explicit policy, which has no cost model).
+      ``recompute``: a stored activation whose producer (and what it needs that is not
+      resident at its late readers: a few deterministic, cheap nodes) can run again there
+      is computed again instead of stored and reloaded (:mod:`~ho_onnx.schedule.recompute`):
+      ``auto`` (the default: where the budget planner's simulation says it is faster and the
+      plan still fits), ``on`` (wherever it fits), ``off``; the budget planner only.
 
     Explicit policy (no ``budget``): every eligible tensor is offloaded.
       ``prefetch_distance``: compute nodes between a Prefetch and its Wait (default
@@ -109,6 +116,7 @@ class OffloadOptions:
     weight_tier: Tier = HOST.name
     expert_cache: int | str = "auto"
     speculate_experts: str = "auto"
+    recompute: str = "auto"
     prefetch_distance: int = _DEFAULT_DISTANCE
     budget: int | None = None
     host_budget: int | None = None
@@ -148,6 +156,10 @@ class OffloadOptions:
         if self.speculate_experts not in SPECULATE_EXPERTS:
             raise ValueError(f"speculate_experts must be {'|'.join(SPECULATE_EXPERTS)}, "
                              f"not {self.speculate_experts!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be {'|'.join(RECOMPUTE)}, not {self.recompute!r}")
+        if self.recompute == "on" and self.budget is None:
+            raise ValueError("recompute='on' is decided by the budget planner: give a budget")
         if self.cpu_experts not in CPU_EXPERTS:
             raise ValueError(f"cpu_experts must be {'|'.join(CPU_EXPERTS)}, "
                              f"not {self.cpu_experts!r}")

@@ -93,6 +93,8 @@ from .lifetimes import (
     schedule_memory,
 )
 from .options import OffloadOptions
+from .recompute import describe as describe_recomputes
+from .recompute import recompute
 from .refine import MAX_WINDOW, Bound, Reload, Space, State, Store, refine, weak_bound
 from .simulate import Simulation, simulate
 from .speculate import describe as describe_speculation
@@ -204,6 +206,8 @@ class Plan(Decision):
         if cached := describe_cache(self.choice):
             lines.append(cached + " (in the budget)")
         lines += describe_speculation(self.choice)
+        if recomputed := describe_recomputes(self.choice):
+            lines.append(recomputed)
         if self.costs is not None:  # (found by hand: a profile's gaps went unsaid)
             lines.append(f"costs: {self.costs.description}")
             lines += [f"note: {line}" for line in self.costs.notes]
@@ -725,7 +729,9 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     try:
         first = _plan(analysis, inner, costs, dims, search=True, basis=basis)
         fitted = _fit_arena(analysis, inner, costs, dims, first, basis, runtime=target)
-        improved = _improve(analysis, inner, costs, dims, basis, fitted, target)
+        improved = _recomputed(analysis, costs, dims, basis,
+                               _improve(analysis, inner, costs, dims, basis, fitted, target),
+                               target)
     except InfeasibleBudgetError as e:
         if not cache:
             raise
@@ -733,6 +739,43 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
             f"{e}; with the expert cache of {format_bytes(cache)} the smallest budget is "
             f"{format_bytes(e.min_budget + cache)}", e.min_budget + cache) from None
     return _cached(analysis, opts, costs, dims, improved, basis, cache)
+
+
+def _recomputed(analysis: GraphAnalysis, costs: CostModel, dims: Mapping[str, int] | None,
+                basis: _Basis, p: Plan, runtime: Target) -> Plan:
+    """``p`` with the stored activations its options have recomputed instead
+    (:mod:`.recompute`: where it is faster, or wherever it fits), timed and its arena
+    replayed again; the tensors' peak stays within the budget ``p`` was made for and the
+    arena within the budget (or what ``p``'s already reached)."""
+    if p.options.recompute == "off" or not p.choice.activations:
+        return p
+    dims = dict(dims or {})
+    spans, sizes = basis.residency
+    limit = max(p.budget, p.arena_bytes)
+
+    def size(name: str) -> int:
+        t = analysis.tensors.get(name)
+        return sizes[name] if name in sizes else (t.nbytes(dims) or 0) if t else 0
+
+    def timed(choice: OffloadChoice) -> tuple[Simulation, int]:
+        sim = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims,
+                       basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead,
+                       copy_in_compute=costs.copy_in_compute)
+        return sim, int(arena_memory(analysis, choice, dims, basis.residency,
+                                     target=runtime).max())
+
+    def score(choice: OffloadChoice) -> tuple[float, bool]:
+        sim, arena = timed(choice)
+        return sim.total_s, sim.peak_bytes <= p.planned_for and arena <= limit
+
+    choice = recompute(analysis, p.choice, p.options.recompute, spans, size, score)
+    if not choice.recomputes:
+        return replace(p, choice=choice)
+    planned, arena = timed(choice)
+    bound = None if p.bound is None else Bound(min(p.bound.seconds, planned.total_s),
+                                               p.bound.kind)  # (the space recomputes none)
+    return replace(p, choice=choice, planned=planned, host_bytes=host_bytes(choice),
+                   arena_bytes=arena, bound=bound)
 
 
 def _cached(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,

@@ -5,9 +5,10 @@ Memory is counted per compute position (a tensor occupies the fast tier from the
 allocates it through its last reader, inclusive). Time follows the order the rewritten
 graph executes in under PRIORITY_BASED: before compute step ``i`` the Prefetches issued
 there start, then the Waits there block; after step ``i`` the Stores there start, then the
-Detaches there block. Each direction is one FIFO channel: a transfer starts when it is
-issued and its channel is free (a reload also not before its store finished), and takes
-``latency + bytes / bandwidth``. Oversubscription therefore shows as stall.
+Detaches there block; a recomputed activation's nodes run again right before its first late
+reader (their compute added to that step's). Each direction is one FIFO channel: a transfer
+starts when it is issued and its channel is free (a reload also not before its store
+finished), and takes ``latency + bytes / bandwidth``. Oversubscription therefore shows as stall.
 
 ``host_ahead=True`` times loads as the CUDA engine issues them instead (an estimate for
 reports; the planner uses the default): ORT's host thread runs ahead of the GPU, so a
@@ -128,6 +129,10 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     now = 0.0
     starts = np.zeros(n)
     compute_s = np.asarray(compute_s, dtype=np.float64)
+    if choice is not None and choice.recomputes:  # (each run again before its late readers)
+        compute_s = compute_s.copy()
+        for r in choice.recomputes:
+            compute_s[r.late[0]] += float(compute_s[list(r.nodes)].sum())
     seconds = compute_s.tolist()  # the same floats, without a numpy scalar per step
     for i in range(n):
         for ev in loads_at.get(i, ()):

@@ -105,6 +105,40 @@ class ActivationOffload:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """An activation computed again right before its late readers instead of stored
+    (:mod:`~ho_onnx.schedule.recompute`): its first residency ends after ``early``; the
+    nodes at ``nodes`` (schedule positions, in order, the last its ``producer``) run again
+    right before ``late[0]`` on values resident there, and the late readers read that copy.
+    ``fenced``: (node position, input) each read through a Fence (ordered after the node
+    before ``late[0]``, opaque to ORT's optimizers); ``transient``: bytes held beside the
+    copy while the nodes run (their other outputs, the Fences' copies)."""
+
+    name: str
+    nbytes: int
+    producer: int
+    early: tuple[int, ...]
+    late: tuple[int, ...]
+    nodes: tuple[int, ...]
+    fenced: tuple[tuple[int, str], ...] = ()
+    transient: int = 0
+
+    @property
+    def last_early(self) -> int:
+        """Position after which the first residency ends."""
+        return max(self.early) if self.early else self.producer
+
+    def __post_init__(self) -> None:
+        if not self.late or not self.last_early < self.late[0]:
+            raise ValueError(f"{self.name}: late readers {self.late[:1]} not after "
+                             f"{self.last_early}")
+        if not self.nodes or self.nodes[-1] != self.producer or list(self.nodes) != sorted(
+                set(self.nodes)):
+            raise ValueError(f"{self.name}: nodes {self.nodes} must be ascending and end at "
+                             f"its producer {self.producer}")
+
+
+@dataclass(frozen=True)
 class InputOffload:
     """A graph input the caller holds in host memory (a past KV), copied into the fast tier
     before each reader that reads its data (PrefetchInput issued before ``prefetch_at[k]``,
@@ -210,6 +244,10 @@ class OffloadChoice:
     # and, by layer (its TopK), why one was not speculated.
     speculations: list[Speculation] = field(default_factory=list)
     speculation_skipped: dict[str, str] = field(default_factory=dict)
+    # Activations computed again before their late readers instead of stored
+    # (schedule.recompute), and, by name, why a stored one was not.
+    recomputes: list[Recompute] = field(default_factory=list)
+    recompute_skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -263,6 +301,8 @@ class Decision:
                if c.inputs or c.outputs else {}),
             "host_bytes": str(host_bytes(c)),
             **({"expert_cache_bytes": str(c.expert_cache)} if c.expert_cache else {}),
+            **({"recomputed_activations": ",".join(r.name for r in c.recomputes)}
+               if c.recomputes else {}),
             **({"split_weights": ",".join(f"{s.name}:{len(s.blocks)}" for s in c.splits
                                           if s.blocks)}
                if any(s.blocks for s in c.splits) else {}),

@@ -430,5 +430,5 @@ def test_the_arena_prediction_counts_the_staging_beside_orts_buffers():
     assert (diff[s:c + 1] == w.nbytes).all() and diff.sum() == w.nbytes * (c - s + 1)
     staged, _ = arena_buffer_intervals(a, one)
     unstaged, _ = arena_buffer_intervals(a, plain)
-    assert sorted(staged) == sorted(unstaged + [(s, c, w.nbytes)])
+    assert sorted(staged) == sorted([*unstaged, (s, c, w.nbytes)])
     assert p.arena_bytes == int(arena_memory(a, p.choice).max())

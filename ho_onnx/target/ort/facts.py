@@ -32,3 +32,32 @@ def never_runs(node: onnx.NodeProto | ir.Node) -> bool:
     """ORT turns Constant nodes into initializers at load time: they cost no compute."""
     return node.op_type == "Constant" and is_default_domain(node)
 
+
+
+# Ops whose kernels give the same bytes every time they run on the same inputs, and cost
+# about what their inputs and outputs weigh (elementwise, layout, normalization): an
+# activation made by them may be computed again before a late reader instead of stored
+# (schedule.recompute). Random ops (Dropout, RandomNormal, ...) and ops with subgraphs are
+# never among them; nor are MatMul, Conv or attention (their cost is the compute the
+# offload saves elsewhere).
+_RECOMPUTABLE_DEFAULT = frozenset((
+    "Abs", "Add", "And", "Cast", "CastLike", "Ceil", "Celu", "Clip", "Concat", "Constant",
+    "ConstantOfShape", "Cos", "Div", "Elu", "Equal", "Erf", "Exp", "Expand", "Flatten", "Floor",
+    "Gather", "Gelu", "Greater", "GreaterOrEqual", "HardSigmoid", "HardSwish", "Identity",
+    "IsInf", "IsNaN", "LayerNormalization", "LeakyRelu", "Less", "LessOrEqual", "Log",
+    "LogSoftmax", "Max", "Min", "Mish", "Mod", "Mul", "Neg", "Not", "Or", "Pow", "PRelu",
+    "Range", "Reciprocal", "Relu", "Reshape", "RMSNormalization", "Round", "Selu", "Shape",
+    "Sigmoid", "Sign", "Sin", "Size", "Slice", "Softmax", "Softplus", "Softsign", "Sqrt",
+    "Squeeze", "Sub", "Tanh", "Tile", "Transpose", "Trilu", "Unsqueeze", "Where", "Xor",
+))
+_RECOMPUTABLE_MS = frozenset((
+    "BiasGelu", "FastGelu", "Gelu", "QuickGelu", "SimplifiedLayerNormalization",
+))
+
+
+def recomputable(node: onnx.NodeProto | ir.Node) -> bool:
+    """Whether ``node`` may run a second time on the same inputs to make the same output
+    (the ops above, none of which has a subgraph)."""
+    if is_default_domain(node):
+        return node.op_type in _RECOMPUTABLE_DEFAULT
+    return node.domain == "com.microsoft" and node.op_type in _RECOMPUTABLE_MS

@@ -274,6 +274,71 @@ def test_wait_alias_and_copy(tmp_path, order, z_is_output):
         assert copies == 0  # intermediate: z is y (sequential executor honours the alias)
 
 
+def _fence_model(tname: str, y_is_output: bool) -> onnx.ModelProto:
+    outs = f"{tname}[64] out, {tname}[64] y" if y_is_output else f"{tname}[64] out"
+    return onnx.parser.parse_model(f"""
+    <ir_version: 10, opset_import: {OPSETS}>
+    g ({tname}[64] x) => ({outs}) {{
+      a = Concat<axis = 0>(x)
+      b = Identity(a)
+      y = {D}.Fence(a, b)
+      out = Concat<axis = 0>(y)
+    }}
+    """)
+
+
+@pytest.mark.parametrize("tname", ["float", "int64", "bool", "float16", "double"])
+@pytest.mark.parametrize("y_is_output", [False, True])
+def test_fence_is_its_input(tmp_path, tname, y_is_output):
+    """A Fence's output is its input: ORT aliases the two (no copy) for an intermediate, and
+    the library copies where ORT gives the output its own buffer (a graph output; also a
+    Fence of a graph input or an initializer, which ORT never aliases)."""
+    sess = runtime.InferenceSession(save(_fence_model(tname, y_is_output), tmp_path))
+    rng = np.random.default_rng(0)
+    x = (rng.random(64) * 100).astype(helper.tensor_dtype_to_np_dtype(TYPES[tname][0]))
+    runtime.reset_counters()
+    res = sess.run(None, {"x": x})
+    for r in res:
+        np.testing.assert_array_equal(r, x)
+    assert (runtime.counters()["alias_copies"] >= 1) == y_is_output
+
+
+def test_fence_keeps_a_recomputation_apart_from_the_first(tmp_path):
+    """Two Relus of the same input are one to ORT's common subexpression elimination; one
+    reading its input through a Fence stays a second node at every optimization level (what
+    a recomputed activation relies on: schedule/recompute.py)."""
+    m = onnx.parser.parse_model(f"""
+    <ir_version: 10, opset_import: {OPSETS}>
+    g (float[64] x) => (float[64] out) {{
+      a = Relu(x)
+      s = Sigmoid(a)
+      f = {D}.Fence(x, s)
+      b = Relu(f)
+      out = Add(s, b)
+    }}
+    """)
+    plain = onnx.parser.parse_model(f"""
+    <ir_version: 10, opset_import: {OPSETS}>
+    g (float[64] x) => (float[64] out) {{
+      a = Relu(x)
+      s = Sigmoid(a)
+      b = Relu(x)
+      out = Add(s, b)
+    }}
+    """)
+    x = np.random.default_rng(1).standard_normal(64).astype(np.float32)
+    outs = []
+    for model, relus in ((m, 2), (plain, 1)):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+        outs.append(runtime.InferenceSession(save(model, tmp_path), sess_options=so).run(
+            None, {"x": x})[0])
+        ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+        assert ops.count("Relu") == relus, ops
+    np.testing.assert_array_equal(*outs)
+
+
 def test_parallel_execution_mode(tmp_path):
     so = ort.SessionOptions()
     so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
