@@ -88,6 +88,27 @@ def test_a_broken_schedule_is_refused_naming_the_node(old, new, message):
         check_schedule(model)
 
 
+@pytest.mark.parametrize("fence,reader", [
+    ("f = {HO}.Fence(x, k)", "r = Neg(f)"),  # well formed
+    ("f = {HO}.Fence(x)", "r = Neg(f)"),  # no ordering input: may run (and recompute) early
+    ("f = {HO}.Fence(x, k)", "r = {HO}.Store(f)"),  # read by no recomputation
+], ids=["good", "unordered", "no-recomputation"])
+def test_a_fence_is_ordered_and_read_by_a_recomputation(fence, reader):
+    model = _model(f"""
+    g (float[4] x) => (float[4] y) {{
+      [k0] k = Neg(x)
+      [f0] {fence.replace("{HO}", HO)}
+      [r0] {reader.replace("{HO}", HO)}
+      [out] y = Add(k, k)
+    }}
+    """)
+    if "(x, k)" in fence and "Neg" in reader:
+        check_schedule(model)
+        return
+    with pytest.raises(ScheduleError, match="Fence 'f0' has no ordering input or no reader"):
+        check_schedule(model)
+
+
 def test_the_wait_moved_above_its_prefetch_is_unsorted():
     text = GOOD.replace("  [w1] b1 = {HO}.Wait(a1)\n".replace("{HO}", HO), "")
     text = text.replace("  [pf1]", f"  [w1] b1 = {HO}.Wait(a1)\n  [pf1]")
