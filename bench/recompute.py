@@ -5,7 +5,8 @@ The model is ``models.decoder``'s GQA decoder with Optimum's cache layout, plann
 prefill chunk over a history (``--seq`` new tokens, ``--past`` cached), activations only
 (``weights=False``: the weights stay resident, so every row runs ORT's kernels on the same
 bytes as the unmodified model and its outputs must be bit-exact with it). The budget is
-``--fraction`` of the unmodified tensor peak. Per row: what the planner stored and what it
+``--fraction`` of the unmodified tensor peak, or the smallest budget the activations alone
+can meet where that is higher. Per row: what the planner stored and what it
 recomputed, its predicted time and peak; on the CPU (``--runs`` timed runs after one warm-up,
 each row in a fresh session with its own arena, ``cpu_arena="ort"``): the median run time,
 ORT's arena ``MaxInUse`` (sampled by the library at every Wait: a row without a Wait
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from ho_onnx import OffloadOptions, optimize
     from ho_onnx.cost.source import CostSource
     from ho_onnx.rewrite.pipeline import plan_model
+    from ho_onnx.schedule.planner import InfeasibleBudgetError
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="ho_recompute_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -114,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         costs = CostSource(machine)
         base = plan_model(src, OffloadOptions(budget=1 << 40), dims, costs)[2].baseline
         budget = int(base.peak_bytes * a.fraction)
+        try:
+            plan_model(src, OffloadOptions(budget=budget, weights=False, recompute="off"),
+                       dims, costs)
+        except InfeasibleBudgetError as e:  # (below what the activations alone can free)
+            budget = int(e.min_budget)
         for mode in ("off", "auto", "on"):
             opts = OffloadOptions(budget=budget, weights=False, recompute=mode)
             _, an, p = plan_model(src, opts, dims, costs)
