@@ -77,7 +77,7 @@ n=${#parts[@]}
   done
   printf 'bash scripts/gpu_run.sh receive setup build test\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256,.ortheaders\n' "${parts[n-1]}"
   printf 'bash scripts/gpu_run.sh setup moebench\t.moegraph\n'
-  printf 'bash scripts/gpu_run.sh setup llmbench\t\n'
+  printf 'bash scripts/gpu_run.sh setup llmbench recomputebench\t\n'
   printf 'bash scripts/gpu_run.sh setup calibrate bench\t\n'
 } > .ortgpu/calls.txt
 echo "gpu_prepare: $n parts of at most $PART_MB MiB; device calls (.ortgpu/calls.txt):"

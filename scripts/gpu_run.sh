@@ -24,6 +24,9 @@
 #              transformers rows) -> $OUT/llm_generate.json, bounded by HO_LLM_S seconds
 #              (default 220: `setup llmbench` on a warm, built machine ends within ~4 min);
 #              LLM_ARGS replaces its sizes (default: --contexts 2048,32768 --repeats 2 --new-tokens 16)
+#   recomputebench  bench/recompute.py --device cuda: an 8-layer decoder's activations stored
+#              against recomputed (recompute off/auto/on) at 0.7 of its peak, planned with
+#              this GPU's machine, run on the CUDA EP -> $OUT/recompute.json (about a minute)
 #   pinprobe   bench/pin_probe.py: how fast host memory is pinned, by method and block size
 #              (mmap + cudaHostRegister, with huge pages, cudaHostAlloc) -> $OUT/pin_probe.json;
 #              needs only the CUDA runtime, so it fits the first receive call
@@ -258,6 +261,17 @@ moebench() {
   return "${PIPESTATUS[0]}"
 }
 
+# ---- recomputebench -----------------------------------------------------------------------------
+recomputebench() {
+  [[ -e $ROOT/ho_onnx/_ops$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') ]] || install_built || return 1
+  local bound=${HO_RECOMPUTE_S:-150}
+  [[ $bound -lt $(( $(left) - 10 )) ]] || bound=$(( $(left) - 10 ))
+  PYTHONUNBUFFERED=1 timeout "$bound" "$PY" bench/recompute.py --device cuda \
+    --machine "$(machine_arg)" --runs 20 --workdir /tmp/ho_recompute --json "$OUT/recompute.json" \
+    2>&1 | tee "$OUT/recompute.log"
+  return "${PIPESTATUS[0]}"
+}
+
 # ---- pinprobe -----------------------------------------------------------------------------------
 # How fast the machine pins host memory, by method and block size (no ORT, no build needed).
 pinprobe() {
@@ -278,6 +292,7 @@ step_files() {
     llmbench) echo gpu_run.log llmbench.log llm_generate.json ;;
     moebench) echo gpu_run.log moebench.log moe_decode.json ;;
     pinprobe) echo gpu_run.log pin_probe.log pin_probe.json ;;
+    recomputebench) echo gpu_run.log recompute.log recompute.json ;;
   esac
 }
 
@@ -340,6 +355,8 @@ check() {
     fail "bench/llm_generate.py --help fails"
   "$vpy" bench/moe_decode.py --help > /dev/null 2>&1 && ok "bench/moe_decode.py parses its options" ||
     fail "bench/moe_decode.py --help fails"
+  "$vpy" bench/recompute.py --help > /dev/null 2>&1 && ok "bench/recompute.py parses its options" ||
+    fail "bench/recompute.py --help fails"
   if grep -q moebench .ortgpu/calls.txt 2>/dev/null; then
     [[ -f .moegraph/model.onnx ]] && ok "the MoE graph in .moegraph ($(du -sh .moegraph | cut -f1))" ||
       fail ".moegraph/model.onnx missing (scripts/gpu_prepare.sh)"

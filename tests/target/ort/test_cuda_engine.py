@@ -715,3 +715,36 @@ def test_kv_cache_in_host_memory_generates_the_same_tokens_on_cuda(tmp_path):
     # every decode step copied its pasts in: K and V of 2 layers, 4 heads x 32, pasts 5..43
     past_bytes = sum(2 * 2 * 128 * 4 * p for p in range(5, 44))
     assert c["cuda_bytes_h2d"] - c0["cuda_bytes_h2d"] >= past_bytes
+
+
+@pytest.mark.parametrize("y_is_output", [False, True])
+def test_fence_on_cuda(tmp_path, y_is_output):
+    """The Fence on the CUDA EP (a recomputed activation's: schedule/recompute.py): aliased
+    to its input for an intermediate, a device copy on the compute stream where ORT gives the
+    output its own buffer (a graph output); the kernel ran on CUDA, not the CPU EP."""
+    import onnx.parser
+
+    outs = "float[4096] out, float[4096] y" if y_is_output else "float[4096] out"
+    m = onnx.parser.parse_model(f"""
+    <ir_version: 10, opset_import: ["" : 21, "ai.hyperoffload" : 1]>
+    g (float[4096] x) => ({outs}) {{
+      a = Neg(x)
+      b = Neg(a)
+      y = ai.hyperoffload.Fence(a, b)
+      out = Add(y, b)
+    }}
+    """)
+    path = tmp_path / "fence.onnx"
+    onnx.save(m, str(path))
+    sess = _session(path, optimized=True)
+    assert sess.get_providers()[0] == CUDA_EP
+    x = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    before = _ops.counters()
+    res = sess.run(None, {"x": x})
+    after = _ops.counters()
+    np.testing.assert_array_equal(res[0], -x + x)
+    if y_is_output:
+        np.testing.assert_array_equal(res[1], -x)
+    assert after["ops_cuda"] - before["ops_cuda"] == 1
+    assert after["ops_cpu"] == before["ops_cpu"]
+    assert (after["alias_copies"] > before["alias_copies"]) == y_is_output
