@@ -757,25 +757,26 @@ def _recomputed(analysis: GraphAnalysis, costs: CostModel, dims: Mapping[str, in
         t = analysis.tensors.get(name)
         return sizes[name] if name in sizes else (t.nbytes(dims) or 0) if t else 0
 
-    def timed(choice: OffloadChoice) -> tuple[Simulation, int]:
-        sim = simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims,
-                       basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead,
-                       copy_in_compute=costs.copy_in_compute)
-        return sim, int(arena_memory(analysis, choice, dims, basis.residency,
-                                     target=runtime).max())
+    def simulated(choice: OffloadChoice) -> Simulation:
+        return simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims,
+                        basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead,
+                        copy_in_compute=costs.copy_in_compute)
+
+    def arena(choice: OffloadChoice) -> int:
+        return int(arena_memory(analysis, choice, dims, basis.residency, target=runtime).max())
 
     def score(choice: OffloadChoice) -> tuple[float, bool]:
-        sim, arena = timed(choice)
-        return sim.total_s, sim.peak_bytes <= p.planned_for and arena <= limit
+        sim = simulated(choice)  # (the arena replayed only for a plan whose tensors fit)
+        return sim.total_s, sim.peak_bytes <= p.planned_for and arena(choice) <= limit
 
     choice = recompute(analysis, p.choice, p.options.recompute, spans, size, score)
     if not choice.recomputes:
         return replace(p, choice=choice)
-    planned, arena = timed(choice)
+    planned = simulated(choice)
     bound = None if p.bound is None else Bound(min(p.bound.seconds, planned.total_s),
                                                p.bound.kind)  # (the space recomputes none)
     return replace(p, choice=choice, planned=planned, host_bytes=host_bytes(choice),
-                   arena_bytes=arena, bound=bound)
+                   arena_bytes=arena(choice), bound=bound)
 
 
 def _cached(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,

@@ -41,6 +41,13 @@ from .types import ActivationOffload, OffloadChoice, Recompute
 MAX_NODES = 16  # the largest cone recomputed (a causal mask's chain, a decomposed GELU)
 MAX_TRIES = 64  # stored activations tried (largest first): each try is one simulation
 
+
+def tries_for(nodes: int) -> int:
+    """Stored activations tried on a graph of ``nodes`` nodes: each try simulates and
+    replays the arena once (~30 ms at 10k nodes), so fewer on large graphs (a bound by
+    count, not time: the plan does not depend on the machine's load)."""
+    return max(8, min(MAX_TRIES, 200_000 // max(nodes, 1)))
+
 # The plan's time and whether it still fits, for a choice (the planner's simulation).
 Score = Callable[[OffloadChoice], tuple[float, bool]]
 
@@ -158,9 +165,10 @@ def recompute(analysis: GraphAnalysis, choice: OffloadChoice, mode: str,
     current, (now, _) = choice, score(choice)
     skipped: dict[str, str] = {}
     tried = sorted(choice.activations, key=lambda a: -(a.nbytes or 0))
-    for a in tried[MAX_TRIES:]:
-        skipped[a.name] = f"not tried: only the {MAX_TRIES} largest stored activations are"
-    for a in tried[:MAX_TRIES]:
+    limit = tries_for(len(analysis.order))
+    for a in tried[limit:]:
+        skipped[a.name] = f"not tried: only the {limit} largest stored activations are"
+    for a in tried[:limit]:
         if a.nbytes is None:
             skipped[a.name] = "its size is symbolic"
             continue

@@ -245,3 +245,9 @@ def test_views_cost_no_transient_bytes():
         == c + size("h")
     # a Fence of the graph input x copies it (ORT never aliases a graph input)
     assert transient_bytes(a, (pos["c"],), "c", ("x",), size) == size("x")
+
+
+def test_fewer_tries_on_large_graphs():
+    from ho_onnx.schedule.recompute import MAX_TRIES, tries_for
+
+    assert tries_for(100) == MAX_TRIES and tries_for(10_000) == 20 and tries_for(10**7) == 8
