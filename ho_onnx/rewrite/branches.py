@@ -36,7 +36,7 @@ from .. import contract, kinds
 from ..errors import HoOnnxError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo, analyse, subgraphs
 from ..graph.dims import require_dims
-from ..schedule.eligibility import OVERRIDABLE_REASON
+from ..schedule.eligibility import HOISTED_OPS, OVERRIDABLE_REASON
 from ..schedule.kv import NO_KV_NOTE
 from ..schedule.lifetimes import resident_intervals, stored_peak_bytes
 from ..schedule.options import OffloadOptions
@@ -163,6 +163,7 @@ def find_branches(analysis: GraphAnalysis) -> tuple[list[Branch], dict[str, str]
     main = analysis.model.graph
     branches: list[Branch] = []
     refused: dict[str, str] = {}
+    bodies: dict[str, str] = {}  # weight a Loop/Scan body reads -> why, if a branch reads it
     for node in analysis.nodes:
         for attr, a in node.attributes.data.items():
             if a.type is not ir.AttributeType.GRAPH:
@@ -176,12 +177,20 @@ def find_branches(analysis: GraphAnalysis) -> tuple[list[Branch], dict[str, str]
                     proxies = {n: _proxy(v, analysis.tensors.get(n)) for n, v in outer.items()}
                     branches.append(Branch(node, attr, g, outer, weights, proxies))
                 continue
-            why = (f"read inside {node.op_type} {node.name or '<unnamed>'!r}'s {attr}, "
-                   + ("which holds a nested subgraph (only If branches without one are "
-                      "planned)" if node.op_type == "If" else
-                      f"a {node.op_type} body (Loop/Scan bodies are not planned)"))
-            reads = _deep_reads(g, main)
-            refused.update((n, why) for n in reads if n in main.initializers)
+            where = f"read inside {node.op_type} {node.name or '<unnamed>'!r}'s {attr}"
+            reads = [n for n in _deep_reads(g, main) if n in main.initializers]
+            if node.op_type in HOISTED_OPS and node.domain in ("", "ai.onnx"):
+                # (the main plan reloads it before the node: only a branch must keep it)
+                bodies.update((n, f"{where} and by an If branch (the body reads it from the "
+                                  "main graph, where it stays resident)") for n in reads)
+                continue
+            why = f"{where}, which holds a nested subgraph (only If branches without one " \
+                "are planned)" if node.op_type == "If" else \
+                f"{where} (a {node.op_type} subgraph is not planned)"
+            refused.update((n, why) for n in reads)
+    read_by_branches = set().union(*(b.weights for b in branches))
+    refused.update((n, why) for n, why in bodies.items()
+                   if n in read_by_branches and n not in refused)
     return branches, refused
 
 
@@ -430,11 +439,11 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
         c.notes.append(_branch_note(b))
     for n, why in refused.items():
         c.skipped[n] = why
-    loops = {why for why in refused.values() if "not planned" in why}
-    if loops:
-        c.notes.append(f"{sum(1 for w in refused.values() if w in loops)} weights read inside "
-                       "Loop/Scan bodies or nested subgraphs stay resident: only If branches "
-                       "are planned")
+    if refused:
+        c.notes.append(f"{len(refused)} weights read inside subgraphs stay resident: nested "
+                       "subgraphs are not planned, and a weight a Loop/Scan body reads is "
+                       "reloaded before the Loop only where no If branch reads it too "
+                       "(--json: each one's reason)")
 
 
 def _branch_note(b: Branch) -> str:

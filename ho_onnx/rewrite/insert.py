@@ -18,7 +18,14 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from .. import contract, kinds
-from ..graph.analyse import GraphAnalysis, TensorInfo, all_graphs, attribute_values, forget_source
+from ..graph.analyse import (
+    GraphAnalysis,
+    TensorInfo,
+    all_graphs,
+    attribute_values,
+    forget_source,
+    subgraphs,
+)
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
 from ..schedule.eligibility import cuda_host_tensors
@@ -455,10 +462,27 @@ class _Builder:
                 new = self.em.rename.get(pos, {}).get(v.name) if v is not None else None
                 if new is not None:
                     node.replace_input_with(i, self.values[new])
+            if pos in self.em.rename and any(True for _ in subgraphs(node)):
+                self._rename_inside(node, self.em.rename[pos])
             if after:
                 self.graph.insert_after(node, [self.build(o) for o in after])
             count += len(before) + len(after)
         return count
+
+    def _rename_inside(self, node: ir.Node, renames: dict[str, str]) -> None:
+        """Point what ``node``'s subgraphs (at any depth) read of the outer values in
+        ``renames`` at their new values: a Loop/Scan body reading an offloaded weight reads
+        the Wait before the node (schedule.eligibility.hoisted_readers)."""
+        swap = {id(self.values[old]): self.values[new] for old, new in renames.items()}
+        for top in subgraphs(node):
+            for g in all_graphs(top):
+                for n in g:
+                    for i, v in enumerate(n.inputs):
+                        if v is not None and id(v) in swap:
+                            n.replace_input_with(i, swap[id(v)])
+                for i, v in enumerate(g.outputs):
+                    if id(v) in swap:
+                        g.outputs[i] = swap[id(v)]
 
     def _to_rows(self, node: ir.Node, o: _Op) -> ir.Node:
         """Replace ``node`` (a Gather of an offloaded table's rows, a MatMul by an offloaded

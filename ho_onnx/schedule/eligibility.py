@@ -50,8 +50,28 @@ def wanted(kind: TensorKind | None, options: OffloadOptions) -> bool:
 OVERRIDABLE_REASON = "initializer that is also a graph input (overridable)"
 
 
-def ineligible(t: TensorInfo) -> str | None:
-    """Why ``t`` can never be offloaded, or None when it can."""
+#: Ops whose subgraph (a Loop's or a Scan's body) may read an offloaded weight from the outer
+#: scope: the body runs inside the node's own step of the schedule, so one reload before the
+#: node serves every iteration (the node is that reload's reader).
+HOISTED_OPS = frozenset(("Loop", "Scan"))
+
+
+def hoisted_readers(analysis: GraphAnalysis, t: TensorInfo) -> tuple[int, ...]:
+    """The Loop/Scan nodes whose bodies read the initializer ``t`` from the outer scope, when
+    no other subgraph reads it (an If's branches are planned apart, rewrite/branches.py) and
+    none reads it as an input too; else ()."""
+    if not t.is_initializer or not t.implicit_consumers:
+        return ()
+    nodes = analysis.nodes
+    if any(c in t.consumers or nodes[c].op_type not in HOISTED_OPS
+           or nodes[c].domain not in ("", "ai.onnx") for c in t.implicit_consumers):
+        return ()
+    return tuple(t.implicit_consumers)
+
+
+def ineligible(t: TensorInfo, analysis: GraphAnalysis | None = None) -> str | None:
+    """Why ``t`` can never be offloaded, or None when it can (``analysis``: its model's, to
+    tell the subgraphs that may read an offloaded weight: :func:`hoisted_readers`)."""
     if t.is_initializer and t.is_graph_input:
         return OVERRIDABLE_REASON
     if not t.fixed_size_type:
@@ -60,9 +80,9 @@ def ineligible(t: TensorInfo) -> str | None:
         return UNSUPPORTED_REASON
     if t.is_graph_output:
         return "graph output"
-    if t.implicit_consumers:
+    if t.implicit_consumers and not (analysis is not None and hoisted_readers(analysis, t)):
         return "read by a subgraph (If/Loop/Scan) from the outer scope"
-    if not t.consumers:
+    if not t.consumers and not t.implicit_consumers:
         return "no consumers"
     return None
 
@@ -105,10 +125,14 @@ def _routed_share(analysis: GraphAnalysis, logits: str, k: int, e: int,
 
 def split_shape_readers(analysis: GraphAnalysis, t: TensorInfo
                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(data readers, shape-only readers) of ``t``: Shape/Size need no transfer."""
+    """(data readers, shape-only readers) of ``t``: Shape/Size need no transfer; the
+    Loop/Scan nodes whose bodies read an offloadable weight are data readers
+    (:func:`hoisted_readers`)."""
     nodes = analysis.nodes
     shape = tuple(c for c in t.consumers if reads_only_shape(nodes[c]))
-    return tuple(c for c in t.consumers if c not in shape), shape
+    data = tuple(c for c in t.consumers if c not in shape)
+    hoisted = hoisted_readers(analysis, t)
+    return (tuple(sorted({*data, *hoisted})) if hoisted else data), shape
 
 
 def row_readers(analysis: GraphAnalysis, t: TensorInfo, tier: str) -> tuple[int, ...]:

@@ -317,8 +317,8 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
         kind = kind_of(t)
         if kind is None or not wanted(kind, opts):
             continue
-        reason = ineligible(t) or placement.get(name) or groups.companion_reason(name) or (
-            None if name in spans else "not resident")
+        reason = ineligible(t, analysis) or placement.get(name) \
+            or groups.companion_reason(name) or (None if name in spans else "not resident")
         nbytes = None if reason else sizes(name)  # raises UnboundDimError naming the dim
         if reason is None and nbytes is None:
             reason = "size unknown (shape inference gave no shape)"

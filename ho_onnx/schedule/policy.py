@@ -70,7 +70,7 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
         kind = kind_of(t)
         if kind is None or not wanted(kind, options):
             continue
-        reason = ineligible(t) or placement.get(name) or (
+        reason = ineligible(t, analysis) or placement.get(name) or (
             _activation(t, options, dims, choice) if kind.stored else
             groups.companion_reason(name) or _weight(analysis, t, options, dims, choice, groups))
         if reason:
