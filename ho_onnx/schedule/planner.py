@@ -56,7 +56,7 @@ import numpy as np
 from .. import kinds
 from ..cost.model import CostModel
 from ..cost.source import CostSource, TimedAt
-from ..errors import HoOnnxError, UnsupportedModelError
+from ..errors import HoOnnxError, UnboundDimError, UnsupportedModelError
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.gcpause import gc_paused
 from ..target.base import Target
@@ -753,9 +753,14 @@ def _recomputed(analysis: GraphAnalysis, costs: CostModel, dims: Mapping[str, in
     spans, sizes = basis.residency
     limit = max(p.budget, p.arena_bytes)
 
-    def size(name: str) -> int:
+    def size(name: str) -> int:  # (a dim no sized tensor has may be unbound: 0, unknown)
         t = analysis.tensors.get(name)
-        return sizes[name] if name in sizes else (t.nbytes(dims) or 0) if t else 0
+        if name in sizes or t is None:
+            return sizes.get(name, 0)
+        try:
+            return t.nbytes(dims) or 0
+        except UnboundDimError:
+            return 0
 
     def simulated(choice: OffloadChoice) -> Simulation:
         return simulate(analysis, choice, costs.compute_s, costs.transfer_time, dims,
