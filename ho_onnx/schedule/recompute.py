@@ -96,6 +96,8 @@ def cone(analysis: GraphAnalysis, a: ActivationOffload, moved: set[str],
         if len(nodes) > MAX_NODES:
             return f"its recomputation needs more than {MAX_NODES} nodes"
         for name in input_names(node):
+            if name and resident(name) and analysis.tensors[name].elem_type is None:
+                return f"needs '{name}', whose type is unknown (a Fence must declare it)"
             if not name or resident(name):
                 continue
             t = analysis.tensors.get(name)
