@@ -478,6 +478,16 @@ def _tier_options() -> list:  # type: ignore[type-arg]
     ]
 
 
+_RECOMPUTE_OPTION = click.option(
+    "--recompute", type=click.Choice(list(RECOMPUTE)), default=_DEFAULTS.recompute,
+    show_default=True,
+    help="A stored activation whose producer (and the few deterministic, cheap nodes it "
+         "needs: elementwise, layout, normalization) can run again before its late readers is "
+         "computed again instead of stored and reloaded. auto (with --budget): where the "
+         "simulated run is faster and the plan still fits; on: wherever it fits; off. `plan "
+         "--json` says why each stored one was not.")
+
+
 def _planner_options(f):  # type: ignore[no-untyped-def]
     """Options shared by `optimize --budget` and `plan`."""
     opts = [
@@ -504,14 +514,7 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                           "where the planner predicts it pays: the budget can then fall "
                           "below the weight. 0 keeps every weight whole."),
         *_SEARCH_OPTIONS,
-        click.option("--recompute", type=click.Choice(list(RECOMPUTE)),
-                     default=_DEFAULTS.recompute, show_default=True,
-                     help="A stored activation whose producer (and the few deterministic, "
-                          "cheap nodes it needs: elementwise, layout, normalization) can run "
-                          "again before its late readers is computed again instead of stored "
-                          "and reloaded. auto (with --budget): where the simulated run is "
-                          "faster and the plan still fits; on: wherever it fits; off. `plan "
-                          "--json` says why each stored one was not."),
+        _RECOMPUTE_OPTION,
         click.option("--offload-kv", "offload_kv", is_flag=True,
                      help="Keep the KV cache of a decoder exported with past in the caller's "
                           "host memory: each layer's past is copied in just before its "

@@ -11,7 +11,7 @@ from ..errors import printable
 from ..graph.moe import MoELayer
 from ..schedule.planner import Plan
 from ..schedule.simulate import Simulation
-from ..schedule.types import WeightOffload
+from ..schedule.types import OffloadChoice, WeightOffload
 from ..units import format_bytes
 
 
@@ -41,6 +41,16 @@ def _sim_dict(sim: Simulation) -> dict[str, Any]:
             "stall_s": sim.stall_s, "compute_s": float(sim.compute_s.sum())}
 
 
+def _recompute_dict(c: OffloadChoice, analysis_names: list[str]) -> dict[str, Any]:
+    """The stored activations computed again before their late readers
+    (schedule/recompute), and why each other stored one was not."""
+    return {"recomputes": [{"name": r.name, "bytes": r.nbytes, "producer": r.producer,
+                            "early": list(r.early), "late": list(r.late),
+                            "nodes": [analysis_names[p] for p in r.nodes],
+                            "transient_bytes": r.transient} for r in c.recomputes],
+            "recompute_skipped": dict(c.recompute_skipped)}
+
+
 def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                  ) -> dict[str, Any]:
     """The plan as JSON-ready data (``steps``: the simulator's per-step trace too)."""
@@ -65,13 +75,7 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                                      "expert": w.expert} for w in s.warms]}
                          for s in c.speculations],
         "speculation_skipped": dict(c.speculation_skipped),
-        # stored activations computed again before their late readers (schedule/recompute),
-        # and why each other stored one was not
-        "recomputes": [{"name": r.name, "bytes": r.nbytes, "producer": r.producer,
-                        "early": list(r.early), "late": list(r.late),
-                        "nodes": [analysis_names[p] for p in r.nodes],
-                        "transient_bytes": r.transient} for r in c.recomputes],
-        "recompute_skipped": dict(c.recompute_skipped),
+        **_recompute_dict(c, analysis_names),  # (recomputes, recompute_skipped)
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),
         "offloaded": {

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 
 from .. import kinds
-from ..graph.analyse import Dim, GraphAnalysis, TensorInfo
+from ..graph.analyse import Dim, GraphAnalysis, TensorInfo, input_names, output_names
+from ..target.ort.arena import alias_input
+from ..target.ort.facts import never_runs
 from .types import ActivationOffload, OffloadChoice
 
 Interval = tuple[int, int, int]  # (first position, last position inclusive, bytes)
@@ -162,8 +164,6 @@ def peaks_at(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, 
     """Fast-tier peaks of the unmodified schedule and of ``choice``'s, every size taken from
     ``analysis`` at ``dims``: another binding of the model the choice was made for (the
     bottom of a range the plan was made at the top of)."""
-    from .recompute import transient_bytes  # (it imports this module)
-
     def size(name: str) -> int:
         return analysis.tensors[name].nbytes(dims) or 0
 
@@ -179,6 +179,35 @@ def peaks_at(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, 
     base = schedule_memory(analysis, None, dims, residency)
     planned = schedule_memory(analysis, resized, dims, residency, base)
     return int(base.max(initial=0)), int(planned.max(initial=0))
+
+
+def held_by_ort(analysis: GraphAnalysis, name: str) -> bool:
+    """A value ORT holds for the whole run: a graph input, an initializer, a Constant's
+    output (ORT makes it an initializer)."""
+    t = analysis.tensors[name]
+    return t.is_initializer or t.is_graph_input or (
+        t.producer is not None and never_runs(analysis.nodes[t.producer]))
+
+
+def transient_bytes(analysis: GraphAnalysis, nodes: tuple[int, ...], name: str,
+                    fenced: Iterable[str], size: Callable[[str], int]) -> int:
+    """Bytes a recomputation holds beside its result while it runs: its other outputs (but
+    views, whose bytes are their source's, and the buffer the result is a view of) and the
+    copies its Fences of ``fenced`` make (those ORT does not alias), each sized by
+    ``size``."""
+    view_of: dict[str, str] = {}  # an output ORT makes a view -> the value it views
+    for p in nodes:
+        node = analysis.nodes[p]
+        src, ins, outs = alias_input(node.domain or "", node.op_type), input_names(node), \
+            output_names(node)
+        if src is not None and outs and src < len(ins) and ins[src]:
+            view_of[outs[0]] = ins[src]
+    own = name
+    while own in view_of:
+        own = view_of[own]
+    return sum(size(v) for p in nodes for v in output_names(analysis.nodes[p])
+               if v not in (name, own) and v not in view_of) \
+        + sum(size(v) for v in set(fenced) if held_by_ort(analysis, v))
 
 
 def stored_peak_bytes(choice: OffloadChoice) -> int:

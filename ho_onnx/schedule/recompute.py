@@ -30,12 +30,12 @@ op, the same kernels (bit-exact where ORT runs the same kernels on the copy).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from ..graph.analyse import GraphAnalysis, input_names, output_names
-from ..target.ort.arena import alias_input
-from ..target.ort.facts import never_runs, recomputable
+from ..target.ort.facts import recomputable
+from .lifetimes import held_by_ort, transient_bytes
 from .types import ActivationOffload, OffloadChoice, Recompute
 
 MAX_NODES = 16  # the largest cone recomputed (a causal mask's chain, a decomposed GELU)
@@ -108,14 +108,6 @@ def cone(analysis: GraphAnalysis, a: ActivationOffload, moved: set[str],
     return tuple(sorted(nodes))
 
 
-def held_by_ort(analysis: GraphAnalysis, name: str) -> bool:
-    """A value ORT holds for the whole run: a graph input, an initializer, a Constant's
-    output (ORT makes it an initializer)."""
-    t = analysis.tensors[name]
-    return t.is_initializer or t.is_graph_input or (
-        t.producer is not None and never_runs(analysis.nodes[t.producer]))
-
-
 def fenced_inputs(analysis: GraphAnalysis, nodes: tuple[int, ...],
                   size: Callable[[str], int]) -> dict[int, str]:
     """Per node of a recomputation (its position), the input it reads through a Fence: none
@@ -132,27 +124,6 @@ def fenced_inputs(analysis: GraphAnalysis, nodes: tuple[int, ...],
         kept = [v for v in ins if not held_by_ort(analysis, v)]
         out[p] = kept[0] if kept else min(ins, key=size)
     return out
-
-
-def transient_bytes(analysis: GraphAnalysis, nodes: tuple[int, ...], name: str,
-                    fenced: Iterable[str], size: Callable[[str], int]) -> int:
-    """Bytes a recomputation holds beside its result while it runs: its other outputs (but
-    views, whose bytes are their source's, and the buffer the result is a view of) and the
-    copies its Fences of ``fenced`` make (those ORT does not alias), each sized by
-    ``size``."""
-    view_of: dict[str, str] = {}  # an output ORT makes a view -> the value it views
-    for p in nodes:
-        node = analysis.nodes[p]
-        src, ins, outs = alias_input(node.domain or "", node.op_type), input_names(node), \
-            output_names(node)
-        if src is not None and outs and src < len(ins) and ins[src]:
-            view_of[outs[0]] = ins[src]
-    own = name
-    while own in view_of:
-        own = view_of[own]
-    return sum(size(v) for p in nodes for v in output_names(analysis.nodes[p])
-               if v not in (name, own) and v not in view_of) \
-        + sum(size(v) for v in set(fenced) if held_by_ort(analysis, v))
 
 
 def recompute(analysis: GraphAnalysis, choice: OffloadChoice, mode: str,

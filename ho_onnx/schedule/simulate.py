@@ -128,11 +128,7 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     free = dict.fromkeys((link.direction for link in kinds.links()), 0.0)
     now = 0.0
     starts = np.zeros(n)
-    compute_s = np.asarray(compute_s, dtype=np.float64)
-    if choice is not None and choice.recomputes:  # (each run again before its late readers)
-        compute_s = compute_s.copy()
-        for r in choice.recomputes:
-            compute_s[r.late[0]] += float(compute_s[list(r.nodes)].sum())
+    compute_s = _with_recomputes(choice, np.asarray(compute_s, dtype=np.float64))
     seconds = compute_s.tolist()  # the same floats, without a numpy scalar per step
     for i in range(n):
         for ev in loads_at.get(i, ()):
@@ -169,6 +165,17 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
     return Simulation(compute_s, starts,
                       schedule_memory(analysis, choice, dims, residency, base_memory), now,
                       events)
+
+
+def _with_recomputes(choice: OffloadChoice | None, compute_s: np.ndarray) -> np.ndarray:
+    """``compute_s`` with each recomputed activation's nodes run again right before its
+    first late reader (their compute added to that step's; a copy when there is any)."""
+    if choice is None or not choice.recomputes:
+        return compute_s
+    out = compute_s.copy()
+    for r in choice.recomputes:
+        out[r.late[0]] += float(compute_s[list(r.nodes)].sum())
+    return out
 
 
 def _wait(ev: TransferEvent, now: float, transfer_time: TransferTime,
