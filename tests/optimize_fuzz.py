@@ -103,6 +103,27 @@ def make_seeds(work: Path) -> list[Path]:
                  else_branch = e () => (float[N, 16] v) { v = Add(h, W3) }>
     }
     """, W1=(16, 16), W2=(16, 16), W3=(16,))
+    # a stored activation the planner may recompute (a LayerNormalization of the input)
+    recomputable = text_model("""
+    g (float[N, 256] x) => (float[N, 256] y) {
+      n = LayerNormalization <axis = -1> (x, g, b)
+      a = MatMul(n, W)
+      big = Concat <axis = 0> (a, a, a, a)
+      r = ReduceMean <keepdims = 1> (big)
+      m = Mul(n, r)
+      y = Add(m, a)
+    }
+    """, g=(256,), b=(256,), W=(256, 256))
+    # a weight read inside a Loop body (reloaded before the Loop)
+    loopy = text_model("""
+    g (float[N, 16] x, int64 k) => (float[N, 16] y) {
+      c = Constant <value = bool {1}> ()
+      y = Loop(k, c, x) <body = b (int64 i, bool ci, float[N, 16] s) => (bool co,
+                                                                     float[N, 16] s2) {
+                          co = Identity(ci)
+                          s2 = MatMul(s, W) }>
+    }
+    """, W=(16, 16))
     # IR 3: every weight also listed as a graph input (ORT holds them constant)
     legacy = chain_model()
     legacy.ir_version = 3
@@ -116,6 +137,8 @@ def make_seeds(work: Path) -> list[Path]:
                                   ("tile", tile_model((64, 64), (64, 64)), False),
                                   ("shaped", shaped, True),
                                   ("branchy", branchy, True),
+                                  ("recomputable", recomputable, False),
+                                  ("loopy", loopy, True),
                                   # ORT's symbolic inference (a contrib op), a small
                                   # ConstantOfShape it computes: mutations make it big
                                   ("contrib", contrib_blowup_model(4), False)):
@@ -292,7 +315,7 @@ def make_case(seed_dir: Path, case_dir: Path, rng: random.Random) -> list[str]:
 
 def _options(rng: random.Random) -> list[str]:
     dims = ["--dim", f"N={rng.choice([0, 1, 2, 3, 64, 2**40])}"] if rng.randrange(5) else []
-    budget = rng.choice(["1", "4KiB", "64KiB", "1MiB", "1GiB"])
+    budget = rng.choice(["1", "4KiB", "64KiB", "350KiB", "1MiB", "1GiB"])
     level = ["--opt-level", rng.choice(["disable", "basic", "extended", "all"])]
     if rng.randrange(8) == 0:  # ORT runs the mutant (in a child process: it may crash)
         return ["verify", "in/model.onnx", "in/model.onnx", *level, *dims]
@@ -305,7 +328,9 @@ def _options(rng: random.Random) -> list[str]:
     opts = rng.choice([[], ["--budget", budget], ["--min-bytes", "0"],
                        ["--budget", budget, "--min-bytes", "0"],
                        ["--offload", rng.choice(["weights", "activations", "none"])],
-                       ["--budget", budget, "--weight-tier", "disk"]])
+                       ["--budget", budget, "--weight-tier", "disk"],
+                       ["--budget", budget, "--min-bytes", "0", "--recompute",
+                        rng.choice(["on", "off"])]])
     out = rng.choice(["out/m.ho.onnx", "out/deeper/m.ho.onnx", "in/m.ho.onnx"])
     return ["optimize", "in/model.onnx", out, *opts, *dims]
 
