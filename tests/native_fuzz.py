@@ -50,7 +50,7 @@ D = "ai.hyperoffload"
 
 def make_seeds(work: Path) -> list[Path]:
     """Optimized models, each in its own folder with its data file."""
-    from graphs import chain_model, save, two_weights_model
+    from graphs import chain_model, save, text_model, two_weights_model
 
     from ho_onnx.rewrite.pipeline import optimize
     from ho_onnx.schedule.options import OffloadOptions
@@ -69,7 +69,31 @@ def make_seeds(work: Path) -> list[Path]:
                      dim_ranges={"N": (1, 8)} if name == "ranged" else None)  # (Guards)
             src.unlink()
             seeds.append(d)
+    # a recomputed activation: a LayerNormalization run again through a Fence
+    d = work / "seed-recompute"
+    d.mkdir(parents=True, exist_ok=True)
+    src = save(text_model(RECOMPUTABLE, g=(64,), b=(64,), W=(64, 64)), d / "src.onnx",
+               external=True)
+    r = optimize(src, d / "model.onnx", OffloadOptions(budget=RECOMPUTE_BUDGET, min_bytes=0,
+                                                       weights=False, recompute="on"))
+    assert r.choice.recomputes, "the recompute seed recomputes nothing"
+    src.unlink()
+    seeds.append(d)
     return seeds
+
+
+# n (a LayerNormalization of the input) is read before and after a peak it would sit through
+RECOMPUTABLE = """
+g (float[64, 64] x) => (float[64, 64] y) {
+  n = LayerNormalization <axis = -1> (x, g, b)
+  a = MatMul(n, W)
+  big = Concat <axis = 0> (a, a, a, a)
+  r = ReduceMean <keepdims = 1> (big)
+  m = Mul(n, r)
+  y = Add(m, a)
+}
+"""
+RECOMPUTE_BUDGET = 104 << 10  # (its peak is 112.5 KiB, its floor 96.5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -134,7 +158,7 @@ def mutate_graph(m: onnx.ModelProto, rng: random.Random) -> None:
         if n.input:
             n.input[rng.randrange(len(n.input))] = rng.choice(tensors)
     elif choice == 2 and ho:
-        rng.choice(ho).op_type = rng.choice(["Prefetch", "Wait", "Store", "Detach"])
+        rng.choice(ho).op_type = rng.choice(["Prefetch", "Wait", "Store", "Detach", "Fence"])
     elif choice == 3 and ho:
         n = rng.choice(ho)
         n.input.append(rng.choice(tensors))

@@ -24,8 +24,10 @@ than it was), the largest saving first; ``on`` wherever it fits; ``off`` never. 
 activation left stored says why (``OffloadChoice.recompute_skipped``).
 
 The rewrite (:mod:`~ho_onnx.rewrite.insert`) clones the cone's nodes, with fresh output
-names, right before the first late reader and points the late readers at the copy: no cache
-op, the same kernels (bit-exact where ORT runs the same kernels on the copy).
+names, right before the first late reader and points the late readers at the copy; each clone
+reads a clone made before it or one input through a ``Fence`` (:func:`fenced_inputs`), which
+keeps ORT from merging it back into the first computation or running it early. The same
+kernels on the same bytes: bit-exact.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def tries_for(nodes: int) -> int:
     replays the arena once (~30 ms at 10k nodes), so fewer on large graphs (a bound by
     count, not time: the plan does not depend on the machine's load)."""
     return max(8, min(MAX_TRIES, 200_000 // max(nodes, 1)))
+
 
 # The plan's time and whether it still fits, for a choice (the planner's simulation).
 Score = Callable[[OffloadChoice], tuple[float, bool]]
