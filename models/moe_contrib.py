@@ -127,7 +127,8 @@ def build_contrib_moe(path: str | Path, *, quant: bool = False, seed: int = 0,
          helper.make_tensor_value_info("present_sum", TensorProto.FLOAT, [1, 1, d])],
         inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=8)  # opset 17's; not the installed onnx's newest
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, path, save_as_external_data=external_data, size_threshold=256,

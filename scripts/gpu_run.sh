@@ -131,7 +131,7 @@ print("onnxruntime", ort.__version__, ort.__file__, ort.get_available_providers(
 x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
 y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
 g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "probe", [x], [y])
-m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 m.ir_version = 9
 s = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
 got = s.get_providers()

@@ -51,7 +51,7 @@ _TINY = onnx.helper.make_model(onnx.helper.make_graph(
     [onnx.helper.make_node("Relu", ["x"], ["y"])], "warm",
     [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
     [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])]),
-    opset_imports=[onnx.helper.make_opsetid("", 17)]).SerializeToString()
+    opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
 def main() -> None:

@@ -228,7 +228,11 @@ def _graph(nodes: list[onnx.NodeProto], inputs: dict[str, list[int]], output: st
                            for k, v in inputs.items()],
                           [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
                           list(inits))
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    # The lowest IR version for the opset: an onnx newer than the runtime writes its own (14,
+    # which onnxruntime 1.31 refuses: found on a GPU machine, stop 48).
+    opsets = [helper.make_opsetid("", 17)]
+    return helper.make_model(g, opset_imports=opsets,
+                             ir_version=helper.find_min_ir_version_for(opsets))
 
 
 def _matmul_rates(rng: np.random.Generator, threads: int, repeats: int) -> dict[str, float]:

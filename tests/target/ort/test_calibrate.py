@@ -111,3 +111,13 @@ def test_cpu_compute_rates_are_measured_for_the_cpu_preset_only(tmp_path: Path, 
     assert m.transpose_bw == m.transposing_bw == r["transpose_bw"] and 1e8 < m.transpose_bw < 1e13
     assert m.matmul_overhead_s == r["matmul_overhead_s"] and 0 <= m.matmul_overhead_s < 1e-3
     assert m.launch_overhead_s == r["launch_overhead_s"] and 0 <= m.launch_overhead_s < 1e-3
+
+
+def test_the_calibration_graphs_are_readable_by_older_runtimes():
+    """Found on a GPU machine (stop 48): an onnx newer than the runtime wrote IR version 14,
+    which onnxruntime 1.31 refuses, and `calibrate` failed there. The graphs it builds carry
+    their opset's IR version, which every supported onnxruntime (1.18+: IR 10) reads."""
+    from onnx import helper
+
+    g = calibrate._graph([helper.make_node("Relu", ["x"], ["y"])], {"x": [2]}, "y")
+    assert g.ir_version == 8
