@@ -120,53 +120,39 @@ def _prompt(ctx: int, vocab: int) -> Any:
 
 
 class OnnxGenerator:
-    """Greedy generation through IOBinding: the cache stays where ``kv_device`` says
-    (``cpu``/``cuda``) from one run to the next; only the last position's logits come back."""
+    """Greedy generation through ``ho_onnx.target.ort.generate``'s loop: the cache in its
+    ``KvBuffers`` on ``kv_device`` (``cpu``/``cuda``) from one run to the next, only the last
+    position's logits come back; ORT's arenas (``shrink``, ORT's list) shrunk after every
+    prefill chunk but the last."""
 
-    def __init__(self, sess: Any, kv_device: str, dtype: Any) -> None:
-        self.sess, self.kv_device, self.dtype = sess, kv_device, dtype
-        self.past = [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
-        self.present = [o.name for o in sess.get_outputs() if o.name.startswith("present.")]
+    def __init__(self, sess: Any, layout: Any, kv_device: str, shrink: str | None) -> None:
+        from ho_onnx.target.ort.generate import shrink_options
+
+        self.sess, self.layout, self.kv_device = sess, layout, kv_device
+        self.shrink = shrink_options(shrink)
+        self.binding = sess.io_binding()
         self.runs = 0
 
-    def _step(self, ids: Any, past: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        import numpy as np
-
-        io = self.sess.io_binding()
-        io.bind_cpu_input("input_ids", ids)
-        for name, value in past.items():
-            if isinstance(value, np.ndarray):
-                io.bind_cpu_input(name, value)
-            else:
-                io.bind_ortvalue_input(name, value)
-        io.bind_output("logits", "cpu")
-        for name in self.present:
-            io.bind_output(name, self.kv_device)
-        self.sess.run_with_iobinding(io)
-        outs = io.get_outputs()
-        token = int(outs[0].numpy()[0, -1].argmax())
-        self.runs += 1
-        return token, {"past_key_values" + n[len("present"):]: v
-                       for n, v in zip(self.present, outs[1:], strict=True)}
-
     def generate(self, prompt: Any, chunk: int, new_tokens: int) -> dict[str, Any]:
-        import numpy as np
+        from ho_onnx.target.ort.generate import KvBuffers, _step
 
-        # The empty cache from host arrays (ORT copies them where the session wants them);
-        # from then on the presents, where kv_device keeps them.
-        past: dict[str, Any] = {i.name: np.zeros([1, i.shape[1], 0, i.shape[3]], self.dtype)
-                                for i in self.past}
+        cache = KvBuffers(self.layout, prompt.shape[1] + new_tokens, device=self.kv_device)
+        ids = [int(t) for t in prompt[0]]
         t0 = time.perf_counter()
-        for lo in range(0, prompt.shape[1], chunk):
-            token, past = self._step(np.ascontiguousarray(prompt[:, lo:lo + chunk]), past)
+        for lo in range(0, len(ids), chunk):
+            last = lo + chunk >= len(ids)
+            token = _step(self.sess, self.binding, self.layout, cache, ids[lo:lo + chunk],
+                          None if last else self.shrink)
+            self.runs += 1
         ttft = time.perf_counter() - t0
         tokens = [token]
         t0 = time.perf_counter()
         for _ in range(new_tokens):
-            token, past = self._step(np.array([[token]], dtype=np.int64), past)
+            token = _step(self.sess, self.binding, self.layout, cache, [token])
+            self.runs += 1
             tokens.append(token)
         decode = time.perf_counter() - t0
-        return {"ttft_s": ttft, "decode_s": decode, "tokens": tokens}
+        return {"ttft_s": ttft, "decode_s": decode, "tokens": tokens, "pinned": cache.pinned}
 
 
 def _sync(device: str) -> None:
@@ -265,8 +251,6 @@ def context_chunk(cfg: dict[str, Any], ctx: int) -> int:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One row at one context: warm-up, ``repeats`` timed generations, memory."""
-    import numpy as np
-
     cfg = json.loads(args.cfg)
     ctx, chunk, new = args.ctx, context_chunk(cfg, args.ctx), cfg["new_tokens"]
     prompt = _prompt(ctx, cfg["vocab"])
@@ -303,8 +287,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if cuda and out["providers"][0] != CUDA_EP:
             return {"error": f"the session runs on {out['providers']}, not {CUDA_EP}: refused",
                     "providers": out["providers"]}
-        dtype = np.float16 if cfg["dtype"] == "float16" else np.float32
-        gen: Any = OnnxGenerator(sess, "cpu" if args.kv_host or not cuda else "cuda", dtype)
+        from ho_onnx.target.ort.generate import kv_layout
+
+        shrink = None if args.shrink_arenas == "off" else "gpu:0" if cuda else "cpu:0"
+        gen: Any = OnnxGenerator(sess, kv_layout(args.model),
+                                 "cpu" if args.kv_host or not cuda else "cuda", shrink)
     else:
         gen = HfGenerator(_hf_model(cfg, ctx, args.device, args.offloaded), args.device,
                           args.offloaded)
@@ -328,6 +315,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "decode_runs_s": [r["decode_s"] for r in results],
         "tokens": tokens,
         "rss_delta_bytes": max(0, _peak_rss_bytes() - rss0),
+        "kv_pinned": results[0].get("pinned"),
     })
     if poller is not None:
         out["device_peak_bytes"] = poller.peak_bytes
@@ -449,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where the models go (default: temp dir)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per measured row")
+    ap.add_argument("--shrink-arenas", choices=["auto", "off"], default="auto",
+                    help="auto: ORT's arena of the device (gpu:0 / cpu:0) shrunk after every "
+                         "prefill chunk but the last (generate.shrink_options); off: never")
     ap.add_argument("--child", choices=["onnx", "hf"], dest="kind", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--optimized", action="store_true", help=argparse.SUPPRESS)
@@ -522,6 +513,7 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
         if args.json:
             Path(args.json).write_text(json.dumps(
                 {"device": device, "config": cfg, "contexts": contexts,
+                 "shrink_arenas": args.shrink_arenas,
                  "weight_bytes": sizes["total_bytes"], "params": sizes["total_params"],
                  "onnxruntime": ort.__version__, "ho_onnx": ho_onnx.__version__,
                  "cpu_count": os.cpu_count(), "loadavg_start": load0,
@@ -531,7 +523,8 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
     def measure_row(row: dict[str, Any], argv: list[str], ref: dict[str, Any] | None) -> None:
         print(f"  {row['name']} ...", flush=True)
         res = run_child(["--device", device, "--ctx", str(row["context"]), "--cfg", child_cfg,
-                         "--repeats", str(cfg["repeats"]), *argv], args.timeout)
+                         "--repeats", str(cfg["repeats"]), "--shrink-arenas", args.shrink_arenas,
+                         *argv], args.timeout)
         row.update(res)
         if "error" not in row and row["kind"] == "onnx" and ref is not None:
             if "tokens" not in ref:

@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -12,6 +15,7 @@
 #include "common.h"
 #include "disk_io.h"
 #include "fault_hooks.h"
+#include "host_memory.h"
 #include "ort_abi.h"
 #include "registration.h"
 #if HO_ONNX_WITH_CUDA
@@ -269,6 +273,73 @@ int HoOnnx_CudaDeviceCount(void) {
   g_last_error = "ho_onnx was built without CUDA";
   return 0;
 #endif
+}
+
+namespace {
+
+// HoOnnx_HostAlloc's blocks by address (a PinnedBlock or a HostBytes behind the holder).
+struct HostAllocs {
+  std::mutex mu;
+  std::map<void*, std::shared_ptr<void>> blocks;
+};
+HostAllocs& host_allocs() {
+  static HostAllocs* h = new HostAllocs;  // never destroyed: frees may come at exit
+  return *h;
+}
+
+// Pinned when CUDA can pin; otherwise (no CUDA build, no device, pinning refused) ordinary
+// zero-filled pages.
+std::shared_ptr<void> host_block(size_t size, void** data, int* pinned) {
+#if HO_ONNX_WITH_CUDA
+  std::string err;
+  if (ho_cuda_device_count(&err) > 0) {
+    try {
+      std::shared_ptr<void> b = ho::cuda_pinned_host(size, data);
+      *pinned = 1;
+      return b;
+    } catch (const std::exception&) {  // e.g. the pinned limit: pageable bytes still work
+    }
+  }
+#endif
+  auto b = std::make_shared<ho::HostBytes>(size, 4096);
+  if (size < ho::HostBytes::kMappedBytes) std::memset(b->data(), 0, size);  // mapped: zero
+  *data = b->data();
+  *pinned = 0;
+  return b;
+}
+
+}  // namespace
+
+int HoOnnx_HostAlloc(uint64_t size, void** out, int* pinned) {
+  if (out == nullptr) return failed("HoOnnx_HostAlloc: out is NULL");
+  *out = nullptr;
+  if (size == 0) return failed("HoOnnx_HostAlloc: size must be positive");
+  return guarded([&] {
+    void* data = nullptr;
+    int was_pinned = 0;
+    std::shared_ptr<void> b = host_block(static_cast<size_t>(size), &data, &was_pinned);
+    HostAllocs& h = host_allocs();
+    std::lock_guard<std::mutex> lock(h.mu);
+    h.blocks.emplace(data, std::move(b));
+    *out = data;
+    if (pinned != nullptr) *pinned = was_pinned;
+  });
+}
+
+int HoOnnx_HostFree(void* ptr) {
+  std::shared_ptr<void> b;  // released outside the lock (unpinning takes time)
+  {
+    HostAllocs& h = host_allocs();
+    std::lock_guard<std::mutex> lock(h.mu);
+    auto it = h.blocks.find(ptr);
+    if (it == h.blocks.end()) {
+      return failed("HoOnnx_HostFree: not an address HoOnnx_HostAlloc returned (or freed twice)");
+    }
+    b = std::move(it->second);
+    h.blocks.erase(it);
+  }
+  g_last_error.clear();
+  return 0;
 }
 
 int HoOnnx_CudaMemInfo(int device, uint64_t* free_bytes, uint64_t* total_bytes) {

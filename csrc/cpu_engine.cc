@@ -64,25 +64,6 @@ void copy_chunk(void* data, size_t i) {
   std::memcpy(j->dst + off, j->src + off, std::min(j->chunk, j->n - off));
 }
 
-void copy_in_compute(const ExecContext& ctx, void* dst, const void* src, size_t n) {
-  constexpr size_t kMin = size_t{2} << 20;  // below this, one memcpy
-  constexpr size_t kChunk = size_t{1} << 20;
-  static const bool parallel = [] {
-    const char* v = std::getenv("HO_ONNX_PARALLEL_COPY");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  if (!parallel || n < kMin || ctx.api == nullptr || ctx.kctx == nullptr) {
-    std::memcpy(dst, src, n);
-    return;
-  }
-  CopyJob j{static_cast<char*>(dst), static_cast<const char*>(src), n, kChunk};
-  const size_t total = (n + kChunk - 1) / kChunk;
-  OrtStatus* st = ctx.api->KernelContext_ParallelFor(ctx.kctx, copy_chunk, total, 0, &j);
-  if (st != nullptr) {  // no thread pool here: copy on this thread
-    ctx.api->ReleaseStatus(st);
-    std::memcpy(dst, src, n);
-  }
-}
 
 class CpuStored final : public StoredTensor {
  public:
@@ -512,6 +493,26 @@ class CpuEngine final : public Engine {
 };
 
 }  // namespace
+
+void copy_in_compute(const ExecContext& ctx, void* dst, const void* src, size_t n) {
+  constexpr size_t kMin = size_t{2} << 20;  // below this, one memcpy
+  constexpr size_t kChunk = size_t{1} << 20;
+  static const bool parallel = [] {
+    const char* v = std::getenv("HO_ONNX_PARALLEL_COPY");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  if (!parallel || n < kMin || ctx.api == nullptr || ctx.kctx == nullptr) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  CopyJob j{static_cast<char*>(dst), static_cast<const char*>(src), n, kChunk};
+  const size_t total = (n + kChunk - 1) / kChunk;
+  OrtStatus* st = ctx.api->KernelContext_ParallelFor(ctx.kctx, copy_chunk, total, 0, &j);
+  if (st != nullptr) {  // no thread pool here: copy on this thread
+    ctx.api->ReleaseStatus(st);
+    std::memcpy(dst, src, n);
+  }
+}
 
 std::shared_ptr<Engine> make_cpu_engine(const EngineLimits& limits) {
   return std::make_shared<CpuEngine>(limits);

@@ -47,6 +47,11 @@ struct ExecContext {
   OrtKernelContext* kctx = nullptr;
 };
 
+// A copy inside a Compute call: from 2 MiB on split over ORT's intra-op threads
+// (KernelContext_ParallelFor, idle while the kernel runs under the sequential executor), else
+// one memcpy (also where ctx has no kernel context; HO_ONNX_PARALLEL_COPY=0 turns it off).
+void copy_in_compute(const ExecContext& ctx, void* dst, const void* src, size_t n);
+
 // What a Store writes into its token: the store's id and a random tag that the reload and
 // the Detach must present (ids are guessable, tags are not).
 struct StoreKey {

@@ -26,7 +26,7 @@ extern "C" {
 #endif
 
 /* Version of this C API (the functions and structs below). */
-#define HO_ONNX_C_API_VERSION 2
+#define HO_ONNX_C_API_VERSION 3
 
 HO_ONNX_EXPORT int HoOnnx_ApiVersion(void);
 
@@ -78,6 +78,16 @@ typedef struct HoOnnxCudaTransferTimes {
   uint64_t d2h_copies;
 } HoOnnxCudaTransferTimes;
 HO_ONNX_EXPORT int HoOnnx_CudaTransferTimes(int reset, HoOnnxCudaTransferTimes* out);
+
+/* Host memory for a caller's tensors that the library copies from or ORT writes into (a KV
+ * cache kept in host memory between runs: ho_onnx.target.ort.generate.KvBuffers): `size`
+ * bytes (> 0), page-aligned, zero-filled, pinned (page-locked and registered with CUDA, so
+ * that copies to and from a device run at the link's rate, asynchronously) when the library
+ * has CUDA and a device; otherwise ordinary pages. *pinned (may be NULL) says which. Free
+ * with HoOnnx_HostFree (an address it did not return is an error). Both return 0, or -1 with
+ * HoOnnx_LastError. Added in C API version 3. */
+HO_ONNX_EXPORT int HoOnnx_HostAlloc(uint64_t size, void** out, int* pinned);
+HO_ONNX_EXPORT int HoOnnx_HostFree(void* ptr);
 
 /* The arena samples kept while "arena_trace" is set (each Wait with
  * ho_onnx.sample_arena=1): writes up to `capacity` of them, oldest first, and returns how

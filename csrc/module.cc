@@ -134,6 +134,29 @@ py::dict cuda_transfer_times(bool reset) {
   return d;
 }
 
+// HoOnnx_HostAlloc's bytes as a Python buffer (numpy.frombuffer views keep it alive).
+class HostBuffer {
+ public:
+  explicit HostBuffer(uint64_t size) : size_(size) {
+    int pinned = 0;
+    check(HoOnnx_HostAlloc(size, &data_, &pinned));
+    pinned_ = pinned != 0;
+  }
+  ~HostBuffer() {
+    if (data_ != nullptr) (void)HoOnnx_HostFree(data_);
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  void* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  bool pinned() const { return pinned_; }
+
+ private:
+  void* data_ = nullptr;
+  uint64_t size_ = 0;
+  bool pinned_ = false;
+};
+
 }  // namespace
 
 // Over 60 lines: the module's table of bindings, one m.def per Python name with its
@@ -173,6 +196,20 @@ PYBIND11_MODULE(_ops, m) {
         "Pinned host <-> device copy rates (bytes/s, best of `repeats` single "
         "cudaMemcpyAsync of `bytes`, in four groups 50 ms apart after a warm-up): "
         "dict(h2d_bw, d2h_bw, bytes, device, device_name).");
+  py::class_<HostBuffer>(m, "HostBuffer", py::buffer_protocol(),
+                         "`nbytes` of zero-filled, page-aligned host memory, pinned where the "
+                         "library has CUDA and a device (HoOnnx_HostAlloc); a writable buffer.")
+      .def(py::init<uint64_t>(), py::arg("nbytes"))
+      .def_property_readonly("pinned", &HostBuffer::pinned,
+                             "Page-locked and registered with CUDA.")
+      .def_property_readonly("address", [](const HostBuffer& b) {
+        return reinterpret_cast<uintptr_t>(b.data());
+      })
+      .def("__len__", [](const HostBuffer& b) { return static_cast<size_t>(b.size()); })
+      .def_buffer([](HostBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {py::ssize_t{1}});
+      });
   m.def("cuda_transfer_times", &cuda_transfer_times, py::arg("reset") = true,
         "Bytes and GPU seconds of the engine's copies timed while set_trace(cuda_timing=True).");
 }

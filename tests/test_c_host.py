@@ -148,7 +148,7 @@ def test_pybind_module_links_the_library_next_to_it():
 def test_c_api_through_ctypes_matches_the_module():
     lib = ctypes.CDLL(ho_onnx.library_path())  # the already loaded copy
     lib.HoOnnx_ApiVersion.restype = ctypes.c_int
-    assert lib.HoOnnx_ApiVersion() == ho_onnx.build_info()["c_api_version"] == 2
+    assert lib.HoOnnx_ApiVersion() == ho_onnx.build_info()["c_api_version"] == 3
     lib.HoOnnx_BuildInfoJson.restype = ctypes.c_char_p
     assert json.loads(lib.HoOnnx_BuildInfoJson()) == ho_onnx.build_info()
     lib.HoOnnx_GetCounters.restype = ctypes.c_size_t

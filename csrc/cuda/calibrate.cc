@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "cuda_api.h"
@@ -20,6 +21,12 @@ void cuda_copy_device(void* dst, const void* src, size_t bytes, void* stream) {
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
                         static_cast<cudaStream_t>(stream)),
         "cudaMemcpyAsync (device to device, a Fence ORT did not alias)");
+}
+
+std::shared_ptr<void> cuda_pinned_host(size_t bytes, void** data) {
+  auto block = std::make_shared<cuda::PinnedBlock>(bytes);
+  *data = block->data();
+  return block;
 }
 
 CudaMemInfo cuda_mem_info(int device) {

@@ -51,4 +51,9 @@ struct CudaTransferTimes {
 };
 CudaTransferTimes cuda_transfer_times(bool reset);
 
+// `bytes` of page-aligned, zero-filled host memory pinned with cudaHostRegister (portable to
+// every device; counted in counters().pinned_bytes), at *data; freed with the returned holder.
+// Throws when CUDA cannot pin it (no device, no driver, the pinned limit).
+std::shared_ptr<void> cuda_pinned_host(size_t bytes, void** data);
+
 }  // namespace ho

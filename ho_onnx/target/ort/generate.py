@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -85,40 +86,151 @@ def _empty_past(layout: KvLayout, name: str, batch: int) -> np.ndarray:
     return np.zeros(shape, dtype=layout.past_dtype[name])
 
 
+class KvBuffers:
+    """A generation loop's KV cache in buffers of its own: two per (past, present) pair, each
+    for up to ``capacity`` positions. A step binds each past as the first ``length`` positions
+    of its front buffer and each present into the back one (ORT writes it there), then
+    :meth:`swap` makes the presents the next step's pasts: no copy, and ORT never allocates a
+    cache, so its arenas do not grow with the context (the H200 run of stop 48: after a
+    32k-token generation whose cache ORT allocated, 39 GB of host memory with the cache in host
+    memory, docs/benchmarks.md). A host cache is pinned where the library can pin
+    (:class:`ho_onnx._ops.HostBuffer`): the CUDA engine's copies of it run at the link's rate.
+
+    ``device``: ``"cpu"`` (host memory) or ``"cuda"`` (device memory, allocated once by ORT on
+    ``device_id``). A step longer than ``capacity`` grows the back buffer (by half again at
+    least; no copy: it is the step's output).
+    """
+
+    def __init__(self, layout: KvLayout, capacity: int, *, batch: int = 1,
+                 device: str = "cpu", device_id: int = 0) -> None:
+        if capacity < 1 or batch < 1:
+            raise ValueError(f"capacity and batch must be positive, got {capacity}, {batch}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.layout, self.batch, self.device, self.device_id = layout, batch, device, device_id
+        self.length = 0  # positions held by the front buffers
+        self.allocations = 0
+        shapes = {p: _empty_past(layout, p, batch).shape for p, _ in layout.pairs}
+        self._row = {p: int(np.prod([d for k, d in enumerate(shape) if k != layout.seq_axis]))
+                     for p, shape in shapes.items()}
+        self._front = {p: self._alloc(p, capacity) for p, _ in layout.pairs}
+        self._back = {p: self._alloc(p, capacity) for p, _ in layout.pairs}
+
+    def _alloc(self, past: str, positions: int) -> tuple[Any, int, int]:
+        """(holder, address, capacity in positions) of a buffer for ``past``'s cache."""
+        itemsize = np.dtype(self.layout.past_dtype[past]).itemsize
+        nbytes = max(1, self._row[past] * positions * itemsize)
+        self.allocations += 1
+        if self.device == "cpu":
+            from ... import _ops
+
+            buf = _ops.HostBuffer(nbytes)
+            return buf, buf.address, positions
+        value = ort.OrtValue.ortvalue_from_shape_and_type([nbytes], np.uint8, "cuda",
+                                                          self.device_id)
+        return value, value.data_ptr(), positions
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host buffers are page-locked (False on a device)."""
+        return self.device == "cpu" and all(getattr(b[0], "pinned", False)
+                                            for b in self._front.values())
+
+    def _shape(self, past: str, positions: int) -> list[int]:
+        return [self.batch if k == 0 else positions if k == self.layout.seq_axis else int(d)
+                for k, d in enumerate(self.layout.past_dims[past])]
+
+    def bind(self, binding: ort.IOBinding, new: int) -> None:
+        """Bind the pasts (the front buffers' ``length`` positions) and the presents
+        (``length + new`` positions, into the back buffers) of a step of ``new`` tokens."""
+        for p, q in self.layout.pairs:
+            dtype = self.layout.past_dtype[p]
+            _, address, _ = self._front[p]
+            binding.bind_input(p, self.device, self.device_id, dtype,
+                               self._shape(p, self.length), address)
+            if self._back[p][2] < self.length + new:
+                self._back[p] = self._alloc(p, max(self.length + new,
+                                                   self._back[p][2] * 3 // 2))
+            binding.bind_output(q, self.device, self.device_id, dtype,
+                                self._shape(p, self.length + new), self._back[p][1])
+
+    def swap(self, new: int) -> None:
+        """After a successful step of ``new`` tokens: its presents become the pasts."""
+        self._front, self._back = self._back, self._front
+        self.length += new
+
+    def past(self, name: str) -> np.ndarray:
+        """A copy of the cache ``name`` (a past input) as the next step will read it."""
+        holder, _, _ = self._front[name]
+        shape = self._shape(name, self.length)
+        if self.device == "cpu":
+            count = int(np.prod(shape))
+            return np.frombuffer(holder, self.layout.past_dtype[name], count).reshape(shape).copy()
+        return holder.numpy().view(self.layout.past_dtype[name])[:int(np.prod(shape))] \
+            .reshape(shape).copy()
+
+
+SHRINK_ARENAS = "memory.enable_memory_arena_shrinkage"  # ORT's run config entry
+
+
+def shrink_options(arenas: str | None) -> ort.RunOptions | None:
+    """Run options that make ORT release its arenas' free regions at the end of the run
+    (``arenas``: ORT's list, e.g. ``"cpu:0"``, ``"gpu:0"``, ``"cpu:0;gpu:0"``; None: none).
+    A chunked prefill asks for them on every chunk but the last: each chunk's attention
+    tensors are larger than the last one's, so an arena that grows by what is requested
+    (``kSameAsRequested``, which ho-onnx's CUDA options set) otherwise keeps every chunk's
+    (stop 48: 70 GB of device memory held after a 32k prefill in 1,024-token chunks whose
+    largest run used 9.9 GB)."""
+    if not arenas:
+        return None
+    ro = ort.RunOptions()
+    ro.add_run_config_entry(SHRINK_ARENAS, arenas)
+    return ro
+
+
 def greedy(session: ort.InferenceSession, layout: KvLayout, prompt: Sequence[int],
-           max_new_tokens: int) -> list[int]:
-    """Greedy tokens after ``prompt`` (batch 1): a prefill of the prompt, then one decode
-    step per token, the cache kept in ORT values in host memory between steps."""
+           max_new_tokens: int, *, chunk: int | None = None, device: str = "cpu",
+           shrink_arenas: str | None = None) -> list[int]:
+    """Greedy tokens after ``prompt`` (batch 1): a prefill of the prompt (in runs of at most
+    ``chunk`` tokens; ORT's ``shrink_arenas`` shrunk after each but the last, see
+    :func:`shrink_options`), then one decode step per token, the cache in :class:`KvBuffers`
+    on ``device`` (host memory by default) sized for the whole generation."""
     if not prompt or max_new_tokens < 0:
         raise ValueError("need a prompt of at least one token and max_new_tokens >= 0")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    cache = KvBuffers(layout, len(prompt) + max(max_new_tokens, 1), device=device)
     binding = session.io_binding()
-    past: dict[str, ort.OrtValue] = {
-        p: ort.OrtValue.ortvalue_from_numpy(_empty_past(layout, p, 1)) for p, _ in layout.pairs}
-    step = np.asarray([list(prompt)], dtype=np.int64)
-    done = 0
+    shrink = shrink_options(shrink_arenas)
+    ids = list(prompt)
+    step = chunk or len(ids)
     out: list[int] = []
     while len(out) < max_new_tokens:
-        n = step.shape[1]
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        binding.bind_cpu_input(layout.input_ids, step)
-        if layout.attention_mask:
-            binding.bind_cpu_input(layout.attention_mask, np.ones((1, done + n), np.int64))
-        if layout.position_ids:
-            binding.bind_cpu_input(layout.position_ids,
-                                   np.arange(done, done + n, dtype=np.int64)[None, :])
-        for p, _ in layout.pairs:
-            binding.bind_ortvalue_input(p, past[p])
-        binding.bind_output(layout.logits, "cpu")
-        for _, q in layout.pairs:
-            binding.bind_output(q, "cpu")
-        session.run_with_iobinding(binding)
-        bound = [layout.logits, *(q for _, q in layout.pairs)]
-        values = dict(zip(bound, binding.get_outputs(), strict=True))
-        logits = values[layout.logits].numpy()
-        token = int(np.argmax(logits[0, -1]))
+        for lo in range(0, len(ids), step):
+            last = lo + step >= len(ids)
+            token = _step(session, binding, layout, cache, ids[lo:lo + step],
+                          None if last else shrink)
         out.append(token)
-        past = {p: values[q] for p, q in layout.pairs}
-        done += n
-        step = np.asarray([[token]], dtype=np.int64)
+        ids, step = [token], 1
     return out
+
+
+def _step(session: ort.InferenceSession, binding: ort.IOBinding, layout: KvLayout,
+          cache: KvBuffers, ids: Sequence[int], run_options: ort.RunOptions | None = None
+          ) -> int:
+    """One run over ``ids`` after the cache; the greedy next token."""
+    done, n = cache.length, len(ids)
+    binding.clear_binding_inputs()
+    binding.clear_binding_outputs()
+    binding.bind_cpu_input(layout.input_ids, np.asarray([list(ids)], dtype=np.int64))
+    if layout.attention_mask:
+        binding.bind_cpu_input(layout.attention_mask, np.ones((1, done + n), np.int64))
+    if layout.position_ids:
+        binding.bind_cpu_input(layout.position_ids,
+                               np.arange(done, done + n, dtype=np.int64)[None, :])
+    binding.bind_output(layout.logits, "cpu")  # first: get_outputs()[0]
+    cache.bind(binding, n)
+    session.run_with_iobinding(binding, run_options)
+    cache.swap(n)
+    logits = binding.get_outputs()[0].numpy()
+    return int(np.argmax(logits[0, -1]))
