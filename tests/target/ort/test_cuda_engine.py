@@ -717,6 +717,29 @@ def test_kv_cache_in_host_memory_generates_the_same_tokens_on_cuda(tmp_path):
     assert c["cuda_bytes_h2d"] - c0["cuda_bytes_h2d"] >= past_bytes
 
 
+def test_generation_loop_cache_buffers_on_cuda(tmp_path):
+    """The generation loop's own cache (generate.KvBuffers) on a CUDA machine: host buffers
+    pinned by the library (counted in pinned_bytes), a cache on the device, a chunked prefill
+    with the device arena shrunk between chunks: the same greedy tokens as the CPU EP's."""
+    from ho_onnx.target.ort.generate import KvBuffers, greedy, kv_layout
+
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, layers=2, hidden=128, heads=4, vocab=VOCAB, external_data=True,
+                  max_positions=256, kv_cache=True, std=0.2)
+    layout = kv_layout(src)
+    p0 = _ops.counters()["pinned_bytes"]
+    host = KvBuffers(layout, 64)
+    assert host.pinned and _ops.counters()["pinned_bytes"] > p0
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    s = ort.InferenceSession(str(src), providers=runtime.with_cuda_arena(PROVIDERS))
+    assert s.get_providers()[0] == CUDA_EP
+    want = greedy(s, layout, prompt, 30, chunk=4)  # (the CPU tests check it against run())
+    assert len(set(want)) > 3, want
+    for device in ("cpu", "cuda"):
+        assert greedy(s, layout, prompt, 30, chunk=4, device=device,
+                      shrink_arenas="gpu:0") == want, device
+
+
 @pytest.mark.parametrize("y_is_output", [False, True])
 def test_fence_on_cuda(tmp_path, y_is_output):
     """The Fence on the CUDA EP (a recomputed activation's: schedule/recompute.py): aliased

@@ -142,3 +142,50 @@ def test_host_buffer_is_zeroed_writable_and_freed_once():
     assert p.value and pinned.value in (0, 1)
     assert lib.HoOnnx_HostFree(p) == 0
     assert lib.HoOnnx_HostFree(p) == -1  # twice
+
+
+def test_a_failed_step_leaves_the_cache_as_it_was(tmp_path):
+    """A run that fails (here the Guard refusing a prefill longer than the plan's range) does
+    not swap the buffers: the next step reads the pasts of the last successful one and the
+    tokens are the unmodified model's."""
+    src = _decoder(tmp_path)
+    out = tmp_path / "dec.ho.onnx"
+    ho_onnx.optimize(src, out, OffloadOptions(kv=True, weights=False, activations=False), {},
+                     dim_ranges={"batch": (1, 1), "seq": (1, 4), "past": (0, 40)})
+    layout = kv_layout(out)
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    steps = [[3, 1, 4], [1], [5], [9]]
+    want, presents = _reference(ref, kv_layout(src), steps)
+    sess = ho_onnx.InferenceSession(out)
+    cache, binding = KvBuffers(layout, 8), sess.io_binding()
+    assert _step(sess, binding, layout, cache, steps[0]) == want[0]
+    with pytest.raises(Exception, match=r"outside the range 1\.\.4"):
+        _step(sess, binding, layout, cache, [2, 7, 1, 8, 2])
+    assert cache.length == 3
+    for p, _ in layout.pairs:
+        np.testing.assert_array_equal(cache.past(p), presents[0][p])
+    got = [_step(sess, binding, layout, cache, ids) for ids in steps[1:]]
+    assert got == want[1:]
+
+
+def test_host_buffers_from_many_threads():
+    """HoOnnx_HostAlloc/HostFree from 8 threads at once (ctypes releases the GIL): each
+    thread's bytes are its own and every block is freed exactly once."""
+    from threads import run_threads
+
+    lib = ctypes.CDLL(ho_onnx.library_path())
+    lib.HoOnnx_HostAlloc.argtypes = [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.POINTER(ctypes.c_int)]
+    lib.HoOnnx_HostFree.argtypes = [ctypes.c_void_p]
+
+    def worker(k: int) -> None:
+        for i in range(200):
+            size = (k + 1) * 4096 + i * 512 + (2 << 20) * (i % 3 == 0)
+            p = ctypes.c_void_p()
+            assert lib.HoOnnx_HostAlloc(size, ctypes.byref(p), None) == 0
+            ctypes.memset(p, k + 1, size)
+            view = (ctypes.c_ubyte * size).from_address(p.value)
+            assert view[0] == view[size - 1] == k + 1
+            assert lib.HoOnnx_HostFree(p) == 0
+
+    run_threads(worker, 8)
