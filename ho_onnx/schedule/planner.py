@@ -98,7 +98,7 @@ from .recompute import recompute
 from .refine import MAX_WINDOW, Bound, Reload, Space, State, Store, refine, weak_bound
 from .simulate import Simulation, simulate
 from .speculate import describe as describe_speculation
-from .speculate import with_speculation
+from .speculate import resident_routers, with_speculation
 from .types import (
     ActivationOffload,
     Decision,
@@ -311,7 +311,8 @@ def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str
     groups = WeightGroups.of(analysis)
     store, load = (link.direction for link in kinds.stored_links())
     out: list[Candidate] = []
-    placement = placement_reasons(analysis)
+    placement = placement_reasons(analysis) | resident_routers(analysis, opts,
+                                                                 opts.expert_cache != 0)
     routed = Routed.of(analysis, dims, opts)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)

@@ -22,7 +22,7 @@ from .eligibility import (
 from .expert_cache import asked, with_cache
 from .kv import distance_window, kv_choice
 from .options import OffloadOptions
-from .speculate import with_speculation
+from .speculate import resident_routers, with_speculation
 from .types import ActivationOffload, Decision, OffloadChoice, RunFacts, WeightOffload
 
 
@@ -64,7 +64,8 @@ def choose(analysis: GraphAnalysis, options: OffloadOptions,
     """Apply the explicit policy to every tensor of the main graph; every candidate of the
     chosen kinds that stays resident gets its reason in ``skipped``."""
     choice = OffloadChoice(describe(options))
-    placement = placement_reasons(analysis)
+    placement = placement_reasons(analysis) | resident_routers(analysis, options,
+                                                                 bool(asked(options)))
     groups = WeightGroups.of(analysis)
     for name, t in analysis.tensors.items():
         kind = kind_of(t)

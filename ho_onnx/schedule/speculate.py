@@ -38,10 +38,34 @@ from ..graph import moe
 from ..graph.analyse import GraphAnalysis
 from ..units import format_bytes
 from .expert_cache import cacheable
+from .options import OffloadOptions
 from .types import OffloadChoice, Speculation, Warm, WeightOffload
 
 #: The probability a predicted expert is one the layer's router picks, assumed by ``auto``.
 PRIOR = 0.5
+
+#: Why a router weight stays resident (:func:`resident_routers`).
+ROUTER_REASON = ("the router of a MoE layer whose experts may be read a layer early with it "
+                 "(speculation; --speculate-experts off lets it go)")
+
+
+def resident_routers(a: GraphAnalysis, options: OffloadOptions, cache: bool) -> dict[str, str]:
+    """Router weights (and biases) kept resident, with :data:`ROUTER_REASON`, so that their
+    layer can be speculated: an offloaded router cannot be applied a layer early (it is read
+    before its own reload). Every MoE layer's but the first, of unrolled experts, where a
+    speculation may happen: not ``off``, ``cache`` (an expert cache is possible) and expert
+    weights on a streamed tier. Routers are small ([hidden, experts]): the budget planner
+    counts them like any resident weight."""
+    if options.speculate_experts == "off" or not cache \
+            or kinds.tier(options.weight_tier).in_host_memory:
+        return {}
+    out: dict[str, str] = {}
+    for layer in moe.find_experts(a)[1:]:
+        src = moe.router_source(a, layer) if layer.form == "unrolled" else "stacked"
+        if isinstance(src, str):
+            continue
+        out |= {n: ROUTER_REASON for n in (src.weight, src.bias) if n is not None}
+    return out
 
 
 def with_speculation(a: GraphAnalysis, choice: OffloadChoice, mode: str,

@@ -23,6 +23,7 @@ from ho_onnx.rewrite.invariants import check_schedule
 from ho_onnx.rewrite.pipeline import optimize
 from ho_onnx.schedule.expert_cache import cacheable_bytes
 from ho_onnx.schedule.options import OffloadOptions
+from ho_onnx.schedule.speculate import ROUTER_REASON
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
@@ -140,10 +141,19 @@ def test_each_layer_left_out_says_why(tmp_path, moe_export):
     layer = "/model/layers.1/mlp/TopK"
     _, c = _optimized(src, tmp_path / "nocache", 0)
     assert not c.speculations and c.speculation_skipped == {}  # (nothing cacheable: no word)
+    # min_bytes 0 would offload the routers too: the speculated layer's stays resident (with
+    # its reason), the first layer's goes; with speculation off both go
     r = optimize(src, tmp_path / "router.onnx", OffloadOptions(
         activations=False, min_bytes=0, weight_tier="disk", expert_cache=1 << 20,
         speculate_experts="on"), DIMS)
-    assert "router's weight is offloaded" in r.choice.speculation_skipped[layer]
+    assert [s.layer for s in r.choice.speculations] == [layer]
+    router = r.choice.speculations[0].router_weight
+    assert r.choice.skipped[router] == ROUTER_REASON
+    offloaded = {w.name for w in r.choice.weights}
+    r = optimize(src, tmp_path / "router_off.onnx", OffloadOptions(
+        activations=False, min_bytes=0, weight_tier="disk", expert_cache=1 << 20,
+        speculate_experts="off"), DIMS)
+    assert {w.name for w in r.choice.weights} - offloaded == {router}
     _, c = _optimized(src, tmp_path / "auto", 1 << 20, "auto")
     assert "cost model says it pays" in c.speculation_skipped[layer]
     model, c = _optimized(src, tmp_path / "off", 1 << 20, "off")
