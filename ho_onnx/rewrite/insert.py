@@ -226,8 +226,9 @@ class _Emitter:
 
     def speculate(self, s: Speculation, weights: dict[str, WeightOffload], cache: int) -> None:
         """Right after the earlier router's MatMul (position ``s.after``): the next router
-        applied to its input, its TopK, and a warm Prefetch per warmed reload, gated by the
-        predicted indices; their empty outputs order the routed Prefetches after them."""
+        applied to its input and its TopK; after ``s.issue_at``, a warm Prefetch per warmed
+        reload, gated by the predicted indices; their empty outputs order the routed
+        Prefetches after them."""
         a = self.analysis
         elem = a.tensors[s.router_weight].elem_type
         assert elem is not None
@@ -249,6 +250,8 @@ class _Emitter:
         ops.append(self.op("TopK", [logits, k], [(values, elem, None),
                                                  (picked, TensorProto.INT64, None)],
                            f"{base}.topk", domain=""))
+        self.after[s.after].extend(ops)
+        ops = []  # (the warm reads: after the earlier layer's own expert Prefetches)
         for warm in s.warms:
             w = weights[warm.weight]
             t = a.tensors[w.name]
@@ -264,7 +267,7 @@ class _Emitter:
             ops.append(op)
             self.warmed.setdefault((w.name, warm.consumer), []).append(y)
             self.weight_prefetches.setdefault(w.name, []).append(op)
-        self.after[s.after].extend(ops)
+        self.after[s.issue_at].extend(ops)
 
     def rewire_speculations(self) -> None:
         """A speculation's MatMul reads what the earlier router's MatMul reads there (the

@@ -295,7 +295,7 @@ class _Selection:
         return replace(self, early={**self.early, c.name: early}, mem=mem)
 
 
-# Reason for length: one pass over the tensors that filters (each filter records its reason)
+# Over 60 lines: one pass over the tensors that filters (each filter records its reason)
 # and scores the two kinds; the score formulas are the module docstring's, side by side.
 def _candidates(analysis: GraphAnalysis, opts: OffloadOptions, dims: Mapping[str, int],
                 costs: CostModel, spans: dict[str, tuple[int, int]],
@@ -798,10 +798,26 @@ def _cached(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         cache = max(0, opts.budget - max(p.planned.peak_bytes, p.arena_bytes))
     if not with_cache(p.choice, cache).expert_cache:
         return replace(p, options=opts)
+    def simulated(choice: OffloadChoice) -> Simulation:
+        return simulate(analysis, choice, costs.compute_s, costs.transfer_time,
+                        dict(dims or {}), basis.residency, basis.baseline.memory,
+                        host_ahead=costs.host_ahead, copy_in_compute=costs.copy_in_compute)
+
     with_speculation(analysis, p.choice, opts.speculate_experts, costs)
-    planned = simulate(analysis, p.choice, costs.compute_s, costs.transfer_time, dict(dims or {}),
-                       basis.residency, basis.baseline.memory, host_ahead=costs.host_ahead,
-                       copy_in_compute=costs.copy_in_compute)
+    planned = simulated(p.choice)
+    if opts.speculate_experts == "auto" and p.choice.speculations:
+        # The layers the cost model's rule kept, checked together against the simulation
+        # (which times the wrong guesses on the channel too).
+        kept = list(p.choice.speculations)
+        p.choice.speculations.clear()
+        without = simulated(p.choice)
+        if without.total_s <= planned.total_s:
+            why = (f"does not pay in the simulated time: {planned.total_s * 1e3:.4g} ms with "
+                   f"the speculations, {without.total_s * 1e3:.4g} ms without")
+            p.choice.speculation_skipped.update(dict.fromkeys((s.layer for s in kept), why))
+            planned = without
+        else:
+            p.choice.speculations.extend(kept)
     bound = None if p.bound is None else Bound(min(p.bound.seconds, planned.total_s),
                                                p.bound.kind)  # (the space had no cache)
     return replace(p, options=opts, planned=planned, bound=bound)

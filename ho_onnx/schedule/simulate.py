@@ -40,6 +40,7 @@ from .. import kinds
 from ..cost.model import Direction, TransferTime
 from ..graph.analyse import GraphAnalysis
 from .lifetimes import Residency, schedule_memory
+from .speculate import PRIOR
 from .types import OffloadChoice
 
 
@@ -56,6 +57,7 @@ class TransferEvent:
     start_s: float = 0.0
     end_s: float = 0.0
     stall_s: float = 0.0  # time the compute stream waited for it
+    waited: bool = True  # False: a speculation's wrong guesses (they only hold the channel)
 
 
 @dataclass
@@ -142,12 +144,11 @@ def simulate(analysis: GraphAnalysis, choice: OffloadChoice | None, compute_s: n
             ev.start_s = max(ready, free[ev.direction])
             ev.end_s = ev.start_s + transfer_time(ev.nbytes, ev.direction)
             free[ev.direction] = ev.end_s
-        for ev in waits_at.get(i, ()):
-            now = _wait(ev, now, transfer_time, in_wait,
-                        memcpy if copy_in_compute else None)
+        for ev in (e for e in waits_at.get(i, ()) if e.waited):
+            now = _wait(ev, now, transfer_time, in_wait, memcpy if copy_in_compute else None)
         if staging is not None:
             for ev in waits_at.get(i, ()):
-                if ev.direction in staged:
+                if ev.direction in staged and ev.waited:
                     staging[ev.nbytes].append(now)  # the Wait copies out: buffer free then
         starts[i] = now
         now += seconds[i]
@@ -209,13 +210,40 @@ def _staging_pool(n: int, loads_at: Mapping[int, list[TransferEvent]],
     most: dict[int, int] = {}
     for i in range(n):
         for ev in loads_at.get(i, ()):
-            if ev.direction in staged:
+            if ev.direction in staged and ev.waited:
                 held[ev.nbytes] = held.get(ev.nbytes, 0) + 1
                 most[ev.nbytes] = max(most.get(ev.nbytes, 0), held[ev.nbytes])
         for ev in waits_at.get(i, ()):
-            if ev.direction in staged:
+            if ev.direction in staged and ev.waited:
                 held[ev.nbytes] -= 1
     return {b: deque([0.0] * k) for b, k in most.items()}
+
+
+def _weight_events(choice: OffloadChoice) -> list[TransferEvent]:
+    """Each weight reload of ``choice``: its expected bytes, issued at its Prefetch; a
+    speculated one (:mod:`.speculate`) in three parts."""
+    events: list[TransferEvent] = []
+    warmed = {(w.weight, w.consumer): s.issue_at + 1 for s in choice.speculations
+              for w in s.warms}
+    for w in choice.weights:
+        d: Direction = kinds.tier(w.tier).load.direction
+        # (routed: the expected share moved; cached: less what the expert cache serves, a
+        # copy out of host memory not timed here)
+        share = w.fraction * (1.0 - w.hit)
+        moved = w.nbytes if share >= 1.0 else int(w.nbytes * share)
+        for k, (c, p) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
+            early = warmed.get((w.name, k))
+            if early is None or early > p:
+                events.append(TransferEvent(w.name, "reload", d, moved, p, c))
+                continue
+            # Speculated (schedule.speculate): a layer early, as many bytes as the layer's
+            # own misses, right with probability PRIOR; the rest read at its own Prefetch,
+            # behind the wrong guesses on the channel.
+            right = int(moved * PRIOR)
+            events += [TransferEvent(w.name, "reload", d, right, early, c),
+                       TransferEvent(w.name, "reload", d, moved - right, early, c, waited=False),
+                       TransferEvent(w.name, "reload", d, moved - right, p, c)]
+    return events
 
 
 def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
@@ -224,14 +252,7 @@ def _events(choice: OffloadChoice | None) -> list[TransferEvent]:
     events: list[TransferEvent] = []
     if choice is None:
         return events
-    for w in choice.weights:
-        d: Direction = kinds.tier(w.tier).load.direction
-        # (routed: the expected share moved; cached: less what the expert cache serves, a
-        # copy out of host memory not timed here)
-        share = w.fraction * (1.0 - w.hit)
-        moved = w.nbytes if share >= 1.0 else int(w.nbytes * share)
-        events.extend(TransferEvent(w.name, "reload", d, moved, p, c)
-                      for c, p in zip(w.consumers, w.prefetch_at, strict=True))
+    events += _weight_events(choice)
     store, load = kinds.stored_links()
     # The KV cache: a past copied in from the caller's host memory before each reader; a
     # present copied out right after its last reader, the compute waiting for it (on the

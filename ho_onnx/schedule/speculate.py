@@ -17,14 +17,17 @@ routed layer before it, routers that are a MatMul by a resident weight (plus a b
 reloads of unrolled experts (one weight per expert: the cache's entries) and a cache that
 holds both layers' selections for one token (a decode step's; else the warmed entries are
 evicted before use).
-``auto`` then asks the cost model: with the compute ``G`` between the earlier router and
-the layer's router, and ``R`` the time to read the layer's expected misses, a speculation
+The warm Prefetches are issued after the earlier layer's own expert Prefetches (the channel
+is FIFO: before them they would delay the experts being computed; the simulation showed it).
+``auto`` then asks the cost model: with the compute ``G`` between that point and the layer's
+router, and ``R`` the time to read the layer's expected misses, a speculation
 right with probability ``p`` ends the layer's reads ``p R`` earlier when ``G >= R`` and
 ``G - (1 - p) R`` earlier otherwise (the wrong guesses queue ahead on the disk channel), so
 it pays when ``G > (1 - p) R`` (and ``R > 0``: a cache expected to serve every reload leaves
 nothing to gain); ``p`` is :data:`PRIOR` (the graph cannot say how well the
-routers agree; the library counts it: ``warm_hits / warm_reads``). The plan's predicted
-time does not count the gain (conservative).
+routers agree; the library counts it: ``warm_hits / warm_reads``). The plan's simulated time
+counts it (``schedule.simulate``: the right guesses issued early, the wrong ones holding the
+channel), and the budget planner keeps ``auto``'s speculations only where that time falls.
 """
 
 from __future__ import annotations
@@ -125,8 +128,16 @@ def _speculation(a: GraphAnalysis, choice: OffloadChoice, prev: moe.MoELayer,
     if choice.expert_cache < need:
         return (f"the expert cache ({format_bytes(choice.expert_cache)}) holds less than "
                 f"both layers' selections for one token ({format_bytes(need)})")
+    # Issued after the earlier layer's own expert Prefetches (FIFO on the channel: before
+    # them a warm read would delay the experts being computed now).
+    issue_at = max([src.position, *(max(w.prefetch_at) for e in prev.experts
+                                    for n in e.weights
+                                    if (w := by_name.get(n)) is not None and w.prefetch_at)])
+    if issue_at >= dst.topk:
+        return "the layer before reads its experts up to this layer's router: nothing to " \
+               "start early"
     return Speculation(layer.node, dst.topk, src.position, src.activation, dst.weight, dst.bias,
-                       layer.top_k, tuple(warms))
+                       layer.top_k, tuple(warms), issue_at)
 
 
 def _selection(layer: moe.MoELayer, by_name: Mapping[str, WeightOffload]) -> int:
@@ -143,7 +154,7 @@ def _pays(spec: Speculation, by_name: Mapping[str, WeightOffload],
     if costs is None:
         return "auto speculates where the budget planner's cost model says it pays " \
                "(--budget); 'on' speculates anyway"
-    gap = float(sum(costs.compute_s[spec.after + 1:spec.topk]))
+    gap = float(sum(costs.compute_s[spec.issue_at + 1:spec.topk]))
     misses = {(w.weight, w.consumer) for w in spec.warms}
     read = 0.0
     for name, _k in misses:

@@ -215,6 +215,13 @@ class Speculation:
     bias: str | None
     k: int
     warms: tuple[Warm, ...]
+    # The warm Prefetches go right after this position (>= ``after``): after the earlier
+    # layer's own expert Prefetches, so that they do not queue ahead of them on the channel.
+    issue_at: int = -1
+
+    def __post_init__(self) -> None:
+        if self.issue_at < self.after:
+            self.issue_at = self.after
 
 
 @dataclass

@@ -105,9 +105,11 @@ def test_speculated_generation_reads_what_the_replay_says(tmp_path, moe_export, 
 
 
 def test_the_rewrite_orders_each_routed_reload_after_its_warm(tmp_path, moe_export):
-    """The speculation's MatMul, TopK and warm Prefetches sit right after layer 0's router
-    MatMul; each warm's empty output is read only by its weight's routed Prefetch; the
-    invariant check refuses a warm output read by anything else."""
+    """The speculation's MatMul and TopK sit right after layer 0's router MatMul, its warm
+    Prefetches after layer 0's own routed Prefetches (FIFO on the disk channel: before them
+    they would delay the experts being computed) and before layer 1's router; each warm's
+    empty output is read only by its weight's routed Prefetch; the invariant check refuses a
+    warm output read by anything else."""
     src = moe_export("qwen3_moe")
     model, choice = _optimized(src, tmp_path / "opt", 1 << 20)
     m = ir.load(str(model))
@@ -118,6 +120,11 @@ def test_the_rewrite_orders_each_routed_reload_after_its_warm(tmp_path, moe_expo
               and n.name.startswith("ho.spec."))
     assert nodes[mm - 1].op_type == "MatMul"  # (layer 0's router, right before it)
     assert [n.op_type for n in nodes[mm:mm + 3]] == ["MatMul", "Constant", "TopK"]
+    t1 = next(i for i, n in enumerate(nodes) if n.name == spec.layer)
+    warms = [i for i, n in enumerate(nodes) if n.attributes.get(contract.ATTR_WARM) is not None]
+    routed0 = [i for i, n in enumerate(nodes[:t1]) if n.op_type == contract.PREFETCH
+               and n.attributes.get(contract.ATTR_GATED) is not None and i not in warms]
+    assert routed0 and max(routed0) < min(warms) and max(warms) < t1
     for n in nodes:
         if n.attributes.get(contract.ATTR_WARM) is not None:
             assert list(n.outputs[0].shape) == [0]
@@ -188,3 +195,75 @@ def test_auto_speculates_where_the_cost_model_says_it_pays(tmp_path, moe_export)
     _, everything = _optimized(src, tmp_path / "all", full, "off")  # (expected to hit always)
     c = with_speculation(a, everything, "auto", costs(1e-3, 1e9))
     assert "nothing to gain" in c.speculation_skipped["/model/layers.1/mlp/TopK"]
+
+
+def _timed(choice, costs, a):
+    from ho_onnx.schedule.simulate import simulate
+
+    sim = simulate(a, choice, costs.compute_s, costs.transfer_time, DIMS)
+    disk = sum(ev.nbytes for ev in sim.transfers if ev.direction == "disk")
+    return sim.total_s, disk
+
+
+def test_the_simulated_time_counts_the_speculation(tmp_path, moe_export):
+    """A speculated reload is timed in three parts: the share a right guess covers, issued
+    after the earlier layer's own expert reads, the wrong guesses (as many bytes again less
+    that share) on the channel with nobody waiting, and the rest at its own Prefetch. With
+    the experts alone on the disk and compute to hide the early reads the plan is faster;
+    with a slow disk under fast compute the wrong guesses only delay it."""
+    import copy
+
+    from ho_onnx.cost.model import CostModel
+    from ho_onnx.graph.analyse import analyse
+    from ho_onnx.schedule.expert_cache import cacheable
+    from ho_onnx.schedule.speculate import PRIOR
+
+    src = moe_export("qwen3_moe")
+    full = cacheable_bytes(_optimized(src, tmp_path / "sizing", 0, "off")[1])
+    _, choice = _optimized(src, tmp_path / "opt", full // 2, "on")  # (misses expected)
+    assert choice.speculations
+    # only the experts offloaded (the rest would keep the disk busy all along)
+    choice.weights = [w for w in choice.weights if cacheable(w)]
+    bare = copy.deepcopy(choice)
+    bare.speculations.clear()
+    a = analyse(onnx.load(str(src), load_external_data=False), DIMS)
+    n = len(a.nodes)
+    warmed = {(w.weight, w.consumer) for s in choice.speculations for w in s.warms}
+    by_name = {w.name: w for w in choice.weights}
+    misses = [int(by_name[w].nbytes * by_name[w].fraction * (1 - by_name[w].hit))
+              for w, _k in warmed]
+    for node_s, disk_bw, faster in ((1e-4, 1e6, True), (1e-6, 1e4, False)):
+        costs = CostModel(np.full(n, node_s), lambda b, _d, bw=disk_bw: b / bw, "test")
+        (with_s, with_b), (without_s, without_b) = _timed(choice, costs, a), \
+            _timed(bare, costs, a)
+        assert with_b - without_b == sum(m - int(m * PRIOR) for m in misses)
+        assert (with_s < without_s) == faster, (with_s, without_s)
+
+
+def test_auto_keeps_what_the_simulation_says_pays(tmp_path, moe_export):
+    """The budget planner's ``auto`` checks the layers the cost model's rule kept against
+    the simulated time (the wrong guesses timed on the channel): with 100 us a node the early
+    reads hide behind compute and the speculation stays; with the cpu preset's compute the
+    layer's other weights, on the same disk channel, would queue behind the wrong guesses,
+    and it goes, with both times in its reason."""
+    from ho_onnx.cost.machine import MACHINES
+    from ho_onnx.cost.source import CostSource
+    from ho_onnx.rewrite.pipeline import plan_model
+
+    src = moe_export("qwen3_moe")
+    layer = "/model/layers.1/mlp/TopK"
+    full = cacheable_bytes(_optimized(src, tmp_path / "sizing", 0, "off")[1])
+
+    def plan(**rates):
+        path = tmp_path / f"m{len(rates)}.json"
+        MACHINES["cpu"].with_overrides(name="test", **rates).to_json(path)
+        return plan_model(src, OffloadOptions(activations=False, min_bytes=MIN_BYTES,
+                                              weight_tier="disk", budget=120_000,
+                                              expert_cache=full // 2), DIMS,
+                          CostSource(str(path)))[2].choice
+
+    kept = plan(launch_overhead_s=1e-4)
+    assert [s.layer for s in kept.speculations] == [layer] and not kept.speculation_skipped
+    dropped = plan()
+    assert dropped.expert_cache and not dropped.speculations
+    assert "does not pay in the simulated time" in dropped.speculation_skipped[layer]
