@@ -10,7 +10,7 @@
 #   3. the MoE benchmark's graph without its weights -> .moegraph/ (ignored; ~3 MB; the GPU
 #      machine has no Optimum to export it and regrows the weights from a seed)
 #   4. .ortgpu/calls.txt: the exact device calls, in order (command + carry), also printed:
-#      the parts, build + gpu tests, the LLM and MoE benchmarks, then the weight-streaming
+#      the parts, build + gpu tests, the LLM (32k) and MoE benchmarks, then the weight-streaming
 #      benchmark with a fresh calibration (the last call: when device time is left).
 #
 # usage: scripts/gpu_prepare.sh [ORT_GPU_VERSION]      (default: the newest onnxruntime-gpu
@@ -76,8 +76,8 @@ n=${#parts[@]}
       "$([[ $i -eq 0 ]] && echo ' pinprobe')" "${parts[i]}"
   done
   printf 'bash scripts/gpu_run.sh receive setup build test\t.ortgpu/%s,.ortgpu/parts.txt,.ortgpu/wheel.sha256,.ortheaders\n' "${parts[n-1]}"
+  printf 'bash scripts/gpu_run.sh setup llmbench\t\n'
   printf 'bash scripts/gpu_run.sh setup moebench\t.moegraph\n'
-  printf 'bash scripts/gpu_run.sh setup llmbench recomputebench\t\n'
   printf 'bash scripts/gpu_run.sh setup calibrate bench\t\n'
 } > .ortgpu/calls.txt
 echo "gpu_prepare: $n parts of at most $PART_MB MiB; device calls (.ortgpu/calls.txt):"
