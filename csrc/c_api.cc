@@ -8,6 +8,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -301,7 +303,13 @@ std::shared_ptr<void> host_block(size_t size, void** data, int* pinned) {
     }
   }
 #endif
-  auto b = std::make_shared<ho::HostBytes>(size, 4096);
+  std::shared_ptr<ho::HostBytes> b;
+  try {
+    b = std::make_shared<ho::HostBytes>(size, 4096);
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error("HoOnnx_HostAlloc: cannot map " + std::to_string(size) +
+                             " bytes of host memory");
+  }
   if (size < ho::HostBytes::kMappedBytes) std::memset(b->data(), 0, size);  // mapped: zero
   *data = b->data();
   *pinned = 0;

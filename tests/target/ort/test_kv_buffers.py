@@ -130,6 +130,8 @@ def test_host_buffer_is_zeroed_writable_and_freed_once():
     assert small.size == 100 and not small.any()
     with pytest.raises(RuntimeError, match="size must be positive"):
         _ops.HostBuffer(0)
+    with pytest.raises(RuntimeError, match="cannot map 1152921504606846976 bytes"):
+        _ops.HostBuffer(1 << 60)
     lib = ctypes.CDLL(ho_onnx.library_path())
     lib.HoOnnx_HostFree.argtypes = [ctypes.c_void_p]
     lib.HoOnnx_LastError.restype = ctypes.c_char_p
