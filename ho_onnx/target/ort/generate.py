@@ -180,7 +180,8 @@ def shrink_options(arenas: str | None) -> ort.RunOptions | None:
     tensors are larger than the last one's, so an arena that grows by what is requested
     (``kSameAsRequested``, which ho-onnx's CUDA options set) otherwise keeps every chunk's
     (stop 48: 70 GB of device memory held after a 32k prefill in 1,024-token chunks whose
-    largest run used 9.9 GB)."""
+    largest run used 9.9 GB). ORT refuses the run when a named arena does not exist (a
+    session with its CPU arena off, ``"gpu:0"`` on the CPU EP): not a default, hence."""
     if not arenas:
         return None
     ro = ort.RunOptions()

@@ -191,3 +191,18 @@ def test_host_buffers_from_many_threads():
             assert lib.HoOnnx_HostFree(p) == 0
 
     run_threads(worker, 8)
+
+
+def test_shrinking_an_arena_the_session_lacks_fails_the_run_in_words(tmp_path):
+    """``shrink_arenas`` names ORT's arenas: a session without that arena refuses the run
+    with ORT's message (why it is not a default); with the arena, the same tokens."""
+    src = _decoder(tmp_path)
+    layout = kv_layout(src)
+    with_arena = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    want = greedy(with_arena, layout, [3, 1, 4, 1, 5], 6, chunk=2)
+    assert greedy(with_arena, layout, [3, 1, 4, 1, 5], 6, chunk=2, shrink_arenas="cpu:0") == want
+    so = ort.SessionOptions()
+    so.enable_cpu_mem_arena = False
+    bare = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="Did not find an arena based allocator"):
+        greedy(bare, layout, [3, 1, 4, 1, 5], 6, chunk=2, shrink_arenas="cpu:0")
