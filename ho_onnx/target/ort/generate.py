@@ -2,10 +2,11 @@
 decoder exported with past (Optimum's or onnxruntime-genai's layout, the models of
 ``models/decoder.py``), the pairs found by structure (:mod:`ho_onnx.graph.kv`).
 
-Each step binds the last step's present outputs as this step's past inputs (ORT values in
-host memory: never copied through numpy, never a full-size device copy), and binds the
-presents to host memory. With a model optimized with ``--offload-kv`` the device then holds
-one layer's cache at a time; with an unmodified model the same loop is the reference.
+Each step binds the last step's presents as this step's pasts and the presents into buffers
+of the loop's own (:class:`KvBuffers`: host memory, pinned on a GPU machine, or device
+memory; never copied through numpy, never allocated by ORT). With a model optimized with
+``--offload-kv`` the device then holds one layer's cache at a time; with an unmodified model
+the same loop is the reference.
 """
 
 from __future__ import annotations
