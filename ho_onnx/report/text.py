@@ -70,8 +70,7 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
             "search": plan.improved},
         "expert_cache_bytes": c.expert_cache,  # (schedule/expert_cache.py; in the budget)
         # the next MoE layer's experts read into that cache a layer early (schedule/speculate)
-        "speculations": [{"layer": s.layer, "after": s.after, "issue_at": s.issue_at,
-                          "k": s.k,
+        "speculations": [{"layer": s.layer, "after": s.after, "issue_at": s.issue_at, "k": s.k,
                           "warms": [{"weight": w.weight, "reload": w.consumer,
                                      "expert": w.expert} for w in s.warms]}
                          for s in c.speculations],
