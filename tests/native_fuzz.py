@@ -72,7 +72,7 @@ def make_seeds(work: Path) -> list[Path]:
     # a recomputed activation: a LayerNormalization run again through a Fence
     d = work / "seed-recompute"
     d.mkdir(parents=True, exist_ok=True)
-    src = save(text_model(RECOMPUTABLE, g=(64,), b=(64,), W=(64, 64)), d / "src.onnx",
+    src = save(text_model(recomputable(64, 64), g=(64,), b=(64,), W=(64, 64)), d / "src.onnx",
                external=True)
     r = optimize(src, d / "model.onnx", OffloadOptions(budget=RECOMPUTE_BUDGET, min_bytes=0,
                                                        weights=False, recompute="on"))
@@ -82,9 +82,12 @@ def make_seeds(work: Path) -> list[Path]:
     return seeds
 
 
-# n (a LayerNormalization of the input) is read before and after a peak it would sit through
-RECOMPUTABLE = """
-g (float[64, 64] x) => (float[64, 64] y) {
+def recomputable(rows: int | str, cols: int) -> str:
+    """A graph (ONNX text; initializers g, b [cols], W [cols, cols]) whose n, a
+    LayerNormalization of the input, is read before and after a peak it would sit through:
+    the planner may recompute it (this fuzzer's and the optimize fuzzer's seed)."""
+    shape = f"float[{rows}, {cols}]"
+    return f"g ({shape} x) => ({shape} y) {{" + """
   n = LayerNormalization <axis = -1> (x, g, b)
   a = MatMul(n, W)
   big = Concat <axis = 0> (a, a, a, a)
@@ -93,6 +96,8 @@ g (float[64, 64] x) => (float[64, 64] y) {
   y = Add(m, a)
 }
 """
+
+
 RECOMPUTE_BUDGET = 104 << 10  # (its peak is 112.5 KiB, its floor 96.5)
 
 

@@ -104,16 +104,8 @@ def make_seeds(work: Path) -> list[Path]:
     }
     """, W1=(16, 16), W2=(16, 16), W3=(16,))
     # a stored activation the planner may recompute (a LayerNormalization of the input)
-    recomputable = text_model("""
-    g (float[N, 256] x) => (float[N, 256] y) {
-      n = LayerNormalization <axis = -1> (x, g, b)
-      a = MatMul(n, W)
-      big = Concat <axis = 0> (a, a, a, a)
-      r = ReduceMean <keepdims = 1> (big)
-      m = Mul(n, r)
-      y = Add(m, a)
-    }
-    """, g=(256,), b=(256,), W=(256, 256))
+    recomputable = text_model(native_fuzz.recomputable("N", 256), g=(256,), b=(256,),
+                              W=(256, 256))
     # a weight read inside a Loop body (reloaded before the Loop)
     loopy = text_model("""
     g (float[N, 16] x, int64 k) => (float[N, 16] y) {
