@@ -134,16 +134,13 @@ class OnnxGenerator:
         self.runs = 0
 
     def generate(self, prompt: Any, chunk: int, new_tokens: int) -> dict[str, Any]:
-        from ho_onnx.target.ort.generate import KvBuffers, _step
+        from ho_onnx.target.ort.generate import KvBuffers, _step, prefill
 
         cache = KvBuffers(self.layout, prompt.shape[1] + new_tokens, device=self.kv_device)
         ids = [int(t) for t in prompt[0]]
         t0 = time.perf_counter()
-        for lo in range(0, len(ids), chunk):
-            last = lo + chunk >= len(ids)
-            token = _step(self.sess, self.binding, self.layout, cache, ids[lo:lo + chunk],
-                          None if last else self.shrink)
-            self.runs += 1
+        token = prefill(self.sess, self.binding, self.layout, cache, ids, chunk, self.shrink)
+        self.runs += -(-len(ids) // chunk)
         ttft = time.perf_counter() - t0
         tokens = [token]
         t0 = time.perf_counter()

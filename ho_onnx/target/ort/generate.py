@@ -203,18 +203,25 @@ def greedy(session: ort.InferenceSession, layout: KvLayout, prompt: Sequence[int
         raise ValueError(f"chunk must be positive, got {chunk}")
     cache = KvBuffers(layout, len(prompt) + max(max_new_tokens, 1), device=device)
     binding = session.io_binding()
-    shrink = shrink_options(shrink_arenas)
-    ids = list(prompt)
-    step = chunk or len(ids)
     out: list[int] = []
+    if max_new_tokens:
+        out.append(prefill(session, binding, layout, cache, prompt, chunk,
+                           shrink_options(shrink_arenas)))
     while len(out) < max_new_tokens:
-        for lo in range(0, len(ids), step):
-            last = lo + step >= len(ids)
-            token = _step(session, binding, layout, cache, ids[lo:lo + step],
-                          None if last else shrink)
-        out.append(token)
-        ids, step = [token], 1
+        out.append(_step(session, binding, layout, cache, [out[-1]]))
     return out
+
+
+def prefill(session: ort.InferenceSession, binding: ort.IOBinding, layout: KvLayout,
+            cache: KvBuffers, ids: Sequence[int], chunk: int | None = None,
+            shrink: ort.RunOptions | None = None) -> int:
+    """Runs over ``ids`` after the cache, at most ``chunk`` tokens each (all at once: None),
+    ``shrink`` (:func:`shrink_options`) on every run but the last; the greedy next token."""
+    step = chunk or len(ids)
+    for lo in range(0, len(ids), step):
+        token = _step(session, binding, layout, cache, ids[lo:lo + step],
+                      None if lo + step >= len(ids) else shrink)
+    return token
 
 
 def _step(session: ort.InferenceSession, binding: ort.IOBinding, layout: KvLayout,

@@ -233,3 +233,28 @@ def test_shrinking_between_prefill_chunks_keeps_the_arena_small(tmp_path):
     # (ho sessions share one CPU arena in the process: what earlier tests left in it only
     # adds to the first figure, and the shrinking releases it too)
     assert held["cpu:0"] < held[None] / 3, held
+
+
+def test_two_generations_share_a_session(tmp_path):
+    """Two requests on one session at once (a server's case), each loop with its own
+    buffers, over the KV-offloaded model at other lengths than each other's: each gets the
+    tokens it gets alone."""
+    from threads import run_threads
+
+    src = _decoder(tmp_path)
+    out = tmp_path / "dec.ho.onnx"
+    ho_onnx.optimize(src, out, OffloadOptions(kv=True, min_bytes=0), {},
+                     dim_ranges={"batch": (1, 1), "seq": (1, 8), "past": (0, 40)})
+    sess, layout = ho_onnx.InferenceSession(out), kv_layout(out)
+    prompts = {0: [3, 1, 4, 1, 5, 9, 2, 6], 1: [2, 7]}
+    want = {k: greedy(sess, layout, p, 24, chunk=3) for k, p in prompts.items()}
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    assert want == {k: greedy(ref, kv_layout(src), p, 24, chunk=3) for k, p in prompts.items()}
+    got: dict[int, list[list[int]]] = {0: [], 1: []}
+
+    def worker(k: int) -> None:
+        for _ in range(5):
+            got[k].append(greedy(sess, layout, prompts[k], 24, chunk=3))
+
+    run_threads(worker, 2)
+    assert got == {k: [w] * 5 for k, w in want.items()}
