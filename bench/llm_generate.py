@@ -12,7 +12,9 @@ Rows (each measured in its own process, so the arena and the RSS start clean):
 * ``ho N%``          ho-onnx, weights offloaded, planned for N % of the resident peak
   (``ho_onnx.optimize`` with ``OffloadOptions(budget=...)`` and one range plan per context:
   ``seq`` 1..chunk, ``past`` 0..context + new tokens - 1);
-* ``ho floor``       the same at the smallest budget the planner meets (its ``min_budget``);
+* ``ho floor``       the same at the smallest budget the planner meets with ORT's replayed
+  arena within it too (searched upward from the tensors' floor, the planner's ``min_budget``;
+  both in the JSON);
 * ``ho weights+KV floor``  weights and the KV cache offloaded (``OffloadOptions.kv``)
   at that configuration's floor; skipped, with the reason, while ``OffloadOptions`` has no
   ``kv`` field;
@@ -392,16 +394,29 @@ def _options(budget: int, kv: bool) -> Any:
     return OffloadOptions(budget=budget, kv=True) if kv else OffloadOptions(budget=budget)
 
 
-def floor_of(src: Path, dims: dict, ranges: dict, costs: Any, kv: bool) -> int:
-    """The smallest budget the planner meets for ``src`` over ``ranges``."""
+def floor_of(src: Path, dims: dict, ranges: dict, costs: Any, kv: bool,
+             arena: bool = False) -> tuple[int, int]:
+    """The smallest budget the planner meets for ``src`` over ``ranges`` (its tensors), and,
+    with ``arena``, the first budget above it whose replayed ORT arena also fits (each try at
+    the arena the last one reached, and at least 1 % more: the arena is not monotone in the
+    budget, so no bisection; at most 12 tries, else the tensors' floor)."""
     from ho_onnx.rewrite.pipeline import plan_model
     from ho_onnx.schedule.planner import InfeasibleBudgetError
 
+    def plan(budget: int) -> Any:
+        return plan_model(src, _options(budget, kv), dims, costs, dim_ranges=ranges)[2]
+
     try:
-        _, _, p = plan_model(src, _options(1, kv), dims, costs, dim_ranges=ranges)
+        floor = int(plan(1).planned.peak_bytes)  # (1 byte fits: nothing is resident)
     except InfeasibleBudgetError as e:
-        return int(e.min_budget)
-    return int(p.planned.peak_bytes)  # (1 byte fits: nothing is resident)
+        floor = int(e.min_budget)
+    budget = floor
+    for _ in range(12 if arena else 0):
+        p = plan(budget)
+        if p.arena_fits:
+            return floor, budget
+        budget = max(int(p.arena_bytes), budget + budget // 100)
+    return floor, floor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -556,8 +571,9 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
                                             dim_ranges=ranges)
         peak = int(resident.baseline.peak_bytes)
         ref["predicted_peak_bytes"] = peak
-        floor = floor_of(src, dims, ranges, costs, kv=False)
-        print(f"  resident peak {_mib(peak)} MiB, floor {_mib(floor)} MiB "
+        tensor_floor, floor = floor_of(src, dims, ranges, costs, kv=False, arena=True)
+        print(f"  resident peak {_mib(peak)} MiB, floor {_mib(floor)} MiB (its tensors "
+              f"{_mib(tensor_floor)} MiB) "
               f"(planned in {time.perf_counter() - t0:.1f} s)", flush=True)
         budgets = [(f"ho {f:.0%}", int(f * peak)) for f in fractions]
         budgets.append(("ho floor", floor))
@@ -567,7 +583,8 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
                              "skipped": f"below the floor ({_mib(floor)} MiB)"})
                 continue
             out = src.with_name(f"decoder.c{ctx}.{name.split()[-1].replace('%', 'pct')}.onnx")
-            row = {**base, "name": name, "budget_bytes": budget}
+            row = {**base, "name": name, "budget_bytes": budget,
+                   **({"tensor_floor_bytes": tensor_floor} if name == "ho floor" else {})}
             try:
                 r = ho_onnx.optimize(src, out, _options(budget, False), dims, costs=costs,
                                      dim_ranges=ranges, dim_points=decode)
@@ -587,14 +604,14 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
             rows.append(kv_row)
         else:
             try:
-                kv_floor = floor_of(src, dims, ranges, costs, kv=True)
+                kv_tensors, kv_floor = floor_of(src, dims, ranges, costs, kv=True, arena=True)
                 out = src.with_name(f"decoder.c{ctx}.kvfloor.onnx")
                 r = ho_onnx.optimize(src, out, _options(kv_floor, True), dims, costs=costs,
                                      dim_ranges=ranges, dim_points=decode)
             except Exception as e:
                 rows.append({**kv_row, "error": f"plan: {e}"})
             else:
-                kv_row.update(budget_bytes=kv_floor,
+                kv_row.update(budget_bytes=kv_floor, tensor_floor_bytes=kv_tensors,
                               predicted_peak_bytes=r.plan.planned.peak_bytes,
                               predicted_arena_bytes=r.plan.arena_bytes,
                               predicted_token_s=r.points["decode"].seconds)

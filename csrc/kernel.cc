@@ -198,7 +198,7 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     k->device = kernel_device(api, info);
     cuda_set_device(k->device);
   }
-  if (op.kind == OpKind::kWait) k->init_arena_sampling(op, info);
+  if (op.kind == OpKind::kWait || op.kind == OpKind::kFence) k->init_arena_sampling(op, info);
   if (op.kind == OpKind::kPrefetch || op.kind == OpKind::kWait) {
     int64_t gated = 0;
     k->gated = attr_int(api, info, "gated", &gated) && gated == 1;
@@ -486,6 +486,7 @@ void Kernel::fence(OrtKernelContext* ctx, ExecContext& ec) {
   const TensorInfo ti = tensor_info(api, x);
   const size_t bytes = byte_size(ti.numel, bits);
   OrtValue* y = output(api, ctx, ti.dims);
+  if (stats != nullptr) sample_arena(*stats, api, alloc, node);
   if (bytes == 0) return;
   const void* src = tensor_data(api, x);
   void* dst = tensor_data(api, y);
@@ -577,11 +578,15 @@ void Kernel::prefetch_input(OrtKernelContext* ctx, const ExecContext& ec) {
 
 // CPU EP only (registration.cc): on a CUDA session ORT copies the input to host memory
 // before this node, which is the point (the device buffer is freed there).
+// Its optional second output ("done", empty, like a Prefetch's "issued") is an ordering
+// input of the next cache op, so that ORT's DEFAULT order, which runs a node nobody reads
+// after the rest of the graph, runs the Emit there and frees the present at its last reader.
 void Kernel::emit(OrtKernelContext* ctx, const ExecContext& ec) {
   const OrtValue* x = input(api, ctx, 0);
   const TensorInfo ti = tensor_info(api, x);
   const size_t bytes = byte_size(ti.numel, bits);
   OrtValue* y = output(api, ctx, ti.dims);
+  produce_issued(api, ctx);
   if (bytes == 0) return;
   void* dst = tensor_data(api, y);
   const void* src = tensor_data(api, x);

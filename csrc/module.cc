@@ -186,7 +186,7 @@ PYBIND11_MODULE(_ops, m) {
         "(keep every arena sample: arena_trace).");
   m.def("arena_trace", &arena_trace, py::arg("reset") = true,
         "ORT arena samples (node, in_use, max_in_use, total_allocated; bytes) taken at each "
-        "Wait, oldest first, while set_trace(arena_trace=True) and the session has "
+        "Wait and Fence, oldest first, while set_trace(arena_trace=True) and the session has "
         "ho_onnx.sample_arena=1.");
   m.def("cuda_mem_info", &cuda_mem_info, py::arg("device") = 0,
         "(free, total) bytes of a CUDA device (cudaMemGetInfo: every allocation on the "

@@ -228,10 +228,10 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_char(const OrtCustomOp* 
   return i < fixed_inputs(def(op)->kind) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_VARIADIC;
 }
 
-// Prefetch: (y, issued optional); the others: one output.
+// Prefetch: (y, issued optional); Emit: (y, done optional); the others: one output.
 size_t ORT_API_CALL output_count(const OrtCustomOp* op) {
   const OpKind k = def(op)->kind;
-  return k == OpKind::kPrefetch || k == OpKind::kPrefetchInput ? 2 : 1;
+  return k == OpKind::kPrefetch || k == OpKind::kPrefetchInput || k == OpKind::kEmit ? 2 : 1;
 }
 
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp* op, size_t) {

@@ -41,7 +41,8 @@ HOST_READERS = (GATHER_ROWS, HOST_MATMUL)
 # them on the CPU and copies their inputs and outputs.
 CPU_ONLY = (EMIT, GATHER_ROWS, HOST_MATMUL)
 # The inputs each op requires first (ordering inputs may follow); every op has its first
-# output, Prefetch an optional second ("issued"). (csrc/registration.cc: fixed_inputs,
+# output, Prefetch an optional second ("issued"), Emit one too ("done": an ordering input of
+# the next cache op). (csrc/registration.cc: fixed_inputs,
 # output_count.)
 REQUIRED_INPUTS = {PREFETCH: 1, WAIT: 1, STORE: 1, DETACH: 2, GUARD: 1, PREFETCH_INPUT: 1,
                    EMIT: 1, GATHER_ROWS: 2, HOST_MATMUL: 2, FENCE: 1}

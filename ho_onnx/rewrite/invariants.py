@@ -17,7 +17,10 @@ branch has cache ops of its own, :mod:`.branches`):
   late is a recomputation; a Fence read by nothing, or unordered, recomputes early);
 * each copy channel's Prefetches are chained FIFO in file order: each one after the first on
   its channel reads, as its last input, the ``issued`` output of the one before (what keeps
-  the transfers queued in the order the plan simulated, under any node order).
+  the transfers queued in the order the plan simulated, under any node order);
+* every ``Emit`` with a cache op after it has a ``done`` output that a cache op reads as an
+  ordering input (else ORT's DEFAULT order runs it after the whole graph, and the present
+  it copies stays allocated until then).
 
 A violation is a rewriter bug; :func:`check_schedule` raises :class:`ScheduleError` naming
 the first node that breaks one.
@@ -57,10 +60,17 @@ def _check_graph(graph: ir.Graph) -> None:
     """The invariants in one graph (each copy channel chained within it)."""
     position = {id(n): i for i, n in enumerate(graph)}
     last_on: dict[str, ir.Node] = {}  # channel -> its latest Prefetch so far
+    emits: list[ir.Node] = []  # Emits no later cache op has been seen after yet
     for i, node in enumerate(graph):
         _check_sorted(node, i, position, graph)
         if node.domain != contract.DOMAIN:
             continue
+        if node.op_type == contract.EMIT:
+            emits.append(node)
+            continue
+        for e in emits:
+            _check_emit(e)
+        emits = []
         if node.op_type == contract.WAIT:
             src = node.inputs[0] if node.inputs else None
             p = src.producer() if src is not None else None
@@ -138,6 +148,14 @@ def _check_prefetch(node: ir.Node, last_on: dict[str, ir.Node]) -> None:
         raise ScheduleError(f"Prefetch {_label(node)} is not chained after Prefetch "
                             f"{_label(prev)} on the {channel!r} channel (its last input must "
                             "be that one's 'issued' output)")
+
+
+def _check_emit(node: ir.Node) -> None:
+    """``node`` (an Emit a cache op follows) signals its ``done`` to a cache op."""
+    done = node.outputs[1] if len(node.outputs) > 1 else None
+    if done is None or not any(u.domain == contract.DOMAIN and j >= 1 for u, j in done.uses()):
+        raise ScheduleError(f"Emit {_label(node)} has no 'done' output that a later cache op "
+                            "reads (ORT's DEFAULT order would run it after the whole graph)")
 
 
 def _check_store(node: ir.Node) -> None:

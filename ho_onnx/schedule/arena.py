@@ -34,10 +34,14 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
     moved_in = {i.name: i for i in (choice.inputs if choice else ())}
     moved_out = {o.name: o for o in (choice.outputs if choice else ())}
+    recomputed = {r.name for r in (choice.recomputes if choice else ())}
+    fused = target.fusions(analysis)
     values: dict[str, ArenaValue] = {}
     static = 0
     for name, (s, e) in spans.items():
         t = analysis.tensors[name]
+        if fused.later:  # (a fused node reads its inputs where the fusion's last node ran)
+            e = max([e, *(fused.read_at(c) for c in t.consumers)])
         if t.is_initializer and name not in moved_w:
             static += sizes[name]
         elif name in moved_in or name in moved_out:
@@ -49,6 +53,8 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             b = a.nbytes or 0
             values[name] = ArenaValue(s, a.last_early, b, k)
             values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, k)
+        elif name in fused.gone and name not in recomputed:
+            continue  # merged into its reader by the runtime: never allocated
         elif not t.is_initializer:
             k = None if t.is_graph_output else key(t.elem_type, t.shape)
             values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
@@ -66,10 +72,11 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
     for i in moved_in.values():  # each Wait's output: a buffer the allocator may reuse
         k = key(analysis.tensors[i.name].elem_type, analysis.tensors[i.name].shape)
         for j, (c, p) in enumerate(zip(i.consumers, i.prefetch_at, strict=True)):
-            values[f"{i.name}\0{j}"] = ArenaValue(p, c, i.nbytes, k)
+            values[f"{i.name}\0{j}"] = ArenaValue(p, fused.read_at(c), i.nbytes, k)
     for o in moved_out.values():  # an intermediate until its Emit (then the caller's)
-        k = key(analysis.tensors[o.name].elem_type, analysis.tensors[o.name].shape)
-        values[o.name] = ArenaValue(o.producer, o.last, o.nbytes, k)
+        t = analysis.tensors[o.name]
+        last = max([o.last, *(fused.read_at(c) for c in t.consumers)])
+        values[o.name] = ArenaValue(o.producer, last, o.nbytes, key(t.elem_type, t.shape))
     _alias(analysis, values, spans, moved_w, target)
     return values, static
 

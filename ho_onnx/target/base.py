@@ -5,7 +5,8 @@ imports a runtime's knowledge itself."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,14 +23,30 @@ class ArenaValue:
 
 
 @dataclass(frozen=True)
+class Fusions:
+    """What a runtime's graph fusions change in a graph's values: ``gone``, values no node
+    writes once their producer is merged into its consumer; ``later``, a node's position and
+    the later one at which the fused node that replaces it reads its inputs."""
+
+    gone: frozenset[str] = frozenset()
+    later: Mapping[int, int] = field(default_factory=dict)
+
+    def read_at(self, pos: int) -> int:
+        """Where the inputs of the node at ``pos`` are last read."""
+        return self.later.get(pos, pos)
+
+
+@dataclass(frozen=True)
 class Target:
     """A runtime's facts as callbacks: ``alias_input(domain, op_type)``, the input whose
     buffer output 0 takes (None: a new buffer); ``reuse_key(elem_type, shape)``, what two
     values must share for one to take the other's freed buffer (None: never);
     ``replay(values, steps)``, the ``(start, end, bytes)`` of every buffer the allocator
-    holds for ``values`` over ``steps`` steps."""
+    holds for ``values`` over ``steps`` steps; ``fusions(analysis)``, what the runtime's
+    own graph fusions change in the analysed graph's values (:class:`Fusions`)."""
 
     name: str
     alias_input: Callable[[str, str], int | None]
     reuse_key: Callable[[int | None, tuple | None], tuple | None]
     replay: Callable[[Mapping[str, ArenaValue], int], list[tuple[int, int, int]]]
+    fusions: Callable[[Any], Fusions] = lambda analysis: Fusions()

@@ -109,6 +109,34 @@ def test_a_fence_is_ordered_and_read_by_a_recomputation(fence, reader):
         check_schedule(model)
 
 
+@pytest.mark.parametrize("emit,wait,good", [
+    ("pr, d = {HO}.Emit(p)", "b = {HO}.Wait(a, d)", True),
+    ("pr = {HO}.Emit(p)", "b = {HO}.Wait(a)", False),  # no done: DEFAULT order runs it last
+    ("pr, d = {HO}.Emit(p)", "b = {HO}.Wait(a)", False),  # a done nobody reads
+], ids=["good", "no-done", "done-unread"])
+def test_an_emit_signals_the_next_cache_op(emit, wait, good):
+    """A present's Emit is read by nothing, so ORT's DEFAULT order runs it after the whole
+    graph unless the next cache op reads its ``done``; the last cache op needs none."""
+    def model(emit_first: bool) -> ir.Model:
+        lines = [f"[emit] {emit}", f"[w] {wait}"]
+        body = "\n      ".join(lines if emit_first else lines[::-1]).replace("{HO}", HO)
+        return _model(f"""
+    g (float[4] x, float[0] src) => (float[4] y, float[4] pr) {{
+      [pf] a, i = {HO}.Prefetch <name = "W", shape = [4]> (src, x)
+      [neg] p = Neg(x)
+      {body}
+      [out] y = Add(p, b)
+    }}
+    """)
+    if good:
+        check_schedule(model(True))
+    else:
+        with pytest.raises(ScheduleError, match="Emit 'emit' has no 'done' output that a later"):
+            check_schedule(model(True))
+    if "d)" not in wait:  # after the last cache op: nothing to signal
+        check_schedule(model(False))
+
+
 def test_the_wait_moved_above_its_prefetch_is_unsorted():
     text = GOOD.replace("  [w1] b1 = {HO}.Wait(a1)\n".replace("{HO}", HO), "")
     text = text.replace("  [pf1]", f"  [w1] b1 = {HO}.Wait(a1)\n  [pf1]")

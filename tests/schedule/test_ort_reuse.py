@@ -254,3 +254,39 @@ def test_trace_reset_forgets_only_the_samples_copied(tmp_path):
     assert lib.HoOnnx_ArenaTrace(one, 1, 0) == 2  # without reset: copied, kept
     rest = _ops.arena_trace()
     assert [t["node"] for t in rest] == ["ho.wait.W.0"] * 2 and _ops.arena_trace() == []
+
+
+def test_a_fence_samples_the_arena_too(tmp_path):
+    """A Fence takes an arena sample like a Wait (what locates a peak between Waits: Fences
+    put after each node of a copy of a model, stop 49); nothing without the session entry."""
+    import onnx.parser
+
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17, "ai.hyperoffload" : 1]>
+    g (float[256, 256] x) => (float[256, 256] y) {
+      r = Relu(x)
+      [f] z = ai.hyperoffload.Fence(r, x)
+      y = Neg(z)
+    }
+    """)
+    path = tmp_path / "fence.onnx"
+    onnx.save(model, str(path))
+    x = np.ones((256, 256), np.float32)
+    for sample in (True, False):
+        so = ort.SessionOptions()
+        if sample:
+            so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
+        s = runtime.InferenceSession(str(path), sess_options=so, cpu_arena="ort",
+                                     providers=["CPUExecutionProvider"])
+        _ops.set_trace(arena_trace=True)
+        try:
+            _ops.arena_trace()
+            np.testing.assert_array_equal(s.run(None, {"x": x})[0], -x)
+            trace = _ops.arena_trace()
+        finally:
+            _ops.set_trace()
+        if sample and trace and trace[0]["max_in_use"] < 0:
+            pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
+        assert [t["node"] for t in trace] == (["f"] if sample else [])
+        if sample:
+            assert trace[0]["in_use"] >= 256 * 256 * 4  # r, alive at the Fence

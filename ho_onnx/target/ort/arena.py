@@ -15,7 +15,16 @@ used it, so it stays allocated across the gap between two users: ORT's arena can
 than the live tensors (measured on an H100 with a 24-layer decoder at 2,048 tokens: a
 constant ~0.5 GB of attention scores kept for the next layer, docs/benchmarks.md).
 ``MayInplace`` reuse (an elementwise op writing into an input at its last use) is not
-modelled: it only lowers the count. These rules are :data:`ORT`, the
+modelled: it only lowers the count.
+
+ORT also fuses nodes when it loads the model (:func:`fusions`, the ones that change which
+buffers exist): a ``Transpose`` of the last two axes into the ``MatMul`` that reads it
+(``MatmulTransposeFusion``: the MatMul reads the Transpose's input, and the Transpose is gone
+when only MatMuls read it) and a MatMul's scale by a scalar constant (``MatMulScaleFusion``:
+the product is gone). Found at stop 49: an attention's ``K^T`` replayed as a buffer of its
+own let the replay share it with the scores, while ORT kept the present key alive to the
+scores' FusedMatMul instead; the replay fell 3 MiB short on a 4-layer decoder at 4k
+context. These rules are :data:`ORT`, the
 :class:`~ho_onnx.target.base.Target` the deciders get; :mod:`ho_onnx.schedule.arena` says
 which values a schedule has and replays them with it.
 """
@@ -25,9 +34,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import onnx
+
 from ...contract import DOMAIN
+from ...graph.analyse import GraphAnalysis, input_names, output_names
 from ...graph.dtypes import ELEMENT_BITS
-from ..base import ArenaValue, Target
+from ..base import ArenaValue, Fusions, Target
 
 # (domain, op_type) -> index of the input whose buffer output 0 takes.
 ALIAS_INPUT: dict[tuple[str, str], int] = {
@@ -93,4 +105,92 @@ def replay(values: Mapping[str, ArenaValue], steps: int) -> list[tuple[int, int,
     return [(b.start, b.end, b.nbytes) for b in buffers]
 
 
-ORT = Target("onnxruntime", alias_input, reuse_key, replay)
+_ONNX = ("", "ai.onnx")
+# MatMulScaleFusion's element types (CPU: float, double; CUDA adds the 16-bit floats).
+_SCALED = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                     onnx.TensorProto.BFLOAT16})
+
+
+def _fusable_transpose(analysis: GraphAnalysis, pos: int, other: str) -> bool:
+    """Node ``pos`` is a Transpose ORT's MatmulTransposeFusion merges into a MatMul whose
+    other input is ``other``: the input's last axis stays among the last two and the batch
+    axes keep their order, contiguous (a transpose that moves axis 1 first needs ``other`` of
+    the same rank)."""
+    node = analysis.nodes[pos]
+    perm = node.attributes.get("perm")
+    if node.op_type != "Transpose" or node.domain not in _ONNX or perm is None:
+        return False
+    p = list(perm.value)
+    r = len(p)
+    if r < 2 or r - 1 not in p[-2:]:
+        return False
+    if r >= 3 and (p[0] not in (0, 1) or any(p[i] + 1 != p[i + 1] for i in range(r - 3))):
+        return False
+    if r >= 3 and p[0] == 1:
+        o = analysis.tensors.get(other)
+        return o is not None and o.shape is not None and len(o.shape) == r
+    return True
+
+
+def _scalar_constant(analysis: GraphAnalysis, name: str) -> bool:
+    """``name`` is a one-element initializer or Constant output (ORT folds Constants into
+    initializers when it loads a model)."""
+    t = analysis.tensors.get(name)
+    if t is None or t.shape is None or any(not isinstance(d, int) for d in t.shape):
+        return False
+    if not (t.is_initializer or (t.producer is not None
+                                 and analysis.nodes[t.producer].op_type == "Constant")):
+        return False
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n == 1
+
+
+def _scale_of(analysis: GraphAnalysis, product: str) -> int | None:
+    """The position of the Mul/Div that scales the MatMul output ``product`` by a scalar
+    constant and is its only reader (ORT's MatMulScaleFusion), else None."""
+    t = analysis.tensors[product]
+    if len(t.consumers) != 1 or t.is_graph_output or t.elem_type not in _SCALED:
+        return None
+    c = t.consumers[0]
+    node = analysis.nodes[c]
+    ins = input_names(node)
+    if node.domain not in _ONNX or len(ins) != 2:
+        return None
+    if node.op_type == "Mul":
+        other = ins[1] if ins[0] == product else ins[0]
+    elif node.op_type == "Div" and ins[0] == product:
+        other = ins[1]
+    else:
+        return None
+    return c if other != product and _scalar_constant(analysis, other) else None
+
+
+def fusions(analysis: GraphAnalysis) -> Fusions:
+    """The values ORT's MatMul fusions remove, and the later reads they make (module
+    docstring): a fused MatMul runs where its scale ran, reading the transposes' inputs."""
+    gone: set[str] = set()
+    later: dict[int, int] = {}
+    for pos, node in enumerate(analysis.nodes):
+        if node.op_type != "MatMul" or node.domain not in _ONNX or not node.outputs:
+            continue
+        product = output_names(node)[0]
+        at = pos
+        if product in analysis.tensors and (scale := _scale_of(analysis, product)) is not None:
+            gone.add(product)
+            at = later[pos] = scale
+        ins = input_names(node)[:2]
+        pairs = zip(ins, ins[::-1], strict=True) if len(set(ins)) == 2 else ()  # (no MatMul(t, t))
+        for i, other in pairs:
+            t = analysis.tensors.get(i)
+            if t is None or t.producer is None or t.is_graph_output \
+                    or not _fusable_transpose(analysis, t.producer, other):
+                continue
+            if all(analysis.nodes[c].op_type == "MatMul" for c in t.consumers):
+                gone.add(i)
+            later[t.producer] = max(later.get(t.producer, at), at)
+    return Fusions(frozenset(gone), later)
+
+
+ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions)
