@@ -578,9 +578,9 @@ def run(args: argparse.Namespace, cfg: dict[str, Any], contexts: list[int],
         budgets = [(f"ho {f:.0%}", int(f * peak)) for f in fractions]
         budgets.append(("ho floor", floor))
         for name, budget in budgets:
-            if budget < floor:
+            if budget < tensor_floor:  # (between the two floors: planned, its arena OVER)
                 rows.append({**base, "name": name, "budget_bytes": budget,
-                             "skipped": f"below the floor ({_mib(floor)} MiB)"})
+                             "skipped": f"below the floor ({_mib(tensor_floor)} MiB)"})
                 continue
             out = src.with_name(f"decoder.c{ctx}.{name.split()[-1].replace('%', 'pct')}.onnx")
             row = {**base, "name": name, "budget_bytes": budget,

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import kinds
 from ..graph.analyse import Dim, GraphAnalysis, TensorInfo, input_names, output_names
+from ..target.base import Fusions
 from ..target.ort.arena import alias_input
 from ..target.ort.facts import never_runs
 from .types import ActivationOffload, OffloadChoice
@@ -62,25 +63,32 @@ class TensorSizes:
 
 
 def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None = None,
-                       nbytes: Sizes | None = None
+                       nbytes: Sizes | None = None, fusions: Fusions | None = None
                        ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
     """Fast-tier interval (first, last position, inclusive) and bytes of every tensor of the
     unmodified schedule. Initializers live for the whole run, graph inputs from the start,
     graph outputs to the end. Tensors of unknown size count 0 bytes (see ``unknown``).
-    ``nbytes``: the sizes under ``dims`` (a :class:`TensorSizes` the caller shares)."""
+    ``nbytes``: the sizes under ``dims`` (a :class:`TensorSizes` the caller shares);
+    ``fusions``: the runtime's (:attr:`Target.fusions`): the values they remove are not
+    resident, and a fused node's inputs stay until it runs."""
     nbytes = nbytes or TensorSizes(analysis.tensors, dims)
     n = len(analysis.order)
+    fused = fusions or Fusions()
     spans: dict[str, tuple[int, int]] = {}
     sizes: dict[str, int] = {}
     for name, t in analysis.tensors.items():
+        if name in fused.gone:
+            continue
         if t.is_initializer:
             if not t.consumers and not t.implicit_consumers and not t.is_graph_output:
                 continue  # ORT drops unused initializers (not those the graph outputs)
             span = (0, n - 1)
         elif t.producer is not None:
-            span = (t.producer, n - 1 if t.is_graph_output else _last_use(t, t.producer))
+            last = max([_last_use(t, t.producer), *(fused.read_at(c) for c in t.consumers)])
+            span = (t.producer, n - 1 if t.is_graph_output else last)
         elif t.is_graph_input:
-            span = (0, n - 1 if t.is_graph_output else _last_use(t, 0))
+            last = max([_last_use(t, 0), *(fused.read_at(c) for c in t.consumers)])
+            span = (0, n - 1 if t.is_graph_output else last)
         else:
             continue
         try:

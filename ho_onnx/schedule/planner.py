@@ -59,7 +59,7 @@ from ..cost.source import CostSource, TimedAt
 from ..errors import HoOnnxError, UnboundDimError, UnsupportedModelError
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.gcpause import gc_paused
-from ..target.base import Target
+from ..target.base import Fusions, Target
 from ..target.ort.arena import ORT
 from ..units import format_bytes
 from .arena import arena_memory
@@ -723,7 +723,7 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     if not analysis.order:  # (found by the fuzzer: an IndexError, also after ORT folded all)
         raise UnsupportedModelError("the main graph has no nodes: there is nothing to plan or "
                                     "offload under a budget")
-    basis = _Basis.of(analysis, opts, costs, dims)  # shared by the plan and its refits
+    basis = _Basis.of(analysis, opts, costs, dims, target.fusions(analysis))  # (and refits)
     cache = asked(opts)
     inner = replace(opts, budget=opts.budget - cache, expert_cache=0) \
         if cache and opts.budget is not None else opts
@@ -840,14 +840,15 @@ class _Basis:
 
     @staticmethod
     def of(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
-           dims: Mapping[str, int] | None) -> _Basis:
-        """The basis of plans for ``opts`` (its budget is not read)."""
+           dims: Mapping[str, int] | None, fusions: Fusions | None = None) -> _Basis:
+        """The basis of plans for ``opts`` (its budget is not read), the tensors as the
+        runtime's ``fusions`` leave them."""
         dims = dict(dims or {})
         n = len(analysis.order)
         if costs.compute_s.shape != (n,):
             raise ValueError(f"compute_s has {costs.compute_s.shape} entries for {n} nodes")
         sizes = TensorSizes(analysis.tensors, dims)  # each size once
-        residency = resident_intervals(analysis, dims, sizes)
+        residency = resident_intervals(analysis, dims, sizes, fusions)
         baseline = simulate(analysis, None, costs.compute_s, costs.transfer_time, dims,
                             residency)
         skipped: dict[str, str] = {}

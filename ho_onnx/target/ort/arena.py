@@ -120,6 +120,8 @@ def _fusable_transpose(analysis: GraphAnalysis, pos: int, other: str) -> bool:
     perm = node.attributes.get("perm")
     if node.op_type != "Transpose" or node.domain not in _ONNX or perm is None:
         return False
+    if _constant(analysis, input_names(node)[0]):
+        return False  # ORT's constant folding makes it an initializer first
     p = list(perm.value)
     r = len(p)
     if r < 2 or r - 1 not in p[-2:]:
@@ -132,14 +134,20 @@ def _fusable_transpose(analysis: GraphAnalysis, pos: int, other: str) -> bool:
     return True
 
 
-def _scalar_constant(analysis: GraphAnalysis, name: str) -> bool:
-    """``name`` is a one-element initializer or Constant output (ORT folds Constants into
+def _constant(analysis: GraphAnalysis, name: str) -> bool:
+    """``name`` is an initializer or a Constant's output (ORT folds Constants into
     initializers when it loads a model)."""
+    t = analysis.tensors.get(name)
+    return t is not None and (t.is_initializer or (
+        t.producer is not None and analysis.nodes[t.producer].op_type == "Constant"))
+
+
+def _scalar_constant(analysis: GraphAnalysis, name: str) -> bool:
+    """``name`` is a one-element constant (:func:`_constant`)."""
     t = analysis.tensors.get(name)
     if t is None or t.shape is None or any(not isinstance(d, int) for d in t.shape):
         return False
-    if not (t.is_initializer or (t.producer is not None
-                                 and analysis.nodes[t.producer].op_type == "Constant")):
+    if not _constant(analysis, name):
         return False
     n = 1
     for d in t.shape:

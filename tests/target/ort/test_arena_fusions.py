@@ -67,6 +67,11 @@ g (float[8, 64] q, float[100, 64] k) => (float[8, 100] y, float[64, 100] r) {
   y = MatMul(q, kt)
   r = Relu(kt)
 }""",
+    "a transpose of an initializer (folded first)": """
+g (float[8, 64] q) => (float[8, 100] y) {
+  kt = Transpose<perm = [1, 0]>(K)
+  y = MatMul(q, kt)
+}""",
     "a scale by a scalar constant": """
 g (float[8, 64] a, float[64, 16] b) => (float[8, 16] y) {
   c = Constant<value = float {0.125}>()
@@ -122,7 +127,7 @@ def _ort_dropped(model: onnx.ModelProto, tmp_path) -> set[str]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_values_the_fusions_remove_are_the_ones_ort_drops(case, tmp_path):
-    model = graphs.text_model(CASES[case])
+    model = graphs.text_model(CASES[case], K=(100, 64))
     dropped = _ort_dropped(model, tmp_path)
     assert fusions(analyse(model)).gone == dropped
 
@@ -191,3 +196,29 @@ def test_the_replay_with_ort_fusions_is_the_arena_ort_reports(tmp_path):
     measured = trace[-1]["max_in_use"]
     assert abs(measured - fused) <= 64 << 10, (measured, fused, unfused)
     assert ORT.fusions is fusions
+
+
+def test_the_planner_counts_the_tensors_of_the_fused_graph():
+    """The simulation's tensors are the fused graph's: K^T and the unscaled scores are not
+    resident (nor named by a floor), and k stays until the fused MatMul reads it."""
+    from ho_onnx.cost.model import CostModel
+    from ho_onnx.schedule.lifetimes import resident_intervals
+    from ho_onnx.schedule.planner import InfeasibleBudgetError, plan
+
+    a = analyse(graphs.text_model(ATTENTION, W=(256, 256), Wk=(16, 256)))
+    spans, _ = resident_intervals(a, fusions=fusions(a))
+    at = {n.outputs[0].name: i for i, n in enumerate(a.nodes)}
+    assert "kt" not in spans and "s" not in spans
+    assert spans["k"] == (at["k"], at["o"]) and spans["q"][1] == at["m"]
+    written, _ = resident_intervals(a)
+    assert written["q"][1] == at["s"] and "kt" in written
+    costs = CostModel(np.full(len(a.order), 1e-3), lambda nbytes, direction: nbytes / 10e9)
+    floors = {}
+    for name, target in (("fused", ORT), ("written", UNFUSED)):
+        with pytest.raises(InfeasibleBudgetError) as e:
+            plan(a, OffloadOptions(budget=1 << 10, min_bytes=0), costs, target=target)
+        floors[name] = (e.value.min_budget, str(e.value))
+    assert "kt (1.00 MiB" in floors["written"][1]  # (what the floor named before)
+    assert "kt (" not in floors["fused"][1], floors["fused"][1]
+    assert floors["fused"][0] == (1 << 20) + (320 << 10)  # k, p and o at the last MatMul
+    assert floors["written"][0] > floors["fused"][0]
