@@ -13,8 +13,8 @@ Rows (each measured in its own process, so the arena and the RSS start clean):
   (``ho_onnx.optimize`` with ``OffloadOptions(budget=...)`` and one range plan per context:
   ``seq`` 1..chunk, ``past`` 0..context + new tokens - 1);
 * ``ho floor``       the same at the smallest budget the planner meets with ORT's replayed
-  arena within it too (searched upward from the tensors' floor, the planner's ``min_budget``;
-  both in the JSON);
+  arena within it too (the plan at the tensors' floor, the planner's ``min_budget``, says
+  which budget its arena fits: ``Plan.arena_fits_at``; both in the JSON);
 * ``ho weights+KV floor``  weights and the KV cache offloaded (``OffloadOptions.kv``)
   at that configuration's floor; skipped, with the reason, while ``OffloadOptions`` has no
   ``kv`` field;
@@ -397,9 +397,8 @@ def _options(budget: int, kv: bool) -> Any:
 def floor_of(src: Path, dims: dict, ranges: dict, costs: Any, kv: bool,
              arena: bool = False) -> tuple[int, int]:
     """The smallest budget the planner meets for ``src`` over ``ranges`` (its tensors), and,
-    with ``arena``, the first budget above it whose replayed ORT arena also fits (each try at
-    the arena the last one reached, and at least 1 % more: the arena is not monotone in the
-    budget, so no bisection; at most 12 tries, else the tensors' floor)."""
+    with ``arena``, the budget the plan at that floor says its replayed ORT arena fits
+    (``Plan.arena_fits_at``; the tensors' floor where it fits there or none was found)."""
     from ho_onnx.rewrite.pipeline import plan_model
     from ho_onnx.schedule.planner import InfeasibleBudgetError
 
@@ -410,13 +409,7 @@ def floor_of(src: Path, dims: dict, ranges: dict, costs: Any, kv: bool,
         floor = int(plan(1).planned.peak_bytes)  # (1 byte fits: nothing is resident)
     except InfeasibleBudgetError as e:
         floor = int(e.min_budget)
-    budget = floor
-    for _ in range(12 if arena else 0):
-        p = plan(budget)
-        if p.arena_fits:
-            return floor, budget
-        budget = max(int(p.arena_bytes), budget + budget // 100)
-    return floor, floor
+    return floor, (plan(floor).arena_fits_at or floor) if arena else floor
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,8 +59,8 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
         "budget_bytes": plan.budget,
         "min_budget_bytes": plan.min_budget,
         "fits": plan.fits,
-        "arena_bytes": plan.arena_bytes,
-        "arena_fits": plan.arena_fits,
+        "arena_bytes": plan.arena_bytes, "arena_fits": plan.arena_fits,
+        "arena_fits_at_bytes": plan.arena_fits_at or None,  # (where OVER: a budget that fits)
         "planned_for_bytes": plan.planned_for,
         "host_bytes": plan.host_bytes,
         # a lower bound on the time of every plan of the planner's space, and which one

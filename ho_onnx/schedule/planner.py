@@ -151,6 +151,10 @@ class Plan(Decision):
     refined_s: float = 0.0  # after refinement (before the exact planner)
     bound: Bound | None = None  # a lower bound on the time of every plan of its space
     improved: str = ""  # what refinement and the exact planner did
+    # where the arena is OVER: the first budget above found whose plan's arena fits, and
+    # that plan's predicted time (0: not over, or none found)
+    arena_fits_at: int = 0
+    arena_fits_at_s: float = 0.0
 
     @property
     def gap(self) -> float | None:
@@ -190,7 +194,10 @@ class Plan(Decision):
             line += f", planned for {mib(self.planned_for)} to leave room for it"
         if not self.arena_fits:
             line += (f"; OVER the budget by {mib(self.arena_bytes - self.budget)}: the "
-                     "smallest arena this planner reaches (raise the budget)")
+                     "smallest arena this planner reaches at this budget")
+            line += (f"; a budget of {mib(self.arena_fits_at)} fits its arena "
+                     f"({self.arena_fits_at_s * 1e3:,.3f} ms predicted)" if self.arena_fits_at
+                     else " (raise the budget)")
         return line
 
     def summary(self, seconds: float) -> list[str]:
@@ -223,6 +230,7 @@ class Plan(Decision):
             "baseline_time_s": f"{b.total_s:.6g}",
             "predicted_stall_s": f"{p.stall_s:.6g}",
             "predicted_arena_bytes": str(self.arena_bytes),
+            **({"arena_fits_at_bytes": str(self.arena_fits_at)} if self.arena_fits_at else {}),
             **({"greedy_time_s": f"{self.greedy_s:.6g}",
                 "lower_bound_s": f"{self.bound.seconds:.6g}",
                 "lower_bound_kind": self.bound.kind, "gap": f"{self.gap:.6g}"}
@@ -739,7 +747,36 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
         raise InfeasibleBudgetError(
             f"{e}; with the expert cache of {format_bytes(cache)} the smallest budget is "
             f"{format_bytes(e.min_budget + cache)}", e.min_budget + cache) from None
+    if improved.arena_bytes > improved.budget and inner.arena_refits:
+        improved = _arena_fits_at(analysis, inner, costs, dims, basis, improved, target)
+        if improved.arena_fits_at:
+            improved = replace(improved, arena_fits_at=improved.arena_fits_at + (cache or 0))
     return _cached(analysis, opts, costs, dims, improved, basis, cache)
+
+
+def _arena_fits_at(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
+                   dims: Mapping[str, int] | None, basis: _Basis, p: Plan, runtime: Target,
+                   tries: int = 5, seconds: float = 10.0) -> Plan:
+    """``p`` (whose arena is over its budget) with the first budget above found whose plan,
+    arena refits included, has a replayed arena that fits it: each try at the arena the
+    last one reached, and at least 1 % more (the arena is not monotone in the budget: no
+    bisection); at most ``tries`` budgets and about ``seconds``."""
+    budget, deadline = max(p.arena_bytes, p.budget + p.budget // 100), time.perf_counter() + seconds
+    for _ in range(tries):
+        if time.perf_counter() > deadline:
+            break
+        at = replace(opts, budget=budget)
+        try:
+            trial = _fit_arena(analysis, at, costs, dims,
+                               _plan(analysis, at, costs, dims, search=False, basis=basis),
+                               basis, runtime=runtime)
+        except InfeasibleBudgetError as e:
+            budget = max(budget + budget // 100, e.min_budget)
+            continue
+        if trial.arena_bytes <= budget:
+            return replace(p, arena_fits_at=budget, arena_fits_at_s=trial.planned.total_s)
+        budget = max(trial.arena_bytes, budget + budget // 100)
+    return p
 
 
 def _recomputed(analysis: GraphAnalysis, costs: CostModel, dims: Mapping[str, int] | None,

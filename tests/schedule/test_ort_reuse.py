@@ -204,6 +204,12 @@ def test_the_planner_fits_ort_arena_not_just_the_tensors(tmp_path):
     assert [w.name for w in fitted.choice.weights] == ["W"]
     assert "planned for" in fitted.arena_summary()
     assert "OVER the budget" in count_only.arena_summary()
+    assert not count_only.arena_fits_at  # (tensors only: no search)
+    over = plan(a, OffloadOptions(budget=5 * MIB, min_bytes=0), costs)  # no plan fits 5 MiB
+    assert not over.arena_fits and over.arena_fits_at == 6 * MIB, over.arena_summary()
+    assert "a budget of 6.0 MiB fits its arena" in over.arena_summary()
+    assert over.metadata()["arena_fits_at_bytes"] == str(6 * MIB)
+    assert plan(a, OffloadOptions(budget=over.arena_fits_at, min_bytes=0), costs).arena_fits
 
     src = _gap(tmp_path)
     out = tmp_path / "gap.ho.onnx"
