@@ -756,27 +756,40 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
 
 def _arena_fits_at(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
                    dims: Mapping[str, int] | None, basis: _Basis, p: Plan, runtime: Target,
-                   tries: int = 5, seconds: float = 10.0) -> Plan:
-    """``p`` (whose arena is over its budget) with the first budget above found whose plan,
-    arena refits included, has a replayed arena that fits it: each try at the arena the
-    last one reached, and at least 1 % more (the arena is not monotone in the budget: no
-    bisection); at most ``tries`` budgets and about ``seconds``."""
-    budget, deadline = max(p.arena_bytes, p.budget + p.budget // 100), time.perf_counter() + seconds
-    for _ in range(tries):
-        if time.perf_counter() > deadline:
-            break
-        at = replace(opts, budget=budget)
+                   tries: int = 8, seconds: float = 10.0) -> Plan:
+    """``p`` (whose arena is over its budget) with a larger budget whose plan, arena refits
+    included, has a replayed arena that fits it: upward, each try at the arena the last one
+    reached (at least 1 % more), then halving the interval between the last budget over and
+    the first that fits while it is over 1 % (the arena is not monotone in the budget: a
+    budget that fits, not always the smallest); at most ``tries`` plans and about
+    ``seconds``."""
+    deadline = time.perf_counter() + seconds
+    lo, budget, fit = p.budget, max(p.arena_bytes, p.budget + p.budget // 100), None
+
+    def fits(b: int) -> tuple[bool, int, Plan | None]:
+        at = replace(opts, budget=b)
         try:
             trial = _fit_arena(analysis, at, costs, dims,
                                _plan(analysis, at, costs, dims, search=False, basis=basis),
                                basis, runtime=runtime)
         except InfeasibleBudgetError as e:
-            budget = max(budget + budget // 100, e.min_budget)
-            continue
-        if trial.arena_bytes <= budget:
-            return replace(p, arena_fits_at=budget, arena_fits_at_s=trial.planned.total_s)
-        budget = max(trial.arena_bytes, budget + budget // 100)
-    return p
+            return False, max(b + b // 100, e.min_budget), None
+        return trial.arena_bytes <= b, max(trial.arena_bytes, b + b // 100), trial
+
+    for _ in range(tries):
+        if time.perf_counter() > deadline or (fit and fit[0] - lo <= lo // 100):
+            break
+        b = budget if fit is None else (lo + fit[0]) // 2
+        ok, after, trial = fits(b)
+        if ok:
+            fit = (b, trial)
+        elif fit is None:
+            lo, budget = b, after
+        else:
+            lo = b
+    if fit is None:
+        return p
+    return replace(p, arena_fits_at=fit[0], arena_fits_at_s=fit[1].planned.total_s)
 
 
 def _recomputed(analysis: GraphAnalysis, costs: CostModel, dims: Mapping[str, int] | None,
