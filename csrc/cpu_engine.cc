@@ -313,13 +313,13 @@ class CpuEngine final : public Engine {
     }
     rec->tag = key.tag;
     Released released;
-    records_.put_stored(key.id, std::move(rec), ctx.kernel, &released, ctx.kernel);
+    records_.put_stored(key.id, std::move(rec), enter_kernel(ctx), &released, ctx.kernel);
     return key;
   }
 
   void detach(const StoreKey& key, const ExecContext& ctx) override {
     Released released;
-    if (!records_.find_stored(key.id, ctx.kernel, Tagged{key.tag}, &released)) {
+    if (!records_.find_stored(key.id, enter_kernel(ctx), Tagged{key.tag}, &released)) {
       fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (id " +
                                      std::to_string(key.id) + ")");
     }
@@ -329,7 +329,7 @@ class CpuEngine final : public Engine {
   std::shared_ptr<StoredTensor> take_stored(const StoreKey& key,
                                             const ExecContext& ctx) override {
     Released released;
-    std::shared_ptr<CpuStored> rec = records_.take_stored(key.id, ctx.kernel, Tagged{key.tag},
+    std::shared_ptr<CpuStored> rec = records_.take_stored(key.id, enter_kernel(ctx), Tagged{key.tag},
                                                           &released);
     if (!rec) {
       fail(ORT_INVALID_ARGUMENT,
@@ -358,11 +358,16 @@ class CpuEngine final : public Engine {
     }
   }
 
+  void enter_run(const void* kernel) override {
+    Released released;  // (an earlier run's records: destroyed after the lock is let go)
+    records_.enter(kernel, &released);
+  }
+
   void wait(const void* dst, void* out, size_t bytes, const ExecContext& ctx) override {
     Pending p;
     {
       Released released;
-      std::optional<Pending> found = records_.take_load(dst, ctx.kernel, &released);
+      std::optional<Pending> found = records_.take_load(dst, enter_kernel(ctx), &released);
       if (!found) {
         fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
                        "output of this run)");
@@ -471,7 +476,8 @@ class CpuEngine final : public Engine {
     }
     if (p.bytes == 0) return;  // nothing to wait for (the Wait returns at once)
     Released released;  // (a load of a failed run at the same address is dropped)
-    records_.put_load(dst, std::move(p), counted ? ctx.kernel : nullptr, &released, ctx.kernel);
+    records_.put_load(dst, std::move(p), counted ? enter_kernel(ctx) : nullptr, &released,
+                      ctx.kernel);
   }
 
 

@@ -398,6 +398,8 @@ void Kernel::compute(OrtKernelContext* ctx) {
                    "session in the forked process");
   }
   ExecContext ec = gpu ? gpu_context(ctx) : cpu_context(ctx);
+  engine->enter_run(ec.kernel);  // (whatever follows: engine.h, Engine::enter_run)
+  ec.entered = true;
   switch (kind) {
     case OpKind::kPrefetch:
       return weight ? prefetch_weight(ctx, ec) : prefetch_stored(ctx, ec);

@@ -162,7 +162,7 @@ class CudaEngine final : public Engine {
     p.cancelled = std::make_shared<std::atomic<bool>>(false);
     const Chunks c = chunks_of(*w, disk_chunk_bytes());
     Device* dp = &s->d;
-    add_pending(dst, p, ctx.kernel, ctx.kernel);
+    add_pending(dst, p, enter_kernel(ctx), ctx.kernel);
     auto t = std::make_shared<StreamedTransfer>(p, c.count(), dp);
     char* out = static_cast<char*>(p.stage->data());
     const int64_t delay = faults::delay_us();
@@ -214,7 +214,7 @@ class CudaEngine final : public Engine {
     check(cuda::launch_write_token(ctx.out, rec->id, kTokenMagic, cs), "token kernel launch");
     const uint64_t key = reinterpret_cast<uintptr_t>(ctx.out);
     Released released;  // (a record of a failed run at the same address is dropped)
-    records_.put_stored(key, std::move(rec), ctx.kernel, &released, ctx.kernel);
+    records_.put_stored(key, std::move(rec), enter_kernel(ctx), &released, ctx.kernel);
     return StoreKey{key, 0};
   }
 
@@ -224,7 +224,7 @@ class CudaEngine final : public Engine {
     const uint64_t to = ctx.out != nullptr ? reinterpret_cast<uintptr_t>(ctx.out) : key;
     Released released;
     std::shared_ptr<GpuStored> rec =
-        records_.move_stored(key, to, ctx.kernel, any_record, &released);
+        records_.move_stored(key, to, enter_kernel(ctx), any_record, &released);
     if (!rec) {
       fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (not a Store "
                                  "output of this run and session, or already reloaded)");
@@ -248,7 +248,7 @@ class CudaEngine final : public Engine {
   std::shared_ptr<StoredTensor> take_stored(const StoreKey& skey,
                                             const ExecContext& ctx) override {
     Released released;
-    std::shared_ptr<GpuStored> rec = records_.take_stored(skey.id, ctx.kernel, any_record,
+    std::shared_ptr<GpuStored> rec = records_.take_stored(skey.id, enter_kernel(ctx), any_record,
                                                           &released);
     if (!rec) {
       fail(ORT_INVALID_ARGUMENT,
@@ -281,13 +281,18 @@ class CudaEngine final : public Engine {
     }
   }
 
+  void enter_run(const void* kernel) override {
+    Released released;  // (an earlier run's records: released after the lock is let go)
+    records_.enter(kernel, &released);
+  }
+
   void wait(const void* dst, void* /*out: ctx.out*/, size_t bytes,
             const ExecContext& ctx) override {
     if (bytes == 0) return;
     Pending p;
     {
       Released released;
-      std::optional<Pending> found = records_.take_load(dst, ctx.kernel, &released);
+      std::optional<Pending> found = records_.take_load(dst, enter_kernel(ctx), &released);
       if (!found) {
         fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
                        "output of this run)");
@@ -357,7 +362,7 @@ class CudaEngine final : public Engine {
     std::optional<Start> s = start_load(ctx, dst, bytes);
     if (!s) return;
     copy_from_host(s->d, s->p, src, what);
-    add_pending(dst, std::move(s->p), ctx.kernel, ctx.kernel);
+    add_pending(dst, std::move(s->p), enter_kernel(ctx), ctx.kernel);
   }
 
   // A load started for the Prefetch output `dst`, on the kernel's device (made current).
@@ -416,7 +421,7 @@ class CudaEngine final : public Engine {
     return sb;
   }
 
-  // `kernel`: ctx.kernel when this is the op's first call into the engine, else null;
+  // `kernel`: enter_kernel(ctx) when this is the op's first call into the engine, else null;
   // `creator`: the calling kernel (its records go with it: forget_kernel).
   void add_pending(const void* dst, Pending p, const void* kernel, const void* creator) {
     Released released;

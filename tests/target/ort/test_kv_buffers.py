@@ -314,3 +314,30 @@ def test_default_order_frees_each_present_at_its_emit(tmp_path):
     present = 4 * 322 * 16 * 4  # one layer's key at the top of the prefill: heads x T x 16 x f32
     assert default <= priority + (64 << 10), (default, priority)
     assert held - default >= 5 * present, (held, default, present)  # (6 held: 3 layers x 2)
+
+
+def test_a_run_after_an_empty_cache_keeps_its_own_loads(tmp_path):
+    """A prompt's first run has a past of length 0: its PrefetchInputs load nothing. They
+    skipped the library's run bookkeeping then, so the second run's PrefetchInputs were
+    counted in the first run until a weight Prefetch seen there ran, and that Prefetch's
+    start of a new run released their loads: the Wait failed with "no transfer pending"
+    (stop 49, the LLM bench at 8k). Every cache op now enters its run first."""
+    src = _decoder(tmp_path)
+    out = tmp_path / "dec.ho.onnx"
+    # (only the MLP weights offloaded, 64 KiB each, and prefetched far ahead: the first load
+    # of a run is a past's, waited after a weight Prefetch that the first run saw)
+    ho_onnx.optimize(src, out, OffloadOptions(kv=True, min_bytes=60000, activations=False,
+                                              prefetch_distance=30), {},
+                     dim_ranges={"batch": (1, 1), "seq": (1, 16), "past": (0, 64)})
+    import onnx
+
+    ops = [(n.op_type, n.name) for n in onnx.load(str(out), load_external_data=False).graph.node
+           if n.op_type in ("Prefetch", "PrefetchInput", "Wait")]
+    first = ops[0][1]
+    assert ops[0][0] == "PrefetchInput" and any(
+        op == "Prefetch" for op, _ in ops[1:[n for _, n in ops].index(
+            first.replace("prefetch", "wait"))]), ops  # (else the case is not built)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    want = greedy(ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]),
+                  kv_layout(src), prompt, 6, chunk=8)
+    assert greedy(ho_onnx.InferenceSession(out), kv_layout(out), prompt, 6, chunk=8) == want
