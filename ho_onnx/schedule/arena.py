@@ -29,10 +29,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
     bytes held for the whole run (the initializers that stay)."""
     spans, sizes = residency or resident_intervals(analysis, dims)
     n = len(analysis.order)
-
-    def key(name: str) -> tuple | None:  # (the shape the runtime sees: dims left symbolic)
-        return target.reuse_key(analysis.tensors[name].elem_type, analysis.unbound_shape(name))
-
+    key = target.reuse_key
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
     moved_in = {i.name: i for i in (choice.inputs if choice else ())}
@@ -52,32 +49,34 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         elif t.is_graph_input:  # the caller's buffer (or ORT's copy of it): never reused
             values[name] = ArenaValue(s, e, sizes[name], None)
         elif name in moved_a:
-            a, k = moved_a[name], key(name)
+            a, k = moved_a[name], key(t.elem_type, t.shape)
             b = a.nbytes or 0
             values[name] = ArenaValue(s, a.last_early, b, k)
             values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, k)
         elif name in fused.gone and name not in recomputed:
             continue  # merged into its reader by the runtime: never allocated
         elif not t.is_initializer:
-            k = None if t.is_graph_output else key(name)
+            k = None if t.is_graph_output else key(t.elem_type, t.shape)
             values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
     for r in (choice.recomputes if choice else ()):  # (its copy: a new buffer at late[0])
-        k = key(r.name)
+        t = analysis.tensors[r.name]
+        k = key(t.elem_type, t.shape)
         values[r.name] = ArenaValue(spans[r.name][0], r.last_early, r.nbytes, k)
         values[r.name + "\0recomputed"] = ArenaValue(r.late[0], max(r.late), r.nbytes, k)
         values[r.name + "\0transient"] = ArenaValue(r.late[0], r.late[0], r.transient, None)
     for w in moved_w.values():
-        k = key(w.name)
+        t = analysis.tensors[w.name]
+        k = key(t.elem_type, t.shape)
         for j, (c, p) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
             values[f"{w.name}\0{j}"] = ArenaValue(p, c, w.nbytes, k)
     for i in moved_in.values():  # each Wait's output: a buffer the allocator may reuse
-        k = key(i.name)
+        k = key(analysis.tensors[i.name].elem_type, analysis.tensors[i.name].shape)
         for j, (c, p) in enumerate(zip(i.consumers, i.prefetch_at, strict=True)):
             values[f"{i.name}\0{j}"] = ArenaValue(p, fused.read_at(c), i.nbytes, k)
     for o in moved_out.values():  # an intermediate until its Emit (then the caller's)
         t = analysis.tensors[o.name]
         last = max([o.last, *(fused.read_at(c) for c in t.consumers)])
-        values[o.name] = ArenaValue(o.producer, last, o.nbytes, key(o.name))
+        values[o.name] = ArenaValue(o.producer, last, o.nbytes, key(t.elem_type, t.shape))
     _alias(analysis, values, spans, moved_w, target)
     return values, static
 

@@ -7,9 +7,8 @@ gives a node's output the buffer of an earlier value instead of a new one when
   ``Unsqueeze``, ``Flatten``, ``Identity``; ho-onnx's ``Wait`` of input 0 and ``Detach`` of
   input 1), or
 * a buffer on its free list has the same element size and the same shape (dim by dim: equal
-  values or the same symbolic name; scalars never, nor a shape with a dim ORT cannot name:
-  the replay keys values by the shapes with the symbolic dims left unbound); the free list
-  is searched most recently freed first.
+  values or the same symbolic name; scalars never); the free list is searched most recently
+  freed first.
 
 A reused buffer is released to the arena only after the last reader of the last value that
 used it, so it stays allocated across the gap between two users: ORT's arena can hold more
