@@ -313,13 +313,13 @@ class CpuEngine final : public Engine {
     }
     rec->tag = key.tag;
     Released released;
-    records_.put_stored(key.id, std::move(rec), enter_kernel(ctx), &released, ctx.kernel);
+    records_.put_stored(key.id, std::move(rec), nullptr, &released, ctx.kernel);
     return key;
   }
 
   void detach(const StoreKey& key, const ExecContext& ctx) override {
     Released released;
-    if (!records_.find_stored(key.id, enter_kernel(ctx), Tagged{key.tag}, &released)) {
+    if (!records_.find_stored(key.id, nullptr, Tagged{key.tag}, &released)) {
       fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (id " +
                                      std::to_string(key.id) + ")");
     }
@@ -329,7 +329,7 @@ class CpuEngine final : public Engine {
   std::shared_ptr<StoredTensor> take_stored(const StoreKey& key,
                                             const ExecContext& ctx) override {
     Released released;
-    std::shared_ptr<CpuStored> rec = records_.take_stored(key.id, enter_kernel(ctx), Tagged{key.tag},
+    std::shared_ptr<CpuStored> rec = records_.take_stored(key.id, nullptr, Tagged{key.tag},
                                                           &released);
     if (!rec) {
       fail(ORT_INVALID_ARGUMENT,
@@ -347,7 +347,7 @@ class CpuEngine final : public Engine {
     Pending p;
     p.bytes = rec->bytes();
     p.stored = std::move(rec);
-    add_pending(dst, std::move(p), ctx, /*counted=*/false);  // take_stored counted this op
+    add_pending(dst, std::move(p), ctx);
   }
 
   void forget_kernel(const void* kernel) noexcept override {
@@ -367,7 +367,7 @@ class CpuEngine final : public Engine {
     Pending p;
     {
       Released released;
-      std::optional<Pending> found = records_.take_load(dst, enter_kernel(ctx), &released);
+      std::optional<Pending> found = records_.take_load(dst, nullptr, &released);
       if (!found) {
         fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
                        "output of this run)");
@@ -468,16 +468,14 @@ class CpuEngine final : public Engine {
     add_pending(dst, std::move(p), ctx);
   }
 
-  // `counted`: this call is the op's first call into the engine (run tracking counts each
-  // op once per Compute).
-  void add_pending(void* dst, Pending p, const ExecContext& ctx, bool counted = true) {
+  // (the op entered its run at the start of its Compute: Engine::enter_run)
+  void add_pending(void* dst, Pending p, const ExecContext& ctx) {
     if (p.bytes != 0 && faults::poison()) {
       std::memset(dst, 0xFF, p.bytes);  // ORT's buffer, inside this Compute: allowed
     }
     if (p.bytes == 0) return;  // nothing to wait for (the Wait returns at once)
     Released released;  // (a load of a failed run at the same address is dropped)
-    records_.put_load(dst, std::move(p), counted ? enter_kernel(ctx) : nullptr, &released,
-                      ctx.kernel);
+    records_.put_load(dst, std::move(p), nullptr, &released, ctx.kernel);
   }
 
 

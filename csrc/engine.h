@@ -41,20 +41,11 @@ struct ExecContext {
   // a later session's kernel may get a freed kernel's address): tells runs apart (an
   // engine's run tracking, see "Transfer lifetime rule" in docs/design.md).
   const void* kernel = nullptr;
-  // The calling kernel has entered its thread's run (Engine::enter_run, at the start of
-  // every cache op's Compute): the engine's record calls pass no kernel (enter_kernel()).
-  bool entered = false;
   // CPU EP: the kernel's context, so that large copies can use ORT's intra-op threads
   // (KernelContext_ParallelFor) inside the Compute call. Null: copy on this thread.
   const OrtApi* api = nullptr;
   OrtKernelContext* kctx = nullptr;
 };
-
-// The `kernel` argument of a run-record call (run_records.h): the calling kernel where it
-// has not entered its run yet, else null (`ctx.kernel` stays the records' creator).
-inline const void* enter_kernel(const ExecContext& ctx) {
-  return ctx.entered ? nullptr : ctx.kernel;
-}
 
 // A copy inside a Compute call: from 2 MiB on split over ORT's intra-op threads
 // (KernelContext_ParallelFor, idle while the kernel runs under the sequential executor), else
@@ -207,7 +198,8 @@ class Engine {
   // The kernel `kernel` (an ExecContext::kernel) is destroyed with its session: release
   // what its runs left (a failed run's stores and loads) and forget it. Never throws.
   virtual void forget_kernel(const void* kernel) noexcept = 0;
-  // Every cache op's Compute enters its thread's run first, whatever it then does: a
+  // Every cache op's Compute enters its thread's run first, whatever it then does (so the
+  // engines' record calls pass no kernel, only ctx.kernel as the records' creator): a
   // kernel that executes again on a thread starts a new run there (run_records.h). One that
   // skipped it on an empty tensor (a past KV cache of length 0 at a prompt's first run)
   // left the next run in the old one until a kernel seen there ran, and that kernel's

@@ -399,7 +399,6 @@ void Kernel::compute(OrtKernelContext* ctx) {
   }
   ExecContext ec = gpu ? gpu_context(ctx) : cpu_context(ctx);
   engine->enter_run(ec.kernel);  // (whatever follows: engine.h, Engine::enter_run)
-  ec.entered = true;
   switch (kind) {
     case OpKind::kPrefetch:
       return weight ? prefetch_weight(ctx, ec) : prefetch_stored(ctx, ec);

@@ -82,8 +82,8 @@ class RunRecords {
   RunRecords& operator=(const RunRecords&) = delete;
 
   // Every call below that takes `kernel` enters the calling thread's run first. `kernel` is
-  // the cache op's identity, given by exactly one call per Compute (the op's first call
-  // into the engine); null when that call was already made.
+  // the cache op's identity, given by exactly one call per Compute (the engines: enter()
+  // at its start, Engine::enter_run); null in the calls after it.
   Owner enter(const void* kernel, Released* out) {
     std::lock_guard<std::mutex> lock(mu_);
     return enter_locked(kernel, out);

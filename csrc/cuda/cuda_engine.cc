@@ -162,7 +162,7 @@ class CudaEngine final : public Engine {
     p.cancelled = std::make_shared<std::atomic<bool>>(false);
     const Chunks c = chunks_of(*w, disk_chunk_bytes());
     Device* dp = &s->d;
-    add_pending(dst, p, enter_kernel(ctx), ctx.kernel);
+    add_pending(dst, p, ctx.kernel);
     auto t = std::make_shared<StreamedTransfer>(p, c.count(), dp);
     char* out = static_cast<char*>(p.stage->data());
     const int64_t delay = faults::delay_us();
@@ -214,7 +214,7 @@ class CudaEngine final : public Engine {
     check(cuda::launch_write_token(ctx.out, rec->id, kTokenMagic, cs), "token kernel launch");
     const uint64_t key = reinterpret_cast<uintptr_t>(ctx.out);
     Released released;  // (a record of a failed run at the same address is dropped)
-    records_.put_stored(key, std::move(rec), enter_kernel(ctx), &released, ctx.kernel);
+    records_.put_stored(key, std::move(rec), nullptr, &released, ctx.kernel);
     return StoreKey{key, 0};
   }
 
@@ -224,7 +224,7 @@ class CudaEngine final : public Engine {
     const uint64_t to = ctx.out != nullptr ? reinterpret_cast<uintptr_t>(ctx.out) : key;
     Released released;
     std::shared_ptr<GpuStored> rec =
-        records_.move_stored(key, to, enter_kernel(ctx), any_record, &released);
+        records_.move_stored(key, to, nullptr, any_record, &released);
     if (!rec) {
       fail(ORT_INVALID_ARGUMENT, "token names no pending store of this run (not a Store "
                                  "output of this run and session, or already reloaded)");
@@ -248,7 +248,7 @@ class CudaEngine final : public Engine {
   std::shared_ptr<StoredTensor> take_stored(const StoreKey& skey,
                                             const ExecContext& ctx) override {
     Released released;
-    std::shared_ptr<GpuStored> rec = records_.take_stored(skey.id, enter_kernel(ctx), any_record,
+    std::shared_ptr<GpuStored> rec = records_.take_stored(skey.id, nullptr, any_record,
                                                           &released);
     if (!rec) {
       fail(ORT_INVALID_ARGUMENT,
@@ -270,7 +270,7 @@ class CudaEngine final : public Engine {
     copy_from_host(d, p, rec->slot->data, "cudaMemcpyAsync (stored, host to device)");
     // The slot is reused only after this copy read it (its fence is `done`).
     rec->release_slot(p.done);
-    add_pending(dst, std::move(p), nullptr, ctx.kernel);  // take_stored entered the run
+    add_pending(dst, std::move(p), ctx.kernel);
   }
 
   void forget_kernel(const void* kernel) noexcept override {
@@ -292,7 +292,7 @@ class CudaEngine final : public Engine {
     Pending p;
     {
       Released released;
-      std::optional<Pending> found = records_.take_load(dst, enter_kernel(ctx), &released);
+      std::optional<Pending> found = records_.take_load(dst, nullptr, &released);
       if (!found) {
         fail(ORT_FAIL, "no transfer pending for input (already waited, or not a Prefetch "
                        "output of this run)");
@@ -362,7 +362,7 @@ class CudaEngine final : public Engine {
     std::optional<Start> s = start_load(ctx, dst, bytes);
     if (!s) return;
     copy_from_host(s->d, s->p, src, what);
-    add_pending(dst, std::move(s->p), enter_kernel(ctx), ctx.kernel);
+    add_pending(dst, std::move(s->p), ctx.kernel);
   }
 
   // A load started for the Prefetch output `dst`, on the kernel's device (made current).
@@ -421,11 +421,11 @@ class CudaEngine final : public Engine {
     return sb;
   }
 
-  // `kernel`: enter_kernel(ctx) when this is the op's first call into the engine, else null;
-  // `creator`: the calling kernel (its records go with it: forget_kernel).
-  void add_pending(const void* dst, Pending p, const void* kernel, const void* creator) {
+  // `creator`: the calling kernel (its records go with it: forget_kernel); the op entered
+  // its run at the start of its Compute (Engine::enter_run).
+  void add_pending(const void* dst, Pending p, const void* creator) {
     Released released;
-    records_.put_load(dst, std::move(p), kernel, &released, creator);
+    records_.put_load(dst, std::move(p), nullptr, &released, creator);
   }
 
   static bool any_record(const GpuStored&) { return true; }  // (the key is an address)

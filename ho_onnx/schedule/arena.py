@@ -27,21 +27,18 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             ) -> tuple[dict[str, ArenaValue], int]:
     """The values the allocator sees at each step of the schedule with ``choice``, and the
     bytes held for the whole run (the initializers that stay)."""
-    spans, sizes = residency or resident_intervals(analysis, dims)
+    fused = target.fusions(analysis)
+    spans, sizes = residency or resident_intervals(analysis, dims, fusions=fused)
     n = len(analysis.order)
     key = target.reuse_key
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
     moved_in = {i.name: i for i in (choice.inputs if choice else ())}
     moved_out = {o.name: o for o in (choice.outputs if choice else ())}
-    recomputed = {r.name for r in (choice.recomputes if choice else ())}
-    fused = target.fusions(analysis)
     values: dict[str, ArenaValue] = {}
     static = 0
-    for name, (s, e) in spans.items():
+    for name, (s, e) in spans.items():  # (the fused graph's: no value a fusion removes)
         t = analysis.tensors[name]
-        if fused.later:  # (a fused node reads its inputs where the fusion's last node ran)
-            e = max([e, *(fused.read_at(c) for c in t.consumers)])
         if t.is_initializer and name not in moved_w:
             static += sizes[name]
         elif name in moved_in or name in moved_out:
@@ -53,8 +50,6 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             b = a.nbytes or 0
             values[name] = ArenaValue(s, a.last_early, b, k)
             values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, k)
-        elif name in fused.gone and name not in recomputed:
-            continue  # merged into its reader by the runtime: never allocated
         elif not t.is_initializer:
             k = None if t.is_graph_output else key(t.elem_type, t.shape)
             values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
@@ -108,7 +103,8 @@ def arena_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None
     ``choice``'s offloads, with the library's staging copy of each staged reload (outside
     the allocator, in the same memory: the CPU EP's disk tier reads into it from the
     Prefetch to the Wait), and the bytes held for the whole run (resident initializers).
-    ``residency``: :func:`~.lifetimes.resident_intervals` under ``dims``, when known."""
+    ``residency``: :func:`~.lifetimes.resident_intervals` under ``dims`` and ``target``'s
+    fusions, when known."""
     values, static = _values(analysis, choice, dims, residency, target)
     return target.replay(values, len(analysis.order)) + _staging(choice), static
 

@@ -84,11 +84,9 @@ def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None =
                 continue  # ORT drops unused initializers (not those the graph outputs)
             span = (0, n - 1)
         elif t.producer is not None:
-            last = max([_last_use(t, t.producer), *(fused.read_at(c) for c in t.consumers)])
-            span = (t.producer, n - 1 if t.is_graph_output else last)
+            span = (t.producer, n - 1 if t.is_graph_output else _read_until(t, t.producer, fused))
         elif t.is_graph_input:
-            last = max([_last_use(t, 0), *(fused.read_at(c) for c in t.consumers)])
-            span = (0, n - 1 if t.is_graph_output else last)
+            span = (0, n - 1 if t.is_graph_output else _read_until(t, 0, fused))
         else:
             continue
         try:
@@ -98,6 +96,12 @@ def resident_intervals(analysis: GraphAnalysis, dims: Mapping[str, int] | None =
         sizes[name] = size or 0
         spans[name] = span
     return spans, sizes
+
+
+def _read_until(t: TensorInfo, default: int, fused: Fusions) -> int:
+    """Last step ``t`` is read at: by its readers, or by the fused node that replaces one."""
+    last = _last_use(t, default)
+    return max([last, *(fused.read_at(c) for c in t.consumers)]) if fused.later else last
 
 
 def _last_use(t: TensorInfo, default: int) -> int:

@@ -22,11 +22,22 @@ from models.decoder import build_decoder
 pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 
 
-def _decoder(tmp: Path) -> Path:
+def _decoder(tmp: Path, layers: int = 2, max_positions: int = 128) -> Path:
     path = tmp / "dec.onnx"
-    build_decoder(path, layers=2, hidden=64, heads=4, max_positions=128, vocab=97, std=0.2,
-                  external_data=True, kv_cache=True)
+    build_decoder(path, layers=layers, hidden=64, heads=4, max_positions=max_positions,
+                  vocab=97, std=0.2, external_data=True, kv_cache=True)
     return path
+
+
+KV_ONLY = OffloadOptions(kv=True, weights=False, activations=False)
+
+
+def _optimized(src: Path, seq: int, past: int, options: OffloadOptions = KV_ONLY) -> Path:
+    """``src`` optimized beside it, one plan for batch 1, ``seq`` 1..seq, ``past`` 0..past."""
+    out = src.with_name("dec.ho.onnx")
+    ho_onnx.optimize(src, out, options, {},
+                     dim_ranges={"batch": (1, 1), "seq": (1, seq), "past": (0, past)})
+    return out
 
 
 def _reference(sess: ort.InferenceSession, layout, steps: list[list[int]]):
@@ -96,9 +107,7 @@ def test_kv_offloaded_model_reads_and_writes_the_buffers(tmp_path):
     """The optimized model's PrefetchInputs copy from the buffers and its Emits write into
     them: the same tokens, every cache byte through the library."""
     src = _decoder(tmp_path)
-    out = tmp_path / "dec.ho.onnx"
-    ho_onnx.optimize(src, out, OffloadOptions(kv=True, weights=False, activations=False), {},
-                     dim_ranges={"batch": (1, 1), "seq": (1, 16), "past": (0, 40)})
+    out = _optimized(src, 16, 40)
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     want = greedy(ref, kv_layout(src), prompt, 20, chunk=4)
@@ -151,9 +160,7 @@ def test_a_failed_step_leaves_the_cache_as_it_was(tmp_path):
     not swap the buffers: the next step reads the pasts of the last successful one and the
     tokens are the unmodified model's."""
     src = _decoder(tmp_path)
-    out = tmp_path / "dec.ho.onnx"
-    ho_onnx.optimize(src, out, OffloadOptions(kv=True, weights=False, activations=False), {},
-                     dim_ranges={"batch": (1, 1), "seq": (1, 4), "past": (0, 40)})
+    out = _optimized(src, 4, 40)
     layout = kv_layout(out)
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     steps = [[3, 1, 4], [1], [5], [9]]
@@ -214,12 +221,7 @@ def test_shrinking_between_prefill_chunks_keeps_the_arena_small(tmp_path):
     MB held at the end for a 2.7 MB high-water mark here. Shrunk after every chunk but the
     last it holds what the last chunk and the decode steps need (3.1 MB here). Measured by
     the library's samples of ORT's arena at each Wait; the same tokens."""
-    src = tmp_path / "dec.onnx"
-    build_decoder(src, layers=2, hidden=64, heads=4, max_positions=1100, vocab=97, std=0.2,
-                  external_data=True, kv_cache=True)
-    out = tmp_path / "dec.ho.onnx"
-    ho_onnx.optimize(src, out, OffloadOptions(kv=True, weights=False, activations=False), {},
-                     dim_ranges={"batch": (1, 1), "seq": (1, 32), "past": (0, 1040)})
+    out = _optimized(_decoder(tmp_path, max_positions=1100), 32, 1040)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 97, 1024)]
     held, tokens = {}, {}
     for shrink in (None, "cpu:0"):
@@ -243,9 +245,7 @@ def test_two_generations_share_a_session(tmp_path):
     from threads import run_threads
 
     src = _decoder(tmp_path)
-    out = tmp_path / "dec.ho.onnx"
-    ho_onnx.optimize(src, out, OffloadOptions(kv=True, min_bytes=0), {},
-                     dim_ranges={"batch": (1, 1), "seq": (1, 8), "past": (0, 40)})
+    out = _optimized(src, 8, 40, OffloadOptions(kv=True, min_bytes=0))
     sess, layout = ho_onnx.InferenceSession(out), kv_layout(out)
     prompts = {0: [3, 1, 4, 1, 5, 9, 2, 6], 1: [2, 7]}
     want = {k: greedy(sess, layout, p, 24, chunk=3) for k, p in prompts.items()}
@@ -292,12 +292,7 @@ def test_default_order_frees_each_present_at_its_emit(tmp_path):
     layer beside the rest."""
     import onnx
 
-    src = tmp_path / "dec.onnx"
-    build_decoder(src, layers=4, hidden=64, heads=4, max_positions=512, vocab=97, std=0.2,
-                  external_data=True, kv_cache=True)
-    out = tmp_path / "dec.ho.onnx"
-    ho_onnx.optimize(src, out, OffloadOptions(kv=True, weights=False, activations=False), {},
-                     dim_ranges={"batch": (1, 1), "seq": (1, 64), "past": (0, 400)})
+    out = _optimized(_decoder(tmp_path, layers=4, max_positions=512), 64, 400)
     model = onnx.load(str(out), load_external_data=False)
     done = {n.output[1] for n in model.graph.node if n.op_type == "Emit" and len(n.output) > 1}
     assert len(done) >= 3 * 2  # every layer's key and value but the last layer's
@@ -323,12 +318,10 @@ def test_a_run_after_an_empty_cache_keeps_its_own_loads(tmp_path):
     start of a new run released their loads: the Wait failed with "no transfer pending"
     (stop 49, the LLM bench at 8k). Every cache op now enters its run first."""
     src = _decoder(tmp_path)
-    out = tmp_path / "dec.ho.onnx"
     # (only the MLP weights offloaded, 64 KiB each, and prefetched far ahead: the first load
     # of a run is a past's, waited after a weight Prefetch that the first run saw)
-    ho_onnx.optimize(src, out, OffloadOptions(kv=True, min_bytes=60000, activations=False,
-                                              prefetch_distance=30), {},
-                     dim_ranges={"batch": (1, 1), "seq": (1, 16), "past": (0, 64)})
+    out = _optimized(src, 16, 64, OffloadOptions(kv=True, min_bytes=60000, activations=False,
+                                                 prefetch_distance=30))
     import onnx
 
     ops = [(n.op_type, n.name) for n in onnx.load(str(out), load_external_data=False).graph.node
