@@ -358,9 +358,9 @@ class CpuEngine final : public Engine {
     }
   }
 
-  void enter_run(const void* kernel) override {
+  void enter_run(const void* kernel, bool per_iteration) override {
     Released released;  // (an earlier run's records: destroyed after the lock is let go)
-    records_.enter(kernel, &released);
+    records_.enter(kernel, &released, per_iteration);
   }
 
   void wait(const void* dst, void* out, size_t bytes, const ExecContext& ctx) override {

@@ -203,8 +203,10 @@ class Engine {
   // kernel that executes again on a thread starts a new run there (run_records.h). One that
   // skipped it on an empty tensor (a past KV cache of length 0 at a prompt's first run)
   // left the next run in the old one until a kernel seen there ran, and that kernel's
-  // entry released the loads this run had already made (stop 49).
-  virtual void enter_run(const void* kernel) = 0;
+  // entry released the loads this run had already made (stop 49). `per_iteration`: the op
+  // is in a Loop/Scan body (attribute `iteration` = 1): seen again, it starts the body's
+  // next iteration instead (RunRecords::enter).
+  virtual void enter_run(const void* kernel, bool per_iteration) = 0;
 
   // Session creation: the plan stores `bytes` bytes of activations per run (a Store's
   // `host_bytes` attribute or the session config entry ho_onnx.host_bytes), so the engine

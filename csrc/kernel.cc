@@ -203,6 +203,8 @@ std::unique_ptr<Kernel> Kernel::create(const OpDef& op, const OrtApi* api,
     int64_t gated = 0;
     k->gated = attr_int(api, info, "gated", &gated) && gated == 1;
   }
+  int64_t iteration = 0;
+  k->per_iteration = attr_int(api, info, kIterationAttr, &iteration) && iteration == 1;
   if (op.kind == OpKind::kGuard) k->init_guard(info);
   if (op.kind == OpKind::kStore) {
     k->token_dims = {static_cast<int64_t>((128 + k->bits - 1) / k->bits)};
@@ -398,7 +400,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
                    "session in the forked process");
   }
   ExecContext ec = gpu ? gpu_context(ctx) : cpu_context(ctx);
-  engine->enter_run(ec.kernel);  // (whatever follows: engine.h, Engine::enter_run)
+  engine->enter_run(ec.kernel, per_iteration);  // (whatever follows: engine.h, Engine::enter_run)
   switch (kind) {
     case OpKind::kPrefetch:
       return weight ? prefetch_weight(ctx, ec) : prefetch_stored(ctx, ec);

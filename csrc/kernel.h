@@ -76,6 +76,9 @@ struct Kernel {
   // output's bytes are unspecified (the reader reads none of them). Only the gate's shape
   // is read, never its data (on the CUDA EP it is device memory).
   bool gated = false;
+  // Attribute `iteration` = 1: the op is inside a Loop/Scan body and executes once per
+  // iteration; its records live for one iteration (Engine::enter_run).
+  bool per_iteration = false;
   // A gated weight Prefetch with attribute `route` ("softmax": MoE, "topk": QMoE) and
   // `route_k` (the op's k): its gate is the MoE op's router input [tokens, E] and the weight
   // is stacked by expert on axis 0 (shape[0] = E); only the experts the op will select move

@@ -33,6 +33,8 @@ constexpr const char* kExpertCacheAttr = "expert_cache";
 // int64 expert indices the next layer's router picks from an earlier hidden state) holds
 // `expert`, the weight's read into the cache starts; its output is empty.
 constexpr const char* kWarmAttr = "warm";
+// Any cache op inside a Loop/Scan body: 1 (its records live for one iteration).
+constexpr const char* kIterationAttr = "iteration";
 constexpr const char* kExpertAttr = "expert";
 // Bound of the host pool of stored activations (bytes; default: half the physical memory).
 constexpr const char* kPoolLimitKey = "ho_onnx.host_pool_limit_bytes";

@@ -35,10 +35,12 @@
 namespace ho {
 
 // Which run a record belongs to: the thread that ran the op and that thread's run epoch,
-// and the kernel that made it (its session's: released with that kernel, see forget()).
+// the iteration of a Loop/Scan body it was made in (0: the main graph's), and the kernel
+// that made it (its session's: released with that kernel, see forget()).
 struct Owner {
   uint64_t thread = 0;
   uint64_t epoch = 0;
+  uint64_t iteration = 0;
   const void* creator = nullptr;
 };
 
@@ -83,10 +85,18 @@ class RunRecords {
 
   // Every call below that takes `kernel` enters the calling thread's run first. `kernel` is
   // the cache op's identity, given by exactly one call per Compute (the engines: enter()
-  // at its start, Engine::enter_run); null in the calls after it.
-  Owner enter(const void* kernel, Released* out) {
+  // at its start, Engine::enter_run); null in the calls after it, which belong to the
+  // scope that call entered.
+  //
+  // `per_iteration`: the op is inside a Loop/Scan body (attribute `iteration` = 1), so it
+  // executes once per iteration. Such a kernel seen again on the thread starts the next
+  // *iteration*, not the next run: the records the body's ops made in earlier iterations
+  // (any run's: a failed iteration's, or a failed run's where the main graph has no cache
+  // op) are released, the main graph's stay. A main-graph kernel seen again starts the next
+  // run as always, which releases the body's records too.
+  Owner enter(const void* kernel, Released* out, bool per_iteration = false) {
     std::lock_guard<std::mutex> lock(mu_);
-    return enter_locked(kernel, out);
+    return enter_locked(kernel, out, per_iteration);
   }
 
   // Record `rec` under `key`, owned by the caller's run; made by the kernel `creator`.
@@ -180,7 +190,10 @@ class RunRecords {
   void forget(const void* kernel, Released* out) {
     if (kernel == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& kv : threads_runs_) kv.second.seen.erase(kernel);
+    for (auto& kv : threads_runs_) {
+      kv.second.seen.erase(kernel);
+      kv.second.body_seen.erase(kernel);
+    }
     for (auto it = stored_.begin(); it != stored_.end();) {
       if (it->second->owner.creator == kernel) {
         out->stored.push_back(std::move(it->second));
@@ -203,7 +216,7 @@ class RunRecords {
   size_t seen_count() {
     std::lock_guard<std::mutex> lock(mu_);
     size_t n = 0;
-    for (const auto& kv : threads_runs_) n += kv.second.seen.size();
+    for (const auto& kv : threads_runs_) n += kv.second.seen.size() + kv.second.body_seen.size();
     return n;
   }
 
@@ -225,32 +238,49 @@ class RunRecords {
     return loads_.size();
   }
 
-  // A record made on the caller's thread must come from its current run. Records made on
-  // other threads are accepted (ORT_PARALLEL runs one run's nodes on several threads);
-  // they are released with their own thread's next run.
+  // A record made on the caller's thread must come from its current run, and one a body's
+  // op made from its current iteration. Records made on other threads are accepted
+  // (ORT_PARALLEL runs one run's nodes on several threads); they are released with their
+  // own thread's next run.
   static bool may_use(const Owner& rec, const Owner& me) {
-    return rec.thread != me.thread || rec.epoch == me.epoch;
+    return rec.thread != me.thread ||
+           (rec.epoch == me.epoch && (rec.iteration == 0 || rec.iteration == me.iteration));
   }
 
  private:
   struct ThreadRun {
     uint64_t epoch = 0;
-    std::unordered_set<const void*> seen;
+    std::unordered_set<const void*> seen;  // main-graph kernels of this run
+    uint64_t iteration = 0;                // the body's current iteration (0: none yet)
+    std::unordered_set<const void*> body_seen;  // body kernels of that iteration
+    uint64_t scope = 0;  // what the last kernel entered: its iteration, 0 for the main graph
   };
 
-  Owner enter_locked(const void* kernel, Released* out) {
+  Owner enter_locked(const void* kernel, Released* out, bool per_iteration = false) {
     const uint64_t tid = threads_.current();
     if (threads_.ended_count() != ended_seen_) reap_ended_locked(out);
     ThreadRun& tr = threads_runs_[tid];
-    if (tr.epoch == 0 || (kernel != nullptr && !tr.seen.insert(kernel).second)) {
+    const bool main_repeats = kernel != nullptr && !per_iteration && !tr.seen.insert(kernel).second;
+    if (tr.epoch == 0 || main_repeats) {
       if (on_run_start_) on_run_start_();
       const uint64_t old = tr.epoch;
       tr.epoch = threads_.next_epoch();
       tr.seen.clear();
-      if (kernel != nullptr) tr.seen.insert(kernel);
+      tr.body_seen.clear();
+      tr.iteration = 0;
+      if (kernel != nullptr && !per_iteration) tr.seen.insert(kernel);
       if (old != 0) release_runs_locked(tid, old, out);
     }
-    return Owner{tid, tr.epoch};
+    if (kernel != nullptr && per_iteration) {
+      if (tr.iteration == 0 || !tr.body_seen.insert(kernel).second) {
+        tr.iteration = threads_.next_epoch();
+        tr.body_seen.clear();
+        tr.body_seen.insert(kernel);
+        release_iterations_locked(tid, out);
+      }
+    }
+    if (kernel != nullptr) tr.scope = per_iteration ? tr.iteration : 0;
+    return Owner{tid, tr.epoch, tr.scope};
   }
 
   template <class Accept>
@@ -275,7 +305,20 @@ class RunRecords {
 
   // Every record of thread `tid` up to run epoch `epoch`.
   void release_runs_locked(uint64_t tid, uint64_t epoch, Released* out) {
-    auto ended = [&](const Owner& o) { return o.thread == tid && o.epoch <= epoch; };
+    release_where_locked([&](const Owner& o) { return o.thread == tid && o.epoch <= epoch; },
+                         out);
+  }
+
+  // Every record a body's op made on thread `tid` before its current iteration.
+  void release_iterations_locked(uint64_t tid, Released* out) {
+    const uint64_t now = threads_runs_[tid].iteration;
+    release_where_locked(
+        [&](const Owner& o) { return o.thread == tid && o.iteration != 0 && o.iteration < now; },
+        out);
+  }
+
+  template <class Ended>
+  void release_where_locked(Ended ended, Released* out) {
     for (auto it = stored_.begin(); it != stored_.end();) {
       if (ended(it->second->owner)) {
         out->stored.push_back(std::move(it->second));

@@ -90,6 +90,9 @@ ATTR_EXPERT_CACHE = "expert_cache"
 # it, the weight's read into the expert cache starts. Its output is empty (an ordering input
 # of the weight's routed Prefetch); nothing waits for the read. A no-op on the CUDA EP.
 ATTR_WARM = "warm"
+# Any cache op inside a Loop/Scan body: 1 (it runs once per iteration; its records live for
+# one iteration, csrc/run_records.h).
+ATTR_ITERATION = "iteration"
 ATTR_EXPERT = "expert"
 # On every Store: the most bytes of stored activations the plan holds at once (sizes the
 # CUDA engine's pinned ring; it grows beyond when concurrent runs need more).

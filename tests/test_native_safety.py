@@ -643,3 +643,92 @@ def test_cache_ops_inside_loop_and_if_bodies(tmp_path, kind, tier):
             np.testing.assert_array_equal(row, want)
     assert results[0].shape == ((3, 4, 16) if kind == "loop" else (4, 16))
     assert not np.array_equal(skipped, results[0])  # (the test sees a Wait that does not)
+
+
+def _iteration_model(marked: bool, n: int = 1024) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(a model whose main graph stores ``a`` before a Loop and reloads it after, while each
+    of the Loop's 3 iterations stores and reloads its own state; the same without cache ops).
+    ``marked``: the body's cache ops carry attribute ``iteration`` = 1, as the rewriter
+    writes them (rewrite/branches.py). Iteration ``k`` (an input) fails between its body's
+    Prefetch and Wait (an out-of-range Gather that the Wait depends on)."""
+    f = TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    it = {"iteration": 1} if marked else {}
+
+    def body(cached: bool) -> onnx.GraphProto:
+        fail = [helper.make_node("Equal", ["i", "k"], ["hit"]),
+                helper.make_node("Where", ["hit", "five", "zero"], ["idx"]),
+                helper.make_node("Gather", ["two", "idx"], ["g"])]
+        nodes = [helper.make_node("Identity", ["c"], ["c2"]), *fail]
+        if cached:
+            nodes += [hnode("Store", ["h"], ["bt"], **it),
+                      hnode("Detach", ["h", "bt"], ["bt2"], **it),
+                      hnode("Prefetch", ["bt2"], ["bp"], **it),
+                      hnode("Wait", ["bp", "g"], ["bz"], **it)]
+        else:
+            nodes += [helper.make_node("Identity", ["h"], ["bz"])]
+        nodes.append(helper.make_node("Tanh", ["bz"], ["h2"]))
+        return helper.make_graph(nodes, "body", [vi("i", TensorProto.INT64, []),
+                                                 vi("c", TensorProto.BOOL, []), vi("h", f, [n])],
+                                 [vi("c2", TensorProto.BOOL, []), vi("h2", f, [n])])
+
+    def model(cached: bool) -> onnx.ModelProto:
+        head = [helper.make_node("Tanh", ["x"], ["a"])]
+        if cached:
+            head += [hnode("Store", ["a"], ["t"]), hnode("Detach", ["a", "t"], ["t2"])]
+        loop = helper.make_node("Loop", ["M", "cond", "x"], ["out"], body=body(cached))
+        tail = [hnode("Prefetch", ["t2", "out"], ["p"]), hnode("Wait", ["p"], ["r"])] \
+            if cached else [helper.make_node("Identity", ["a"], ["r"])]
+        inits = [helper.make_tensor("M", TensorProto.INT64, [], [3]),
+                 helper.make_tensor("cond", TensorProto.BOOL, [], [True]),
+                 helper.make_tensor("five", TensorProto.INT64, [], [5]),
+                 helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+                 helper.make_tensor("two", f, [2], [1.0, 2.0])]
+        return make_model([*head, loop, *tail, helper.make_node("Add", ["out", "r"], ["y"])],
+                          [vi("x", f, [n]), vi("k", TensorProto.INT64, [])], [vi("y", f, [n])],
+                          inits)
+
+    return model(True), model(False)
+
+
+def test_a_loop_bodys_cache_ops_keep_the_main_graphs_records_across_iterations(tmp_path):
+    """Cache ops inside a Loop body (issue 38 item 4) run once per iteration; marked
+    ``iteration`` = 1, a body op seen again starts the next iteration, so the main graph's
+    Store (made before the Loop, reloaded after it) survives the iterations. Unmarked, the
+    second iteration starts a new run, which releases it: the test sees the difference. A
+    run that fails inside an iteration (between the body's Prefetch and Wait) leaves nothing
+    behind once the next run ends; two threads run it at once; outputs are the model's
+    without cache ops, bit-exact."""
+    import onnxruntime as ort
+    from threads import run_threads
+
+    from ho_onnx.target.ort import runtime
+
+    marked, plain = _iteration_model(True)
+    unmarked, _ = _iteration_model(False)
+    x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
+    ok = {"x": x, "k": np.array(-1, np.int64)}
+    want = ort.InferenceSession(plain.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, ok)[0]
+    s = session(save(marked, tmp_path, "marked.onnx"))
+    results: list[np.ndarray] = []
+
+    def runs(_: int) -> None:
+        for _ in range(4):
+            results.append(s.run(None, ok)[0])
+
+    try:  # (poisoned Prefetch outputs and slow copies: a missing wait would show)
+        testing_ops().set_debug(poison=True, delay_us=200)
+        run_threads(runs, 2)
+        for k in (0, 1, 2):  # a failure inside each iteration, then a good run
+            with pytest.raises(Exception, match=r"Gather|indices|out of"):
+                s.run(None, {"x": x, "k": np.array(k, np.int64)})
+            np.testing.assert_array_equal(s.run(None, ok)[0], want)
+            assert runtime.counters()["host_pool_bytes_in_use"] == 0
+    finally:
+        testing_ops().set_debug()
+    assert len(results) == 8
+    for got in results:
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(Exception, match=r"no stored tensor of this run"):
+        session(save(unmarked, tmp_path, "unmarked.onnx")).run(None, ok)

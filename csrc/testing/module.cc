@@ -352,6 +352,13 @@ class TestRunRecords {
 
   void end_thread(uint64_t thread) { threads_.ended.push_back(thread); }
 
+  // A Compute's entry (Engine::enter_run): `per_iteration` for an op in a Loop/Scan body.
+  py::dict enter(uintptr_t kernel, uint64_t thread, bool per_iteration) {
+    Records::Released r;
+    records_.enter(on(thread, kernel), &r, per_iteration);
+    return released(r);
+  }
+
   py::dict put_stored(uint64_t key, int64_t name, int64_t tag, uint64_t thread,
                       uintptr_t kernel, uintptr_t creator) {
     Records::Released r;
@@ -503,6 +510,8 @@ PYBIND11_MODULE(_ops_testing, m) {
   py::class_<TestRunRecords>(m, "RunRecords")
       .def(py::init<>())
       .def("end_thread", &TestRunRecords::end_thread)
+      .def("enter", &TestRunRecords::enter, py::arg("kernel"), py::arg("thread") = 1,
+           py::arg("per_iteration") = false)
       .def("put_stored", &TestRunRecords::put_stored, py::arg("key"), py::arg("name"),
            py::arg("tag") = 0, py::arg("thread") = 1, py::arg("kernel") = 0,
            py::arg("creator") = 0)

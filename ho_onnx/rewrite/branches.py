@@ -36,7 +36,7 @@ from .. import contract, kinds
 from ..errors import HoOnnxError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo, analyse, subgraphs
 from ..graph.dims import require_dims
-from ..schedule.eligibility import HOISTED_OPS, OVERRIDABLE_REASON
+from ..schedule.eligibility import HOISTED_OPS, OVERRIDABLE_REASON, hoisted_readers
 from ..schedule.kv import NO_KV_NOTE
 from ..schedule.lifetimes import resident_intervals, stored_peak_bytes
 from ..schedule.options import OffloadOptions
@@ -79,10 +79,17 @@ class Branch:
     decider: Decider | None = None  # what planned it
     stale: bool = False  # it offloads a weight another branch must keep: plan it again
     saved_opsets: dict[str, int] = field(default_factory=dict)  # its own, while installed
+    trips: int | None = None  # a body's iterations per run, where the graph fixes them
 
     @property
     def label(self) -> str:
-        return f"If {self.owner.name or '<unnamed>'!r} {self.attr}"
+        return f"{self.owner.op_type} {self.owner.name or '<unnamed>'!r} {self.attr}"
+
+    @property
+    def per_iteration(self) -> bool:
+        """A Loop/Scan body: its cache ops run once per iteration (attribute
+        ``iteration``), each iteration's loads and stores its own."""
+        return self.owner.op_type in HOISTED_OPS
 
     @property
     def analysis(self) -> GraphAnalysis:
@@ -157,13 +164,16 @@ def _reads_outer(g: ir.Graph, main: ir.Graph) -> dict[str, ir.Value]:
     return out
 
 
-def find_branches(analysis: GraphAnalysis) -> tuple[list[Branch], dict[str, str]]:
-    """The plannable ``If`` branches of the main graph, and why each main-graph weight
-    that an unplanned subgraph reads stays resident (Loop/Scan bodies, nested subgraphs)."""
+def find_branches(analysis: GraphAnalysis, dims: Mapping[str, int] | None = None, *,
+                  bodies: bool = False) -> tuple[list[Branch], dict[str, str]]:
+    """The plannable ``If`` branches of the main graph (``bodies``: its Loop/Scan bodies
+    too), and why each main-graph weight that an unplanned subgraph reads stays resident
+    (nested subgraphs; Loop/Scan bodies not planned whose weights an If branch reads)."""
     main = analysis.model.graph
     branches: list[Branch] = []
     refused: dict[str, str] = {}
-    bodies: dict[str, str] = {}  # weight a Loop/Scan body reads -> why, if a branch reads it
+    hoisted: dict[str, str] = {}  # weight a Loop/Scan body reads -> why, if a branch reads it
+    plannable = {"If", *HOISTED_OPS} if bodies else {"If"}
     for node in analysis.nodes:
         for attr, a in node.attributes.data.items():
             if a.type is not ir.AttributeType.GRAPH:
@@ -172,26 +182,62 @@ def find_branches(analysis: GraphAnalysis) -> tuple[list[Branch], dict[str, str]
             nested = any(True for n in g for _ in subgraphs(n))
             outer = _reads_outer(g, main)
             weights = frozenset(n for n, v in outer.items() if v.is_initializer())
-            if node.op_type == "If" and node.domain in ("", "ai.onnx") and not nested:
+            if node.op_type in plannable and node.domain in ("", "ai.onnx") and not nested:
                 if weights or len(g.initializers) or len(g) >= _MIN_NODES:
                     proxies = {n: _proxy(v, analysis.tensors.get(n)) for n, v in outer.items()}
-                    branches.append(Branch(node, attr, g, outer, weights, proxies))
+                    branches.append(Branch(node, attr, g, outer, weights, proxies,
+                                           trips=trip_count(analysis, node, dims or {})))
                 continue
             where = f"read inside {node.op_type} {node.name or '<unnamed>'!r}'s {attr}"
             reads = [n for n in _deep_reads(g, main) if n in main.initializers]
             if node.op_type in HOISTED_OPS and node.domain in ("", "ai.onnx"):
                 # (the main plan reloads it before the node: only a branch must keep it)
-                bodies.update((n, f"{where} and by an If branch (the body reads it from the "
-                                  "main graph, where it stays resident)") for n in reads)
+                hoisted.update((n, f"{where} and by an If branch (the body reads it from the "
+                                   "main graph, where it stays resident)") for n in reads)
                 continue
             why = f"{where}, which holds a nested subgraph (only If branches without one " \
                 "are planned)" if node.op_type == "If" else \
                 f"{where} (a {node.op_type} subgraph is not planned)"
             refused.update((n, why) for n in reads)
     read_by_branches = set().union(*(b.weights for b in branches))
-    refused.update((n, why) for n, why in bodies.items()
+    refused.update((n, why) for n, why in hoisted.items()
                    if n in read_by_branches and n not in refused)
     return branches, refused
+
+
+def trip_count(analysis: GraphAnalysis, node: ir.Node, dims: Mapping[str, int]) -> int | None:
+    """Iterations of a Loop (its trip count ``M`` where a constant gives it) or a Scan (its
+    first scan input's scanned dim, bound by ``dims``); None where the graph does not fix
+    them (an If: None)."""
+    if node.op_type == "Loop":
+        m = node.inputs[0] if node.inputs else None
+        if m is None:
+            return None
+        value = m.const_value
+        p = m.producer()
+        if value is None and p is not None and p.op_type == "Constant" \
+                and (attr := p.attributes.get("value")) is not None:
+            value = attr.value
+        try:
+            return max(0, int(value.numpy().reshape(-1)[0])) if value is not None else None
+        except (ValueError, IndexError, TypeError):
+            return None
+    if node.op_type != "Scan":
+        return None
+    count = node.attributes.get("num_scan_inputs")
+    axes = node.attributes.get("scan_input_axes")
+    if count is None or count.value < 1 or len(node.inputs) < count.value:
+        return None
+    first = node.inputs[len(node.inputs) - count.value]
+    info = analysis.tensors.get(first.name) if first is not None else None
+    if info is None or not info.shape:
+        return None
+    axis = axes.value[0] if axes is not None and axes.value else 0
+    if not -len(info.shape) <= axis < len(info.shape):
+        return None
+    d = info.shape[axis]
+    d = dims.get(d) if isinstance(d, str) else d
+    return d if isinstance(d, int) and d >= 0 else None
 
 
 def _deep_reads(g: ir.Graph, main: ir.Graph) -> set[str]:
@@ -210,15 +256,18 @@ def _has_options(decider: Decider) -> bool:
         getattr(decider, "options", None), OffloadOptions)
 
 
-def branch_decider(decider: Decider, budget: int | None) -> Decider | None:
+def branch_decider(decider: Decider, budget: int | None, *, body: bool = False
+                    ) -> Decider | None:
     """``decider`` for one branch: its options with ``budget`` (where it has one; ``kv``
-    kept: a merged decoder's cache is read in its past branch); None for a decider whose
-    options are unknown."""
+    kept: a merged decoder's cache is read in its past branch, but not in a Loop/Scan
+    ``body``, whose inputs are its carried state); None for a decider whose options are
+    unknown."""
     if not _has_options(decider):
         return None
     options = getattr(decider, "options")  # noqa: B009 (a Decider declares no options)
     opts = dataclasses.replace(options,
-                               **({"budget": budget} if options.budget is not None else {}))
+                               **({"budget": budget} if options.budget is not None else {}),
+                               **({"kv": False} if body else {}))
     return dataclasses.replace(decider, options=opts)  # type: ignore[type-var]
 
 
@@ -291,15 +340,23 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
     main = analysis.model
     if not _has_options(decider):  # (a decider of its own: the main graph only)
         return [], {}
-    branches, refused = find_branches(analysis)
+    # Loop/Scan bodies are planned under a budget only (without one, one reload before the
+    # node, which serves every iteration, is all the explicit policy asks for).
+    budgeted = getattr(getattr(decider, "options", None), "budget", None) is not None
+    branches, refused = find_branches(analysis, dims, bodies=budgeted)
     if not branches:
         return branches, refused
+    kept: dict[str, str] = {}  # pinned in the bodies only: the main graph may reload them
     for n, t in analysis.tensors.items():
         if t.is_initializer and t.is_graph_input and t.implicit_consumers:
             refused.setdefault(n, OVERRIDABLE_REASON)  # (a caller may feed it)
         elif t.is_initializer and t.consumers and t.implicit_consumers:  # (main reads it)
-            refused.setdefault(n, "also read by the main graph, which keeps a weight a "
-                                  "subgraph reads resident")
+            if hoisted_readers(analysis, t):  # (only bodies: reloaded before them, if at all)
+                kept[n] = "also read by the main graph, which reloads it before the body's " \
+                          "node if at all (one reload per run)"
+            else:
+                refused.setdefault(n, "also read by the main graph, which keeps a weight a "
+                                      "subgraph reads resident")
     sizes = {n: analysis.tensors[n].nbytes(dims) or 0
              for b in branches for n in b.weights}
     for b in list(branches):
@@ -307,7 +364,7 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
         b.main_bytes = main_bytes_at(analysis, b, dims, siblings)
         b.unmodified = b.main_bytes + sum(sizes.get(n, 0) for n in siblings - b.weights)
         b.sizes = {n: sizes.get(n, 0) for n in b.weights}
-        b.pinned = {n: why for n, why in refused.items() if n in b.outer}
+        b.pinned = {n: why for n, why in (kept | refused).items() if n in b.outer}
         b.opsets = dict(main.opset_imports)
         install(b)
         try:
@@ -355,7 +412,7 @@ def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
                     held + 1)
             again, b.stale = True, False
             b.budget = budget
-            sub = b.decider = branch_decider(decider, budget)
+            sub = b.decider = branch_decider(decider, budget, body=b.per_iteration)
             assert sub is not None  # (checked by plan_branches)
             install(b)
             try:
@@ -422,6 +479,7 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
     planned branch, the reason of each that stayed resident (in place)."""
     c = main.choice
     offloaded = set().union(*(b.offloaded() for b in branches)) if branches else set()
+    offloaded |= {w.name for w in c.weights}  # (the main graph's own: reloaded before a body)
     for n in offloaded:
         c.skipped.pop(n, None)
     if any(b.decision.choice.inputs or b.decision.choice.outputs for b in branches
@@ -458,9 +516,14 @@ def _branch_note(b: Branch) -> str:
     d = b.decision
     if isinstance(d, Plan):
         text += (f"; peak {_mib(d.baseline.peak_bytes)} -> {_mib(d.planned.peak_bytes)} "
-                 f"(its budget {_mib(d.budget)}: the budget less what the main graph and "
-                 "the other branches' resident weights hold at the If)"
+                 f"(its budget {_mib(d.budget)}: the budget less what the main graph"
+                 + (" holds at the node)" if b.per_iteration else
+                    " and the other branches' resident weights hold at the If)")
                  + ("" if d.fits else "; OVER its budget"))
+    if b.per_iteration:
+        text += ("; its cache ops run at every iteration, " + (
+            f"{b.trips} per run (its time is theirs)" if b.trips is not None else
+            "whose count the graph does not fix (its time is one iteration's)"))
     if len(c.notes):
         text += "; " + "; ".join(c.notes)
     return text
@@ -483,6 +546,8 @@ def insert_branches(branches: list[Branch], rewritten: RewrittenModel) -> int:
             done = insert_cache_ops(b.analysis, c, reserved=reserved)
         finally:
             uninstall(b)
+        if b.per_iteration:
+            mark_per_iteration(b.graph)
         for name, v in done.weights.items():
             if name in b.weights:
                 v = main.initializers.pop(name) if name in main.initializers \
@@ -494,6 +559,15 @@ def insert_branches(branches: list[Branch], rewritten: RewrittenModel) -> int:
     if count and contract.DOMAIN not in rewritten.model.opset_imports:
         rewritten.model.opset_imports[contract.DOMAIN] = contract.OPSET_VERSION
     return count
+
+
+def mark_per_iteration(graph: ir.Graph) -> None:
+    """Attribute ``iteration`` = 1 on every cache op of the Loop/Scan body ``graph``: the
+    library then keeps each one's records for one iteration (seen again, it starts the
+    next iteration, not the next run, which would release the main graph's)."""
+    for node in graph:
+        if node.domain == contract.DOMAIN:
+            node.attributes[contract.ATTR_ITERATION] = ir.AttrInt64(contract.ATTR_ITERATION, 1)
 
 
 def if_peaks(branches: list[Branch]) -> dict[str, int]:
@@ -516,8 +590,10 @@ def fold(main: Plan, branches: list[Branch], refused: Mapping[str, str],
     slower branch's time added (in place)."""
     sizes = {n: v for b in branches for n, v in b.sizes.items()}
     gone = set().union(*(b.offloaded() for b in branches if b.decision is not None))
+    gone |= {n for n in sizes  # (the main graph may reload those before a body: not counted)
+             if n in analysis.tensors and hoisted_readers(analysis, analysis.tensors[n])}
     main.min_budget -= sum(v for n, v in sizes.items() if n not in gone and n not in refused)
-    slowest: dict[ir.Node, tuple[float, float]] = {}
+    slowest: dict[ir.Node, tuple[float, float, float, float]] = {}
     for b in branches:
         d = b.decision
         if not isinstance(d, Plan):
@@ -528,11 +604,18 @@ def fold(main: Plan, branches: list[Branch], refused: Mapping[str, str],
                                         b.unmodified + d.baseline.peak_bytes)
         main.min_budget = max(main.min_budget, b.main_bytes + d.min_budget)
         main.arena_bytes = max(main.arena_bytes, b.held + d.arena_bytes)
-        old = slowest.get(b.owner, (0.0, 0.0))
-        slowest[b.owner] = (max(old[0], d.baseline.total_s), max(old[1], d.planned.total_s))
-    for base, planned in slowest.values():
+        times = b.trips if b.per_iteration and b.trips is not None else 1
+        old = slowest.get(b.owner, (0.0, 0.0, 0.0, 0.0))
+        slowest[b.owner] = (max(old[0], times * d.baseline.total_s),
+                            max(old[1], times * d.planned.total_s),
+                            max(old[2], times * (d.bound.seconds if d.bound else 0.0)),
+                            max(old[3], times * (d.greedy_s or d.planned.total_s)))
+    for base, planned, bound, greedy in slowest.values():
         main.baseline.total_s += base
         main.planned.total_s += planned
+        main.greedy_s += greedy  # (the node's time is its slower branch's in every plan)
+        if main.bound is not None:  # (each branch's plan is at least its own bound)
+            main.bound = dataclasses.replace(main.bound, seconds=main.bound.seconds + bound)
     main.host_bytes += _host_bytes(branches)
 
 
@@ -578,7 +661,7 @@ class PlanBranchesPass(ir.passes.InPlacePass):
         analysis: GraphAnalysis = model.meta[ANALYSIS]
         prepare = getattr(self.decider, "prepared", None)  # (optional in the protocol)
         decider = self.decider if prepare is None or not any(
-            n.op_type == "If" for n in analysis.nodes) else prepare(self.run)
+            n.op_type in {"If", *HOISTED_OPS} for n in analysis.nodes) else prepare(self.run)
         model.meta[BRANCHES] = plan_branches(analysis, decider, self.dims,
                                              shapes=self.shapes, contrib=model.meta.get(CONTRIB))
         return ir.passes.PassResult(model, modified=False)

@@ -20,7 +20,11 @@ branch has cache ops of its own, :mod:`.branches`):
   the transfers queued in the order the plan simulated, under any node order);
 * every ``Emit`` with a cache op after it has a ``done`` output that a cache op reads as an
   ordering input (else ORT's DEFAULT order runs it after the whole graph, and the present
-  it copies stays allocated until then).
+  it copies stays allocated until then);
+* every cache op inside a Loop/Scan body (at any depth) has attribute ``iteration`` = 1 and
+  no other has (the library keeps a body op's records for one iteration; without it, the
+  op's second iteration would start a new run and release the run's other records), and
+  reads no cache op's output from another graph (an iteration's transfers are its own).
 
 A violation is a rewriter bug; :func:`check_schedule` raises :class:`ScheduleError` naming
 the first node that breaks one.
@@ -32,7 +36,8 @@ import onnx_ir as ir
 
 from .. import contract
 from ..errors import ScheduleError
-from ..graph.analyse import all_graphs
+from ..graph.analyse import all_graphs, subgraphs
+from ..schedule.eligibility import HOISTED_OPS
 from .insert import prefetch_channel
 
 
@@ -54,6 +59,29 @@ def check_schedule(model: ir.Model) -> None:
     then each subgraph) that breaks an invariant above."""
     for graph in all_graphs(model.graph):
         _check_graph(graph)
+    stack = [(model.graph, False)]  # (a graph, whether it is inside a Loop/Scan body)
+    while stack:
+        graph, in_body = stack.pop()
+        for node in graph:
+            if node.domain == contract.DOMAIN:
+                _check_iteration(node, graph, in_body)
+            stack.extend((sub, in_body or node.op_type in HOISTED_OPS)
+                         for sub in subgraphs(node))
+
+
+def _check_iteration(node: ir.Node, graph: ir.Graph, in_body: bool) -> None:
+    """A cache op of a Loop/Scan body (``in_body``) is marked per iteration and keeps its
+    chain inside its graph; any other is not marked."""
+    attr = node.attributes.get(contract.ATTR_ITERATION)
+    if (attr is not None and attr.value == 1) != in_body:
+        raise ScheduleError(f"{node.op_type} {_label(node)} " + (
+            "is inside a Loop/Scan body without attribute iteration = 1" if in_body
+            else "has attribute iteration = 1 outside any Loop/Scan body"))
+    for v in node.inputs if in_body else ():
+        p = v.producer() if v is not None else None
+        if p is not None and p.domain == contract.DOMAIN and p.graph is not graph:
+            raise ScheduleError(f"{node.op_type} {_label(node)} inside a Loop/Scan body reads "
+                                f"{p.op_type} {_label(p)}'s output from another graph")
 
 
 def _check_graph(graph: ir.Graph) -> None:

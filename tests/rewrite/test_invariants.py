@@ -200,3 +200,43 @@ def test_offload_pass_runs_the_verifier_after_the_insertion(tmp_path):
     model = ir.load(save(chain_model(), tmp_path / "m.onnx", external=True))
     with pytest.raises(ScheduleError, match=WAIT_REWIRED):
         OffloadPass(ExplicitPolicy(OffloadOptions(min_bytes=0)), {"N": 4})(model)
+
+
+# A Loop whose body stores and reloads its state each iteration, marked per iteration; the
+# main graph's own Store is reloaded after the Loop.
+LOOPED = f"""
+lg (float[4] x, int64 n) => (float[4] y) {{
+  [st] t = {HO}.Store(x)
+  [det] t2 = {HO}.Detach(x, t)
+  [c] cond = Constant<value = bool {{1}}>()
+  [loop] out = Loop(n, cond, x) <body = body (int64 i, bool c, float[4] h) => (bool c2,
+                                                                             float[4] h2) {{
+      [id] c2 = Identity(c)
+      [bst] bt = {HO}.Store <iteration = 1> (h)
+      [bdet] bt2 = {HO}.Detach <iteration = 1> (h, bt)
+      [bpf] bp = {HO}.Prefetch <iteration = 1> (bt2)
+      [bw] bz = {HO}.Wait <iteration = 1> (bp)
+      [tanh] h2 = Tanh(bz)
+  }}>
+  [pf] p = {HO}.Prefetch(t2, out)
+  [w] r = {HO}.Wait(p)
+  [add] y = Add(out, r)
+}}
+"""
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("[bw] bz = {HO}.Wait <iteration = 1> (bp)", "[bw] bz = {HO}.Wait(bp)",
+     "Wait 'bw' is inside a Loop/Scan body without attribute iteration = 1"),
+    ("[w] r = {HO}.Wait(p)", "[w] r = {HO}.Wait <iteration = 1> (p)",
+     "Wait 'w' has attribute iteration = 1 outside any Loop/Scan body"),
+    # the body's Prefetch ordered by the main graph's Detach: an iteration's chains are its own
+    ("[bpf] bp = {HO}.Prefetch <iteration = 1> (bt2)", "[bpf] bp = {HO}.Prefetch "
+     "<iteration = 1> (bt2, t2)", "Prefetch 'bpf' inside a Loop/Scan body reads Detach 'det'"),
+])
+def test_a_loop_bodys_cache_ops_are_marked_per_iteration(old, new, message):
+    check_schedule(_model(LOOPED))
+    old, new = old.replace("{HO}", HO), new.replace("{HO}", HO)
+    assert old in LOOPED
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        check_schedule(_model(LOOPED.replace(old, new)))

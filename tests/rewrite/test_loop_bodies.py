@@ -118,3 +118,177 @@ def test_a_weight_an_if_branch_reads_too_stays_resident(tmp_path):
     for n, flip in ((2, True), (2, False)):
         feeds = {"x": x, "n": np.array(n, np.int64), "flip": np.array(flip)}
         np.testing.assert_array_equal(sess.run(None, feeds)[0], ref.run(None, feeds)[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Bodies planned per iteration (a budget planner): the body is a graph of its own, its cache
+# ops run at every iteration (attribute ``iteration`` = 1), each iteration's loads its own.
+
+N = 256
+W = N * N * 4
+
+# Four weights read in turn inside the body (a stack of layers), two by the main graph.
+LAYERS = f"""
+ly (float[{N}, {N}] x, int64 n) => (float[{N}, {N}] y) {{
+  a = MatMul(x, W0)
+  cond = Constant<value = bool {{1}}>()
+  out = Loop(n, cond, a) <body = body (int64 i, bool c, float[{N}, {N}] h) => (bool c2,
+                                                                           float[{N}, {N}] h2) {{
+      c2 = Identity(c)
+      t1 = MatMul(h, W1)
+      r1 = Tanh(t1)
+      t2 = MatMul(r1, W2)
+      r2 = Tanh(t2)
+      t3 = MatMul(r2, W3)
+      r3 = Tanh(t3)
+      t4 = MatMul(r3, W4)
+      h2 = Tanh(t4)
+  }}>
+  y = MatMul(out, W5)
+}}
+"""
+
+# A body that walks stacked weights: iteration i reads WS[i] (a Gather of the loop counter).
+STACKED = """
+sw (float[4, 128] x) => (float[4, 128] y) {
+  n = Constant<value = int64 {6}>()
+  cond = Constant<value = bool {1}>()
+  out = Loop(n, cond, x) <body = body (int64 i, bool c, float[4, 128] h) => (bool c2,
+                                                                          float[4, 128] h2) {
+      c2 = Identity(c)
+      w = Gather<axis = 0>(WS, i)
+      t = MatMul(h, w)
+      h2 = Tanh(t)
+  }>
+  y = Identity(out)
+}
+"""
+
+# A Scan over the rows of xs whose body reads two weights.
+SCAN = f"""
+sc (float[{N}] s0, float[T, {N}] xs) => (float[{N}] s, float[T, {N}] ys) {{
+  s, ys = Scan<num_scan_inputs = 1, body = body (float[{N}] st, float[{N}] xt) => (
+                                                   float[{N}] st2, float[{N}] yt) {{
+      u = Add(st, xt)
+      v = MatMul(u, W1)
+      st2 = Tanh(v)
+      yt = MatMul(st2, W2)
+  }}> (s0, xs)
+}}
+"""
+
+
+def _weights_model(text: str, **shapes: tuple[int, ...]) -> onnx.ModelProto:
+    m = onnx.parser.parse_model(f"{HEADER}\n{text}")
+    rng = np.random.default_rng(0)
+    for k, shape in shapes.items():
+        m.graph.initializer.append(numpy_helper.from_array(
+            (rng.standard_normal(shape) / 16).astype(np.float32), k))
+    onnx.checker.check_model(m)
+    return m
+
+
+def _exact_sessions(src, out):
+    """The optimized model's session and the source's, pre-packing off in both (the same
+    CPU kernels: bit-exact)."""
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    return (runtime.InferenceSession(str(out), sess_options=so),
+            ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]))
+
+
+def _body(model: onnx.ModelProto, op: str) -> onnx.GraphProto:
+    node = next(n for n in model.graph.node if n.op_type == op)
+    return next(a.g for a in node.attribute if a.name == "body")
+
+
+def _cache_ops(g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    return [n for n in g.node if n.domain == "ai.hyperoffload"]
+
+
+def _marked(n: onnx.NodeProto) -> bool:
+    return any(a.name == "iteration" and a.i == 1 for a in n.attribute)
+
+
+def test_a_budget_plans_a_loop_body_per_iteration(tmp_path):
+    """The body's four weights do not fit beside what the main graph holds at the Loop: the
+    body is planned as a graph of its own, each weight reloaded inside every iteration (a
+    hoisted reload would hold all four for the whole Loop); the plan fits its budget and
+    outputs are bit-exact at every trip count, with one load per body Prefetch per
+    iteration."""
+    src = tmp_path / "layers.onnx"
+    onnx.save(_weights_model(LAYERS, **{f"W{k}": (N, N) for k in range(6)}), str(src))
+    budget = 8 * W
+    r = optimize(src, tmp_path / "o" / "m.onnx",
+                 OffloadOptions(budget=budget, min_bytes=0, activations=False))
+    assert r.decision.fits and r.decision.planned.peak_bytes <= budget
+    assert r.decision.baseline.peak_bytes > budget
+    note = next(n for n in r.choice.notes if n.startswith("Loop '<unnamed>' body planned"))
+    assert "its cache ops run at every iteration, whose count the graph does not fix" in note
+    out = onnx.load(str(tmp_path / "o" / "m.onnx"))
+    ops = _cache_ops(_body(out, "Loop"))
+    body_loads = sum(n.op_type == "Prefetch" for n in ops)
+    assert body_loads >= 1 and all(_marked(n) for n in ops)
+    main_loads = sum(n.op_type == "Prefetch" for n in _cache_ops(out.graph))
+    assert not any(_marked(n) for n in _cache_ops(out.graph))
+    sess, ref = _exact_sessions(src, tmp_path / "o" / "m.onnx")
+    x = np.random.default_rng(1).standard_normal((N, N)).astype(np.float32)
+    for n in (0, 1, 3, 5):
+        feeds = {"x": x, "n": np.array(n, np.int64)}
+        runtime.reset_counters()
+        np.testing.assert_array_equal(sess.run(None, feeds)[0], ref.run(None, feeds)[0])
+        c = runtime.counters()
+        assert c["prefetches"] == main_loads + body_loads * n
+        assert c["bytes_loaded"] >= body_loads * n * W
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_body_walking_stacked_weights_gathers_one_slice_per_iteration(tmp_path, tier):
+    """Iteration i reads WS[i]: the offloaded stack is read by a GatherRows inside the body,
+    which copies (or reads from the data file) only that iteration's slice; a run moves the
+    stack once, and the stack is never resident whole."""
+    src = tmp_path / "stacked.onnx"
+    onnx.save(_weights_model(STACKED, WS=(6, 128, 128)), str(src))
+    stack, one = 6 * 128 * 128 * 4, 128 * 128 * 4
+    r = optimize(src, tmp_path / "o" / "m.onnx",
+                 OffloadOptions(budget=3 * one, min_bytes=0, activations=False,
+                                weight_tier=tier))
+    assert r.decision.fits and r.decision.planned.peak_bytes < stack
+    assert any("6 per run" in n for n in r.choice.notes)
+    out = onnx.load(str(tmp_path / "o" / "m.onnx"))
+    ops = _cache_ops(_body(out, "Loop"))
+    assert [n.op_type for n in ops] == ["GatherRows"] and _marked(ops[0])
+    assert "WS" not in {i.name for i in out.graph.initializer}
+    sess, ref = _exact_sessions(src, tmp_path / "o" / "m.onnx")
+    x = np.random.default_rng(2).standard_normal((4, 128)).astype(np.float32)
+    for _ in range(2):
+        runtime.reset_counters()
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0])
+        c = runtime.counters()
+        assert c["bytes_gathered"] == stack and c["prefetches"] == 0
+        assert c["bytes_read_disk"] == (stack if tier == "disk" else 0)
+
+
+def test_a_scan_body_is_planned_per_iteration(tmp_path):
+    """A Scan's body likewise, its trip count the scanned dim (bound by ``--dim``); outputs
+    bit-exact at the planned length and at others."""
+    src = tmp_path / "scan.onnx"
+    onnx.save(_weights_model(SCAN, W1=(N, N), W2=(N, N)), str(src))
+    r = optimize(src, tmp_path / "o" / "m.onnx",
+                 OffloadOptions(budget=W + 24 * N * 4, min_bytes=0, activations=False),
+                 {"T": 8})
+    assert any("Scan '<unnamed>' body planned" in n and "8 per run" in n
+               for n in r.choice.notes)
+    out = onnx.load(str(tmp_path / "o" / "m.onnx"))
+    ops = _cache_ops(_body(out, "Scan"))
+    assert ops and all(_marked(n) for n in ops)
+    loads = sum(n.op_type == "Prefetch" for n in ops)
+    sess, ref = _exact_sessions(src, tmp_path / "o" / "m.onnx")
+    rng = np.random.default_rng(3)
+    for t in (1, 8, 13):
+        feeds = {"s0": rng.standard_normal(N).astype(np.float32),
+                 "xs": rng.standard_normal((t, N)).astype(np.float32)}
+        runtime.reset_counters()
+        for got, want in zip(sess.run(None, feeds), ref.run(None, feeds), strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert runtime.counters()["prefetches"] == loads * t

@@ -158,3 +158,55 @@ def test_a_destroyed_kernel_releases_what_it_made_and_is_forgotten():
     assert r.forget(0xA) == NONE  # (twice: nothing left)
     # a new session's kernels on thread 1 start no new run: nothing of its own released
     assert r.put_stored(12, name=4, kernel=0xD, creator=0xD) == NONE
+
+
+def test_a_body_kernel_seen_again_starts_the_next_iteration_not_the_next_run():
+    """Cache ops inside a Loop/Scan body (attribute ``iteration`` = 1) execute once per
+    iteration: a body kernel seen again releases only the body's records of earlier
+    iterations; the main graph's records of the run (a Prefetch issued before the Loop,
+    waited after it) stay."""
+    r = _records()
+    assert r.enter(0xA) == NONE  # main graph: Prefetch A before the Loop
+    r.put_load(0x100, name=1, kernel=0)
+    for it in range(3):  # the body: Prefetch B, Wait C (a load per iteration)
+        released = r.enter(0xB, per_iteration=True)
+        assert released == NONE
+        r.put_load(0x200 + it, name=10 + it, kernel=0)
+        assert r.enter(0xC, per_iteration=True) == NONE
+        assert r.take_load(0x200 + it, kernel=0) == (10 + it, NONE)
+    assert r.enter(0xD) == NONE  # main graph after the Loop: Wait D takes A's load
+    assert r.take_load(0x100, kernel=0) == (1, NONE)
+    assert r.counts() == {"stored": 0, "loads": 0, "abandoned": []}
+
+
+def test_a_failed_iterations_records_go_at_the_next_iteration_and_its_scope_is_kept():
+    r = _records()
+    r.enter(0xA)
+    r.put_stored(10, name=1, kernel=0)  # main graph: a Store before the Loop
+    r.enter(0xB, per_iteration=True)
+    r.put_load(0x200, name=2, kernel=0)  # iteration 1's Prefetch; its Wait never runs
+    # The next iteration (B again): iteration 1's load is released, the main Store stays.
+    assert r.enter(0xB, per_iteration=True) == {"stored": [], "loads": [2]}
+    assert r.counts()["abandoned"] == [2]
+    # A body record is not the main graph's, nor another iteration's, to use.
+    r.put_load(0x300, name=3, kernel=0)
+    r.enter(0xE)  # back in the main graph (first time: the same run)
+    assert r.take_load(0x300, kernel=0) == (None, NONE)
+    assert r.find_stored(10, kernel=0) == (1, NONE)  # the main graph's own: usable
+    # The body's ops may read what the main graph made in this run.
+    r.enter(0xC, per_iteration=True)
+    assert r.find_stored(10, kernel=0) == (1, NONE)
+    # The main graph's first kernel again: the next run, which releases both scopes.
+    assert r.enter(0xA) == {"stored": [1], "loads": [3]}
+
+
+def test_a_body_only_model_releases_a_failed_runs_records_at_its_next_iteration():
+    """With no cache op in the main graph, no kernel starts a run again: the next run's
+    first body op starts an iteration, and that releases what the failed run's body left."""
+    r = _records()
+    r.enter(0xB, per_iteration=True)
+    r.put_load(0x200, name=1, kernel=0)  # the failed run stops here
+    assert r.enter(0xB, per_iteration=True) == {"stored": [], "loads": [1]}
+    assert r.seen() == 1
+    assert r.forget(0xB) == NONE
+    assert r.seen() == 0
