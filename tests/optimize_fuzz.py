@@ -116,6 +116,26 @@ def make_seeds(work: Path) -> list[Path]:
                           s2 = MatMul(s, W) }>
     }
     """, W=(16, 16))
+    # a Loop walking stacked weights by its counter, and a Scan body reading two weights
+    # (both planned per iteration under a budget)
+    stacked = text_model("""
+    g (float[N, 16] x, float[N, 16] xs) => (float[N, 16] y, float[N, 16] ys) {
+      k = Constant <value = int64 {4}> ()
+      c = Constant <value = bool {1}> ()
+      y = Loop(k, c, x) <body = b (int64 i, bool ci, float[N, 16] s) => (bool co,
+                                                                     float[N, 16] s2) {
+                          co = Identity(ci)
+                          w = Gather <axis = 0> (WS, i)
+                          s2 = MatMul(s, w) }>
+      z = Constant <value = float[16] {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0}> ()
+      zf, ys = Scan <num_scan_inputs = 1, body = sb (float[16] st, float[16] xt) => (
+                       float[16] st2, float[16] yt) {
+                          u = Add(st, xt)
+                          v = MatMul(u, V1)
+                          st2 = Tanh(v)
+                          yt = MatMul(st2, V2) }> (z, xs)
+    }
+    """, WS=(4, 16, 16), V1=(16, 16), V2=(16, 16))
     # IR 3: every weight also listed as a graph input (ORT holds them constant)
     legacy = chain_model()
     legacy.ir_version = 3
@@ -131,6 +151,7 @@ def make_seeds(work: Path) -> list[Path]:
                                   ("branchy", branchy, True),
                                   ("recomputable", recomputable, False),
                                   ("loopy", loopy, True),
+                                  ("stacked", stacked, True),
                                   # ORT's symbolic inference (a contrib op), a small
                                   # ConstantOfShape it computes: mutations make it big
                                   ("contrib", contrib_blowup_model(4), False)):

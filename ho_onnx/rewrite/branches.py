@@ -1,5 +1,7 @@
 """Planning inside ``If`` branches (an Optimum merged decoder: the main graph is one ``If``
-whose two branches are whole decoders reading the weights from the outer scope).
+whose two branches are whole decoders reading the weights from the outer scope) and, under
+a budget, inside Loop/Scan bodies (planned as a branch is; their cache ops run at every
+iteration, marked ``iteration`` = 1: :func:`mark_per_iteration`).
 
 Each ``If`` branch of the main graph is planned as a graph of its own, by the pipeline's own
 steps (:class:`~.passes.AnalysePass`, :class:`~.passes.DecidePass`, then
@@ -310,6 +312,10 @@ def _analyse(b: Branch, main: ir.Model, dims: Mapping[str, int],
     b.model = ir.Model(b.graph, ir_version=main.ir_version)
     b.analysis_ = analyse(b.model, dims, more_types=more,
                           shapes={k: v for k, v in shapes.items() if k in b.outer})
+    if b.per_iteration:  # (its node holds them, in ORT's arena, for the whole iteration)
+        for v in b.graph.inputs:
+            if (t := b.analysis_.tensors.get(v.name)) is not None:
+                t.is_graph_output = True
 
 
 def _decide(b: Branch, decider: Decider, dims: Mapping[str, int]) -> None:
@@ -373,12 +379,16 @@ def plan_branches(analysis: GraphAnalysis, decider: Decider, dims: Mapping[str, 
             raise
         except HoOnnxError as e:  # (its weights stay resident, as before branches were planned)
             branches.remove(b)
+            # (a body's may still be reloaded before its node, unless a branch reads them)
+            shared = set().union(*(o.weights for o in branches if o.owner is not b.owner))
             refused.update((n, f"read inside {b.label}, whose analysis failed: {e}")
-                           for n in b.weights)
+                           for n in b.weights if not b.per_iteration or n in shared)
         finally:
             uninstall(b)
     if not branches:
         return branches, refused
+    for b in branches:  # (what a later branch's failed analysis refused: resident here too)
+        b.pinned.update((n, why) for n, why in refused.items() if n in b.outer)
     _agree(branches, decider, dims, sizes)
     for b in branches:
         b.held = b.main_bytes + _sibling_bytes(b, branches, sizes)
@@ -408,7 +418,8 @@ def _agree(branches: list[Branch], decider: Decider, dims: Mapping[str, int],
                 held = total - budget
                 raise InfeasibleBudgetError(
                     f"{b.label}: the budget {format_bytes(total)} leaves nothing for it: the "
-                    f"main graph holds {format_bytes(held)} at its If (under these dims)",
+                    f"main graph holds {format_bytes(held)} at its {b.owner.op_type} (under "
+                    "these dims)",
                     held + 1)
             again, b.stale = True, False
             b.budget = budget
@@ -496,7 +507,8 @@ def report(branches: list[Branch], refused: Mapping[str, str], main: Decision) -
                 c.skipped[n] = why
         c.notes.append(_branch_note(b))
     for n, why in refused.items():
-        c.skipped[n] = why
+        if n not in offloaded:  # (the main graph's own reload before a body stays)
+            c.skipped[n] = why
     if refused:
         c.notes.append(f"{len(refused)} weights read inside subgraphs stay resident: nested "
                        "subgraphs are not planned, and a weight a Loop/Scan body reads is "
