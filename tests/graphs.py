@@ -25,6 +25,30 @@ def text_model(body: str, seed: int = 0, **inits: tuple[int, ...] | np.ndarray) 
     return model
 
 
+# A Loop whose body reads four weights W1-W4 in turn (a stack of layers; its trip count an
+# input), W0 and W5 read by the main graph: under a budget the body is planned per iteration.
+LOOP_N = 256
+LOOP_LAYERS = f"""
+ly (float[{LOOP_N}, {LOOP_N}] x, int64 n) => (float[{LOOP_N}, {LOOP_N}] y) {{
+  a = MatMul(x, W0)
+  cond = Constant<value = bool {{1}}>()
+  out = Loop(n, cond, a) <body = body (int64 i, bool c, float[{LOOP_N}, {LOOP_N}] h) => (
+                                        bool c2, float[{LOOP_N}, {LOOP_N}] h2) {{
+      c2 = Identity(c)
+      t1 = MatMul(h, W1)
+      r1 = Tanh(t1)
+      t2 = MatMul(r1, W2)
+      r2 = Tanh(t2)
+      t3 = MatMul(r2, W3)
+      r3 = Tanh(t3)
+      t4 = MatMul(r3, W4)
+      h2 = Tanh(t4)
+  }}>
+  y = MatMul(out, W5)
+}}
+"""
+
+
 # x -> MatMul W1 -> Relu -> MatMul W2 -> Relu -> Add(h4, h1): h1 has a gap (used at 1 and 4).
 CHAIN = """
 chain (float[N, 16] x) => (float[N, 16] y) {

@@ -9,6 +9,8 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 import pytest
+from graphs import LOOP_LAYERS as LAYERS
+from graphs import LOOP_N as N
 from onnx import numpy_helper
 
 from ho_onnx.graph.analyse import analyse
@@ -124,29 +126,7 @@ def test_a_weight_an_if_branch_reads_too_stays_resident(tmp_path):
 # Bodies planned per iteration (a budget planner): the body is a graph of its own, its cache
 # ops run at every iteration (attribute ``iteration`` = 1), each iteration's loads its own.
 
-N = 256
 W = N * N * 4
-
-# Four weights read in turn inside the body (a stack of layers), two by the main graph.
-LAYERS = f"""
-ly (float[{N}, {N}] x, int64 n) => (float[{N}, {N}] y) {{
-  a = MatMul(x, W0)
-  cond = Constant<value = bool {{1}}>()
-  out = Loop(n, cond, a) <body = body (int64 i, bool c, float[{N}, {N}] h) => (bool c2,
-                                                                           float[{N}, {N}] h2) {{
-      c2 = Identity(c)
-      t1 = MatMul(h, W1)
-      r1 = Tanh(t1)
-      t2 = MatMul(r1, W2)
-      r2 = Tanh(t2)
-      t3 = MatMul(r2, W3)
-      r3 = Tanh(t3)
-      t4 = MatMul(r3, W4)
-      h2 = Tanh(t4)
-  }}>
-  y = MatMul(out, W5)
-}}
-"""
 
 # A body that walks stacked weights: iteration i reads WS[i] (a Gather of the loop counter).
 STACKED = """
