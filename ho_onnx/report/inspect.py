@@ -34,6 +34,10 @@ class Transfer:
     # routed to its expert; "softmax top-2 of 8" (the MoE/QMoE op's rule, k and E): only the
     # slices of the experts the op selects.
     routed: str = ""
+    # The graph it runs in: "" the main graph, else the subgraph (an If branch, a Loop/Scan
+    # body: "Loop 'name' body"); its steps are that graph's.
+    graph: str = ""
+    per_iteration: bool = False  # in a Loop/Scan body: at every iteration (attribute)
 
 
 @dataclass
@@ -42,7 +46,7 @@ class ModelSummary:
 
     nodes: int
     compute_nodes: int
-    cache_ops: dict[str, int]
+    cache_ops: dict[str, int]  # in every graph (the main graph's and its subgraphs')
     transfers: list[Transfer] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     # Where the CUDA EP would run the cache ops (ORT's CPU fallback replayed): cache ops per
@@ -51,47 +55,83 @@ class ModelSummary:
     split_chains: list[str] = field(default_factory=list)
     # Cache ops ONNX Runtime would refuse (a damaged model): "name (op): why".
     defects: list[str] = field(default_factory=list)
+    # Cache ops inside subgraphs (If branches, Loop/Scan bodies), by subgraph.
+    subgraph_cache_ops: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
+def _graphs(main: ir.Graph) -> list[tuple[str, ir.Graph, bool]]:
+    """(label, graph, inside a Loop/Scan body) of ``main`` ("") and every subgraph in it,
+    each once, a parent before its subgraphs."""
+    out, stack = [], [("", main, False)]
+    while stack:
+        label, g, in_body = stack.pop()
+        out.append((label, g, in_body))
+        for node in g:
+            for attr in node.attributes.values():
+                if attr.type is ir.AttributeType.GRAPH:
+                    subs = [(attr.name, attr.value)]
+                elif attr.type is ir.AttributeType.GRAPHS:
+                    subs = [(f"{attr.name}[{k}]", s) for k, s in enumerate(attr.value)]
+                else:
+                    continue
+                name = f"{node.op_type} {printable(node.name or '<unnamed>')!r}"
+                stack.extend((f"{label + ' > ' if label else ''}{name} {a}", s,
+                              in_body or node.op_type in ("Loop", "Scan"))
+                             for a, s in reversed(subs))
+    return out
+
+
 def summarize(path: str | os.PathLike[str]) -> ModelSummary:
-    """Read ``path`` (no weight bytes) and list its transfers."""
+    """Read ``path`` (no weight bytes) and list its transfers (every graph's)."""
     model = load_model(path, check=False, allow_cache_ops=True).model
-    g = model.graph
     counts = {op: 0 for op in contract.ALL_OPS}
-    compute_before: list[int] = []  # compute nodes strictly before each step
-    n_compute = 0
-    for node in g:
-        compute_before.append(n_compute)
-        if node.domain == contract.DOMAIN:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-        else:
-            n_compute += 1
-    step = {n: i for i, n in enumerate(g)}
-    summary = ModelSummary(len(step), n_compute, counts, metadata={
+    summary = ModelSummary(len(model.graph), 0, counts, metadata={
         k: v for k, v in model.metadata_props.items() if k.startswith(contract.META_PREFIX)})
-    damaged = {node: why for node in g if node.domain == contract.DOMAIN
-               and (why := cache_op_defect(node)) is not None}
-    summary.defects = [f"{n.name or '?'!r} ({n.op_type}): {why}" for n, why in damaged.items()]
-    for node in g:
-        if node.domain != contract.DOMAIN or node.op_type != contract.WAIT or node in damaged:
-            continue
-        pf = node.inputs[0].producer()
-        if pf is None or pf.op_type not in contract.PREFETCHES or pf.domain != contract.DOMAIN or \
-                pf in damaged:
-            continue
-        tensor, kind, nbytes, source, tier = _source(pf)
-        i, j = step[pf], step[node]
-        summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
-                                          compute_before[j] - compute_before[i], source, tier,
-                                          _routing(pf)))
+    for label, g, in_body in _graphs(model.graph):
+        _summarize_graph(summary, label, g, in_body)
     placement = split_chains(model)
     summary.cuda_placement = {k.removesuffix("ExecutionProvider"): v
                               for k, v in sorted(placement.per_provider.items())}
     summary.split_chains = [c.describe() for c in placement.split]
     return summary
+
+
+def _summarize_graph(summary: ModelSummary, label: str, g: ir.Graph, in_body: bool) -> None:
+    """Add ``g``'s cache ops, defects and transfers (``label``: the subgraph, "" main)."""
+    compute_before: list[int] = []  # compute nodes strictly before each step
+    n_compute = ops = 0
+    for node in g:
+        compute_before.append(n_compute)
+        if node.domain == contract.DOMAIN:
+            summary.cache_ops[node.op_type] = summary.cache_ops.get(node.op_type, 0) + 1
+            ops += 1
+        else:
+            n_compute += 1
+    if not label:
+        summary.compute_nodes = n_compute
+    elif ops:
+        summary.subgraph_cache_ops[label] = ops
+    step = {n: i for i, n in enumerate(g)}
+    damaged = {node: why for node in g if node.domain == contract.DOMAIN
+               and (why := cache_op_defect(node)) is not None}
+    where = f" in {label}" if label else ""
+    summary.defects += [f"{n.name or '?'!r} ({n.op_type}){where}: {why}"
+                        for n, why in damaged.items()]
+    for node in g:
+        if node.domain != contract.DOMAIN or node.op_type != contract.WAIT or node in damaged:
+            continue
+        pf = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+        if pf is None or pf.op_type not in contract.PREFETCHES or pf.domain != contract.DOMAIN or \
+                pf in damaged or pf not in step:
+            continue
+        tensor, kind, nbytes, source, tier = _source(pf)
+        i, j = step[pf], step[node]
+        summary.transfers.append(Transfer(tensor, kind, nbytes, i, j,
+                                          compute_before[j] - compute_before[i], source, tier,
+                                          _routing(pf), label, in_body))
 
 
 def _source(pf: ir.Node) -> tuple[str, str, int | None, str, str]:
@@ -136,7 +176,10 @@ def _routing(pf: ir.Node) -> str:
 def format_summary(s: ModelSummary) -> str:
     """A human-readable table of :func:`summarize`'s result."""
     lines = [f"{s.nodes} nodes: {s.compute_nodes} compute, "
-             + ", ".join(f"{v} {k}" for k, v in s.cache_ops.items())]
+             + ", ".join(f"{v} {k}" for k, v in s.cache_ops.items())
+             + (" (of them in subgraphs: " + ", ".join(
+                 f"{v} in {printable(k, cell=True)}" for k, v in s.subgraph_cache_ops.items())
+                + ")" if s.subgraph_cache_ops else "")]
     if s.metadata:
         lines.append("plan: " + "; ".join(f"{k.removeprefix(contract.META_PREFIX)}={v}"
                                           for k, v in sorted(s.metadata.items())))
@@ -158,14 +201,20 @@ def format_summary(s: ModelSummary) -> str:
     w = min(max(6, *map(len, names)), 48)
     lines.append(f"{'tensor':<{w}}  {'kind':<10} {'tier':<4} {'bytes':>12}  {'prefetch':>8} "
                  f"{'wait':>6} {'window':>6}  source")
-    total = 0
+    total = looped = looped_bytes = 0
     for t, name in zip(s.transfers, names, strict=True):
-        total += t.nbytes or 0
+        total += 0 if t.per_iteration else t.nbytes or 0
+        looped += t.per_iteration
+        looped_bytes += (t.nbytes or 0) if t.per_iteration else 0
         nb = "?" if t.nbytes is None else f"{t.nbytes:,}"
         lines.append(f"{name[:w]:<{w}}  {t.kind:<10} {t.tier:<4} {nb:>12}  {t.prefetch_step:>8} "
                      f"{t.wait_step:>6} {t.window_nodes:>6}  {printable(t.source, cell=True)}"
-                     + (f" (routed: {printable(t.routed, cell=True)})" if t.routed else ""))
-    lines.append(f"{len(s.transfers)} transfers per run, {total:,} bytes reloaded per run")
+                     + (f" (routed: {printable(t.routed, cell=True)})" if t.routed else "")
+                     + (f" [{printable(t.graph, cell=True)}"
+                        + (", every iteration]" if t.per_iteration else "]") if t.graph else ""))
+    lines.append(f"{len(s.transfers) - looped} transfers per run, {total:,} bytes reloaded "
+                 "per run" + (f"; {looped} more at every iteration of a Loop/Scan body "
+                              f"({looped_bytes:,} bytes an iteration)" if looped else ""))
     return "\n".join(lines)
 
 

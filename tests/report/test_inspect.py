@@ -112,3 +112,30 @@ def test_inspect_says_each_transfer_tier(tmp_path):
         r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
         tiers = {t["tier"] for t in json.loads(r.stdout)["transfers"] if t["kind"] == "weight"}
         assert tiers == {tier}
+
+
+def test_inspect_lists_the_transfers_of_a_loop_body_per_iteration(tmp_path):
+    """A body planned per iteration: its cache ops are counted (and named by their
+    subgraph), its transfers listed with their graph and marked per iteration, and the
+    per-run total leaves them out (they move at every iteration)."""
+    from graphs import LOOP_LAYERS, LOOP_N, text_model
+
+    n = LOOP_N
+    src = tmp_path / "layers.onnx"
+    onnx.save(text_model(LOOP_LAYERS, **{f"W{k}": (n, n) for k in range(6)}), str(src))
+    out = tmp_path / "o" / "m.onnx"
+    optimize(src, out, OffloadOptions(budget=8 * n * n * 4, min_bytes=0, activations=False))
+    body = next(x for x in onnx.load(str(out), load_external_data=False).graph.node
+                if x.op_type == "Loop").attribute[0].g
+    ops = sum(x.domain == contract.DOMAIN for x in body.node)
+    s = summarize(out)
+    assert s.subgraph_cache_ops == {"Loop '<unnamed>' body": ops}
+    assert s.cache_ops["Prefetch"] >= 1 and sum(s.cache_ops.values()) >= ops
+    looped = [t for t in s.transfers if t.per_iteration]
+    assert looped and {t.graph for t in looped} == {"Loop '<unnamed>' body"}
+    assert {t.tensor for t in looped} <= {"W1", "W2", "W3", "W4"}
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0, r.output
+    assert f"{len(looped)} more at every iteration of a Loop/Scan body " \
+           f"({len(looped) * n * n * 4:,} bytes an iteration)" in r.output
+    assert "[Loop '<unnamed>' body, every iteration]" in r.output
