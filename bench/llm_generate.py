@@ -125,7 +125,7 @@ class OnnxGenerator:
     """Greedy generation through ``ho_onnx.target.ort.generate``'s loop: the cache in its
     ``KvBuffers`` on ``kv_device`` (``cpu``/``cuda``) from one run to the next, only the last
     position's logits come back; ORT's arenas (``shrink``, ORT's list) shrunk after every
-    prefill chunk but the last."""
+    run."""
 
     def __init__(self, sess: Any, layout: Any, kv_device: str, shrink: str | None) -> None:
         from ho_onnx.target.ort.generate import shrink_options
@@ -147,7 +147,7 @@ class OnnxGenerator:
         tokens = [token]
         t0 = time.perf_counter()
         for _ in range(new_tokens):
-            token = _step(self.sess, self.binding, self.layout, cache, [token])
+            token = _step(self.sess, self.binding, self.layout, cache, [token], self.shrink)
             self.runs += 1
             tokens.append(token)
         decode = time.perf_counter() - t0
@@ -286,9 +286,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if cuda and out["providers"][0] != CUDA_EP:
             return {"error": f"the session runs on {out['providers']}, not {CUDA_EP}: refused",
                     "providers": out["providers"]}
-        from ho_onnx.target.ort.generate import kv_layout
+        from ho_onnx.target.ort.generate import grown_as_requested, kv_layout
 
-        shrink = None if args.shrink_arenas == "off" else "gpu:0" if cuda else "cpu:0"
+        shrink = None if args.shrink_arenas == "off" else grown_as_requested(sess)
         gen: Any = OnnxGenerator(sess, kv_layout(args.model),
                                  "cpu" if args.kv_host or not cuda else "cuda", shrink)
     else:
@@ -443,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per measured row")
     ap.add_argument("--shrink-arenas", choices=["auto", "off"], default="auto",
-                    help="auto: ORT's arena of the device (gpu:0 / cpu:0) shrunk after every "
-                         "prefill chunk but the last (generate.shrink_options); off: never")
+                    help="auto: the session's arenas that grow by what is requested "
+                         "(generate.grown_as_requested) shrunk after every run "
+                         "(generate.shrink_options); off: never")
     ap.add_argument("--child", choices=["onnx", "hf"], dest="kind", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--optimized", action="store_true", help=argparse.SUPPRESS)

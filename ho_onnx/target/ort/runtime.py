@@ -60,7 +60,7 @@ def session_options(
     *,
     model_dir: str | os.PathLike[str] | None = None,
     memory_patterns: bool = False,
-    cpu_arena: str = "as_requested",
+    cpu_arena: str = "auto",
 ) -> ort.SessionOptions:
     """Session options that load the ho-onnx ops.
 
@@ -74,14 +74,18 @@ def session_options(
     block allocated beside the arena's chunks, which the planner's budget does not count
     (measured on an H100: +0.55 GiB of device memory for a 24-layer decoder at 2,048 tokens,
     latency within 3 %; docs/benchmarks.md).
-    ``cpu_arena``: ``"as_requested"`` (default) gives the session ORT's CPU arena grown by
-    what is requested (one arena of the process, registered once: :func:`cpu_arena_shared`),
-    not by powers of two, which reserved twice its peak on a disk-tier plan (257 MiB for 129
-    in use); ``"ort"`` leaves ORT's own per-session arena. A ``base`` that sets
+    ``cpu_arena``: ``"as_requested"`` gives the session ORT's CPU arena grown by what is
+    requested (one arena of the process, registered once: :func:`cpu_arena_shared`), not by
+    powers of two, which reserved twice its peak on a disk-tier plan (257 MiB for 129 in
+    use); ``"ort"`` leaves ORT's own per-session arena; ``"auto"`` (default) is
+    :func:`arena_for` of ``model_path`` (``"ort"`` without one). A ``base`` that sets
     ``session.use_env_allocators`` itself is left as it is.
     """
-    if cpu_arena not in ("as_requested", "ort"):
-        raise ValueError(f"cpu_arena must be 'as_requested' or 'ort', got {cpu_arena!r}")
+    if cpu_arena not in ARENAS:
+        raise ValueError(f"cpu_arena must be one of {', '.join(map(repr, ARENAS))}, got "
+                         f"{cpu_arena!r}")
+    if cpu_arena == "auto":
+        cpu_arena = arena_for(model_path)
     if execution_order not in _ORDERS:
         raise ValueError(
             f"execution_order must be one of {sorted(_ORDERS)}, got {execution_order!r}"
@@ -107,6 +111,36 @@ def session_options(
 
 
 _USE_ENV_ALLOCATORS = "session.use_env_allocators"
+ARENAS = ("auto", "as_requested", "ort")
+
+
+def arena_for(model: str | os.PathLike[str] | bytes | None) -> str:
+    """``"as_requested"`` for a model whose every graph input has a fixed shape (every run
+    asks the arena for the same sizes), else ``"ort"``. An arena grown by what is requested
+    keeps every region it grew: where a run asks for more than the last (a decode step's KV
+    cache, one position longer) it grows again, and without a shrink at the end of each run
+    it held 9.4 GB after 255 decode steps of an 8-layer decoder at 2k context run as Optimum
+    runs it (its presents returned, fed back as the past), 35 MiB more every step (ORT's own
+    arena: 246 MiB, flat; docs/benchmarks.md). ``ho_onnx``'s own generation loop shrinks it
+    after every run (:func:`ho_onnx.target.ort.generate.greedy`)."""
+    if model is None:
+        return "ort"
+    import onnx
+
+    try:
+        proto = onnx.load_model_from_string(model) if isinstance(model, bytes) else \
+            onnx.load(os.fspath(model), load_external_data=False)
+    except Exception:  # (ORT reports an unreadable model when it loads it)
+        return "ort"
+    inits = {t.name for t in proto.graph.initializer}
+    for v in proto.graph.input:
+        if v.name in inits:
+            continue
+        t = v.type.tensor_type
+        if not v.type.HasField("tensor_type") or not t.HasField("shape") or any(
+                not d.HasField("dim_value") or d.dim_value < 0 for d in t.shape.dim):
+            return "ort"
+    return "as_requested"
 
 
 def _config(so: ort.SessionOptions, key: str) -> str:
@@ -233,15 +267,17 @@ def _copy_options(
 CUDA_EP = "CUDAExecutionProvider"
 
 
-def cuda_arena_options(device_limit: int | None = None) -> dict[str, str]:
+def cuda_arena_options(device_limit: int | None = None, *, as_requested: bool = True
+                       ) -> dict[str, str]:
     """CUDA EP options that make ORT's arena hold what the plan predicts.
 
     By default ORT's CUDA arena grows by powers of two (``kNextPowerOfTwo``): a plan that
     peaks at 50% of the card can still reserve all of it. ``kSameAsRequested`` grows it by
-    what is asked for. ``device_limit`` (bytes) also caps the arena (``gpu_mem_limit``):
+    what is asked for (``as_requested``; not for a model whose runs ask for more and more,
+    :func:`arena_for`). ``device_limit`` (bytes) also caps the arena (``gpu_mem_limit``):
     an allocation beyond it fails instead of taking more of the card.
     """
-    opts = {"arena_extend_strategy": "kSameAsRequested"}
+    opts = {"arena_extend_strategy": "kSameAsRequested"} if as_requested else {}
     if device_limit is not None:
         if device_limit <= 0:
             raise ValueError(f"device_limit must be positive, got {device_limit}")
@@ -249,14 +285,15 @@ def cuda_arena_options(device_limit: int | None = None) -> dict[str, str]:
     return opts
 
 
-def with_cuda_arena(providers: list[Any], device_limit: int | None = None) -> list[Any]:
+def with_cuda_arena(providers: list[Any], device_limit: int | None = None, *,
+                    as_requested: bool = True) -> list[Any]:
     """``providers`` with :func:`cuda_arena_options` under the CUDA EP; options the caller
     gave for it win."""
     out: list[Any] = []
     for p in providers:
         name, given = (p, {}) if isinstance(p, str) else (p[0], dict(p[1]))
-        out.append((name, {**cuda_arena_options(device_limit), **given})
-                   if name == CUDA_EP else p)
+        opts = cuda_arena_options(device_limit, as_requested=as_requested)
+        out.append((name, {**opts, **given}) if name == CUDA_EP else p)
     return out
 
 
@@ -269,7 +306,7 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     model_dir: str | os.PathLike[str] | None = None,
     device_limit: int | None = None,
     memory_patterns: bool = False,
-    cpu_arena: str = "as_requested",
+    cpu_arena: str = "auto",
     **kw: Any,
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` that runs ho-onnx's cache operators.
@@ -277,21 +314,27 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     ``path`` is a model file (offloaded weights resolve in its folder) or serialized model
     bytes; bytes with offloaded weights need ``model_dir``, the folder their data files are
     in (or ``ho_onnx.model_dir`` in ``sess_options``). Under the CUDA EP the arena grows by
-    what is requested, not by powers of two, and ``device_limit`` (bytes) caps it
-    (:func:`cuda_arena_options`). ORT's memory patterns are off unless ``memory_patterns``,
-    and the CPU arena grows by what is requested unless ``cpu_arena`` is ``"ort"``
-    (:func:`session_options`).
+    what is requested, not by powers of two, where the CPU arena does (``cpu_arena``,
+    :func:`session_options`; ``"auto"``: only for a model of fixed input shapes,
+    :func:`arena_for`), and ``device_limit`` (bytes) caps it (:func:`cuda_arena_options`).
+    ORT's memory patterns are off unless ``memory_patterns``.
     """
     model_path = None if isinstance(path, bytes) else path
     if isinstance(path, bytes) and model_dir is None and not _has_model_dir(sess_options):
         _refuse_offloaded_weights(path)
+    if cpu_arena not in ARENAS:
+        raise ValueError(f"cpu_arena must be one of {', '.join(map(repr, ARENAS))}, got "
+                         f"{cpu_arena!r}")
+    if cpu_arena == "auto":
+        cpu_arena = arena_for(path)
     so = session_options(model_path, base=sess_options, execution_order=execution_order,
                          model_dir=model_dir, memory_patterns=memory_patterns,
                          cpu_arena=cpu_arena)
     model = path if isinstance(path, bytes) else os.fspath(path)
     return ort.InferenceSession(
         model, sess_options=so,
-        providers=with_cuda_arena(providers or ["CPUExecutionProvider"], device_limit), **kw
+        providers=with_cuda_arena(providers or ["CPUExecutionProvider"], device_limit,
+                                  as_requested=cpu_arena == "as_requested"), **kw
     )
 
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -430,6 +431,32 @@ def test_the_shared_cpu_arena_grows_by_what_is_requested(tmp_path):
     assert got["ort"][2] >= total + (2 << 20), got  # (16 MiB for 12: a power of two)
     with pytest.raises(ValueError, match="cpu_arena"):
         runtime.session_options(None, cpu_arena="big")
+
+
+def test_the_arena_grows_as_requested_only_for_fixed_input_shapes(tmp_path):
+    """``cpu_arena="auto"`` (the default): the shared arena grown by what is requested for a
+    model whose every input has a fixed shape (its runs ask for the same sizes), ORT's own
+    for one with a symbolic dim (a decode loop asks for more at every step: stop 50), for
+    an unreadable model and without one; the CUDA EP's options follow."""
+    fixed = _one_weight_model(tmp_path, 16)
+    symbolic = os.path.join(str(tmp_path), "sym.onnx")
+    onnx.save(onnx.parser.parse_model(f"""
+    <ir_version: 10, opset_import: {OPSETS}>
+    g (float[N] x) => (float[N] out) {{ out = Neg(x) }}
+    """), symbolic)
+    assert runtime.arena_for(fixed) == "as_requested"
+    assert runtime.arena_for(Path(fixed).read_bytes()) == "as_requested"
+    assert runtime.arena_for(symbolic) == runtime.arena_for(None) == "ort"
+    assert runtime.arena_for(b"not a model") == "ort"
+    env = "session.use_env_allocators"
+    assert runtime._config(runtime.InferenceSession(fixed).get_session_options(), env) == "1"
+    assert runtime._config(runtime.InferenceSession(symbolic).get_session_options(), env) != "1"
+    assert runtime._config(runtime.session_options(symbolic, cpu_arena="as_requested"),
+                           env) == "1"
+    assert runtime.with_cuda_arena(["CUDAExecutionProvider"], as_requested=False) == [
+        ("CUDAExecutionProvider", {})]
+    with pytest.raises(ValueError, match="cpu_arena"):
+        runtime.InferenceSession(fixed, cpu_arena="big")
 
 
 def test_arena_is_not_sampled_by_default(tmp_path):

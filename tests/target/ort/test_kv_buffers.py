@@ -218,16 +218,16 @@ def test_shrinking_an_arena_the_session_lacks_fails_the_run_in_words(tmp_path):
 def test_shrinking_between_prefill_chunks_keeps_the_arena_small(tmp_path):
     """A prefill of 1,024 tokens in 32 chunks: each chunk's attention tensors outgrow the
     last's, and ORT's arena (grown by what is requested) adds regions for every chunk: 17.9
-    MB held at the end for a 2.7 MB high-water mark here. Shrunk after every chunk but the
-    last it holds what the last chunk and the decode steps need (3.1 MB here). Measured by
-    the library's samples of ORT's arena at each Wait; the same tokens."""
+    MB held at the end for a 2.7 MB high-water mark here. Shrunk after every run it holds
+    what the last run needs (3.1 MB here). Measured by the library's samples of ORT's arena
+    at each Wait; the same tokens."""
     out = _optimized(_decoder(tmp_path, max_positions=1100), 32, 1040)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 97, 1024)]
     held, tokens = {}, {}
     for shrink in (None, "cpu:0"):
         so = ort.SessionOptions()
         so.add_session_config_entry("ho_onnx.sample_arena", "1")
-        sess = ho_onnx.InferenceSession(out, sess_options=so)
+        sess = ho_onnx.InferenceSession(out, sess_options=so, cpu_arena="as_requested")
         # first the arena as small as it goes: what an earlier test left free in it would
         # otherwise serve every chunk, and the growth measured would be that test's order
         greedy(sess, kv_layout(out), [3, 1], 1, chunk=1, shrink_arenas="cpu:0")
@@ -334,3 +334,82 @@ def test_a_run_after_an_empty_cache_keeps_its_own_loads(tmp_path):
     want = greedy(ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]),
                   kv_layout(src), prompt, 6, chunk=8)
     assert greedy(ho_onnx.InferenceSession(out), kv_layout(out), prompt, 6, chunk=8) == want
+
+
+def _arena_after_decode(sess: ort.InferenceSession, layout, steps: int,
+                        greedy_loop: bool, shrink: str | None = "auto") -> list[int]:
+    """ORT's CPU arena total_allocated (sampled at the model's Waits) after a 96-token
+    prompt and then every 8th of ``steps`` decode steps: through ``greedy``'s loop, or an
+    Optimum-style loop (numpy pasts, the presents ORT allocated fed back)."""
+    _ops.reset_counters()
+    seen: list[int] = []
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 97, 96)]
+    if greedy_loop:
+        for n in range(1, steps + 1, 8):  # (a new generation each time: the same prefix)
+            greedy(sess, layout, prompt, n, chunk=32, shrink_arenas=shrink)
+            seen.append(_ops.counters()["ort_arena_total_allocated"])
+        return seen
+    tokens, presents = _reference(sess, layout, [prompt[:32], prompt[32:64], prompt[64:]])
+    names = [o.name for o in sess.get_outputs()]
+    past, token = presents[-1], tokens[-1]
+    for k in range(steps):
+        done = 96 + k
+        feeds = {layout.input_ids: np.array([[token]], np.int64), **past}
+        if layout.attention_mask:
+            feeds[layout.attention_mask] = np.ones((1, done + 1), np.int64)
+        if layout.position_ids:
+            feeds[layout.position_ids] = np.array([[done]])
+        out = dict(zip(names, sess.run(None, feeds), strict=True))
+        past, token = {p: out[q] for p, q in layout.pairs}, int(np.argmax(out[layout.logits]))
+        if k % 8 == 0:
+            seen.append(_ops.counters()["ort_arena_total_allocated"])
+    return seen
+
+
+def test_an_arena_grown_as_requested_is_not_the_default_for_a_decode_loop(tmp_path):
+    """A decode loop asks the arena for a one-position-longer cache at every step: an arena
+    grown by what is requested (ho-onnx's shared CPU arena) keeps a region for each, and an
+    Optimum-style loop (the presents ORT allocates, fed back) grew it at every step (9.4 GB
+    after 255 steps of an 8-layer decoder at 2k context, stop 50). A model with symbolic
+    input dims now gets ORT's own arena by default (``cpu_arena="auto"``), which stays flat;
+    asked for explicitly, the shared one still grows (so the test can fail)."""
+    src = _decoder(tmp_path, max_positions=240)
+    out = _optimized(src, 32, 190, OffloadOptions(min_bytes=0, activations=False))
+    layout = kv_layout(out)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("ho_onnx.sample_arena", "1")
+    auto = ho_onnx.InferenceSession(out, sess_options=so)
+    assert ho_onnx.target.ort.runtime._config(auto.get_session_options(),
+                                              "session.use_env_allocators") != "1"
+    flat = _arena_after_decode(auto, layout, 64, greedy_loop=False)
+    grown = _arena_after_decode(ho_onnx.InferenceSession(out, sess_options=so,
+                                                         cpu_arena="as_requested"),
+                                layout, 64, greedy_loop=False)
+    assert flat[-1] <= flat[1] * 1.5, flat  # (powers of two: bounded)
+    assert grown[-1] > 2 * grown[1], grown  # (a region a step: 0.84 -> 2.2 MB measured)
+
+
+def test_greedy_shrinks_an_arena_grown_as_requested_after_every_run(tmp_path):
+    """``greedy``'s default (``shrink_arenas="auto"``) shrinks the session's arenas that
+    grow by what is requested after every run, decode steps included (its cache offloaded,
+    each step's past loads are arena buffers one position longer than the last's): the
+    arena stays at what one run uses; unshrunk it grows with every step. Same tokens."""
+    src = _decoder(tmp_path, max_positions=240)
+    out = _optimized(src, 32, 190)
+    layout = kv_layout(out)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("ho_onnx.sample_arena", "1")
+    sess = ho_onnx.InferenceSession(out, sess_options=so, cpu_arena="as_requested")
+    from ho_onnx.target.ort.generate import grown_as_requested
+
+    assert grown_as_requested(sess) == "cpu:0"
+    assert grown_as_requested(ort.InferenceSession(str(src),
+                                                   providers=["CPUExecutionProvider"])) is None
+    shrunk = _arena_after_decode(sess, layout, 64, greedy_loop=True)
+    kept = _arena_after_decode(sess, layout, 64, greedy_loop=True, shrink=None)
+    # (measured: 0.53 -> 0.56 MB shrunk, the last run's longer cache; 0.73 -> 1.17 MB kept)
+    assert shrunk[-1] <= shrunk[1] * 1.2, shrunk
+    assert kept[-1] > 1.5 * shrunk[-1] and kept[-1] > 1.3 * kept[1], (kept, shrunk)
+    prompt = [3, 1, 4, 1, 5]
+    assert greedy(sess, layout, prompt, 20) == greedy(sess, layout, prompt, 20,
+                                                      shrink_arenas=None)
