@@ -119,10 +119,10 @@ def arena_for(model: str | os.PathLike[str] | bytes | None) -> str:
     asks the arena for the same sizes), else ``"ort"``. An arena grown by what is requested
     keeps every region it grew: where a run asks for more than the last (a decode step's KV
     cache, one position longer) it grows again, and without a shrink at the end of each run
-    it held 9.4 GB after 255 decode steps of an 8-layer decoder at 2k context run as Optimum
-    runs it (its presents returned, fed back as the past), 35 MiB more every step (ORT's own
-    arena: 246 MiB, flat; docs/benchmarks.md). ``ho_onnx``'s own generation loop shrinks it
-    after every run (:func:`ho_onnx.target.ort.generate.greedy`)."""
+    it held 10.3 GB after 255 decode steps of an 8-layer decoder at 2k context (its KV cache
+    offloaded) run as Optimum runs it (its presents returned, fed back as the past), 40 MiB
+    more every step (ORT's own arena: 251 MiB, flat; docs/benchmarks.md). ``ho_onnx``'s own
+    generation loop shrinks it after every run (:func:`ho_onnx.target.ort.generate.greedy`)."""
     if model is None:
         return "ort"
     import onnx
