@@ -125,17 +125,20 @@ def arena_for(model: str | os.PathLike[str] | bytes | None) -> str:
     generation loop shrinks it after every run (:func:`ho_onnx.target.ort.generate.greedy`)."""
     if model is None:
         return "ort"
-    import onnx
+    import mmap
+
+    from ...graph.protos import graph_inputs
 
     try:
-        proto = onnx.load_model_from_string(model) if isinstance(model, bytes) else \
-            onnx.load(os.fspath(model), load_external_data=False)
+        if isinstance(model, bytes):
+            inputs = graph_inputs(model)
+        else:  # (mapped: the weights' pages are skipped, never read)
+            with open(os.fspath(model), "rb") as f, \
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                inputs = graph_inputs(m)
     except Exception:  # (ORT reports an unreadable model when it loads it)
         return "ort"
-    inits = {t.name for t in proto.graph.initializer}
-    for v in proto.graph.input:
-        if v.name in inits:
-            continue
+    for v in inputs:
         t = v.type.tensor_type
         if not v.type.HasField("tensor_type") or not t.HasField("shape") or any(
                 not d.HasField("dim_value") or d.dim_value < 0 for d in t.shape.dim):

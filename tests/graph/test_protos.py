@@ -1,0 +1,49 @@
+"""``graph.protos.graph_inputs``: a ModelProto's graph inputs read from its bytes without
+parsing its initializers (what ``cpu_arena="auto"`` reads before a session is made)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from graphs import chain_model, text_model
+from onnx import helper, numpy_helper
+
+from ho_onnx.graph.protos import graph_inputs
+
+
+def _full(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    inits = {t.name for t in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in inits]
+
+
+def test_the_inputs_are_those_a_full_parse_finds():
+    legacy = chain_model()  # (IR 3: every initializer also listed as an input)
+    legacy.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                              for t in legacy.graph.initializer)
+    big = text_model("g (float[N, 1024] x, int64[2] s) => (float[N, 1024] y) "
+                     "{ y = MatMul(x, W) }", W=(1024, 1024))  # (4 MiB inline)
+    for m in (chain_model(), legacy, big):
+        got = graph_inputs(m.SerializeToString())
+        assert [v.SerializeToString() for v in got] == \
+            [v.SerializeToString() for v in _full(m)]
+    assert [v.name for v in graph_inputs(big.SerializeToString())] == ["x", "s"]
+
+
+def test_the_initializers_data_is_skipped_not_read():
+    """A tensor's data is skipped whole, never parsed (its raw_data here is no valid varint
+    stream); its name still takes it out of the inputs."""
+    m = chain_model()
+    t = numpy_helper.from_array(np.zeros(4, np.float32), "x")
+    t.raw_data = b"\xff" * 16  # (not a valid varint stream: it must be skipped whole)
+    m.graph.initializer.append(t)
+    m.graph.input.append(helper.make_tensor_value_info("x2", onnx.TensorProto.FLOAT, [4]))
+    names = [v.name for v in graph_inputs(m.SerializeToString())]
+    assert "x" not in names and "x2" in names
+
+
+@pytest.mark.parametrize("cut", [1, 7, 40])
+def test_truncated_bytes_are_a_value_error(cut):
+    data = chain_model().SerializeToString()
+    with pytest.raises(ValueError):
+        graph_inputs(data[:-cut] + b"\x3a\xff\xff\xff\x0f")  # (a field longer than the rest)
