@@ -114,7 +114,10 @@ def graph_inputs(data: bytes | memoryview) -> list[onnx.ValueInfoProto]:
                 continue
             assert isinstance(v, memoryview)
             if f == _GRAPH_INPUT:
-                inputs.append(onnx.ValueInfoProto.FromString(bytes(v)))
+                try:
+                    inputs.append(onnx.ValueInfoProto.FromString(bytes(v)))
+                except Exception as e:  # (protobuf's DecodeError)
+                    raise ValueError(f"a graph input is not a ValueInfoProto: {e}") from None
             elif f == _GRAPH_INITIALIZER:
                 inits.update(bytes(n).decode("utf-8", "replace") for g, gw, n in _fields(v)
                              if g == _TENSOR_NAME and gw == 2 and isinstance(n, memoryview))

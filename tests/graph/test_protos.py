@@ -47,3 +47,29 @@ def test_truncated_bytes_are_a_value_error(cut):
     data = chain_model().SerializeToString()
     with pytest.raises(ValueError):
         graph_inputs(data[:-cut] + b"\x3a\xff\xff\xff\x0f")  # (a field longer than the rest)
+
+
+def test_mutated_bytes_give_inputs_or_a_value_error():
+    """Hostile bytes (flipped bytes, cuts, splices of a real model): a list or ValueError,
+    never another exception (the reader runs on any file a session is asked to load)."""
+    rng = np.random.default_rng(0)
+    seed = text_model("g (float[N, 16] x, int64[2] s) => (float[N, 16] y) "
+                      "{ y = MatMul(x, W) }", W=(16, 16)).SerializeToString()
+    outcomes = {"list": 0, "ValueError": 0}
+    for _ in range(3000):
+        data = bytearray(seed)
+        for _ in range(int(rng.integers(1, 6))):
+            k = int(rng.integers(0, 3))
+            at = int(rng.integers(0, len(data)))
+            if k == 0:
+                data[at] = int(rng.integers(0, 256))
+            elif k == 1:
+                del data[at:at + int(rng.integers(1, 32))]
+            else:
+                data[at:at] = seed[: int(rng.integers(1, 64))]
+        try:
+            graph_inputs(bytes(data))
+            outcomes["list"] += 1
+        except ValueError:
+            outcomes["ValueError"] += 1
+    assert outcomes["list"] and outcomes["ValueError"], outcomes
