@@ -1,8 +1,10 @@
 """Guards of a range-planned model (``--dim seq=1..2048``): an ``ai.hyperoffload`` ``Guard``
 per graph input with a ranged dim, reading only that input's shape, refuses a run whose dims
 leave the ranges the plan holds for (the library's error names the dim, its value and the
-range). Its empty output is an ordering input of the first cache op, so the check runs
-before the first transfer and is never pruned as unused.
+range). Its empty output is an ordering input of the first cache op of the main graph and of
+each subgraph that has one (an If branch, a Loop/Scan body: ORT then makes it an implicit
+input of the subgraph's node), so the check runs before the first transfer and is never
+pruned as unused.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import onnx_ir as ir
 
 from .. import contract
-from ..graph.analyse import forget_source
+from ..graph.analyse import forget_source, subgraphs
 from ..graph.dims import DimRanges
 from .insert import Names
 
@@ -23,8 +25,9 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
     :func:`ho_onnx.graph.dims.ranged_inputs`) at the start of the main graph, in place; the
     number inserted (none when the model has no cache op: nothing to protect)."""
     graph = model.graph
-    first = next((n for n in graph if n.domain == contract.DOMAIN), None)
-    if first is None or not checks:
+    firsts = [f for g in (graph, *(s for n in graph for s in subgraphs(n)))
+              if (f := next((n for n in g if n.domain == contract.DOMAIN), None)) is not None]
+    if not firsts or not checks:
         return 0
     forget_source(model)
     inputs = {v.name: v for v in graph.inputs}
@@ -43,8 +46,9 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
             ir.AttrString(contract.ATTR_INPUT, name),
         ], outputs=[out], name=names.fresh(f"ho.guard.{name}")))
     graph.insert_before(next(iter(graph)), guards)
-    n = len(first.inputs)
-    first.resize_inputs(n + len(guards))
-    for i, g in enumerate(guards):
-        first.replace_input_with(n + i, g.outputs[0])
+    for first in firsts:
+        n = len(first.inputs)
+        first.resize_inputs(n + len(guards))
+        for i, g in enumerate(guards):
+            first.replace_input_with(n + i, g.outputs[0])
     return len(guards)

@@ -24,7 +24,8 @@ branch has cache ops of its own, :mod:`.branches`):
 * every cache op inside a Loop/Scan body (at any depth) has attribute ``iteration`` = 1 and
   no other has (the library keeps a body op's records for one iteration; without it, the
   op's second iteration would start a new run and release the run's other records), and
-  reads no cache op's output from another graph (an iteration's transfers are its own).
+  reads no cache op's output from another graph but a Guard's (an iteration's transfers
+  are its own).
 
 A violation is a rewriter bug; :func:`check_schedule` raises :class:`ScheduleError` naming
 the first node that breaks one.
@@ -79,7 +80,8 @@ def _check_iteration(node: ir.Node, graph: ir.Graph, in_body: bool) -> None:
             else "has attribute iteration = 1 outside any Loop/Scan body"))
     for v in node.inputs if in_body else ():
         p = v.producer() if v is not None else None
-        if p is not None and p.domain == contract.DOMAIN and p.graph is not graph:
+        if p is not None and p.domain == contract.DOMAIN and p.graph is not graph \
+                and p.op_type != contract.GUARD:  # (a Guard's empty output: order only)
             raise ScheduleError(f"{node.op_type} {_label(node)} inside a Loop/Scan body reads "
                                 f"{p.op_type} {_label(p)}'s output from another graph")
 

@@ -230,3 +230,24 @@ def test_a_weight_that_is_also_a_graph_input_stays_resident(tmp_path):
     r = optimize(src, tmp_path / "o.onnx", EXPLICIT, DIMS)
     assert [w.name for w in r.choice.weights] == ["A"]
     assert r.choice.skipped["W"] == OVERRIDABLE_REASON
+
+
+def test_a_range_plan_whose_cache_ops_are_all_in_branches_is_guarded(tmp_path):
+    """A range-planned model whose main graph has no cache op (a merged decoder: one If)
+    still refuses a run outside its ranges: the Guard's output orders each branch's first
+    cache op (an implicit input of the If), so the check runs before any transfer; inside
+    the range, outputs are bit-exact."""
+    src = save(text_model(BOTH, W=(32, 32), A=(32, 32)), tmp_path / "m.onnx")
+    out = tmp_path / "o.onnx"
+    optimize(src, out, EXPLICIT, {}, dim_ranges={"N": (1, 8)})
+    m = onnx.load(str(out), load_external_data=False)
+    assert [n.op_type for n in m.graph.node] == ["Guard", "If"]
+    guard = m.graph.node[0].output[0]
+    for g in _branches(out).values():
+        first = next(n for n in g.node if n.domain == contract.DOMAIN)
+        assert guard in first.input
+    check_schedule(ir.load(str(out)))
+    _same_in_ort(src, out)
+    x = np.ones((9, 32), np.float32)
+    with pytest.raises(Exception, match=r"dim 'N' is 9, outside the range 1\.\.8"):
+        _outputs(out, {"x": x, "c": np.array(True)}, True)

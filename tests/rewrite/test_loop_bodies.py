@@ -293,3 +293,31 @@ def test_a_scan_body_is_planned_per_iteration(tmp_path):
         for got, want in zip(sess.run(None, feeds), ref.run(None, feeds), strict=True):
             np.testing.assert_array_equal(got, want)
         assert runtime.counters()["prefetches"] == loads * t
+
+
+def test_a_range_planned_scan_body_is_guarded(tmp_path):
+    """A range plan (``T`` 1..16) whose only cache ops are in the Scan's body: the main
+    graph's Guard orders the body's first cache op, so a run at T = 17 is refused before
+    any transfer, with the dim, its value and the range; inside the range outputs are
+    bit-exact."""
+    src = tmp_path / "scan.onnx"
+    onnx.save(_weights_model(SCAN, W1=(N, N), W2=(N, N)), str(src))
+    out = tmp_path / "o" / "m.onnx"
+    optimize(src, out, OffloadOptions(budget=W + 40 * N * 4, min_bytes=0, activations=False),
+             {}, dim_ranges={"T": (1, 16)})
+    m = onnx.load(str(out), load_external_data=False)
+    assert [n.op_type for n in m.graph.node] == ["Guard", "Scan"]
+    assert m.graph.node[0].output[0] in _cache_ops(_body(m, "Scan"))[0].input
+    sess, ref = _exact_sessions(src, out)
+    rng = np.random.default_rng(5)
+    for t in (1, 16, 17):
+        feeds = {"s0": rng.standard_normal(N).astype(np.float32),
+                 "xs": rng.standard_normal((t, N)).astype(np.float32)}
+        if t > 16:
+            runtime.reset_counters()
+            with pytest.raises(Exception, match=r"dim 'T' is 17, outside the range 1\.\.16"):
+                sess.run(None, feeds)
+            assert runtime.counters()["prefetches"] == 0  # (refused before any transfer)
+            continue
+        for got, want in zip(sess.run(None, feeds), ref.run(None, feeds), strict=True):
+            np.testing.assert_array_equal(got, want)
