@@ -3,6 +3,8 @@ options the helper hands to ORT)."""
 
 from __future__ import annotations
 
+import onnx
+import onnx.parser
 import onnxruntime as ort
 import pytest
 
@@ -36,10 +38,18 @@ def test_inference_session_hands_the_arena_options_to_ort(monkeypatch, tmp_path)
         return "session"
 
     monkeypatch.setattr(ort, "InferenceSession", fake)
-    p = tmp_path / "m.onnx"
-    p.write_bytes(b"")
-    assert runtime.InferenceSession(p, providers=["CUDAExecutionProvider"],
+    fixed, symbolic = tmp_path / "fixed.onnx", tmp_path / "symbolic.onnx"
+    for path, dim in ((fixed, "4"), (symbolic, "N")):
+        onnx.save(onnx.parser.parse_model(f"""
+        <ir_version: 10, opset_import: ["" : 21]>
+        g (float[{dim}] x) => (float[{dim}] y) {{ y = Neg(x) }}
+        """), str(path))
+    assert runtime.InferenceSession(fixed, providers=["CUDAExecutionProvider"],
                                     device_limit=5 << 20) == "session"
     assert seen["providers"] == [("CUDAExecutionProvider",
                                   {"arena_extend_strategy": "kSameAsRequested",
                                    "gpu_mem_limit": str(5 << 20)})]
+    # symbolic dims: ORT's own growth (a decode loop asks for more at every step), the cap kept
+    runtime.InferenceSession(symbolic, providers=["CUDAExecutionProvider"],
+                             device_limit=5 << 20)
+    assert seen["providers"] == [("CUDAExecutionProvider", {"gpu_mem_limit": str(5 << 20)})]
