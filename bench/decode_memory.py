@@ -52,30 +52,14 @@ def _rss_mib() -> float:
 def _numpy_loop(sess: Any, layout: Any, prompt: list[int], chunk: int, steps: int,
                 on_prefill: Any) -> None:
     """Optimum's way: numpy pasts in, the presents ORT allocated fed back."""
-    import numpy as np
+    from ho_onnx.target.ort.generate import empty_pasts, run_numpy
 
-    names = [o.name for o in sess.get_outputs()]
-    past = {p: np.zeros([1, *layout.past_dims[p][1:2], 0, *layout.past_dims[p][3:]],
-                        layout.past_dtype[p]) for p, _ in layout.pairs}
-    done, token = 0, 0
-
-    def run(ids: list[int]) -> int:
-        nonlocal past, done
-        feeds = {layout.input_ids: np.array([ids], np.int64), **past}
-        if layout.attention_mask:
-            feeds[layout.attention_mask] = np.ones((1, done + len(ids)), np.int64)
-        if layout.position_ids:
-            feeds[layout.position_ids] = np.arange(done, done + len(ids))[None, :]
-        out = dict(zip(names, sess.run(None, feeds), strict=True))
-        past = {p: out[q] for p, q in layout.pairs}
-        done += len(ids)
-        return int(np.argmax(out[layout.logits][0, -1]))
-
+    past, token = empty_pasts(layout), 0
     for lo in range(0, len(prompt), chunk):
-        token = run(prompt[lo:lo + chunk])
+        token, past = run_numpy(sess, layout, past, prompt[lo:lo + chunk])
     on_prefill()
     for _ in range(steps):
-        token = run([token])
+        token, past = run_numpy(sess, layout, past, [token])
 
 
 def _greedy_loop(sess: Any, layout: Any, prompt: list[int], chunk: int, steps: int,

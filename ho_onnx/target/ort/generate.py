@@ -87,6 +87,28 @@ def _empty_past(layout: KvLayout, name: str, batch: int) -> np.ndarray:
     return np.zeros(shape, dtype=layout.past_dtype[name])
 
 
+def empty_pasts(layout: KvLayout, batch: int = 1) -> dict[str, np.ndarray]:
+    """Every past of ``layout``, empty (a prompt's first run)."""
+    return {p: _empty_past(layout, p, batch) for p, _ in layout.pairs}
+
+
+def run_numpy(session: ort.InferenceSession, layout: KvLayout, pasts: dict[str, np.ndarray],
+              ids: Sequence[int]) -> tuple[int, dict[str, np.ndarray]]:
+    """One run as a loop without :class:`KvBuffers` makes it (Optimum's ``ORTModelForCausalLM``
+    on the CPU): the pasts in as numpy arrays, the presents ORT allocated out; (the greedy
+    next token, the presents: the next run's pasts). Batch 1."""
+    done = next(iter(pasts.values())).shape[layout.seq_axis] if pasts else 0
+    n = len(ids)
+    feeds = {layout.input_ids: np.asarray([list(ids)], dtype=np.int64), **pasts}
+    if layout.attention_mask:
+        feeds[layout.attention_mask] = np.ones((1, done + n), np.int64)
+    if layout.position_ids:
+        feeds[layout.position_ids] = np.arange(done, done + n, dtype=np.int64)[None, :]
+    names = [o.name for o in session.get_outputs()]
+    out = dict(zip(names, session.run(None, feeds), strict=True))
+    return int(np.argmax(out[layout.logits][0, -1])), {p: out[q] for p, q in layout.pairs}
+
+
 class KvBuffers:
     """A generation loop's KV cache in buffers of its own: two per (past, present) pair, each
     for up to ``capacity`` positions. A step binds each past as the first ``length`` positions

@@ -16,7 +16,14 @@ import pytest
 import ho_onnx
 from ho_onnx import _ops
 from ho_onnx.schedule.options import OffloadOptions
-from ho_onnx.target.ort.generate import KvBuffers, _step, greedy, kv_layout
+from ho_onnx.target.ort.generate import (
+    KvBuffers,
+    _step,
+    empty_pasts,
+    greedy,
+    kv_layout,
+    run_numpy,
+)
 from models.decoder import build_decoder
 
 pytestmark = pytest.mark.usefixtures("no_debug_hooks")
@@ -42,21 +49,12 @@ def _optimized(src: Path, seq: int, past: int, options: OffloadOptions = KV_ONLY
 
 def _reference(sess: ort.InferenceSession, layout, steps: list[list[int]]):
     """(tokens, the presents after each step) of the plain loop."""
-    past = {p: np.zeros([1, *layout.past_dims[p][1:2], 0, *layout.past_dims[p][3:]],
-                        layout.past_dtype[p]) for p, _ in layout.pairs}
-    names = [o.name for o in sess.get_outputs()]
-    done, tokens, presents = 0, [], []
+    past = empty_pasts(layout)
+    tokens, presents = [], []
     for ids in steps:
-        feeds = {layout.input_ids: np.array([ids], np.int64), **past}
-        if layout.attention_mask:
-            feeds[layout.attention_mask] = np.ones((1, done + len(ids)), np.int64)
-        if layout.position_ids:
-            feeds[layout.position_ids] = np.arange(done, done + len(ids))[None, :]
-        out = dict(zip(names, sess.run(None, feeds), strict=True))
-        tokens.append(int(np.argmax(out[layout.logits][0, -1])))
-        past = {p: out[q] for p, q in layout.pairs}
+        token, past = run_numpy(sess, layout, past, ids)
+        tokens.append(token)
         presents.append(past)
-        done += len(ids)
     return tokens, presents
 
 
@@ -350,17 +348,9 @@ def _arena_after_decode(sess: ort.InferenceSession, layout, steps: int,
             seen.append(_ops.counters()["ort_arena_total_allocated"])
         return seen
     tokens, presents = _reference(sess, layout, [prompt[:32], prompt[32:64], prompt[64:]])
-    names = [o.name for o in sess.get_outputs()]
     past, token = presents[-1], tokens[-1]
     for k in range(steps):
-        done = 96 + k
-        feeds = {layout.input_ids: np.array([[token]], np.int64), **past}
-        if layout.attention_mask:
-            feeds[layout.attention_mask] = np.ones((1, done + 1), np.int64)
-        if layout.position_ids:
-            feeds[layout.position_ids] = np.array([[done]])
-        out = dict(zip(names, sess.run(None, feeds), strict=True))
-        past, token = {p: out[q] for p, q in layout.pairs}, int(np.argmax(out[layout.logits]))
+        token, past = run_numpy(sess, layout, past, [token])
         if k % 8 == 0:
             seen.append(_ops.counters()["ort_arena_total_allocated"])
     return seen
