@@ -172,6 +172,17 @@ def _splits_summary(plan: Plan) -> list[str]:
     return [f"blocks: {', '.join(names)}: {printable(why)}" for why, names in groups.items()]
 
 
+def _parts_summary(plan: Plan) -> str:
+    """What the subgraphs planned apart offload, for the main graph's ``offloaded:`` line
+    (its counts are the main graph's own)."""
+    weights = {w.name: w.nbytes for _, part, _ in plan.parts for w in part.choice.weights}
+    acts = sum(len(part.choice.activations) for _, part, _ in plan.parts)
+    if not weights and not acts:
+        return ""
+    return (f"; in the subgraphs planned apart (below): {len(weights)} weights "
+            f"({_mib(sum(weights.values()))}), {acts} activations")
+
+
 def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) -> str:
     """The table ``ho-onnx plan`` prints."""
     b, a = plan.baseline, plan.planned
@@ -190,7 +201,7 @@ def format_plan(plan: Plan, analysis_names: list[str], *, max_rows: int = 40) ->
            f"{len(c.outputs)} present, {_mib(c.kv_bytes)})" if c.inputs or c.outputs else "")
         + (f"; {len(c.recomputes)} recomputed instead "
            f"({_mib(sum(r.nbytes for r in c.recomputes))})" if c.recomputes else "")
-        + _routed_summary(c.weights),
+        + _routed_summary(c.weights) + _parts_summary(plan),
         *([f"bound  {plan.bound_summary()}"] if plan.bound is not None else []),
         *_skipped_summary(c.skipped),
         *_cpu_experts_summary(c.cpu_experts),

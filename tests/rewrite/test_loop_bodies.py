@@ -321,3 +321,22 @@ def test_a_range_planned_scan_body_is_guarded(tmp_path):
             continue
         for got, want in zip(sess.run(None, feeds), ref.run(None, feeds), strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_plan_says_what_the_body_offloads(tmp_path):
+    """``ho-onnx plan``: the main graph's ``offloaded:`` line counts its own offloads and
+    says what the subgraphs planned apart offload (it read "0 weights" before), then the
+    body's own plan with its note (trip count unknown here: timed as one iteration)."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    src = tmp_path / "layers.onnx"
+    onnx.save(_weights_model(LAYERS, **{f"W{k}": (N, N) for k in range(6)}), str(src))
+    r = CliRunner().invoke(main, ["plan", str(src), "--budget", str(8 * W), "--min-bytes", "0",
+                                  "--offload", "weights"])
+    assert r.exit_code == 0, r.output
+    main_line = next(line for line in r.output.splitlines() if line.startswith("offloaded:"))
+    assert "in the subgraphs planned apart (below): " in main_line
+    assert "Loop '<unnamed>' body (its own plan, 9 nodes):" in r.output
+    assert "whose count the graph does not fix (its time is one iteration's)" in r.output
