@@ -450,6 +450,30 @@ def ranged_inputs(model: ir.Model, ranges: DimRanges
     return out
 
 
+def context_named_as_new_tokens(model: ir.Model, ranges: DimRanges) -> list[str]:
+    """Warnings for a ranged dim that names both the new tokens (``input_ids``' last axis)
+    and an ``attention_mask``'s length in a model with a KV cache (graph inputs named
+    ``past...``): at run time the mask covers past + new tokens, so a range sized for the new
+    tokens alone is left at the first decode step past it (an Optimum merged export names
+    them alike). None where the range reaches past the past's own range."""
+    dims = {vi.name: _dims_of(vi) or () for vi in graph_inputs(model)}
+    ids, mask = dims.get("input_ids", ()), dims.get("attention_mask", ())
+    if not ids or not mask or not any(n.startswith("past") for n in dims):
+        return []
+    d = ids[-1]
+    if not isinstance(d, str) or mask[-1] != d or d not in ranges:
+        return []
+    lo, hi = ranges[d]
+    past = max((ranges[p][1] for n, ds in dims.items() if n.startswith("past")
+                for p in ds if isinstance(p, str) and p in ranges and p != d), default=None)
+    if past is not None and hi > past:  # (it reaches the whole context: past + a token)
+        return []
+    return [f"attention_mask's length is named {d!r} like input_ids' new tokens, but with a "
+            f"KV cache it is past + new tokens at run time: the range {d}={lo}..{hi} must "
+            f"reach the whole context, or the Guard refuses the runs whose mask is longer "
+            f"than {hi}"]
+
+
 def format_ranges(ranges: DimRanges) -> str:
     """``seq=1..2048,past=0..8191``: how ranges are written (metadata, messages)."""
     return ",".join(f"{k}={lo}..{hi}" for k, (lo, hi) in sorted(ranges.items()))

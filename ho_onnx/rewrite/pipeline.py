@@ -23,6 +23,7 @@ from ..graph.dims import (
     DimRanges,
     bind_points,
     bind_ranges,
+    context_named_as_new_tokens,
     dims_from_shapes,
     format_ranges,
     ranged_inputs,
@@ -366,6 +367,8 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))
+        for warning in context_named_as_new_tokens(loaded.model, ranges) if checks else ():
+            steps.say(f"warning: {warning}")
         with steps.step("save"):
             report = save_model(files, loaded, out_path, progress=progress)
     steps.say(f"wrote {report.model_path} ({steps.seconds['save']:.2f} s)"

@@ -21,7 +21,7 @@ from ho_onnx.graph.dims import (
     parse_dim,
     parse_shapes,
 )
-from tests.graphs import text_model
+from tests.graphs import save, text_model
 
 # The inputs of an Optimum text-generation-with-past export.
 WITH_PAST = """<ir_version: 8, opset_import: ["" : 18]>
@@ -253,3 +253,37 @@ def test_a_dim_past_a_sliced_constant_is_refused_a_constant_end_is_not(to_end):
                                               r"node .* \(Slice\) reads 0\.\.8 along axis 1 of "
                                               r"the constant 'mask', which has 8"):
         analyse(m, {"batch": 2, "seq": 9})
+
+
+_MASKED = """
+g (int64[1, {ids}] input_ids, int64[1, {mask}] attention_mask, float[1, P, 16] past_key)
+  => (float[1, {ids}, 16] y) {{
+  e = Gather(E, input_ids)
+  y = MatMul(e, W)
+}}
+"""
+
+
+@pytest.mark.parametrize("mask", ["S", "T"])
+def test_a_mask_named_like_the_new_tokens_is_warned_about(tmp_path, mask):
+    """Optimum's merged export names attention_mask's length like input_ids' new tokens
+    (``sequence_length``), though with a KV cache it is past + new tokens: a range sized for
+    the new tokens is left at the first decode step past it (the Guard then refuses it).
+    ``optimize`` says so for that model, and nothing for a mask of its own dim."""
+    from ho_onnx.graph.dims import context_named_as_new_tokens
+    from ho_onnx.rewrite.pipeline import optimize
+    from ho_onnx.schedule.options import OffloadOptions
+
+    m = text_model(_MASKED.format(ids="S", mask=mask), E=(100, 16), W=(16, 16))
+    ranges = {"S": (1, 8), "P": (0, 64), **({"T": (1, 72)} if mask == "T" else {})}
+    said: list[str] = []
+    optimize(save(m, tmp_path / "m.onnx"), tmp_path / "o.onnx",
+             OffloadOptions(min_bytes=0, activations=False), {}, dim_ranges=ranges,
+             log=said.append)
+    warned = [s for s in said if s.startswith("warning: attention_mask's length")]
+    assert len(warned) == (mask == "S"), said
+    if warned:
+        assert "the range S=1..8 must reach the whole context" in warned[0]
+    assert context_named_as_new_tokens(ir.from_proto(m), {"P": (0, 64)}) == []
+    wide = {"S": (1, 72), "P": (0, 64)}  # (it reaches the whole context: no warning)
+    assert context_named_as_new_tokens(ir.from_proto(m), wide) == []
