@@ -400,7 +400,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
                    "session in the forked process");
   }
   ExecContext ec = gpu ? gpu_context(ctx) : cpu_context(ctx);
-  engine->enter_run(ec.kernel, per_iteration);  // (whatever follows: engine.h, Engine::enter_run)
+  engine->enter_run(ec.kernel, per_iteration);  // (first: engine.h, Engine::enter_run)
   switch (kind) {
     case OpKind::kPrefetch:
       return weight ? prefetch_weight(ctx, ec) : prefetch_stored(ctx, ec);

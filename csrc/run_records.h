@@ -216,7 +216,9 @@ class RunRecords {
   size_t seen_count() {
     std::lock_guard<std::mutex> lock(mu_);
     size_t n = 0;
-    for (const auto& kv : threads_runs_) n += kv.second.seen.size() + kv.second.body_seen.size();
+    for (const auto& kv : threads_runs_) {
+      n += kv.second.seen.size() + kv.second.body_seen.size();
+    }
     return n;
   }
 
@@ -260,7 +262,8 @@ class RunRecords {
     const uint64_t tid = threads_.current();
     if (threads_.ended_count() != ended_seen_) reap_ended_locked(out);
     ThreadRun& tr = threads_runs_[tid];
-    const bool main_repeats = kernel != nullptr && !per_iteration && !tr.seen.insert(kernel).second;
+    const bool main_repeats =
+        kernel != nullptr && !per_iteration && !tr.seen.insert(kernel).second;
     if (tr.epoch == 0 || main_repeats) {
       if (on_run_start_) on_run_start_();
       const uint64_t old = tr.epoch;

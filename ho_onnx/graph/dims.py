@@ -490,8 +490,8 @@ _ARITH: dict[str, Callable[[int, int], int]] = {
     "Div": lambda a, b: abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)}
 _PASS = ("Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Cast")
 # What a constant that cannot be read, or a malformed node, raises: the value is not known.
-_UNKNOWN = (ValueError, TypeError, OSError, ZeroDivisionError, IndexError, KeyError,
-            AttributeError, NotImplementedError, OverflowError)
+UNREADABLE = (ValueError, TypeError, OSError, ZeroDivisionError, IndexError, KeyError,
+               AttributeError, NotImplementedError, OverflowError)
 
 
 class _ShapeValues:
@@ -512,7 +512,7 @@ class _ShapeValues:
             try:  # (vectors and scalars only: what shape arithmetic computes)
                 self.memo[id(v)] = self._values(v, depth) if shape is None or len(shape) <= 1 \
                     else None
-            except _UNKNOWN:
+            except UNREADABLE:
                 self.memo[id(v)] = None
         return self.memo[id(v)]
 
@@ -607,7 +607,7 @@ def check_table_reads(nodes: Iterable[ir.Node], shape_of: Callable[[str], Sequen
         try:
             reads = _gather_reads(node, shape, values) if node.op_type == "Gather" \
                 else _slice_reads(node, shape, values)
-        except _UNKNOWN:
+        except UNREADABLE:
             continue
         if reads is None:
             continue

@@ -37,7 +37,7 @@ import onnx_ir as ir
 from .. import contract, kinds
 from ..errors import HoOnnxError, UnboundDimError
 from ..graph.analyse import GraphAnalysis, TensorInfo, analyse, subgraphs
-from ..graph.dims import require_dims
+from ..graph.dims import UNREADABLE, require_dims
 from ..schedule.eligibility import HOISTED_OPS, OVERRIDABLE_REASON, hoisted_readers
 from ..schedule.kv import NO_KV_NOTE
 from ..schedule.lifetimes import resident_intervals, stored_peak_bytes
@@ -220,22 +220,24 @@ def trip_count(analysis: GraphAnalysis, node: ir.Node, dims: Mapping[str, int]) 
         if value is None and p is not None and p.op_type == "Constant" \
                 and (attr := p.attributes.get("value")) is not None:
             value = attr.value
-        try:
+        try:  # (a hostile model's M: anything, or nothing readable)
             return max(0, int(value.numpy().reshape(-1)[0])) if value is not None else None
-        except (ValueError, IndexError, TypeError):
+        except UNREADABLE:
             return None
     if node.op_type != "Scan":
         return None
     count = node.attributes.get("num_scan_inputs")
     axes = node.attributes.get("scan_input_axes")
-    if count is None or count.value < 1 or len(node.inputs) < count.value:
+    if count is None or not isinstance(count.value, int) or not \
+            1 <= count.value <= len(node.inputs):
         return None
     first = node.inputs[len(node.inputs) - count.value]
     info = analysis.tensors.get(first.name) if first is not None else None
     if info is None or not info.shape:
         return None
-    axis = axes.value[0] if axes is not None and axes.value else 0
-    if not -len(info.shape) <= axis < len(info.shape):
+    axis = axes.value[0] if axes is not None and isinstance(axes.value, Sequence) \
+        and axes.value else 0
+    if not isinstance(axis, int) or not -len(info.shape) <= axis < len(info.shape):
         return None
     d = info.shape[axis]
     d = dims.get(d) if isinstance(d, str) else d

@@ -4,9 +4,13 @@ against the unmodified model at several trip counts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnx.parser
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from graphs import LOOP_LAYERS as LAYERS
@@ -232,12 +236,17 @@ def test_a_per_iteration_body_holds_its_budget_in_orts_arena(tmp_path, budget):
     onnx.save(_weights_model(LAYERS, **{f"W{k}": (N, N) for k in range(6)}), str(src))
     r = optimize(src, tmp_path / "o" / "m.onnx",
                  OffloadOptions(budget=int(budget), min_bytes=0, activations=False))
-    so = ort.SessionOptions()
-    so.add_session_config_entry("ho_onnx.sample_arena", "1")
-    sess = runtime.InferenceSession(str(tmp_path / "o" / "m.onnx"), sess_options=so)
-    x = np.random.default_rng(4).standard_normal((N, N)).astype(np.float32)
-    sess.run(None, {"x": x, "n": np.array(4, np.int64)})
-    measured = runtime.counters()["ort_arena_max_in_use"]
+    # (in a process of its own: a fixed-shape model gets the process's shared arena by
+    # default, whose MaxInUse is every earlier session's high-water mark too)
+    code = (
+        "import sys, numpy as np, onnxruntime as ort; from ho_onnx.target.ort import runtime; "
+        "so = ort.SessionOptions(); so.add_session_config_entry('ho_onnx.sample_arena', '1'); "
+        "s = runtime.InferenceSession(sys.argv[1], sess_options=so); "
+        f"x = np.random.default_rng(4).standard_normal(({N}, {N})).astype(np.float32); "
+        "s.run(None, {'x': x, 'n': np.array(4, np.int64)}); "
+        "print(runtime.counters()['ort_arena_max_in_use'])")
+    measured = int(subprocess.run([sys.executable, "-c", code, str(tmp_path / "o" / "m.onnx")],
+                                  capture_output=True, text=True, check=True).stdout)
     assert measured > 0  # (a runtime without arena statistics would report -1)
     assert abs(measured - r.decision.arena_bytes) <= 1024, (measured, r.decision.arena_bytes)
     assert measured <= budget
@@ -340,3 +349,31 @@ def test_plan_says_what_the_body_offloads(tmp_path):
     assert "in the subgraphs planned apart (below): " in main_line
     assert "Loop '<unnamed>' body (its own plan, 9 nodes):" in r.output
     assert "whose count the graph does not fix (its time is one iteration's)" in r.output
+
+
+def test_trip_counts_a_hostile_node_gives_are_unknown():
+    """``trip_count``: a Scan's scanned dim (bound), a Loop's constant M; where a model was
+    written by hand (attributes of the wrong type or out of range, an M that is no number)
+    the count is unknown (None), never an exception."""
+    from ho_onnx.rewrite.branches import trip_count
+
+    a = analyse(_weights_model(SCAN, W1=(N, N), W2=(N, N)))
+    scan = next(n for n in a.nodes if n.op_type == "Scan")
+    assert trip_count(a, scan, {"T": 8}) == 8
+    assert trip_count(a, scan, {}) is None  # (T unbound)
+    for attr in (ir.AttrFloat32("num_scan_inputs", 1.5), ir.AttrInt64("num_scan_inputs", 7),
+                 ir.AttrInt64("num_scan_inputs", 0), ir.AttrString("scan_input_axes", "x"),
+                 ir.AttrInt64s("scan_input_axes", [9])):
+        saved = scan.attributes.get(attr.name)
+        scan.attributes[attr.name] = attr
+        assert trip_count(a, scan, {"T": 8}) is None, attr
+        if saved is None:
+            scan.attributes.pop(attr.name)
+        else:
+            scan.attributes[attr.name] = saved
+    m = onnx.parser.parse_model(f"{HEADER}\n" + STACKED.replace("int64 {6}", 'string {"six"}'))
+    la = analyse(m)
+    loop = next(n for n in la.nodes if n.op_type == "Loop")
+    assert trip_count(la, loop, {}) is None  # (an M that is no number)
+    six = analyse(_weights_model(STACKED, WS=(6, 128, 128)))
+    assert trip_count(six, next(n for n in six.nodes if n.op_type == "Loop"), {}) == 6

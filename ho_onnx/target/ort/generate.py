@@ -98,15 +98,22 @@ def run_numpy(session: ort.InferenceSession, layout: KvLayout, pasts: dict[str, 
     on the CPU): the pasts in as numpy arrays, the presents ORT allocated out; (the greedy
     next token, the presents: the next run's pasts). Batch 1."""
     done = next(iter(pasts.values())).shape[layout.seq_axis] if pasts else 0
+    names = [o.name for o in session.get_outputs()]
+    out = dict(zip(names, session.run(None, {**_token_inputs(layout, ids, done), **pasts}),
+                   strict=True))
+    return int(np.argmax(out[layout.logits][0, -1])), {p: out[q] for p, q in layout.pairs}
+
+
+def _token_inputs(layout: KvLayout, ids: Sequence[int], done: int) -> dict[str, np.ndarray]:
+    """The inputs of a run over ``ids`` after ``done`` cached tokens (batch 1): the ids, and
+    the attention mask and positions where the model has them."""
     n = len(ids)
-    feeds = {layout.input_ids: np.asarray([list(ids)], dtype=np.int64), **pasts}
+    feeds = {layout.input_ids: np.asarray([list(ids)], dtype=np.int64)}
     if layout.attention_mask:
         feeds[layout.attention_mask] = np.ones((1, done + n), np.int64)
     if layout.position_ids:
         feeds[layout.position_ids] = np.arange(done, done + n, dtype=np.int64)[None, :]
-    names = [o.name for o in session.get_outputs()]
-    out = dict(zip(names, session.run(None, feeds), strict=True))
-    return int(np.argmax(out[layout.logits][0, -1])), {p: out[q] for p, q in layout.pairs}
+    return feeds
 
 
 class KvBuffers:
@@ -270,15 +277,11 @@ def _step(session: ort.InferenceSession, binding: ort.IOBinding, layout: KvLayou
           cache: KvBuffers, ids: Sequence[int], run_options: ort.RunOptions | None = None
           ) -> int:
     """One run over ``ids`` after the cache; the greedy next token."""
-    done, n = cache.length, len(ids)
+    n = len(ids)
     binding.clear_binding_inputs()
     binding.clear_binding_outputs()
-    binding.bind_cpu_input(layout.input_ids, np.asarray([list(ids)], dtype=np.int64))
-    if layout.attention_mask:
-        binding.bind_cpu_input(layout.attention_mask, np.ones((1, done + n), np.int64))
-    if layout.position_ids:
-        binding.bind_cpu_input(layout.position_ids,
-                               np.arange(done, done + n, dtype=np.int64)[None, :])
+    for name, value in _token_inputs(layout, ids, cache.length).items():
+        binding.bind_cpu_input(name, value)
     binding.bind_output(layout.logits, "cpu")  # first: get_outputs()[0]
     cache.bind(binding, n)
     session.run_with_iobinding(binding, run_options)

@@ -325,10 +325,7 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     model_path = None if isinstance(path, bytes) else path
     if isinstance(path, bytes) and model_dir is None and not _has_model_dir(sess_options):
         _refuse_offloaded_weights(path)
-    if cpu_arena not in ARENAS:
-        raise ValueError(f"cpu_arena must be one of {', '.join(map(repr, ARENAS))}, got "
-                         f"{cpu_arena!r}")
-    if cpu_arena == "auto":
+    if cpu_arena == "auto":  # (any other value: session_options checks it)
         cpu_arena = arena_for(path)
     so = session_options(model_path, base=sess_options, execution_order=execution_order,
                          model_dir=model_dir, memory_patterns=memory_patterns,
