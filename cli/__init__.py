@@ -467,6 +467,14 @@ def _tier_options() -> list:  # type: ignore[type-arg]
                           "not read from the file again): its size, 'auto' (with --budget "
                           "the slack the plan leaves under it, counted in the budget; without "
                           "a budget none), or 0 (none)."),
+        click.option("--decode-cache/--no-decode-cache", default=_DEFAULTS.decode_cache,
+                     show_default=True,
+                     help="With --dim ranges and --weight-tier disk: keep streamed weights in "
+                          "library memory across runs wherever a run's dims leave room under "
+                          "the budget (a decode step after a prefill planned for the same "
+                          "budget), so they are not read from the file again; each run's "
+                          "Guard sizes it from that run's dims (a prefill empties it). "
+                          "`plan` says what it keeps at each point of the ranges."),
         click.option("--speculate-experts", type=click.Choice(list(SPECULATE_EXPERTS)),
                      default=_DEFAULTS.speculate_experts, show_default=True,
                      help="Read the next MoE layer's likely experts into the expert cache a "
@@ -580,7 +588,8 @@ def _options(offload: str, **kw: object) -> OffloadOptions:
 def optimize(input_model: str, output_model: str, budget: int | None, offload: str,
              min_bytes: int | None, prefetch_distance: int | None, machine: str,
              profile_path: str | None, min_gap: int, weight_tier: str,
-             host_budget: int | None, expert_cache: str, speculate_experts: str,
+             host_budget: int | None, expert_cache: str, decode_cache: bool,
+             speculate_experts: str,
              arena_refits: int, max_blocks: int,
              refine_s: float, exact_s: float, recompute: str, offload_kv: bool,
              cpu_experts: str,
@@ -610,6 +619,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
                            max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts,
                            refine_s=refine_s, exact_s=exact_s, expert_cache=expert_cache,
+                           decode_cache=decode_cache,
                            speculate_experts=speculate_experts, recompute=recompute)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
@@ -669,7 +679,8 @@ def _say_result(output_model: str, result: Any) -> None:
                    "the transfers on their copy channels (needs matplotlib).")
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
-         expert_cache: str, speculate_experts: str, arena_refits: int, max_blocks: int,
+         expert_cache: str, decode_cache: bool, speculate_experts: str, arena_refits: int,
+         max_blocks: int,
          refine_s: float,
          exact_s: float, recompute: str, offload_kv: bool, cpu_experts: str,
          dims: tuple[str, ...],
@@ -681,7 +692,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
     time, predicted stall), the peak and the predicted time before and after.
     """
     from ho_onnx.graph.moe import find_experts
-    from ho_onnx.rewrite.pipeline import plan_model, range_points
+    from ho_onnx.rewrite.pipeline import cache_budget, plan_model, range_points
 
     _refuse_overwriting_inputs({"--plot": plot_path}, [input_model, profile_path,
                                                        machine if os.path.isfile(machine)
@@ -701,7 +712,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
                      weight_tier=weight_tier, host_budget=host_budget,
                      arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv,
                      cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s,
-                     expert_cache=expert_cache, speculate_experts=speculate_experts,
+                     expert_cache=expert_cache, decode_cache=decode_cache,
+                     speculate_experts=speculate_experts,
                      recompute=recompute),
             bound, costs, ort_level=ort_level, log=_log, shapes=parse_shape_options(shapes),
             dim_ranges=ranges, dim_points=named)
@@ -714,7 +726,7 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             _log(f"wrote {plot_path}")
         moe = find_experts(analysis)
         figures = range_points(loaded, p.choice, bound, ranges, parse_shape_options(shapes),
-                               named, costs) if ranges else {}
+                               named, costs, cache_budget(p.options)) if ranges else {}
     _print_plan(p, names, moe, ranges, named, figures, as_json)
 
 
@@ -724,6 +736,7 @@ def _print_plan(p: Any, names: list[str], moe: Any, ranges: dict[str, tuple[int,
     from ho_onnx.graph.dims import format_ranges
     from ho_onnx.report.text import format_moe, format_plan, moe_to_dict, plan_to_dict
     from ho_onnx.rewrite.pipeline import format_points
+    from ho_onnx.schedule.decode_cache import describe as describe_decode_cache
 
     if as_json:
         _echo(json.dumps(plan_to_dict(p, names, steps=True) | {"moe": moe_to_dict(moe)}
@@ -739,6 +752,10 @@ def _print_plan(p: Any, names: list[str], moe: Any, ranges: dict[str, tuple[int,
             _echo(f"ranges: {format_ranges(ranges)}, planned at the top of each, timed at "
                   + (f"point {next(iter(named))!r}" if named else "the bottom") + "; "
                   + format_points(figures))
+            c = p.choice
+            if c.decode_cache is not None or c.decode_cache_skipped:
+                _echo(describe_decode_cache(c.decode_cache) if c.decode_cache is not None
+                      else f"decode cache: none ({c.decode_cache_skipped})")
 
 
 

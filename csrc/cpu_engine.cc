@@ -19,11 +19,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -254,7 +256,7 @@ class CpuEngine final : public Engine {
 
   void prefetch_cached(const std::shared_ptr<const WeightSource>& w,
                        const std::shared_ptr<ExpertCacheBase>& slot, const std::string& key,
-                       void* dst, const ExecContext& ctx) override {
+                       void* dst, const ExecContext& ctx, bool evict) override {
     auto cache = std::static_pointer_cast<Cache>(slot);  // (made by expert_cache() above)
     if (w->size() == 0 || !cache || cache->capacity() == 0) {
       return prefetch_streamed(w, dst, ctx);
@@ -271,7 +273,7 @@ class CpuEngine final : public Engine {
       counters().expert_cache_misses += 1;
       p.disk = read_streamed(w);
       std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after the lock)
-      cache->insert(key, p.disk, p.bytes, &evicted);
+      cache->insert(key, p.disk, p.bytes, &evicted, evict);
     }
     p.cache = std::move(cache);
     p.cache_key = key;
@@ -358,9 +360,44 @@ class CpuEngine final : public Engine {
     }
   }
 
-  void enter_run(const void* kernel, bool per_iteration) override {
+  uint64_t enter_run(const void* kernel, bool per_iteration) override {
     Released released;  // (an earlier run's records: destroyed after the lock is let go)
-    records_.enter(kernel, &released, per_iteration);
+    return records_.enter(kernel, &released, per_iteration).epoch;
+  }
+
+  void join_cache_group(uint64_t group, const std::shared_ptr<ExpertCacheBase>& slot) override {
+    if (group == 0 || !slot) return;
+    std::weak_ptr<Cache> cache = std::static_pointer_cast<Cache>(slot);  // (expert_cache())
+    std::lock_guard<std::mutex> lock(groups_mu_);
+    if (groups_.size() >= 64) {  // (the groups of sessions that are gone: swept now and then)
+      for (auto it = groups_.begin(); it != groups_.end();) {
+        const bool dead = std::all_of(it->second.begin(), it->second.end(),
+                                      [](const std::weak_ptr<Cache>& m) { return m.expired(); });
+        it = dead ? groups_.erase(it) : std::next(it);
+      }
+    }
+    auto& members = groups_[group];
+    members.erase(std::remove_if(members.begin(), members.end(),
+                                 [&](const std::weak_ptr<Cache>& m) {
+                                   return m.expired() || (!m.owner_before(cache) &&
+                                                          !cache.owner_before(m));
+                                 }),
+                  members.end());
+    members.push_back(std::move(cache));
+  }
+
+  void limit_cache_group(uint64_t group, size_t bytes) override {
+    std::vector<std::shared_ptr<Cache>> caches;
+    {
+      std::lock_guard<std::mutex> lock(groups_mu_);
+      auto it = groups_.find(group);
+      if (it == groups_.end()) return;
+      for (const auto& m : it->second) {
+        if (auto c = m.lock()) caches.push_back(std::move(c));
+      }
+    }
+    std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after every lock)
+    for (const auto& c : caches) c->set_limit(bytes, &evicted);
   }
 
   void wait(const void* dst, void* out, size_t bytes, const ExecContext& ctx) override {
@@ -486,6 +523,9 @@ class CpuEngine final : public Engine {
   // finished or running reads), held by the kernels that read through it.
   using Cache = ExpertCache<DiskTransfer>;
   WeakCache<Cache> caches_;
+  // The decode cache's groups (join_cache_group): a plan's caches, limited by its Guards.
+  std::mutex groups_mu_;  // guards groups_
+  std::unordered_map<uint64_t, std::vector<std::weak_ptr<Cache>>> groups_;
   std::mutex rng_mu_;  // guards rng_
   std::mt19937_64 rng_;
   // (a run's start bounds what the pools keep idle: HostPool::run_started)

@@ -145,11 +145,22 @@ class Engine {
   // Like prefetch_streamed, through `cache` (from expert_cache(), not null) under `key`
   // (weight_key of `src`): a hit copies the cached bytes (nothing is read), a miss reads them
   // into a buffer the cache then keeps.
+  // `evict` false (a decode-cache weight, expert_cache.h): a miss is kept only if it fits
+  // without evicting anything.
   virtual void prefetch_cached(const std::shared_ptr<const WeightSource>& src,
                                const std::shared_ptr<ExpertCacheBase>& /*cache*/,
-                               const std::string& /*key*/, void* dst, const ExecContext& ctx) {
+                               const std::string& /*key*/, void* dst, const ExecContext& ctx,
+                               bool /*evict*/ = true) {
     prefetch_streamed(src, dst, ctx);
   }
+
+  // The decode cache (docs/design.md): session creation puts a cache (from expert_cache())
+  // in the plan's group `group` (attribute `cache_group` of its Prefetches); a run's Guard
+  // then limits every cache of the group to the bytes its plan leaves at that run's dims
+  // (evicting down to it at once). An engine without caches ignores both.
+  virtual void join_cache_group(uint64_t /*group*/,
+                                const std::shared_ptr<ExpertCacheBase>& /*cache*/) {}
+  virtual void limit_cache_group(uint64_t /*group*/, size_t /*bytes*/) {}
 
   // Speculation: start reading `src` into `cache` (from expert_cache(), not null) under `key`
   // unless the cache holds it; nothing waits for the read (a later prefetch_cached of the
@@ -206,7 +217,8 @@ class Engine {
   // entry released the loads this run had already made (stop 49). `per_iteration`: the op
   // is in a Loop/Scan body (attribute `iteration` = 1): seen again, it starts the body's
   // next iteration instead (RunRecords::enter).
-  virtual void enter_run(const void* kernel, bool per_iteration) = 0;
+  // Returns the run's epoch on this thread (run_records.h: a new number for every run).
+  virtual uint64_t enter_run(const void* kernel, bool per_iteration) = 0;
 
   // Session creation: the plan stores `bytes` bytes of activations per run (a Store's
   // `host_bytes` attribute or the session config entry ho_onnx.host_bytes), so the engine

@@ -12,8 +12,16 @@
 // stay until its last reader (a Wait copying out of it) lets go, so eviction never frees
 // memory under a reader. The capacity counts the entries' payload bytes (their buffers are
 // rounded up to the staging pool's size classes).
+//
+// The decode cache (docs/design.md, "The decode cache") uses the same cache for the dense
+// streamed weights a range plan keeps across runs where a run's plan leaves room: each run's
+// Guard sets a limit (set_limit: the bytes the plan leaves at that run's dims, which evicts
+// down to it at once), and its weights are kept only while they fit (insert with `evict`
+// false: a weight that does not fit is read as streamed and not kept, so the weights of a
+// step, read in the same order at every step, never evict each other as LRU would).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -59,6 +67,19 @@ class ExpertCache final : public ExpertCacheBase {
     return held_;
   }
 
+  // Hold at most `bytes` from now on (the latest run's Guard: concurrent runs share the
+  // cache, the latest limit holds), evicting the least recently used entries down to it now.
+  template <typename Out>
+  void set_limit(size_t bytes, Out* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    limit_ = bytes;
+    while (held_ > limit_ && !lru_.empty()) drop_locked(map_.find(lru_.front().key), out);
+  }
+  size_t limit() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::min(capacity_, limit_);
+  }
+
   // The entry under `key`, made most recently used; null when absent.
   std::shared_ptr<T> find(const std::string& key) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -69,16 +90,20 @@ class ExpertCache final : public ExpertCacheBase {
   }
 
   // Keep `value` (of `bytes` bytes) under `key` as the most recently used entry, evicting the
-  // least recently used until it fits; false (nothing kept) when it is larger than the
-  // capacity. An entry already under `key` is replaced. The evicted values are handed to
-  // `out`, so that they are released outside the lock.
+  // least recently used until it fits (`evict` false: none, it is kept only if it fits as
+  // is); false (nothing kept) when it is larger than the capacity or the limit. An entry
+  // already under `key` is replaced. The evicted values are handed to `out`, so that they
+  // are released outside the lock.
   template <typename Out>
-  bool insert(const std::string& key, std::shared_ptr<T> value, size_t bytes, Out* out) {
+  bool insert(const std::string& key, std::shared_ptr<T> value, size_t bytes, Out* out,
+              bool evict = true) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (bytes > capacity_) return false;
+    const size_t room = std::min(capacity_, limit_);
+    if (bytes > room) return false;
     auto it = map_.find(key);
     if (it != map_.end()) drop_locked(it, out);
-    while (held_ + bytes > capacity_ && !lru_.empty()) drop_locked(map_.find(lru_.front().key), out);
+    if (!evict && held_ + bytes > room) return false;
+    while (held_ + bytes > room && !lru_.empty()) drop_locked(map_.find(lru_.front().key), out);
     lru_.push_back(Entry{key, std::move(value), bytes});
     map_[key] = std::prev(lru_.end());
     held_ += bytes;
@@ -115,6 +140,7 @@ class ExpertCache final : public ExpertCacheBase {
   std::atomic<int64_t>* const gauge_;
   mutable std::mutex mu_;  // guards what follows
   size_t capacity_ = 0;
+  size_t limit_ = SIZE_MAX;  // (set_limit: the latest run's; none until a Guard sets one)
   size_t held_ = 0;
   List lru_;  // least recently used first
   std::map<std::string, typename List::iterator> map_;

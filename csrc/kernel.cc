@@ -3,9 +3,12 @@
 // compute stream) the difference is named next to the code.
 #include "kernel.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <climits>
 #include <cstring>
+#include <unordered_map>
 #include <utility>
 
 #include "common.h"
@@ -362,6 +365,11 @@ void Kernel::init_expert_cache(const OrtKernelInfo* info, const WeightSource& sr
   }
   expert_cache = engine->expert_cache(content, static_cast<size_t>(bytes));
   if (expert_cache) cache_key = weight_key(src, content);
+  int64_t group = 0;
+  if (attr_int(api, info, kCacheGroupAttr, &group) && group != 0) {
+    cache_group = static_cast<uint64_t>(group);
+    if (expert_cache) engine->join_cache_group(cache_group, expert_cache);
+  }
 }
 
 // ---- Compute ------------------------------------------------------------------------------
@@ -400,7 +408,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
                    "session in the forked process");
   }
   ExecContext ec = gpu ? gpu_context(ctx) : cpu_context(ctx);
-  engine->enter_run(ec.kernel, per_iteration);  // (first: engine.h, Engine::enter_run)
+  const uint64_t epoch = engine->enter_run(ec.kernel, per_iteration);  // (first: engine.h)
   switch (kind) {
     case OpKind::kPrefetch:
       return weight ? prefetch_weight(ctx, ec) : prefetch_stored(ctx, ec);
@@ -411,7 +419,7 @@ void Kernel::compute(OrtKernelContext* ctx) {
     case OpKind::kDetach:
       return detach(ctx, ec);
     case OpKind::kGuard:
-      return guard(ctx);
+      return guard(ctx, epoch);
     case OpKind::kPrefetchInput:
       return prefetch_input(ctx, ec);
     case OpKind::kEmit:
@@ -456,11 +464,67 @@ void Kernel::init_guard(const OrtKernelInfo* info) {
     }
     ranges.push_back(DimRange{axes[i], lo[i], hi[i], dims[i]});
   }
+  init_guard_cache(info);
+}
+
+// Attributes cache_group, cache_points (a row of this Guard's dims per point) and
+// cache_bytes (one per point, at most 64 points): the decode cache's limit per run.
+void Kernel::init_guard_cache(const OrtKernelInfo* info) {
+  int64_t group = 0;
+  if (!attr_int(api, info, kCacheGroupAttr, &group) || group == 0) return;
+  std::vector<int64_t> points;
+  const std::string who = "ho_onnx Guard '" + node + "': ";
+  if (!attr_ints(api, info, kCachePointsAttr, &points) ||
+      !attr_ints(api, info, kCacheBytesAttr, &cache_bytes) || cache_bytes.empty() ||
+      cache_bytes.size() > 64 || points.size() != cache_bytes.size() * ranges.size()) {
+    fail(ORT_INVALID_ARGUMENT, who + "a decode cache needs cache_points (one value per dim "
+                                     "per point) and cache_bytes (one per point, 1 to 64)");
+  }
+  for (int64_t b : cache_bytes) {
+    if (b < 0) fail(ORT_INVALID_ARGUMENT, who + "negative cache_bytes " + std::to_string(b));
+  }
+  for (size_t p = 0; p < cache_bytes.size(); ++p) {
+    cache_points.emplace_back(points.begin() + static_cast<ptrdiff_t>(p * ranges.size()),
+                              points.begin() + static_cast<ptrdiff_t>((p + 1) * ranges.size()));
+  }
+  cache_group = static_cast<uint64_t>(group);
+}
+
+namespace {
+// The decode cache's points a run may still use (a bit per point), per group, on this
+// thread: each Guard of the run narrows it; a new run (epoch) starts from every point.
+struct GuardPhase {
+  uint64_t epoch = 0;
+  uint64_t points = 0;
+};
+thread_local std::unordered_map<uint64_t, GuardPhase> t_guard_phases;
+}  // namespace
+
+// The bytes the run may keep in the group's caches: those of the point with the most among
+// the points that cover the dims of every Guard run so far in this run (its first Guard
+// starts from all of them); a point none covers leaves none.
+void Kernel::limit_cache(uint64_t epoch, const TensorInfo& ti) {
+  uint64_t mine = 0;
+  for (size_t p = 0; p < cache_points.size(); ++p) {
+    bool covered = true;
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      covered = covered && ti.dims[static_cast<size_t>(ranges[i].axis)] <= cache_points[p][i];
+    }
+    if (covered) mine |= uint64_t{1} << p;
+  }
+  GuardPhase& phase = t_guard_phases[cache_group];
+  if (phase.epoch != epoch) phase = GuardPhase{epoch, ~uint64_t{0}};
+  phase.points &= mine;
+  int64_t bytes = 0;
+  for (size_t p = 0; p < cache_bytes.size(); ++p) {
+    if ((phase.points >> p) & 1) bytes = std::max(bytes, cache_bytes[p]);
+  }
+  engine->limit_cache_group(cache_group, static_cast<size_t>(bytes));
 }
 
 // Reads only its input's shape (never its data: on the CUDA EP it is device memory) and
 // produces an empty output, an ordering input of the cache ops.
-void Kernel::guard(OrtKernelContext* ctx) {
+void Kernel::guard(OrtKernelContext* ctx, uint64_t epoch) {
   const TensorInfo ti = tensor_info(api, input(api, ctx, 0));
   for (const DimRange& r : ranges) {  // (messages built only on failure: this runs per run)
     if (static_cast<size_t>(r.axis) >= ti.dims.size()) {
@@ -478,6 +542,7 @@ void Kernel::guard(OrtKernelContext* ctx) {
                std::to_string(d));
     }
   }
+  if (cache_group != 0) limit_cache(epoch, ti);
   output(api, ctx, {0});
 }
 
@@ -548,7 +613,8 @@ void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
   OrtValue* y = output(api, ctx, shape);
   if (streamed && expert_cache) {
     engine->prefetch_cached(streamed, expert_cache, cache_key,
-                            streamed->size() ? tensor_data(api, y) : nullptr, ec);
+                            streamed->size() ? tensor_data(api, y) : nullptr, ec,
+                            /*evict=*/cache_group == 0);
   } else if (streamed) {
     engine->prefetch_streamed(streamed, streamed->size() ? tensor_data(api, y) : nullptr, ec);
   } else {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "ort_tensor.h"
 #include "ort_abi.h"
 #include "registration.h"
 #include "routing.h"
@@ -69,6 +70,14 @@ struct Kernel {
   };
   std::vector<DimRange> ranges;
   std::string input_name;  // the graph input it reads (messages)
+  // Guard of a plan with a decode cache (attributes cache_group, cache_points, cache_bytes):
+  // per point of the plan, the values of this Guard's dims there (`cache_points`, a row per
+  // point) and the bytes the plan leaves for the cache at that point (`cache_bytes`). A run
+  // may use the bytes of a point that covers every dim of every Guard of the run (each
+  // Guard narrows the run's set of points: at most 64), the most of them; the Guard limits
+  // the group's caches to that (Engine::limit_cache_group).
+  std::vector<std::vector<int64_t>> cache_points;
+  std::vector<int64_t> cache_bytes;
 
   // Prefetch and Wait with attribute `gated` = 1: input 1 is the gate, a routed value that
   // is empty when no token reaches the reader (an expert no token was routed to). An empty
@@ -97,6 +106,9 @@ struct Kernel {
   // (Engine::expert_cache; null: none, or an engine without one) and its key there.
   std::shared_ptr<ExpertCacheBase> expert_cache;
   std::string cache_key;
+  // Attribute `cache_group` (not 0): the plan's decode cache (a Guard's and its cached
+  // Prefetches'); such a Prefetch's miss is kept only where it fits (no eviction).
+  uint64_t cache_group = 0;
   // A cached Prefetch with attribute `warm` = 1 (a speculation of the next layer's router):
   // it starts the weight's read into the expert cache when its gate, the int64 indices a
   // router picked, holds `warm_expert`; its output is empty. A no-op on the CUDA EP (no
@@ -117,9 +129,11 @@ struct Kernel {
                          const std::string& content);
   void init_arena_sampling(const OpDef& op, const OrtKernelInfo* info);
   void init_guard(const OrtKernelInfo* info);
+  void init_guard_cache(const OrtKernelInfo* info);
+  void limit_cache(uint64_t epoch, const TensorInfo& ti);
   void init_host_matmul(const OrtKernelInfo* info);
   void host_matmul(OrtKernelContext* ctx);
-  void guard(OrtKernelContext* ctx);
+  void guard(OrtKernelContext* ctx, uint64_t epoch);
   void fence(OrtKernelContext* ctx, ExecContext& ec);
   ExecContext cpu_context(OrtKernelContext* ctx) const;
   ExecContext gpu_context(OrtKernelContext* ctx) const;

@@ -29,6 +29,10 @@ constexpr const char* kHostBytesKey = "ho_onnx.host_bytes";
 constexpr const char* kHostBytesAttr = "host_bytes";
 // On a streamed weight's Prefetch: the bytes of expert cache its model asks for (kernel.cc).
 constexpr const char* kExpertCacheAttr = "expert_cache";
+// The decode cache (kernel.h): on its Prefetches and the Guards that limit it per run.
+constexpr const char* kCacheGroupAttr = "cache_group";
+constexpr const char* kCachePointsAttr = "cache_points";
+constexpr const char* kCacheBytesAttr = "cache_bytes";
 // A cached Prefetch with `warm` = 1 only warms the expert cache: when its gate (input 1, the
 // int64 expert indices the next layer's router picks from an earlier hidden state) holds
 // `expert`, the weight's read into the cache starts; its output is empty.

@@ -84,6 +84,15 @@ ROUTE_TOPK = "topk"  # QMoE: the top k of the raw router row (a larger index win
 # model asks for (the largest asked by an engine's sessions); its loads go through that cache
 # (LRU: a hit copies the cached bytes, a miss reads them and keeps them). Absent or 0: none.
 ATTR_EXPERT_CACHE = "expert_cache"
+# The decode cache (ho_onnx.schedule.decode_cache): streamed weights kept across runs where a
+# run's dims leave room. On each Prefetch of a kept weight (with ``expert_cache``, the
+# capacity) and on each Guard: the plan's group id (not 0). On a Guard also, per point of
+# the plan, the value of each of its dims there (``cache_points``, a row per point) and the
+# bytes a run that point covers may keep (``cache_bytes``): the run keeps the most of the
+# points that cover the dims of all its Guards, and its Guards limit the cache to that.
+ATTR_CACHE_GROUP = "cache_group"
+ATTR_CACHE_POINTS = "cache_points"
+ATTR_CACHE_BYTES = "cache_bytes"
 # On a cached Prefetch: ``warm`` = 1 makes it a speculation (ho_onnx.schedule.speculate): its
 # gate (input 1) is the int64 expert indices the next layer's router picks from an earlier
 # hidden state, ``expert`` the weight's expert (its router column); when the indices hold

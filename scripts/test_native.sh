@@ -35,6 +35,7 @@ exec "$py" -m pytest -q -p no:cacheprovider \
   tests/target/ort/test_run_records.py tests/test_native_safety.py tests/test_native_fuzz.py \
   tests/graph/test_fingerprint.py tests/target/ort/test_fork.py \
   tests/target/ort/test_gather_rows.py tests/target/ort/test_kv.py tests/target/ort/test_kv_buffers.py \
+  tests/target/ort/test_decode_cache.py \
   tests/target/ort/test_cpu_experts.py::test_experts_computed_on_the_host_are_exact_and_move_nothing \
   tests/target/ort/test_cpu_experts.py::test_a_hostile_host_matmul_fails_session_creation \
   tests/target/ort/test_cpu_experts.py::test_a_host_matmul_given_the_wrong_input_fails_the_run "$@"

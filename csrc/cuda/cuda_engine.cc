@@ -281,9 +281,9 @@ class CudaEngine final : public Engine {
     }
   }
 
-  void enter_run(const void* kernel, bool per_iteration) override {
+  uint64_t enter_run(const void* kernel, bool per_iteration) override {
     Released released;  // (an earlier run's records: released after the lock is let go)
-    records_.enter(kernel, &released, per_iteration);
+    return records_.enter(kernel, &released, per_iteration).epoch;
   }
 
   void wait(const void* dst, void* /*out: ctx.out*/, size_t bytes,

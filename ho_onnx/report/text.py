@@ -51,6 +51,24 @@ def _recompute_dict(c: OffloadChoice, analysis_names: list[str]) -> dict[str, An
             "recompute_skipped": dict(c.recompute_skipped)}
 
 
+def _caches_dict(c: OffloadChoice) -> dict[str, Any]:
+    """The expert cache (schedule/expert_cache.py; in the budget), the next MoE layer's
+    experts read into it a layer early (schedule/speculate), and the streamed weights kept
+    across runs where a run's dims leave room (a range plan's: schedule/decode_cache), or
+    why none."""
+    d = c.decode_cache
+    return {"expert_cache_bytes": c.expert_cache,
+            "speculations": [{"layer": s.layer, "after": s.after, "issue_at": s.issue_at,
+                              "k": s.k, "warms": [{"weight": w.weight, "reload": w.consumer,
+                                                   "expert": w.expert} for w in s.warms]}
+                             for s in c.speculations],
+            "speculation_skipped": dict(c.speculation_skipped),
+            "decode_cache": None if d is None else {
+                "weights": list(d.weights), "capacity_bytes": d.capacity,
+                "points": [{"name": n, "dims": dict(at), "bytes": b} for n, at, b in d.points]},
+            "decode_cache_skipped": c.decode_cache_skipped or None}
+
+
 def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
                  ) -> dict[str, Any]:
     """The plan as JSON-ready data (``steps``: the simulator's per-step trace too)."""
@@ -68,13 +86,7 @@ def plan_to_dict(plan: Plan, analysis_names: list[str], *, steps: bool = False
             "time_s": plan.bound.seconds, "kind": plan.bound.kind, "gap": plan.gap,
             "greedy_time_s": plan.greedy_s, "refined_time_s": plan.refined_s,
             "search": plan.improved},
-        "expert_cache_bytes": c.expert_cache,  # (schedule/expert_cache.py; in the budget)
-        # the next MoE layer's experts read into that cache a layer early (schedule/speculate)
-        "speculations": [{"layer": s.layer, "after": s.after, "issue_at": s.issue_at, "k": s.k,
-                          "warms": [{"weight": w.weight, "reload": w.consumer,
-                                     "expert": w.expert} for w in s.warms]}
-                         for s in c.speculations],
-        "speculation_skipped": dict(c.speculation_skipped),
+        **_caches_dict(c),  # (the expert cache, its speculations, the decode cache)
         **_recompute_dict(c, analysis_names),  # (recomputes, recompute_skipped)
         "before": _sim_dict(plan.baseline),
         "after": _sim_dict(plan.planned),

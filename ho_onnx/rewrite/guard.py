@@ -16,14 +16,17 @@ import onnx_ir as ir
 from .. import contract
 from ..graph.analyse import forget_source, subgraphs
 from ..graph.dims import DimRanges
+from ..schedule.decode_cache import guard_rows
+from ..schedule.types import DecodeCache
 from .insert import Names
 
 
 def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]]],
-                  ranges: DimRanges) -> int:
+                  ranges: DimRanges, cache: DecodeCache | None = None) -> int:
     """Insert a Guard for each graph input of ``checks`` (its ``(axis, dim)`` pairs, from
     :func:`ho_onnx.graph.dims.ranged_inputs`) at the start of the main graph, in place; the
-    number inserted (none when the model has no cache op: nothing to protect)."""
+    number inserted (none when the model has no cache op: nothing to protect). ``cache``:
+    the plan's decode cache, which every Guard limits per run (its points' rows)."""
     graph = model.graph
     firsts = [f for g in (graph, *(s for n in graph for s in subgraphs(n)))
               if (f := next((n for n in g if n.domain == contract.DOMAIN), None)) is not None]
@@ -44,6 +47,7 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
             ir.AttrInt64s(contract.ATTR_HI, [ranges[d][1] for _, d in dims]),
             ir.AttrString(contract.ATTR_DIMS, "\n".join(d for _, d in dims)),
             ir.AttrString(contract.ATTR_INPUT, name),
+            *_cache_attrs(cache, [d for _, d in dims]),
         ], outputs=[out], name=names.fresh(f"ho.guard.{name}")))
     graph.insert_before(next(iter(graph)), guards)
     for first in firsts:
@@ -52,3 +56,13 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
         for i, g in enumerate(guards):
             first.replace_input_with(n + i, g.outputs[0])
     return len(guards)
+
+
+def _cache_attrs(cache: DecodeCache | None, dims: Sequence[str]) -> list[ir.Attr]:
+    """A Guard's decode-cache attributes for its ``dims`` (none without a cache)."""
+    if cache is None:
+        return []
+    rows, sizes = guard_rows(cache, dims)
+    return [ir.AttrInt64(contract.ATTR_CACHE_GROUP, cache.group),
+            ir.AttrInt64s(contract.ATTR_CACHE_POINTS, rows),
+            ir.AttrInt64s(contract.ATTR_CACHE_BYTES, sizes)]

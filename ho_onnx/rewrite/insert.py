@@ -33,6 +33,7 @@ from ..schedule.expert_cache import cacheable
 from ..schedule.lifetimes import stored_peak_bytes
 from ..schedule.types import (
     ActivationOffload,
+    DecodeCache,
     InputOffload,
     OffloadChoice,
     OutputOffload,
@@ -173,10 +174,13 @@ class _Emitter:
             attrs.append(ir.AttrString(contract.ATTR_TIER, tier.name))
         return attrs
 
-    def offload_weight(self, w: WeightOffload, cache: int = 0) -> None:
+    def offload_weight(self, w: WeightOffload, cache: int = 0,
+                       decode: DecodeCache | None = None) -> None:
         """Prefetch/Wait pairs before each data reader of ``w``; shape readers become
         constants. ``cache``: the bytes of the expert cache, recorded on each gated
-        Prefetch of a cacheable ``w`` (:mod:`~ho_onnx.schedule.expert_cache`)."""
+        Prefetch of a cacheable ``w`` (:mod:`~ho_onnx.schedule.expert_cache`); ``decode``:
+        the decode cache, recorded on each Prefetch of a ``w`` it keeps
+        (:mod:`~ho_onnx.schedule.decode_cache`)."""
         t = self.analysis.tensors[w.name]
         assert t.elem_type is not None and t.shape is not None
         self.weight_prefetches.setdefault(w.name, [])
@@ -210,6 +214,9 @@ class _Emitter:
                       ir.AttrInt64(contract.ATTR_ROUTE_K, route[1])] if route else []
             cached = [ir.AttrInt64(contract.ATTR_EXPERT_CACHE, cache)] \
                 if gate and cache and cacheable(w) else []
+            if decode is not None and w.name in decode.weights:
+                cached = [ir.AttrInt64(contract.ATTR_EXPERT_CACHE, decode.capacity),
+                          ir.AttrInt64(contract.ATTR_CACHE_GROUP, decode.group)]
             # A Prefetch with only constant inputs would be folded by ORT: at the very start
             # it is ordered after a graph input.
             pf_deps = self.dep_before(s) or ([] if gate else _first_graph_input(self.analysis))
@@ -566,7 +573,7 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice, *,
     for s in choice.speculations:  # (before the weights: their Prefetches read the warms)
         em.speculate(s, by_name, choice.expert_cache)
     for w in choice.weights:
-        em.offload_weight(w, choice.expert_cache)
+        em.offload_weight(w, choice.expert_cache, choice.decode_cache)
     ring = stored_peak_bytes(choice)
     for a in choice.activations:
         em.offload_activation(a, ring)

@@ -25,7 +25,11 @@ branch has cache ops of its own, :mod:`.branches`):
   no other has (the library keeps a body op's records for one iteration; without it, the
   op's second iteration would start a new run and release the run's other records), and
   reads no cache op's output from another graph but a Guard's (an iteration's transfers
-  are its own).
+  are its own);
+* a decode cache (:mod:`~ho_onnx.schedule.decode_cache`) is whole: every Prefetch of its
+  group reads a streamed tier with the cache's capacity (``expert_cache``) and every Guard
+  of the main graph carries the group with one row of its dims and one size (at most that
+  capacity) per point, so that each run limits the cache it fills.
 
 A violation is a rewriter bug; :func:`check_schedule` raises :class:`ScheduleError` naming
 the first node that breaks one.
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .. import contract
+from .. import contract, kinds
 from ..errors import ScheduleError
 from ..graph.analyse import all_graphs, subgraphs
 from ..schedule.eligibility import HOISTED_OPS
@@ -60,6 +64,7 @@ def check_schedule(model: ir.Model) -> None:
     then each subgraph) that breaks an invariant above."""
     for graph in all_graphs(model.graph):
         _check_graph(graph)
+    _check_decode_cache(model)
     stack = [(model.graph, False)]  # (a graph, whether it is inside a Loop/Scan body)
     while stack:
         graph, in_body = stack.pop()
@@ -199,3 +204,45 @@ def _check_store(node: ir.Node) -> None:
                                 "but no Prefetch")
     raise ScheduleError(f"Store {_label(node)}'s token reaches no Detach of the tensor it "
                         "stores")
+
+
+def _ints(node: ir.Node, name: str) -> list[int]:
+    attr = node.attributes.get(name)
+    if attr is None:
+        return []
+    return [int(v) for v in attr.value] if isinstance(attr.value, (list, tuple)) \
+        else [int(attr.value)]
+
+
+def _check_decode_cache(model: ir.Model) -> None:
+    """The decode cache's Prefetches and the main graph's Guards agree on its group."""
+    groups: dict[int, int] = {}  # group -> capacity
+    for graph in all_graphs(model.graph):
+        for node in graph:
+            g = _ints(node, contract.ATTR_CACHE_GROUP)
+            if not g or not _is(node, contract.PREFETCH):
+                continue
+            cap = _ints(node, contract.ATTR_EXPERT_CACHE)
+            tier = node.attributes.get(contract.ATTR_TIER)
+            if not cap or cap[0] <= 0 or tier is None or kinds.tier(tier.value).in_host_memory:
+                raise ScheduleError(f"Prefetch {_label(node)} of decode cache {g[0]} has no "
+                                    "expert_cache capacity or no streamed tier")
+            if groups.setdefault(g[0], cap[0]) != cap[0]:
+                raise ScheduleError(f"Prefetch {_label(node)} gives decode cache {g[0]} another "
+                                    "capacity")
+    guards = [n for n in model.graph if _is(n, contract.GUARD)]
+    for node in guards:
+        g = _ints(node, contract.ATTR_CACHE_GROUP)
+        if not g:
+            continue
+        rows = _ints(node, contract.ATTR_CACHE_POINTS)
+        sizes = _ints(node, contract.ATTR_CACHE_BYTES)
+        if g[0] not in groups or not 0 < len(sizes) <= 64 \
+                or len(rows) != len(sizes) * len(_ints(node, contract.ATTR_AXES)) \
+                or any(not 0 <= b <= groups[g[0]] for b in sizes):
+            raise ScheduleError(f"Guard {_label(node)}: decode cache {g[0]} has no Prefetch, or "
+                                "its rows or sizes do not fit its dims and capacity")
+    for group in groups:
+        if not guards or any(_ints(n, contract.ATTR_CACHE_GROUP) != [group] for n in guards):
+            raise ScheduleError(f"decode cache {group}: not every Guard of the main graph "
+                                "limits it (a run would keep what an earlier run left)")

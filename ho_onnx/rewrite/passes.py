@@ -224,7 +224,9 @@ class GuardPass(ir.passes.InPlacePass):
         _need(model, REWRITTEN, "InsertPass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        n = insert_guards(model, self.checks, self.ranges)
+        decision = model.meta.get(DECISION)
+        n = insert_guards(model, self.checks, self.ranges,
+                          decision.choice.decode_cache if decision is not None else None)
         model.meta[REWRITTEN].cache_nodes += n
         return ir.passes.PassResult(model, modified=n > 0)
 

@@ -40,6 +40,7 @@ from ..graph.save import (
     output_folder,
     save_model,
 )
+from ..schedule.decode_cache import describe as describe_decode_cache
 from ..schedule.eligibility import OVERRIDABLE_REASON
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import BudgetPlanner, Plan
@@ -191,41 +192,70 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
 @dataclass(frozen=True)
 class PointFigures:
     """A range plan at one binding of its ranged dims: the fast-tier peaks of the unmodified
-    model and of the plan, and the plan's predicted seconds (None without a cost source)."""
+    model and of the plan, the plan's predicted seconds (None without a cost source), ORT's
+    replayed arena under the plan, and the bytes its decode cache keeps there (counted in
+    ``planned``; :mod:`~ho_onnx.schedule.decode_cache`)."""
 
     dims: dict[str, int]
     unmodified: int
     planned: int
     seconds: float | None = None
+    arena: int | None = None
+    cache: int = 0
 
 
 def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, int],
                  ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None = None,
-                 points: DimPoints | None = None, costs: CostSource | None = None
-                 ) -> dict[str, PointFigures]:
+                 points: DimPoints | None = None, costs: CostSource | None = None,
+                 budget: int | None = None) -> dict[str, PointFigures]:
     """``choice`` (a range plan's, made at the top of ``ranges``) at the bottom of every
     range, at each named point (``points``) and at the top, in that order: each binding
-    analysed again (shapes inferred there), its peaks and, with ``costs``, its simulated
-    time (a decode step's per-token time at a decode point)."""
-    from ..schedule.lifetimes import peaks_at
+    analysed again (shapes inferred there), its peaks, ORT's replayed arena and, with
+    ``costs``, its simulated time (a decode step's per-token time at a decode point).
+
+    With ``budget`` (the plan's), first decides its decode cache (sets
+    ``choice.decode_cache``, or ``decode_cache_skipped``): each point is then timed with the
+    reloads its room keeps served by the cache, and its peak counts those bytes."""
+    from ..schedule import decode_cache
+    from ..schedule.arena import arena_memory
+    from ..schedule.lifetimes import peaks_at, resized_choice
     from ..schedule.simulate import simulate
 
     top = bind_ranges(dims, ranges)
     where = {"bottom": {k: lo for k, (lo, _) in ranges.items()},
              **bind_points(points, ranges), "top": {k: hi for k, (_, hi) in ranges.items()}}
-    out = {}
+    seen = {}
     for name, point in where.items():
         at = {**top, **point}
         a = _analysed_at(at, shapes, loaded.model)
         unmodified, planned = peaks_at(a, choice, at)
+        arena = int(arena_memory(a, resized_choice(a, choice, at), at).max(initial=0))
+        seen[name] = (point, at, a, unmodified, planned, arena)
+    kept: dict[str, int] = {}
+    if budget is not None:
+        rooms = [(name, {k: at[k] for k in ranges}, budget - max(planned, arena))
+                 for name, (_, at, _, _, planned, arena) in seen.items()]
+        found = decode_cache.decide(choice, rooms)
+        if isinstance(found, str):
+            choice.decode_cache, choice.decode_cache_skipped = None, found
+        else:
+            choice.decode_cache, choice.decode_cache_skipped = found, ""
+            kept = {name: b for name, _, b in found.points}
+    out = {}
+    for name, (point, at, a, unmodified, planned, arena) in seen.items():
+        timed = choice
+        if choice.decode_cache is not None and kept.get(name):
+            timed = decode_cache.with_hits(choice, decode_cache.kept_at(
+                choice.decode_cache, choice, kept[name]))
         seconds = None
         if costs is not None:
             cm = costs.cost_model(a, at)
-            seconds = simulate(a, choice, cm.with_host(host_positions(choice)),
+            seconds = simulate(a, timed, cm.with_host(host_positions(timed)),
                                cm.transfer_time, at,
                                host_ahead=cm.host_ahead,
                                copy_in_compute=cm.copy_in_compute).total_s
-        out[name] = PointFigures(dict(point), unmodified, planned, seconds)
+        out[name] = PointFigures(dict(point), unmodified, planned + kept.get(name, 0), seconds,
+                                 arena, kept.get(name, 0))
     return out
 
 
@@ -236,6 +266,7 @@ def format_points(figures: Mapping[str, PointFigures]) -> str:
         f"{name} ({','.join(f'{k}={v}' for k, v in sorted(f.dims.items()))}): peak "
         f"{format_bytes(f.planned, 'MiB', 2)} (unmodified {format_bytes(f.unmodified, 'MiB', 2)})"
         + (f", {f.seconds * 1e3:.3g} ms" if f.seconds is not None else "")
+        + (f", decode cache {format_bytes(f.cache, 'MiB', 2)}" if f.cache else "")
         for name, f in figures.items())
 
 
@@ -385,6 +416,17 @@ def _say_points(steps: _Steps, loaded: LoadedModel, decision: Decision, dims: Ma
         return {}
     costs = getattr(decider, "costs", None)
     figures = range_points(loaded, decision.choice, dims, ranges, shapes, points,
-                           costs if isinstance(costs, CostSource) else None)
+                           costs if isinstance(costs, CostSource) else None,
+                           cache_budget(getattr(decider, "options", None)))
     steps.say("over the ranges: " + format_points(figures))
+    if decision.choice.decode_cache is not None:
+        steps.say(describe_decode_cache(decision.choice.decode_cache))
     return figures
+
+
+def cache_budget(options: OffloadOptions | None) -> int | None:
+    """The budget a range plan's decode cache is decided under (:func:`range_points`), or
+    None where there is none (no budget, or ``decode_cache`` off)."""
+    if not isinstance(options, OffloadOptions) or not options.decode_cache:
+        return None
+    return options.budget

@@ -176,10 +176,20 @@ def peaks_at(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, 
     """Fast-tier peaks of the unmodified schedule and of ``choice``'s, every size taken from
     ``analysis`` at ``dims``: another binding of the model the choice was made for (the
     bottom of a range the plan was made at the top of)."""
+    resized = resized_choice(analysis, choice, dims)
+    residency = resident_intervals(analysis, dims)
+    base = schedule_memory(analysis, None, dims, residency)
+    planned = schedule_memory(analysis, resized, dims, residency, base)
+    return int(base.max(initial=0)), int(planned.max(initial=0))
+
+
+def resized_choice(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, int]
+                   ) -> OffloadChoice:
+    """``choice`` with every offload's bytes taken from ``analysis`` at ``dims``."""
     def size(name: str) -> int:
         return analysis.tensors[name].nbytes(dims) or 0
 
-    resized = dataclasses.replace(
+    return dataclasses.replace(
         choice, weights=[dataclasses.replace(w, nbytes=size(w.name)) for w in choice.weights],
         activations=[dataclasses.replace(a, nbytes=size(a.name)) for a in choice.activations],
         recomputes=[dataclasses.replace(r, nbytes=size(r.name), transient=transient_bytes(
@@ -187,10 +197,6 @@ def peaks_at(analysis: GraphAnalysis, choice: OffloadChoice, dims: Mapping[str, 
             for r in choice.recomputes],
         inputs=[dataclasses.replace(i, nbytes=size(i.name)) for i in choice.inputs],
         outputs=[dataclasses.replace(o, nbytes=size(o.name)) for o in choice.outputs])
-    residency = resident_intervals(analysis, dims)
-    base = schedule_memory(analysis, None, dims, residency)
-    planned = schedule_memory(analysis, resized, dims, residency, base)
-    return int(base.max(initial=0)), int(planned.max(initial=0))
 
 
 def held_by_ort(analysis: GraphAnalysis, name: str) -> bool:

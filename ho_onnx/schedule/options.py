@@ -62,6 +62,10 @@ class OffloadOptions:
       default: with a ``budget`` the slack the plan leaves under it, without one none), or 0
       (none: every routed reload is read). With a budget the cache counts in the plan's
       memory: the rest is planned for the budget less the cache.
+      ``decode_cache``: a range plan with a budget keeps streamed weights (the disk tier)
+      across runs wherever a run's dims leave room under the budget, as a decode step does
+      (:mod:`~ho_onnx.schedule.decode_cache`); False: every reload is read. Without ranges,
+      nothing.
       ``speculate_experts``: the next MoE layer's router applied to this layer's router input
       predicts its experts, whose reads into the expert cache start a layer early
       (:mod:`~ho_onnx.schedule.speculate`): ``off``, ``on`` (wherever the graph and the cache
@@ -115,6 +119,7 @@ class OffloadOptions:
     min_gap: int = 2
     weight_tier: Tier = HOST.name
     expert_cache: int | str = "auto"
+    decode_cache: bool = True
     speculate_experts: str = "auto"
     recompute: str = "auto"
     prefetch_distance: int = _DEFAULT_DISTANCE
@@ -200,7 +205,7 @@ class OffloadOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
                 raise ValueError(f"{name} must be a number, not {v!r}")
-        for name in ("weights", "activations", "kv", "routed"):
+        for name in ("weights", "activations", "kv", "routed", "decode_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
 

@@ -224,6 +224,20 @@ class Speculation:
             self.issue_at = self.after
 
 
+@dataclass(frozen=True)
+class DecodeCache:
+    """The decode cache of a range plan (:mod:`ho_onnx.schedule.decode_cache`): streamed
+    weights the library keeps across runs, as many as a run's dims leave room for."""
+
+    group: int  # its id in the model (attribute ``cache_group``; not 0)
+    weights: tuple[str, ...]  # the weights it may keep, by their first reload
+    capacity: int  # their bytes (attribute ``expert_cache`` of their Prefetches)
+    # Per point of the plan (a range end or a named point): its name, the value of every
+    # ranged dim there, the bytes a run the point covers may keep (the largest covering
+    # point's bytes are the run's; a Guard's ``cache_points`` and ``cache_bytes``).
+    points: tuple[tuple[str, tuple[tuple[str, int], ...], int], ...]
+
+
 @dataclass
 class OffloadChoice:
     """The tensors to offload, and why each other candidate stays resident.
@@ -255,6 +269,10 @@ class OffloadChoice:
     # (schedule.recompute), and, by name, why a stored one was not.
     recomputes: list[Recompute] = field(default_factory=list)
     recompute_skipped: dict[str, str] = field(default_factory=dict)
+    # Streamed weights kept across runs where a run's dims leave room (a range plan's decode
+    # steps: schedule.decode_cache), or why there is none ("" where none was considered).
+    decode_cache: DecodeCache | None = None
+    decode_cache_skipped: str = ""
 
     @property
     def offloaded_bytes(self) -> int:
@@ -278,6 +296,13 @@ def kv_pairs_text(c: OffloadChoice) -> str:
     model's metadata as ``past:present,...`` (the rewrite hides the structure they were
     found by)."""
     return ",".join(f"{i.name}:{i.peer}" for i in c.inputs if i.peer)
+
+
+def decode_cache_text(d: DecodeCache) -> str:
+    """``3 weights, 12582912 bytes; decode (past=4095,seq=1): 12582912; top (...): 0``: the
+    metadata ``ho_onnx.decode_cache``."""
+    return (f"{len(d.weights)} weights, {d.capacity} bytes; " + "; ".join(
+        f"{name} ({','.join(f'{k}={v}' for k, v in at)}): {b}" for name, at, b in d.points))
 
 
 @dataclass
@@ -308,6 +333,7 @@ class Decision:
                if c.inputs or c.outputs else {}),
             "host_bytes": str(host_bytes(c)),
             **({"expert_cache_bytes": str(c.expert_cache)} if c.expert_cache else {}),
+            **({"decode_cache": decode_cache_text(c.decode_cache)} if c.decode_cache else {}),
             **({"recomputed_activations": ",".join(r.name for r in c.recomputes)}
                if c.recomputes else {}),
             **({"split_weights": ",".join(f"{s.name}:{len(s.blocks)}" for s in c.splits
