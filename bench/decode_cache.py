@@ -5,12 +5,13 @@ One model (``models.decoder``, random weights, fp32, a KV cache in Optimum's lay
 range plan (``seq`` 1..``--chunk``, ``past`` 0..context + new tokens; a named point
 ``decode``: seq 1 at the top of the past range) under a budget that is ``--fraction`` of the
 unmodified model's peak at the top of the ranges, weights on the disk tier (read from the
-data file with O_DIRECT at every reload), with ``--offload-kv`` the KV cache in host memory. Rows, each in its own process, one after the other,
-``--rounds`` times interleaved:
+data file with O_DIRECT at every reload), with ``--offload-kv`` the KV cache in host memory.
+Rows, each in its own process, one after the other, ``--rounds`` times interleaved:
 
 * ``ort``: onnxruntime on the unmodified model (everything resident);
 * ``ho disk``: the plan with ``decode_cache=False`` (every reload read from the file);
-* ``ho disk + cache``: the same plan with the decode cache.
+* ``ho disk + cache``: the same plan with the decode cache (the weights the decode point's
+  room keeps, and the reads ahead the planner gives part of that room to).
 
 Per row: time to first token (the prompt prefilled in chunks), decode tokens/s over
 ``--new-tokens`` steps, bytes read from the file per decode step (the library's counters),
@@ -79,6 +80,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "predicted_token_s": r.points["decode"].seconds,
             "predicted_prefill_s": r.points["top"].seconds,
             "cache_at_decode": r.points["decode"].cache,
+            "ahead_at_decode": r.points["decode"].ahead,
             "cache_weights": len(dc.weights) if dc else 0,
             "cache_skipped": r.choice.decode_cache_skipped}
     out["src"] = str(src)
@@ -182,6 +184,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], info: dict[str, Any]
         rows.append({"row": row, **med, "errors": [r["error"] for r in rs if "error" in r],
                      "predicted_token_s": plan.get("predicted_token_s"),
                      "cache_at_decode": plan.get("cache_at_decode"),
+                     "ahead_at_decode": plan.get("ahead_at_decode"),
                      "tokens": "reference" if row == "ort" else (
                          "= ort" if ok and all(r["tokens"] == ref for r in ok) else "DIFFER")})
     base = rows[0]["token_s"]
@@ -195,12 +198,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return "-" if x is None else fmt.format(x * scale)
 
     print("| row | TTFT s | ms/token | tok/s × ort | MiB read/step | cache MiB | "
-          "predicted ms/token | tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+          "plan: kept / ahead MiB | predicted ms/token | tokens |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---|")
     for r in rows:
         print(f"| {r['row']} | {f(r['ttft_s'])} | {f(r['token_s'], 1e3)} | "
               f"{f(r['x_ort'], fmt='{:.2f}')} | {f(r['read_per_step'], 1 / MIB, '{:.1f}')} | "
               f"{f(r['cache_bytes'], 1 / MIB, '{:.1f}')} | "
+              f"{f(r['cache_at_decode'], 1 / MIB, '{:.1f}')} / "
+              f"{f(r['ahead_at_decode'], 1 / MIB, '{:.1f}')} | "
               f"{f(r['predicted_token_s'], 1e3)} | {r['tokens']} |")
 
 

@@ -126,6 +126,9 @@ const CounterDef kCounters[] = {
     HO_COUNTER(bytes_warm_read),
     HO_COUNTER(warm_present),
     HO_COUNTER(warm_hits),
+    HO_COUNTER(read_aheads),
+    HO_COUNTER(bytes_read_ahead),
+    HO_COUNTER(read_ahead_used),
     HO_COUNTER(kernel_create_ns),  // (session creation: not reset)
     HO_COUNTER(weight_load_ns),
     // data files whose descriptors the disk tier holds now (a gauge, disk_io.h)
@@ -246,6 +249,9 @@ void HoOnnx_ResetCounters(void) {
   c.bytes_warm_read = 0;
   c.warm_present = 0;
   c.warm_hits = 0;
+  c.read_aheads = 0;
+  c.bytes_read_ahead = 0;
+  c.read_ahead_used = 0;
   c.ops_cpu = 0;
   c.ops_cuda = 0;
   c.cuda_bytes_h2d = 0;

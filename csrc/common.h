@@ -79,6 +79,11 @@ struct Counters {
   std::atomic<uint64_t> bytes_warm_read{0};
   std::atomic<uint64_t> warm_present{0};
   std::atomic<uint64_t> warm_hits{0};
+  // Decode cache read-ahead (a Prefetch of a cache group reads the group's next weights
+  // early, cpu_engine.cc): reads issued ahead, their bytes, and those their Prefetch took.
+  std::atomic<uint64_t> read_aheads{0};
+  std::atomic<uint64_t> bytes_read_ahead{0};
+  std::atomic<uint64_t> read_ahead_used{0};
   // Session creation: time in the library's kernel creation (every cache op's), and the part
   // of it spent loading host-tier weights into the host store (reading them, pinning them
   // on CUDA). Not reset by reset_counters: they accumulate over the process's sessions.

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -256,7 +257,8 @@ class CpuEngine final : public Engine {
 
   void prefetch_cached(const std::shared_ptr<const WeightSource>& w,
                        const std::shared_ptr<ExpertCacheBase>& slot, const std::string& key,
-                       void* dst, const ExecContext& ctx, bool evict) override {
+                       void* dst, const ExecContext& ctx, uint64_t group,
+                       int64_t order) override {
     auto cache = std::static_pointer_cast<Cache>(slot);  // (made by expert_cache() above)
     if (w->size() == 0 || !cache || cache->capacity() == 0) {
       return prefetch_streamed(w, dst, ctx);
@@ -269,15 +271,17 @@ class CpuEngine final : public Engine {
       counters().expert_cache_hits += 1;
       counters().bytes_expert_cache_hit += p.bytes;
       if (p.disk->warmed.exchange(false)) counters().warm_hits += 1;
-    } else {  // a miss: read as streamed, into a buffer the cache keeps
+    } else {  // a miss: read as streamed (or read ahead), into a buffer the cache keeps
       counters().expert_cache_misses += 1;
-      p.disk = read_streamed(w);
+      p.disk = take_ahead(group, order);
+      if (!p.disk) p.disk = read_streamed(w);
       std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after the lock)
-      cache->insert(key, p.disk, p.bytes, &evicted, evict);
+      cache->insert(key, p.disk, p.bytes, &evicted, /*evict=*/group == 0);
     }
     p.cache = std::move(cache);
     p.cache_key = key;
     add_pending(dst, std::move(p), ctx);
+    read_ahead(group, order);
   }
 
   void warm_cached(const std::shared_ptr<const WeightSource>& w,
@@ -365,39 +369,52 @@ class CpuEngine final : public Engine {
     return records_.enter(kernel, &released, per_iteration).epoch;
   }
 
-  void join_cache_group(uint64_t group, const std::shared_ptr<ExpertCacheBase>& slot) override {
+  void join_cache_group(uint64_t group, const std::shared_ptr<ExpertCacheBase>& slot,
+                        int64_t order, const std::shared_ptr<const WeightSource>& src,
+                        const std::string& key) override {
     if (group == 0 || !slot) return;
-    std::weak_ptr<Cache> cache = std::static_pointer_cast<Cache>(slot);  // (expert_cache())
+    auto cache = std::static_pointer_cast<Cache>(slot);  // (made by expert_cache())
     std::lock_guard<std::mutex> lock(groups_mu_);
     if (groups_.size() >= 64) {  // (the groups of sessions that are gone: swept now and then)
       for (auto it = groups_.begin(); it != groups_.end();) {
-        const bool dead = std::all_of(it->second.begin(), it->second.end(),
-                                      [](const std::weak_ptr<Cache>& m) { return m.expired(); });
-        it = dead ? groups_.erase(it) : std::next(it);
+        it = it->second.dead() ? groups_.erase(it) : std::next(it);
       }
     }
-    auto& members = groups_[group];
-    members.erase(std::remove_if(members.begin(), members.end(),
-                                 [&](const std::weak_ptr<Cache>& m) {
-                                   return m.expired() || (!m.owner_before(cache) &&
-                                                          !cache.owner_before(m));
-                                 }),
-                  members.end());
-    members.push_back(std::move(cache));
+    Group& g = groups_[group];
+    g.caches.erase(std::remove_if(g.caches.begin(), g.caches.end(),
+                                  [&](const std::weak_ptr<Cache>& m) {
+                                    auto held = m.lock();
+                                    return !held || held == cache;
+                                  }),
+                   g.caches.end());
+    g.caches.push_back(cache);
+    if (order < 0 || !src || src->size() == 0) return;
+    auto& same = g.members[order];  // (one per session of the model: the first alive reads)
+    same.erase(std::remove_if(same.begin(), same.end(),
+                              [](const Member& m) { return m.src.expired(); }),
+               same.end());
+    same.push_back(Member{src, cache, key, src->size()});
   }
 
-  void limit_cache_group(uint64_t group, size_t bytes) override {
+  void limit_cache_group(uint64_t group, size_t kept, size_t ahead) override {
     std::vector<std::shared_ptr<Cache>> caches;
+    std::vector<std::shared_ptr<DiskTransfer>> dropped;  // (released after every lock)
     {
       std::lock_guard<std::mutex> lock(groups_mu_);
       auto it = groups_.find(group);
       if (it == groups_.end()) return;
-      for (const auto& m : it->second) {
+      Group& g = it->second;
+      for (const auto& m : g.caches) {
         if (auto c = m.lock()) caches.push_back(std::move(c));
       }
+      g.ahead_limit = ahead;
+      if (g.ahead_held > ahead) {  // (a run that leaves less room: what was read ahead goes)
+        for (auto& kv : g.ahead) dropped.push_back(std::move(kv.second.transfer));
+        g.ahead.clear();
+        g.ahead_held = 0;
+      }
     }
-    std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after every lock)
-    for (const auto& c : caches) c->set_limit(bytes, &evicted);
+    for (const auto& c : caches) c->set_limit(kept, &dropped);
   }
 
   void wait(const void* dst, void* out, size_t bytes, const ExecContext& ctx) override {
@@ -523,9 +540,84 @@ class CpuEngine final : public Engine {
   // finished or running reads), held by the kernels that read through it.
   using Cache = ExpertCache<DiskTransfer>;
   WeakCache<Cache> caches_;
-  // The decode cache's groups (join_cache_group): a plan's caches, limited by its Guards.
+
+  // The decode cache's groups (join_cache_group): a plan's caches, limited by its Guards,
+  // and its Prefetches by their place in its reads, whose reads each Prefetch starts ahead
+  // of them (read_ahead) within the run's limit; what was read ahead waits in `ahead`
+  // (across runs too: the last Prefetches of a step read the next step's first weights)
+  // until its Prefetch takes it or a Guard with less room drops it.
+  struct Member {
+    std::weak_ptr<const WeightSource> src;
+    std::weak_ptr<Cache> cache;
+    std::string key;
+    size_t bytes;
+  };
+  struct Ahead {
+    std::shared_ptr<DiskTransfer> transfer;
+    size_t bytes;
+  };
+  struct Group {
+    std::vector<std::weak_ptr<Cache>> caches;
+    std::map<int64_t, std::vector<Member>> members;
+    size_t ahead_limit = 0;
+    size_t ahead_held = 0;
+    std::map<int64_t, Ahead> ahead;
+    bool dead() const {
+      return std::all_of(caches.begin(), caches.end(),
+                         [](const std::weak_ptr<Cache>& m) { return m.expired(); });
+    }
+  };
   std::mutex groups_mu_;  // guards groups_
-  std::unordered_map<uint64_t, std::vector<std::weak_ptr<Cache>>> groups_;
+  std::unordered_map<uint64_t, Group> groups_;
+
+  // The bytes of the Prefetch at `order` of `group` if an earlier Prefetch read them ahead.
+  std::shared_ptr<DiskTransfer> take_ahead(uint64_t group, int64_t order) {
+    if (group == 0 || order < 0) return nullptr;
+    std::lock_guard<std::mutex> lock(groups_mu_);
+    auto it = groups_.find(group);
+    if (it == groups_.end()) return nullptr;
+    Group& g = it->second;
+    auto a = g.ahead.find(order);
+    if (a == g.ahead.end()) return nullptr;
+    std::shared_ptr<DiskTransfer> t = std::move(a->second.transfer);
+    g.ahead_held -= a->second.bytes;
+    g.ahead.erase(a);
+    counters().read_ahead_used += 1;
+    return t;
+  }
+
+  // Start the reads of the Prefetches after `order` in `group` (wrapping around to the
+  // group's first: the next run's), in order, skipping what a cache keeps and what was read
+  // ahead already, until the next one does not fit the run's read-ahead limit.
+  void read_ahead(uint64_t group, int64_t order) {
+    if (group == 0 || order < 0) return;
+    std::lock_guard<std::mutex> lock(groups_mu_);
+    auto it = groups_.find(group);
+    if (it == groups_.end() || it->second.ahead_limit == 0) return;
+    Group& g = it->second;
+    auto m = g.members.upper_bound(order);
+    for (size_t i = 0; i < g.members.size(); ++i, ++m) {
+      if (m == g.members.end()) m = g.members.begin();
+      if (m->first == order) break;  // (round: back at the caller)
+      if (g.ahead.count(m->first) != 0) continue;
+      const Member* live = nullptr;
+      std::shared_ptr<const WeightSource> src;
+      for (const Member& c : m->second) {
+        if ((src = c.src.lock())) {
+          live = &c;
+          break;
+        }
+      }
+      if (live == nullptr) continue;
+      auto cache = live->cache.lock();
+      if (cache && cache->contains(live->key)) continue;  // kept: nothing to read
+      if (g.ahead_held + live->bytes > g.ahead_limit) break;
+      g.ahead[m->first] = Ahead{read_streamed(src), live->bytes};
+      g.ahead_held += live->bytes;
+      counters().read_aheads += 1;
+      counters().bytes_read_ahead += live->bytes;
+    }
+  }
   std::mutex rng_mu_;  // guards rng_
   std::mt19937_64 rng_;
   // (a run's start bounds what the pools keep idle: HostPool::run_started)

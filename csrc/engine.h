@@ -145,22 +145,28 @@ class Engine {
   // Like prefetch_streamed, through `cache` (from expert_cache(), not null) under `key`
   // (weight_key of `src`): a hit copies the cached bytes (nothing is read), a miss reads them
   // into a buffer the cache then keeps.
-  // `evict` false (a decode-cache weight, expert_cache.h): a miss is kept only if it fits
-  // without evicting anything.
+  // A decode-cache Prefetch (`group` not 0, docs/design.md "The decode cache") keeps a miss
+  // only if it fits without evicting anything, takes its bytes from the group's read-ahead
+  // when an earlier Prefetch read them there (`order`: its place in the group, -1: none),
+  // and then reads the group's next weights ahead within the run's read-ahead limit.
   virtual void prefetch_cached(const std::shared_ptr<const WeightSource>& src,
                                const std::shared_ptr<ExpertCacheBase>& /*cache*/,
                                const std::string& /*key*/, void* dst, const ExecContext& ctx,
-                               bool /*evict*/ = true) {
+                               uint64_t /*group*/ = 0, int64_t /*order*/ = -1) {
     prefetch_streamed(src, dst, ctx);
   }
 
-  // The decode cache (docs/design.md): session creation puts a cache (from expert_cache())
-  // in the plan's group `group` (attribute `cache_group` of its Prefetches); a run's Guard
-  // then limits every cache of the group to the bytes its plan leaves at that run's dims
-  // (evicting down to it at once). An engine without caches ignores both.
+  // The decode cache: session creation puts each of its Prefetches in the plan's group
+  // `group` (attributes `cache_group`, `cache_order`: its place in the group's reads, -1
+  // none) with its cache (from expert_cache()), weight and key; a run's Guards then limit
+  // the group's caches to `kept` bytes and its read-ahead to `ahead` bytes, from that run's
+  // dims (evicting down to them at once). An engine without caches ignores both.
   virtual void join_cache_group(uint64_t /*group*/,
-                                const std::shared_ptr<ExpertCacheBase>& /*cache*/) {}
-  virtual void limit_cache_group(uint64_t /*group*/, size_t /*bytes*/) {}
+                                const std::shared_ptr<ExpertCacheBase>& /*cache*/,
+                                int64_t /*order*/,
+                                const std::shared_ptr<const WeightSource>& /*src*/,
+                                const std::string& /*key*/) {}
+  virtual void limit_cache_group(uint64_t /*group*/, size_t /*kept*/, size_t /*ahead*/) {}
 
   // Speculation: start reading `src` into `cache` (from expert_cache(), not null) under `key`
   // unless the cache holds it; nothing waits for the read (a later prefetch_cached of the

@@ -80,6 +80,12 @@ class ExpertCache final : public ExpertCacheBase {
     return std::min(capacity_, limit_);
   }
 
+  // Whether an entry is under `key` (its use order unchanged).
+  bool contains(const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return map_.count(key) != 0;
+  }
+
   // The entry under `key`, made most recently used; null when absent.
   std::shared_ptr<T> find(const std::string& key) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -272,6 +272,9 @@ void Kernel::init_weight(const OpDef& op, const OrtKernelInfo* info,
       engine->prepare_streamed();
       init_expert_cache(info, *src, op.reg->content_key(*file));
       streamed = std::move(src);
+      if (cache_group != 0) {
+        engine->join_cache_group(cache_group, expert_cache, cache_order, streamed, cache_key);
+      }
     }
   } catch (const Error& e) {
     bad(e.code(), e.what());
@@ -363,12 +366,18 @@ void Kernel::init_expert_cache(const OrtKernelInfo* info, const WeightSource& sr
     fail(ORT_INVALID_ARGUMENT, std::string("negative ") + kExpertCacheAttr + " " +
                                    std::to_string(bytes));
   }
-  expert_cache = engine->expert_cache(content, static_cast<size_t>(bytes));
-  if (expert_cache) cache_key = weight_key(src, content);
+  // A decode cache is one per group, whatever file its weights are in (its keys name the
+  // file): the limit its Guards set holds for all of them (a cache per file held the limit
+  // once per file: found with a plan whose split weights went to a second file).
   int64_t group = 0;
-  if (attr_int(api, info, kCacheGroupAttr, &group) && group != 0) {
+  attr_int(api, info, kCacheGroupAttr, &group);
+  const std::string cache_name =
+      group != 0 ? "ho_onnx.decode_cache:" + std::to_string(group) : content;
+  expert_cache = engine->expert_cache(cache_name, static_cast<size_t>(bytes));
+  if (expert_cache) cache_key = weight_key(src, content);
+  if (group != 0 && expert_cache) {
     cache_group = static_cast<uint64_t>(group);
-    if (expert_cache) engine->join_cache_group(cache_group, expert_cache);
+    if (!attr_int(api, info, kCacheOrderAttr, &cache_order) || cache_order < 0) cache_order = -1;
   }
 }
 
@@ -467,8 +476,10 @@ void Kernel::init_guard(const OrtKernelInfo* info) {
   init_guard_cache(info);
 }
 
-// Attributes cache_group, cache_points (a row of this Guard's dims per point) and
-// cache_bytes (one per point, at most 64 points): the decode cache's limit per run.
+// Attributes cache_group, cache_points (a row of this Guard's dims per point), cache_bytes
+// and cache_ahead (one per point, at most 64 points; cache_ahead optional, 0), cache_guards
+// (the Guards of the group: the last of a run sets the limits; optional, 1): the decode
+// cache's limits per run.
 void Kernel::init_guard_cache(const OrtKernelInfo* info) {
   int64_t group = 0;
   if (!attr_int(api, info, kCacheGroupAttr, &group) || group == 0) return;
@@ -480,8 +491,20 @@ void Kernel::init_guard_cache(const OrtKernelInfo* info) {
     fail(ORT_INVALID_ARGUMENT, who + "a decode cache needs cache_points (one value per dim "
                                      "per point) and cache_bytes (one per point, 1 to 64)");
   }
-  for (int64_t b : cache_bytes) {
-    if (b < 0) fail(ORT_INVALID_ARGUMENT, who + "negative cache_bytes " + std::to_string(b));
+  if (!attr_int(api, info, kCacheGuardsAttr, &cache_guards) || cache_guards < 1) {
+    cache_guards = 1;
+  }
+  if (!attr_ints(api, info, kCacheAheadAttr, &cache_ahead)) {
+    cache_ahead.assign(cache_bytes.size(), 0);
+  }
+  if (cache_ahead.size() != cache_bytes.size()) {
+    fail(ORT_INVALID_ARGUMENT, who + "cache_ahead needs one value per point");
+  }
+  for (size_t p = 0; p < cache_bytes.size(); ++p) {
+    if (cache_bytes[p] < 0 || cache_ahead[p] < 0) {
+      fail(ORT_INVALID_ARGUMENT, who + "negative cache_bytes or cache_ahead at point " +
+                                     std::to_string(p));
+    }
   }
   for (size_t p = 0; p < cache_bytes.size(); ++p) {
     cache_points.emplace_back(points.begin() + static_cast<ptrdiff_t>(p * ranges.size()),
@@ -496,13 +519,14 @@ namespace {
 struct GuardPhase {
   uint64_t epoch = 0;
   uint64_t points = 0;
+  int64_t guards = 0;  // (Guards of the group run so far in the epoch)
 };
 thread_local std::unordered_map<uint64_t, GuardPhase> t_guard_phases;
 }  // namespace
 
-// The bytes the run may keep in the group's caches: those of the point with the most among
-// the points that cover the dims of every Guard run so far in this run (its first Guard
-// starts from all of them); a point none covers leaves none.
+// The bytes the run may keep in the group's caches and read ahead: those of the point with
+// the most room among the points that cover the dims of every Guard run so far in this run
+// (its first Guard starts from all of them); a run no point covers keeps and reads none.
 void Kernel::limit_cache(uint64_t epoch, const TensorInfo& ti) {
   uint64_t mine = 0;
   for (size_t p = 0; p < cache_points.size(); ++p) {
@@ -513,13 +537,19 @@ void Kernel::limit_cache(uint64_t epoch, const TensorInfo& ti) {
     if (covered) mine |= uint64_t{1} << p;
   }
   GuardPhase& phase = t_guard_phases[cache_group];
-  if (phase.epoch != epoch) phase = GuardPhase{epoch, ~uint64_t{0}};
+  if (phase.epoch != epoch) phase = GuardPhase{epoch, ~uint64_t{0}, 0};
   phase.points &= mine;
-  int64_t bytes = 0;
+  // Only the run's last Guard knows every dim: an earlier one's point may split its room
+  // otherwise (its limits would drop the reads ahead a later one keeps).
+  if (++phase.guards < cache_guards) return;
+  int64_t kept = 0, ahead = 0;  // (the covering point with the most room: its split)
   for (size_t p = 0; p < cache_bytes.size(); ++p) {
-    if ((phase.points >> p) & 1) bytes = std::max(bytes, cache_bytes[p]);
+    if (((phase.points >> p) & 1) && cache_bytes[p] + cache_ahead[p] > kept + ahead) {
+      kept = cache_bytes[p];
+      ahead = cache_ahead[p];
+    }
   }
-  engine->limit_cache_group(cache_group, static_cast<size_t>(bytes));
+  engine->limit_cache_group(cache_group, static_cast<size_t>(kept), static_cast<size_t>(ahead));
 }
 
 // Reads only its input's shape (never its data: on the CUDA EP it is device memory) and
@@ -614,7 +644,7 @@ void Kernel::prefetch_weight(OrtKernelContext* ctx, const ExecContext& ec) {
   if (streamed && expert_cache) {
     engine->prefetch_cached(streamed, expert_cache, cache_key,
                             streamed->size() ? tensor_data(api, y) : nullptr, ec,
-                            /*evict=*/cache_group == 0);
+                            cache_group, cache_order);
   } else if (streamed) {
     engine->prefetch_streamed(streamed, streamed->size() ? tensor_data(api, y) : nullptr, ec);
   } else {

@@ -78,6 +78,8 @@ struct Kernel {
   // the group's caches to that (Engine::limit_cache_group).
   std::vector<std::vector<int64_t>> cache_points;
   std::vector<int64_t> cache_bytes;
+  std::vector<int64_t> cache_ahead;  // (read-ahead bytes per point)
+  int64_t cache_guards = 1;          // (the group's Guards: the run's last one limits)
 
   // Prefetch and Wait with attribute `gated` = 1: input 1 is the gate, a routed value that
   // is empty when no token reaches the reader (an expert no token was routed to). An empty
@@ -107,8 +109,10 @@ struct Kernel {
   std::shared_ptr<ExpertCacheBase> expert_cache;
   std::string cache_key;
   // Attribute `cache_group` (not 0): the plan's decode cache (a Guard's and its cached
-  // Prefetches'); such a Prefetch's miss is kept only where it fits (no eviction).
+  // Prefetches'); such a Prefetch's miss is kept only where it fits (no eviction), and with
+  // `cache_order` (its place among the group's reads) it reads the next ones ahead.
   uint64_t cache_group = 0;
+  int64_t cache_order = -1;
   // A cached Prefetch with attribute `warm` = 1 (a speculation of the next layer's router):
   // it starts the weight's read into the expert cache when its gate, the int64 indices a
   // router picked, holds `warm_expert`; its output is empty. A no-op on the CUDA EP (no

@@ -33,6 +33,9 @@ constexpr const char* kExpertCacheAttr = "expert_cache";
 constexpr const char* kCacheGroupAttr = "cache_group";
 constexpr const char* kCachePointsAttr = "cache_points";
 constexpr const char* kCacheBytesAttr = "cache_bytes";
+constexpr const char* kCacheAheadAttr = "cache_ahead";
+constexpr const char* kCacheOrderAttr = "cache_order";
+constexpr const char* kCacheGuardsAttr = "cache_guards";
 // A cached Prefetch with `warm` = 1 only warms the expert cache: when its gate (input 1, the
 // int64 expert indices the next layer's router picks from an earlier hidden state) holds
 // `expert`, the weight's read into the cache starts; its output is empty.

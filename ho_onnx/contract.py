@@ -93,6 +93,14 @@ ATTR_EXPERT_CACHE = "expert_cache"
 ATTR_CACHE_GROUP = "cache_group"
 ATTR_CACHE_POINTS = "cache_points"
 ATTR_CACHE_BYTES = "cache_bytes"
+# On a Guard, per point: the bytes a run that point covers may read ahead (each Prefetch of
+# the cache starts the reads of the next ones within it, wrapping around to the next run's
+# first). On each Prefetch of the cache: its place among the cache's reads (``cache_order``).
+ATTR_CACHE_AHEAD = "cache_ahead"
+ATTR_CACHE_ORDER = "cache_order"
+# On each Guard of the cache: how many Guards carry it (the run's last sets its limits: only
+# it has seen every dim).
+ATTR_CACHE_GUARDS = "cache_guards"
 # On a cached Prefetch: ``warm`` = 1 makes it a speculation (ho_onnx.schedule.speculate): its
 # gate (input 1) is the int64 expert indices the next layer's router picks from an earlier
 # hidden state, ``expert`` the weight's expert (its router column); when the indices hold

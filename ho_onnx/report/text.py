@@ -65,7 +65,8 @@ def _caches_dict(c: OffloadChoice) -> dict[str, Any]:
             "speculation_skipped": dict(c.speculation_skipped),
             "decode_cache": None if d is None else {
                 "weights": list(d.weights), "capacity_bytes": d.capacity,
-                "points": [{"name": n, "dims": dict(at), "bytes": b} for n, at, b in d.points]},
+                "points": [{"name": n, "dims": dict(at), "kept_bytes": b, "ahead_bytes": a}
+                           for n, at, b, a in d.points]},
             "decode_cache_skipped": c.decode_cache_skipped or None}
 
 

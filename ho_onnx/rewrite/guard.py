@@ -47,7 +47,7 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
             ir.AttrInt64s(contract.ATTR_HI, [ranges[d][1] for _, d in dims]),
             ir.AttrString(contract.ATTR_DIMS, "\n".join(d for _, d in dims)),
             ir.AttrString(contract.ATTR_INPUT, name),
-            *_cache_attrs(cache, [d for _, d in dims]),
+            *_cache_attrs(cache, [d for _, d in dims], len(checks)),
         ], outputs=[out], name=names.fresh(f"ho.guard.{name}")))
     graph.insert_before(next(iter(graph)), guards)
     for first in firsts:
@@ -58,11 +58,15 @@ def insert_guards(model: ir.Model, checks: Mapping[str, Sequence[tuple[int, str]
     return len(guards)
 
 
-def _cache_attrs(cache: DecodeCache | None, dims: Sequence[str]) -> list[ir.Attr]:
-    """A Guard's decode-cache attributes for its ``dims`` (none without a cache)."""
+def _cache_attrs(cache: DecodeCache | None, dims: Sequence[str], guards: int
+                 ) -> list[ir.Attr]:
+    """A Guard's decode-cache attributes for its ``dims`` (none without a cache), one of
+    ``guards`` Guards."""
     if cache is None:
         return []
-    rows, sizes = guard_rows(cache, dims)
+    rows, sizes, ahead = guard_rows(cache, dims)
     return [ir.AttrInt64(contract.ATTR_CACHE_GROUP, cache.group),
+            ir.AttrInt64(contract.ATTR_CACHE_GUARDS, guards),
             ir.AttrInt64s(contract.ATTR_CACHE_POINTS, rows),
-            ir.AttrInt64s(contract.ATTR_CACHE_BYTES, sizes)]
+            ir.AttrInt64s(contract.ATTR_CACHE_BYTES, sizes),
+            ir.AttrInt64s(contract.ATTR_CACHE_AHEAD, ahead)]

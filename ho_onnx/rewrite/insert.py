@@ -28,6 +28,7 @@ from ..graph.analyse import (
 )
 from ..graph.dtypes import ELEMENT_BITS, dtype_name
 from ..graph.gcpause import gc_paused
+from ..schedule.decode_cache import reloads
 from ..schedule.eligibility import cuda_host_tensors
 from ..schedule.expert_cache import cacheable
 from ..schedule.lifetimes import stored_peak_bytes
@@ -175,12 +176,14 @@ class _Emitter:
         return attrs
 
     def offload_weight(self, w: WeightOffload, cache: int = 0,
-                       decode: DecodeCache | None = None) -> None:
+                       decode: DecodeCache | None = None,
+                       decode_orders: dict[tuple[str, int], int] | None = None) -> None:
         """Prefetch/Wait pairs before each data reader of ``w``; shape readers become
         constants. ``cache``: the bytes of the expert cache, recorded on each gated
         Prefetch of a cacheable ``w`` (:mod:`~ho_onnx.schedule.expert_cache`); ``decode``:
-        the decode cache, recorded on each Prefetch of a ``w`` it keeps
-        (:mod:`~ho_onnx.schedule.decode_cache`)."""
+        the decode cache, recorded on each Prefetch of a ``w`` of it with its place among the
+        cache's reloads (``decode_orders``, :func:`~ho_onnx.schedule.decode_cache.reloads`)."""
+        decode_orders = decode_orders or {}
         t = self.analysis.tensors[w.name]
         assert t.elem_type is not None and t.shape is not None
         self.weight_prefetches.setdefault(w.name, [])
@@ -214,9 +217,11 @@ class _Emitter:
                       ir.AttrInt64(contract.ATTR_ROUTE_K, route[1])] if route else []
             cached = [ir.AttrInt64(contract.ATTR_EXPERT_CACHE, cache)] \
                 if gate and cache and cacheable(w) else []
-            if decode is not None and w.name in decode.weights:
-                cached = [ir.AttrInt64(contract.ATTR_EXPERT_CACHE, decode.capacity),
-                          ir.AttrInt64(contract.ATTR_CACHE_GROUP, decode.group)]
+            if decode is not None and (w.name, k) in decode_orders:
+                # (a cache that keeps nothing still joins the group to read ahead: 1 byte)
+                cached = [ir.AttrInt64(contract.ATTR_EXPERT_CACHE, max(decode.capacity, 1)),
+                          ir.AttrInt64(contract.ATTR_CACHE_GROUP, decode.group),
+                          ir.AttrInt64(contract.ATTR_CACHE_ORDER, decode_orders[(w.name, k)])]
             # A Prefetch with only constant inputs would be folded by ORT: at the very start
             # it is ordered after a graph input.
             pf_deps = self.dep_before(s) or ([] if gate else _first_graph_input(self.analysis))
@@ -572,8 +577,10 @@ def insert_cache_ops(analysis: GraphAnalysis, choice: OffloadChoice, *,
     by_name = {w.name: w for w in choice.weights}
     for s in choice.speculations:  # (before the weights: their Prefetches read the warms)
         em.speculate(s, by_name, choice.expert_cache)
+    dc = choice.decode_cache
+    orders = {r: i for i, r in enumerate(reloads(dc, choice))} if dc is not None else {}
     for w in choice.weights:
-        em.offload_weight(w, choice.expert_cache, choice.decode_cache)
+        em.offload_weight(w, choice.expert_cache, dc, orders)
     ring = stored_peak_bytes(choice)
     for a in choice.activations:
         em.offload_activation(a, ring)

@@ -27,9 +27,10 @@ branch has cache ops of its own, :mod:`.branches`):
   reads no cache op's output from another graph but a Guard's (an iteration's transfers
   are its own);
 * a decode cache (:mod:`~ho_onnx.schedule.decode_cache`) is whole: every Prefetch of its
-  group reads a streamed tier with the cache's capacity (``expert_cache``) and every Guard
-  of the main graph carries the group with one row of its dims and one size (at most that
-  capacity) per point, so that each run limits the cache it fills.
+  group reads a streamed tier with the cache's capacity (``expert_cache``) and a place of
+  its own among the cache's reads (``cache_order``), and every Guard of the main graph
+  carries the group with one row of its dims, one size kept (at most that capacity) and one
+  read ahead per point, so that each run limits the cache it fills and reads.
 
 A violation is a rewriter bug; :func:`check_schedule` raises :class:`ScheduleError` naming
 the first node that breaks one.
@@ -217,6 +218,7 @@ def _ints(node: ir.Node, name: str) -> list[int]:
 def _check_decode_cache(model: ir.Model) -> None:
     """The decode cache's Prefetches and the main graph's Guards agree on its group."""
     groups: dict[int, int] = {}  # group -> capacity
+    orders: set[tuple[int, int]] = set()
     for graph in all_graphs(model.graph):
         for node in graph:
             g = _ints(node, contract.ATTR_CACHE_GROUP)
@@ -230,6 +232,11 @@ def _check_decode_cache(model: ir.Model) -> None:
             if groups.setdefault(g[0], cap[0]) != cap[0]:
                 raise ScheduleError(f"Prefetch {_label(node)} gives decode cache {g[0]} another "
                                     "capacity")
+            order = _ints(node, contract.ATTR_CACHE_ORDER)
+            if len(order) != 1 or order[0] < 0 or (g[0], order[0]) in orders:
+                raise ScheduleError(f"Prefetch {_label(node)} of decode cache {g[0]} has no "
+                                    "cache_order of its own")
+            orders.add((g[0], order[0]))
     guards = [n for n in model.graph if _is(n, contract.GUARD)]
     for node in guards:
         g = _ints(node, contract.ATTR_CACHE_GROUP)
@@ -237,12 +244,15 @@ def _check_decode_cache(model: ir.Model) -> None:
             continue
         rows = _ints(node, contract.ATTR_CACHE_POINTS)
         sizes = _ints(node, contract.ATTR_CACHE_BYTES)
-        if g[0] not in groups or not 0 < len(sizes) <= 64 \
+        ahead = _ints(node, contract.ATTR_CACHE_AHEAD)
+        if g[0] not in groups or not 0 < len(sizes) <= 64 or len(ahead) != len(sizes) \
                 or len(rows) != len(sizes) * len(_ints(node, contract.ATTR_AXES)) \
-                or any(not 0 <= b <= groups[g[0]] for b in sizes):
+                or any(not 0 <= b <= groups[g[0]] for b in sizes) or min(ahead) < 0:
             raise ScheduleError(f"Guard {_label(node)}: decode cache {g[0]} has no Prefetch, or "
                                 "its rows or sizes do not fit its dims and capacity")
     for group in groups:
-        if not guards or any(_ints(n, contract.ATTR_CACHE_GROUP) != [group] for n in guards):
+        if not guards or any(_ints(n, contract.ATTR_CACHE_GROUP) != [group]
+                             or _ints(n, contract.ATTR_CACHE_GUARDS) != [len(guards)]
+                             for n in guards):
             raise ScheduleError(f"decode cache {group}: not every Guard of the main graph "
                                 "limits it (a run would keep what an earlier run left)")

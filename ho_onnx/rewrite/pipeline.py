@@ -45,7 +45,14 @@ from ..schedule.eligibility import OVERRIDABLE_REASON
 from ..schedule.options import OffloadOptions
 from ..schedule.planner import BudgetPlanner, Plan
 from ..schedule.policy import ExplicitPolicy
-from ..schedule.types import Decider, Decision, OffloadChoice, RunFacts, host_positions
+from ..schedule.types import (
+    Decider,
+    Decision,
+    DecodeCache,
+    OffloadChoice,
+    RunFacts,
+    host_positions,
+)
 from ..target.ort.arena import ORT
 from ..units import format_bytes
 from .insert import RewrittenModel
@@ -193,8 +200,8 @@ def plan_model(model: str | os.PathLike[str] | LoadedModel, options: OffloadOpti
 class PointFigures:
     """A range plan at one binding of its ranged dims: the fast-tier peaks of the unmodified
     model and of the plan, the plan's predicted seconds (None without a cost source), ORT's
-    replayed arena under the plan, and the bytes its decode cache keeps there (counted in
-    ``planned``; :mod:`~ho_onnx.schedule.decode_cache`)."""
+    replayed arena under the plan, and the bytes its decode cache keeps and reads ahead
+    there (counted in ``planned``; :mod:`~ho_onnx.schedule.decode_cache`)."""
 
     dims: dict[str, int]
     unmodified: int
@@ -202,6 +209,7 @@ class PointFigures:
     seconds: float | None = None
     arena: int | None = None
     cache: int = 0
+    ahead: int = 0
 
 
 def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, int],
@@ -219,7 +227,6 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
     from ..schedule import decode_cache
     from ..schedule.arena import arena_memory
     from ..schedule.lifetimes import peaks_at, resized_choice
-    from ..schedule.simulate import simulate
 
     top = bind_ranges(dims, ranges)
     where = {"bottom": {k: lo for k, (lo, _) in ranges.items()},
@@ -231,7 +238,7 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
         unmodified, planned = peaks_at(a, choice, at)
         arena = int(arena_memory(a, resized_choice(a, choice, at), at).max(initial=0))
         seen[name] = (point, at, a, unmodified, planned, arena)
-    kept: dict[str, int] = {}
+    split: dict[str, tuple[int, int]] = {}
     if budget is not None:
         rooms = [(name, {k: at[k] for k in ranges}, budget - max(planned, arena))
                  for name, (_, at, _, _, planned, arena) in seen.items()]
@@ -239,24 +246,50 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
         if isinstance(found, str):
             choice.decode_cache, choice.decode_cache_skipped = None, found
         else:
-            choice.decode_cache, choice.decode_cache_skipped = found, ""
-            kept = {name: b for name, _, b in found.points}
+            choice.decode_cache, choice.decode_cache_skipped = _split_rooms(
+                found, choice, seen, costs), ""
+            split = {name: (kept, ahead) for name, _, kept, ahead in
+                     choice.decode_cache.points}
+
     out = {}
     for name, (point, at, a, unmodified, planned, arena) in seen.items():
-        timed = choice
-        if choice.decode_cache is not None and kept.get(name):
-            timed = decode_cache.with_hits(choice, decode_cache.kept_at(
-                choice.decode_cache, choice, kept[name]))
-        seconds = None
-        if costs is not None:
-            cm = costs.cost_model(a, at)
-            seconds = simulate(a, timed, cm.with_host(host_positions(timed)),
-                               cm.transfer_time, at,
-                               host_ahead=cm.host_ahead,
-                               copy_in_compute=cm.copy_in_compute).total_s
-        out[name] = PointFigures(dict(point), unmodified, planned + kept.get(name, 0), seconds,
-                                 arena, kept.get(name, 0))
+        kept, ahead = split.get(name, (0, 0))
+        timed = choice if not (kept or ahead) else decode_cache.timed(
+            choice, choice.decode_cache, kept, ahead)  # type: ignore[arg-type]
+        out[name] = PointFigures(dict(point), unmodified, planned + kept + ahead,
+                                 _seconds(costs, a, at, timed) if costs is not None else None,
+                                 arena, kept, ahead)
     return out
+
+
+def _seconds(costs: CostSource, a: GraphAnalysis, at: Mapping[str, int],
+             choice: OffloadChoice) -> float:
+    """``choice``'s simulated seconds on ``a`` (one binding) with ``costs``."""
+    from ..schedule.simulate import simulate
+
+    cm = costs.cost_model(a, at)
+    return simulate(a, choice, cm.with_host(host_positions(choice)), cm.transfer_time, at,
+                    host_ahead=cm.host_ahead, copy_in_compute=cm.copy_in_compute).total_s
+
+
+def _split_rooms(cache: DecodeCache, choice: OffloadChoice,
+                 seen: Mapping[str, tuple], costs: CostSource | None) -> DecodeCache:
+    """``cache`` with each point's room split between weights kept and reads ahead
+    (:func:`~ho_onnx.schedule.decode_cache.splits`) the way the point's simulation is
+    fastest (all kept without a cost source)."""
+    from ..schedule import decode_cache
+
+    points = []
+    for name, at_dims, room, _ in cache.points:
+        best, best_s = (room, 0), None
+        if costs is not None and room > 0:
+            _, at, a, _, _, _ = seen[name]
+            for kept, ahead in decode_cache.splits(cache, choice, room):
+                s = _seconds(costs, a, at, decode_cache.timed(choice, cache, kept, ahead))
+                if best_s is None or s < best_s * 0.99:  # (a split must win by 1 %)
+                    best, best_s = (kept, ahead), s
+        points.append((name, at_dims, *best))
+    return decode_cache.with_points(cache, choice, points)
 
 
 def format_points(figures: Mapping[str, PointFigures]) -> str:
@@ -267,6 +300,7 @@ def format_points(figures: Mapping[str, PointFigures]) -> str:
         f"{format_bytes(f.planned, 'MiB', 2)} (unmodified {format_bytes(f.unmodified, 'MiB', 2)})"
         + (f", {f.seconds * 1e3:.3g} ms" if f.seconds is not None else "")
         + (f", decode cache {format_bytes(f.cache, 'MiB', 2)}" if f.cache else "")
+        + (f" + {format_bytes(f.ahead, 'MiB', 2)} read ahead" if f.ahead else "")
         for name, f in figures.items())
 
 

@@ -53,8 +53,17 @@ def candidates(choice: OffloadChoice) -> list[WeightOffload]:
                   key=lambda w: min(w.prefetch_at))
 
 
+def reloads(cache: DecodeCache, choice: OffloadChoice) -> list[tuple[str, int]]:
+    """The cache's reloads ``(weight, consumer index)`` in the order their Prefetches run
+    (by position): a Prefetch's ``cache_order`` is its index here."""
+    by_name = {w.name: w for w in choice.weights}
+    return sorted(((n, k) for n in cache.weights for k in range(len(by_name[n].consumers))),
+                  key=lambda r: (by_name[r[0]].prefetch_at[r[1]], by_name[r[0]].consumers[r[1]]))
+
+
 def decide(choice: OffloadChoice, rooms: Sequence[Room]) -> DecodeCache | str:
-    """The decode cache of ``choice`` given each point's room, or why there is none."""
+    """The decode cache of ``choice`` given each point's room (all kept, none read ahead:
+    :func:`split` then weighs reading ahead), or why there is none."""
     cands = candidates(choice)
     if not cands:
         return ("no weight is reloaded from a streamed tier (--weight-tier disk): a cache "
@@ -62,60 +71,106 @@ def decide(choice: OffloadChoice, rooms: Sequence[Room]) -> DecodeCache | str:
     best = max((r for _, _, r in rooms), default=0)
     if best <= 0:
         return "no point of the ranges leaves room under the budget"
-    kept: list[WeightOffload] = []
-    total = 0
-    for w in cands:
-        if total + w.nbytes > best:
-            break
-        kept.append(w)
-        total += w.nbytes
-    if not kept:
+    if best < min(w.nbytes for w in cands):
         return (f"the most room a point leaves ({format_bytes(best)}) holds none of the "
-                f"streamed weights (the first is {format_bytes(cands[0].nbytes)})")
-    points = tuple((name, tuple(sorted(at.items())), max(0, min(total, room)))
+                f"streamed weights (the smallest is {format_bytes(min(w.nbytes for w in cands))})")
+    total = sum(w.nbytes for w in cands)
+    points = tuple((name, tuple(sorted(at.items())), max(0, min(total, room)), 0)
                    for name, at, room in rooms)
-    key = repr((tuple((w.name, w.nbytes) for w in kept), points)).encode()
+    key = repr((tuple((w.name, w.nbytes) for w in cands), points)).encode()
     group = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1) or 1
-    return DecodeCache(group, tuple(w.name for w in kept), total, points)
+    cache = DecodeCache(group, tuple(w.name for w in cands), 0, points)
+    return with_points(cache, choice, points)
+
+
+def with_points(cache: DecodeCache, choice: OffloadChoice,
+                points: Sequence[tuple[str, tuple[tuple[str, int], ...], int, int]]
+                ) -> DecodeCache:
+    """``cache`` with ``points`` (name, dims, room to keep, ahead), each point's room to keep
+    cut to the bytes of the weights it keeps (the library fills the same ones under either);
+    its capacity the most any point keeps."""
+    points = [(name, at, _kept_bytes(cache, choice, kept), ahead)
+              for name, at, kept, ahead in points]
+    cap = max((kept for _, _, kept, _ in points), default=0)
+    return replace(cache, capacity=cap, points=tuple(points))
 
 
 def kept_at(cache: DecodeCache, choice: OffloadChoice, room: int) -> set[str]:
-    """The cache's weights a run with ``room`` bytes keeps (those that fit, by first
-    reload)."""
+    """The cache's weights a run with ``room`` bytes keeps: each that still fits, in the
+    order of their first reloads (the library keeps a miss only where it fits)."""
     sizes = {w.name: w.nbytes for w in choice.weights}
     out: set[str] = set()
     total = 0
     for name in cache.weights:
-        if total + sizes[name] > room:
-            break
-        out.add(name)
-        total += sizes[name]
+        if total + sizes[name] <= room:
+            out.add(name)
+            total += sizes[name]
     return out
 
 
-def with_hits(choice: OffloadChoice, hits: set[str]) -> OffloadChoice:
-    """A copy of ``choice`` whose reloads of ``hits`` are all served by the cache."""
-    return replace(choice, weights=[replace(w, hit=1.0) if w.name in hits else w
-                                    for w in choice.weights])
+def _kept_bytes(cache: DecodeCache, choice: OffloadChoice, room: int) -> int:
+    sizes = {w.name: w.nbytes for w in choice.weights}
+    return sum(sizes[n] for n in kept_at(cache, choice, room))
+
+
+def splits(cache: DecodeCache, choice: OffloadChoice, room: int) -> list[tuple[int, int]]:
+    """The ways to use ``room`` the planner weighs ``(kept, ahead)``: all kept, or one, two or
+    four of the largest reload read ahead and the rest kept."""
+    largest = max(w.nbytes for w in choice.weights if w.name in cache.weights)
+    out = [(room, 0)]
+    for n in (1, 2, 4):
+        ahead = min(room, n * largest)
+        if (room - ahead, ahead) not in out:
+            out.append((room - ahead, ahead))
+    return out
+
+
+def timed(choice: OffloadChoice, cache: DecodeCache, kept: int, ahead: int) -> OffloadChoice:
+    """A copy of ``choice`` as a run with ``kept`` and ``ahead`` bytes runs it (for the
+    simulation of that point): the reloads of the kept weights are hits, and each other
+    reload of the cache is issued at the earliest Prefetch of the cache whose later reads,
+    up to it, fit ``ahead`` (the library reads ahead at every one; none fitting: at the
+    start of the run, read during the previous one)."""
+    hits = kept_at(cache, choice, kept)
+    by_name = {w.name: w for w in choice.weights}
+    order = reloads(cache, choice)
+    issue: dict[tuple[str, int], int] = {}
+    for i, (n, k) in enumerate(order if ahead > 0 else ()):
+        window = by_name[n].nbytes  # (the cache's reads after Prefetch j, up to this one)
+        if n in hits or window > ahead:
+            continue
+        j = i - 1
+        while j >= 0:
+            extra = 0 if order[j][0] in hits else by_name[order[j][0]].nbytes
+            if window + extra > ahead:
+                break
+            window += extra
+            j -= 1
+        at = 0 if j < 0 else by_name[order[j][0]].prefetch_at[order[j][1]]
+        issue[(n, k)] = min(at, by_name[n].prefetch_at[k])
+    return replace(choice, weights=[
+        replace(w, hit=1.0) if w.name in hits else
+        replace(w, prefetch_at=tuple(issue.get((w.name, k), p)
+                                     for k, p in enumerate(w.prefetch_at)))
+        if any((w.name, k) in issue for k in range(len(w.consumers))) else w
+        for w in choice.weights])
 
 
 def describe(cache: DecodeCache) -> str:
-    """``decode cache: 3 weights (12.0 MiB) kept across runs; decode: 12.0 MiB, top: 0 B``"""
-    return (f"decode cache: {len(cache.weights)} weights ({format_bytes(cache.capacity)}) kept "
-            "across runs where a run's dims leave room; " + ", ".join(
-                f"{name}: {format_bytes(b)}" for name, _, b in cache.points))
+    """``decode cache: 3 weights (12.0 MiB) kept across runs; decode: 12.0 MiB kept, ...``"""
+    return (f"decode cache: up to {format_bytes(cache.capacity)} of {len(cache.weights)} "
+            "streamed weights kept across runs, and reads ahead, where a run's dims leave "
+            "room; " + ", ".join(
+                f"{name}: {format_bytes(kept)} kept" + (
+                    f" + {format_bytes(ahead)} read ahead" if ahead else "")
+                for name, _, kept, ahead in cache.points))
 
 
-def guard_rows(cache: DecodeCache, dims: Sequence[str]) -> tuple[list[int], list[int]]:
+def guard_rows(cache: DecodeCache, dims: Sequence[str]) -> tuple[list[int], list[int], list[int]]:
     """A Guard's ``cache_points`` (the value of each of its ``dims`` at each point, row by
-    row) and ``cache_bytes`` (each point's)."""
+    row), ``cache_bytes`` and ``cache_ahead`` (each point's)."""
     rows: list[int] = []
-    for _, at, _ in cache.points:
+    for _, at, _, _ in cache.points:
         values = dict(at)
         rows += [values[d] for d in dims]
-    return rows, [b for _, _, b in cache.points]
-
-
-def rooms_of(points: Mapping[str, tuple[Mapping[str, int], int]], budget: int) -> list[Room]:
-    """Each point's room: the budget less its peak (``points``: name -> (dims, peak))."""
-    return [(name, at, budget - peak) for name, (at, peak) in points.items()]
+    return rows, [b for _, _, b, _ in cache.points], [a for _, _, _, a in cache.points]

@@ -227,15 +227,17 @@ class Speculation:
 @dataclass(frozen=True)
 class DecodeCache:
     """The decode cache of a range plan (:mod:`ho_onnx.schedule.decode_cache`): streamed
-    weights the library keeps across runs, as many as a run's dims leave room for."""
+    weights the library keeps across runs, and reads ahead, as far as a run's dims leave
+    room."""
 
     group: int  # its id in the model (attribute ``cache_group``; not 0)
-    weights: tuple[str, ...]  # the weights it may keep, by their first reload
-    capacity: int  # their bytes (attribute ``expert_cache`` of their Prefetches)
+    weights: tuple[str, ...]  # its weights (every reload of each), by their first reload
+    capacity: int  # the most bytes a point keeps (attribute ``expert_cache``)
     # Per point of the plan (a range end or a named point): its name, the value of every
-    # ranged dim there, the bytes a run the point covers may keep (the largest covering
-    # point's bytes are the run's; a Guard's ``cache_points`` and ``cache_bytes``).
-    points: tuple[tuple[str, tuple[tuple[str, int], ...], int], ...]
+    # ranged dim there, the bytes a run the point covers may keep and read ahead (those of
+    # the covering point with the most room are the run's; a Guard's ``cache_points``,
+    # ``cache_bytes``, ``cache_ahead``).
+    points: tuple[tuple[str, tuple[tuple[str, int], ...], int, int], ...]
 
 
 @dataclass
@@ -299,10 +301,11 @@ def kv_pairs_text(c: OffloadChoice) -> str:
 
 
 def decode_cache_text(d: DecodeCache) -> str:
-    """``3 weights, 12582912 bytes; decode (past=4095,seq=1): 12582912; top (...): 0``: the
-    metadata ``ho_onnx.decode_cache``."""
+    """``3 weights, 12582912 bytes; decode (past=4095,seq=1): 12582912 kept, 0 ahead; ...``:
+    the metadata ``ho_onnx.decode_cache``."""
     return (f"{len(d.weights)} weights, {d.capacity} bytes; " + "; ".join(
-        f"{name} ({','.join(f'{k}={v}' for k, v in at)}): {b}" for name, at, b in d.points))
+        f"{name} ({','.join(f'{k}={v}' for k, v in at)}): {b} kept, {a} ahead"
+        for name, at, b, a in d.points))
 
 
 @dataclass
