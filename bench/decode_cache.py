@@ -20,7 +20,8 @@ plan's simulation, ``ho_onnx.range_points``), and whether the greedy tokens are 
 model's. Prints a table; ``--json`` writes every number.
 
     python bench/decode_cache.py [--layers 4] [--hidden 512] [--context 1024] [--chunk 256]
-        [--new-tokens 32] [--fraction 0.5] [--offload-kv] [--rounds 3] [--json out.json]
+        [--new-tokens 32] [--fraction 0.5] [--offload-kv] [--machine cpu|FILE] [--rounds 3]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         path = work / f"{'cache' if cache else 'plain'}.ho.onnx"
         r = optimize(src, path, OffloadOptions(budget=budget, weight_tier="disk",
                                                decode_cache=cache, kv=args.offload_kv),
-                     {}, dim_ranges=ranges, dim_points=points, costs=CostSource())
+                     {}, dim_ranges=ranges, dim_points=points,
+                     costs=CostSource(machine=args.machine))
         dc = r.choice.decode_cache
         out["plans"][row] = {
             "path": str(path), "offloaded_bytes": r.choice.offloaded_bytes,
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--fraction", type=float, default=0.5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--machine", default="cpu",
+                    help="the plans' machine: a preset or a file from `ho-onnx calibrate`")
     ap.add_argument("--offload-kv", action="store_true",
                     help="the KV cache in host memory too (OffloadOptions.kv)")
     ap.add_argument("--timeout", type=float, default=600.0)
