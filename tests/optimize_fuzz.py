@@ -344,6 +344,10 @@ def _options(rng: random.Random) -> list[str]:
                        ["--budget", budget, "--weight-tier", "disk"],
                        ["--budget", budget, "--min-bytes", "0", "--recompute",
                         rng.choice(["on", "off"])]])
+    if rng.randrange(6) == 0:  # a range plan on the disk tier: its decode cache and Guards
+        opts = ["--budget", budget, "--weight-tier", "disk", "--min-bytes", "0",
+                "--dim", f"N=1..{rng.choice([1, 2, 64])}", "--point", "decode:N=1"]
+        dims = []
     out = rng.choice(["out/m.ho.onnx", "out/deeper/m.ho.onnx", "in/m.ho.onnx"])
     return ["optimize", "in/model.onnx", out, *opts, *dims]
 
