@@ -218,8 +218,8 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
                  budget: int | None = None) -> dict[str, PointFigures]:
     """``choice`` (a range plan's, made at the top of ``ranges``) at the bottom of every
     range, at each named point (``points``) and at the top, in that order: each binding
-    analysed again (shapes inferred there), its peaks, ORT's replayed arena and, with
-    ``costs``, its simulated time (a decode step's per-token time at a decode point).
+    analysed again (shapes inferred there), its peaks, with ``budget`` ORT's replayed arena,
+    and with ``costs`` its simulated time (a decode step's per-token time at a decode point).
 
     With ``budget`` (the plan's), first decides its decode cache (sets
     ``choice.decode_cache``, or ``decode_cache_skipped``): each point is then timed with the
@@ -236,11 +236,12 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
         at = {**top, **point}
         a = _analysed_at(at, shapes, loaded.model)
         unmodified, planned = peaks_at(a, choice, at)
-        arena = int(arena_memory(a, resized_choice(a, choice, at), at).max(initial=0))
+        arena = None if budget is None else int(  # (the room of the decode cache needs it)
+            arena_memory(a, resized_choice(a, choice, at), at).max(initial=0))
         seen[name] = (point, at, a, unmodified, planned, arena)
     split: dict[str, tuple[int, int]] = {}
     if budget is not None:
-        rooms = [(name, {k: at[k] for k in ranges}, budget - max(planned, arena))
+        rooms = [(name, {k: at[k] for k in ranges}, budget - max(planned, arena or 0))
                  for name, (_, at, _, _, planned, arena) in seen.items()]
         found = decode_cache.decide(choice, rooms)
         if isinstance(found, str):

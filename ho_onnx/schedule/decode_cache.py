@@ -66,8 +66,9 @@ def decide(choice: OffloadChoice, rooms: Sequence[Room]) -> DecodeCache | str:
     :func:`split` then weighs reading ahead), or why there is none."""
     cands = candidates(choice)
     if not cands:
-        return ("no weight is reloaded from a streamed tier (--weight-tier disk): a cache "
-                "would copy host memory to host memory")
+        return ("no weight of the main graph is reloaded from a streamed tier (--weight-tier "
+                "disk: a cache of the host tier would copy host memory to host memory; weights "
+                "planned inside If branches or Loop bodies are not cached)")
     best = max((r for _, _, r in rooms), default=0)
     if best <= 0:
         return "no point of the ranges leaves room under the budget"

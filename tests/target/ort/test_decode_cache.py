@@ -194,7 +194,7 @@ def test_plan_says_what_it_keeps_at_each_point(models):
     r = CliRunner().invoke(main, [*args, "--no-decode-cache"])
     assert r.exit_code == 0 and "decode cache" not in r.output, r.output
     r = CliRunner().invoke(main, [*args[:7], "host", *args[8:]])
-    assert r.exit_code == 0 and "decode cache: none (no weight is reloaded from a streamed" \
+    assert r.exit_code == 0 and "decode cache: none (no weight of the main graph is reloaded" \
         in r.output, r.output
 
 
