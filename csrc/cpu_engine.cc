@@ -362,6 +362,25 @@ class CpuEngine final : public Engine {
       records_.forget(kernel, &released);
     } catch (...) {  // (out of memory for the list: the records go with the engine)
     }
+    drop_dead_groups();
+  }
+
+  // The decode-cache groups whose caches are gone (their sessions are): what they read
+  // ahead goes with them (it waited for a run of a session that no longer exists).
+  void drop_dead_groups() noexcept {
+    std::vector<Group> dead;  // (released after the lock)
+    std::lock_guard<std::mutex> lock(groups_mu_);
+    for (auto it = groups_.begin(); it != groups_.end();) {
+      if (it->second.dead()) {
+        try {
+          dead.push_back(std::move(it->second));
+        } catch (...) {  // (no room to move it out: released under the lock)
+        }
+        it = groups_.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
 
   uint64_t enter_run(const void* kernel, bool per_iteration) override {

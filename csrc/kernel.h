@@ -28,6 +28,7 @@ struct Kernel {
     if (alloc != nullptr) api->ReleaseAllocator(alloc);
     if (matmul != nullptr) api->ReleaseOp(matmul);
     if (weight_value != nullptr) api->ReleaseValue(weight_value);
+    expert_cache.reset();  // (before forget_kernel: the engine drops a group none holds)
     if (engine && engine->forked_away()) {
       abandon_engine(std::move(engine));
     } else if (engine) {
