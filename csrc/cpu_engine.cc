@@ -601,6 +601,7 @@ class CpuEngine final : public Engine {
     std::shared_ptr<DiskTransfer> t = std::move(a->second.transfer);
     g.ahead_held -= a->second.bytes;
     g.ahead.erase(a);
+    if (t->failed()) return nullptr;  // (a read that already failed is read again)
     counters().read_ahead_used += 1;
     return t;
   }
