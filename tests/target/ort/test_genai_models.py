@@ -250,3 +250,26 @@ def ort_session(path):
     import onnxruntime as ort
 
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_decode_cache_with_optimums_loop(exports, tmp_path):
+    """Issue 36 item 3 through ORTModelForCausalLM: a range plan of the Optimum export with
+    its weights on the disk tier and its KV cache in host memory keeps the weights a decode
+    step's room holds across the steps (the library's counters), and generates the
+    unmodified folder's tokens."""
+    from ho_onnx import counters, reset_counters
+    from ho_onnx.target.ort.folders import optimum_session_options
+
+    out = tmp_path / "o2"
+    budget = str(_weight_bytes(exports["o2"] / "model.onnx") // 2)
+    said = _cli("optimize", str(exports["o2"]), str(out), "--budget", budget, "--weight-tier",
+                "disk", "--offload-kv", "--dim", "batch_size=1", "--dim",
+                "sequence_length=1..8", "--dim", "past_sequence_length=0..40", "--point",
+                "decode:sequence_length=1,past_sequence_length=40")
+    assert "decode cache: up to" in said, said
+    want = optimum_greedy(exports["o2"], PROMPT, max_new_tokens=20)
+    reset_counters()
+    assert optimum_greedy(out, PROMPT, max_new_tokens=20,
+                          session_options=optimum_session_options(out)) == want
+    c = counters()
+    assert c["expert_cache_hits"] + c["read_ahead_used"] > 0, c
