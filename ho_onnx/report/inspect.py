@@ -142,6 +142,8 @@ def _source(pf: ir.Node) -> tuple[str, str, int | None, str, str]:
         length = a.get(contract.ATTR_LENGTH)  # (a model may carry any type here: unknown)
         nbytes = length if isinstance(length, int) and length >= 0 else None
         tier = kinds.tier_of_attribute(a.get(contract.ATTR_TIER)).name
+        if contract.ATTR_CACHE_GROUP in a:  # (kept or read ahead where a run leaves room)
+            source += " [decode cache]"
         # (the model does not say which kind that is not stored: every one reads like this)
         return str(a.get(contract.ATTR_NAME, "")), kinds.WEIGHT.name, nbytes, source, tier
     y = pf.outputs[0]

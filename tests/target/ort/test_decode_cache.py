@@ -369,3 +369,11 @@ def test_a_failed_run_leaves_reads_ahead_that_the_next_runs_use_exactly(split_mo
     with pytest.raises(Exception):  # noqa: B017  (ORT's own error for the mismatch)
         sess.run(None, feeds)
     assert _decode_steps(sess, layout, 8)[0] == _reference(src, PROMPT, 8)
+
+
+def test_inspect_marks_the_cache_s_transfers(models):
+    _, cached, plain = models
+    shown = CliRunner().invoke(main, ["inspect", str(cached)])
+    assert shown.exit_code == 0 and "[decode cache]" in shown.output, shown.output
+    assert "ho_onnx.decode_cache" not in shown.output and "decode_cache=" in shown.output
+    assert "[decode cache]" not in CliRunner().invoke(main, ["inspect", str(plain)]).output
