@@ -469,12 +469,13 @@ def _tier_options() -> list:  # type: ignore[type-arg]
                           "a budget none), or 0 (none)."),
         click.option("--decode-cache/--no-decode-cache", default=_DEFAULTS.decode_cache,
                      show_default=True,
-                     help="With --dim ranges and --weight-tier disk: keep streamed weights in "
-                          "library memory across runs wherever a run's dims leave room under "
-                          "the budget (a decode step after a prefill planned for the same "
-                          "budget), so they are not read from the file again; each run's "
-                          "Guard sizes it from that run's dims (a prefill empties it). "
-                          "`plan` says what it keeps at each point of the ranges."),
+                     help="With --dim ranges and --weight-tier disk: where a run's dims "
+                          "leave room under the budget (a decode step of a plan made for "
+                          "prefills), keep streamed weights in library memory across runs, so "
+                          "they are not read from the file again, or read the next ones ahead "
+                          "(the planner splits the room by its simulation); each run's Guards "
+                          "size it from that run's dims (a prefill empties it). `plan` says "
+                          "what each point of the ranges keeps and reads ahead."),
         click.option("--speculate-experts", type=click.Choice(list(SPECULATE_EXPERTS)),
                      default=_DEFAULTS.speculate_experts, show_default=True,
                      help="Read the next MoE layer's likely experts into the expert cache a "
