@@ -26,7 +26,8 @@ def test_a_small_run_writes_json_with_identical_tokens(tmp_path):
     plain, cached = rows["ho disk"], rows["ho disk + cache"]
     assert plain["read_per_step"] > 0 and plain["cache_at_decode"] == 0
     assert cached["cache_at_decode"] + cached["ahead_at_decode"] > 0  # (its room is used)
-    assert cached["read_per_step"] <= plain["read_per_step"]
+    # (reads ahead of the last step are for a step that never comes: at most the room)
+    assert cached["read_per_step"] <= plain["read_per_step"] + cached["ahead_at_decode"]
     if cached["cache_at_decode"]:  # (the planner kept weights: fewer read per step)
         assert cached["read_per_step"] < plain["read_per_step"]
     assert "| ho disk + cache |" in p.stdout
