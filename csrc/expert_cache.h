@@ -13,12 +13,13 @@
 // memory under a reader. The capacity counts the entries' payload bytes (their buffers are
 // rounded up to the staging pool's size classes).
 //
-// The decode cache (docs/design.md, "The decode cache") uses the same cache for the dense
-// streamed weights a range plan keeps across runs where a run's plan leaves room: each run's
-// Guard sets a limit (set_limit: the bytes the plan leaves at that run's dims, which evicts
-// down to it at once), and its weights are kept only while they fit (insert with `evict`
-// false: a weight that does not fit is read as streamed and not kept, so the weights of a
-// step, read in the same order at every step, never evict each other as LRU would).
+// The decode cache (docs/design.md, "The decode cache") uses the same cache, one per plan
+// (not per data file: its keys name each weight's file), for the dense streamed weights a
+// range plan keeps across runs where a run's plan leaves room: each run's last Guard sets a
+// limit (set_limit: the bytes the plan leaves at that run's dims, which evicts down to it at
+// once), and its weights are kept only while they fit (insert with `evict` false: a weight
+// that does not fit is read as streamed and not kept, so the weights of a step, read in the
+// same order at every step, never evict each other as LRU would).
 #pragma once
 
 #include <algorithm>
