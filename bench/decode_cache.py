@@ -17,7 +17,9 @@ Per row: time to first token (the prompt prefilled in chunks), decode tokens/s o
 ``--new-tokens`` steps, bytes read from the file per decode step (the library's counters),
 the cache's bytes after the last step, the predicted per-token time at the decode point (the
 plan's simulation, ``ho_onnx.range_points``), and whether the greedy tokens are the unmodified
-model's. Prints a table; ``--json`` writes every number.
+model's, and the child process's peak RSS (the library's cache is on top of what ORT's arena
+keeps from the prefill: the cache is opt-in). Prints a table; ``--json`` writes every
+number.
 
     python bench/decode_cache.py [--layers 4] [--hidden 512] [--context 1024] [--chunk 256]
         [--new-tokens 32] [--fraction 0.5] [--offload-kv] [--machine cpu|FILE] [--rounds 3]
@@ -116,7 +118,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     decode = time.perf_counter() - t1
     c = counters()
     steps = max(1, args.new_tokens - 1)
+    import resource
+
     return {"ttft_s": ttft, "token_s": decode / steps, "tokens": tokens,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "read_per_step": (c["bytes_read_disk"] - after_prefill) / steps,
             "cache_bytes": c["expert_cache_bytes"]}
 
@@ -184,7 +189,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], info: dict[str, Any]
         ok = [r for r in rs if "error" not in r]
         plan = info["plans"].get(row, {})
         med = {k: statistics.median(r[k] for r in ok) if ok else None
-               for k in ("ttft_s", "token_s", "read_per_step", "cache_bytes")}
+               for k in ("ttft_s", "token_s", "read_per_step", "cache_bytes", "peak_rss")}
         rows.append({"row": row, **med, "errors": [r["error"] for r in rs if "error" in r],
                      "predicted_token_s": plan.get("predicted_token_s"),
                      "cache_at_decode": plan.get("cache_at_decode"),
@@ -202,15 +207,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return "-" if x is None else fmt.format(x * scale)
 
     print("| row | TTFT s | ms/token | tok/s × ort | MiB read/step | cache MiB | "
-          "plan: kept / ahead MiB | predicted ms/token | tokens |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---|")
+          "plan: kept / ahead MiB | predicted ms/token | peak RSS MiB | tokens |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for r in rows:
         print(f"| {r['row']} | {f(r['ttft_s'])} | {f(r['token_s'], 1e3)} | "
               f"{f(r['x_ort'], fmt='{:.2f}')} | {f(r['read_per_step'], 1 / MIB, '{:.1f}')} | "
               f"{f(r['cache_bytes'], 1 / MIB, '{:.1f}')} | "
               f"{f(r['cache_at_decode'], 1 / MIB, '{:.1f}')} / "
               f"{f(r['ahead_at_decode'], 1 / MIB, '{:.1f}')} | "
-              f"{f(r['predicted_token_s'], 1e3)} | {r['tokens']} |")
+              f"{f(r['predicted_token_s'], 1e3)} | {f(r['peak_rss'], 1 / MIB, '{:.0f}')} | "
+              f"{r['tokens']} |")
 
 
 if __name__ == "__main__":

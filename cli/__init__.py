@@ -475,7 +475,9 @@ def _tier_options() -> list:  # type: ignore[type-arg]
                           "they are not read from the file again, or read the next ones ahead "
                           "(the planner splits the room by its simulation); each run's Guards "
                           "size it from that run's dims (a prefill empties it). `plan` says "
-                          "what each point of the ranges keeps and reads ahead."),
+                          "what each point of the ranges keeps and reads ahead. Off by "
+                          "default: the room is the plan's, and ORT's CPU arena keeps what a "
+                          "prefill allocated, so the process holds the cache on top of it."),
         click.option("--speculate-experts", type=click.Choice(list(SPECULATE_EXPERTS)),
                      default=_DEFAULTS.speculate_experts, show_default=True,
                      help="Read the next MoE layer's likely experts into the expert cache a "

@@ -346,7 +346,8 @@ def _options(rng: random.Random) -> list[str]:
                         rng.choice(["on", "off"])]])
     if rng.randrange(6) == 0:  # a range plan on the disk tier: its decode cache and Guards
         opts = ["--budget", budget, "--weight-tier", "disk", "--min-bytes", "0",
-                "--dim", f"N=1..{rng.choice([1, 2, 64])}", "--point", "decode:N=1"]
+                "--dim", f"N=1..{rng.choice([1, 2, 64])}", "--point", "decode:N=1",
+                "--decode-cache"]
         dims = []
     out = rng.choice(["out/m.ho.onnx", "out/deeper/m.ho.onnx", "in/m.ho.onnx"])
     return ["optimize", "in/model.onnx", out, *opts, *dims]

@@ -63,9 +63,12 @@ class OffloadOptions:
       (none: every routed reload is read). With a budget the cache counts in the plan's
       memory: the rest is planned for the budget less the cache.
       ``decode_cache``: a range plan with a budget keeps streamed weights (the disk tier)
-      across runs wherever a run's dims leave room under the budget, as a decode step does
-      (:mod:`~ho_onnx.schedule.decode_cache`); False: every reload is read. Without ranges,
-      nothing.
+      across runs wherever a run's dims leave room under the plan's budget, as a decode step
+      does, or reads the next ones ahead (:mod:`~ho_onnx.schedule.decode_cache`). Off by
+      default: the room is the plan's, not the process's; ORT's CPU arena keeps what a
+      prefill allocated, so the cache's bytes can come on top of it (measured: the process's
+      peak +25 MiB with a 35 MiB cache, for 2.1x the decode tokens/s, docs/benchmarks.md).
+      Without ranges, nothing.
       ``speculate_experts``: the next MoE layer's router applied to this layer's router input
       predicts its experts, whose reads into the expert cache start a layer early
       (:mod:`~ho_onnx.schedule.speculate`): ``off``, ``on`` (wherever the graph and the cache
@@ -119,7 +122,7 @@ class OffloadOptions:
     min_gap: int = 2
     weight_tier: Tier = HOST.name
     expert_cache: int | str = "auto"
-    decode_cache: bool = True
+    decode_cache: bool = False
     speculate_experts: str = "auto"
     recompute: str = "auto"
     prefetch_distance: int = _DEFAULT_DISTANCE

@@ -188,12 +188,13 @@ def test_plan_says_what_it_keeps_at_each_point(models):
     args = ["plan", str(src), "--budget", str(BUDGET), "--min-bytes", "0", "--weight-tier",
             "disk", "--dim", "batch=1", "--dim", "seq=1..64", "--dim", "past=0..200",
             "--point", "decode:seq=1,past=200"]
-    r = CliRunner().invoke(main, args)
+    r = CliRunner().invoke(main, [*args, "--decode-cache"])
     assert r.exit_code == 0, r.output
     assert "decode cache:" in r.output and "decode cache" in r.output.split("ranges:")[1]
-    r = CliRunner().invoke(main, [*args, "--no-decode-cache"])
-    assert r.exit_code == 0 and "decode cache" not in r.output, r.output
-    r = CliRunner().invoke(main, [*args[:7], "host", *args[8:]])
+    for off in ([], ["--no-decode-cache"]):  # (off by default)
+        r = CliRunner().invoke(main, [*args, *off])
+        assert r.exit_code == 0 and "decode cache" not in r.output, r.output
+    r = CliRunner().invoke(main, [*args[:7], "host", *args[8:], "--decode-cache"])
     assert r.exit_code == 0 and "decode cache: none (no weight of the main graph is reloaded" \
         in r.output, r.output
 
@@ -265,7 +266,8 @@ def split_models(tmp_path_factory) -> tuple[Path, Path, Path]:
     for budget in (4_000_000, 3_000_000):
         out = tmp / f"dec.{budget}.ho.onnx"
         r = optimize(src, out, OffloadOptions(budget=budget, min_bytes=0, weight_tier="disk",
-                                              kv=True), {}, dim_ranges=RANGES, dim_points=POINTS)
+                                              kv=True, decode_cache=True),
+                     {}, dim_ranges=RANGES, dim_points=POINTS)
         assert r.choice.decode_cache is not None, r.choice.decode_cache_skipped
         outs.append(out)
     return src, outs[0], outs[1]

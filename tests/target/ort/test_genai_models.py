@@ -265,7 +265,7 @@ def test_decode_cache_with_optimums_loop(exports, tmp_path):
     said = _cli("optimize", str(exports["o2"]), str(out), "--budget", budget, "--weight-tier",
                 "disk", "--offload-kv", "--dim", "batch_size=1", "--dim",
                 "sequence_length=1..8", "--dim", "past_sequence_length=0..40", "--point",
-                "decode:sequence_length=1,past_sequence_length=40")
+                "decode:sequence_length=1,past_sequence_length=40", "--decode-cache")
     assert "decode cache: up to" in said, said
     want = optimum_greedy(exports["o2"], PROMPT, max_new_tokens=20)
     reset_counters()
