@@ -273,7 +273,7 @@ class CpuEngine final : public Engine {
       if (p.disk->warmed.exchange(false)) counters().warm_hits += 1;
     } else {  // a miss: read as streamed (or read ahead), into a buffer the cache keeps
       counters().expert_cache_misses += 1;
-      p.disk = take_ahead(group, order);
+      p.disk = take_ahead(group, order, key);
       if (!p.disk) p.disk = read_streamed(w);
       std::vector<std::shared_ptr<DiskTransfer>> evicted;  // (released after the lock)
       cache->insert(key, p.disk, p.bytes, &evicted, /*evict=*/group == 0);
@@ -393,12 +393,7 @@ class CpuEngine final : public Engine {
                         const std::string& key) override {
     if (group == 0 || !slot) return;
     auto cache = std::static_pointer_cast<Cache>(slot);  // (made by expert_cache())
-    std::lock_guard<std::mutex> lock(groups_mu_);
-    if (groups_.size() >= 64) {  // (the groups of sessions that are gone: swept now and then)
-      for (auto it = groups_.begin(); it != groups_.end();) {
-        it = it->second.dead() ? groups_.erase(it) : std::next(it);
-      }
-    }
+    std::lock_guard<std::mutex> lock(groups_mu_);  // (dead groups go: forget_kernel)
     Group& g = groups_[group];
     g.caches.erase(std::remove_if(g.caches.begin(), g.caches.end(),
                                   [&](const std::weak_ptr<Cache>& m) {
@@ -574,6 +569,7 @@ class CpuEngine final : public Engine {
   struct Ahead {
     std::shared_ptr<DiskTransfer> transfer;
     size_t bytes;
+    std::string key;  // (the weight it was read for: its file's content, offset, size)
   };
   struct Group {
     std::vector<std::weak_ptr<Cache>> caches;
@@ -589,8 +585,12 @@ class CpuEngine final : public Engine {
   std::mutex groups_mu_;  // guards groups_
   std::unordered_map<uint64_t, Group> groups_;
 
-  // The bytes of the Prefetch at `order` of `group` if an earlier Prefetch read them ahead.
-  std::shared_ptr<DiskTransfer> take_ahead(uint64_t group, int64_t order) {
+  // The bytes of the Prefetch at `order` of `group` if an earlier Prefetch read them ahead
+  // for its weight (`key`). Another weight at that place (another session of a plan with
+  // the same group: a model re-optimized in place over other bytes; or a hostile model's
+  // repeated cache_order) never gets them: they may be other bytes, or fewer.
+  std::shared_ptr<DiskTransfer> take_ahead(uint64_t group, int64_t order,
+                                           const std::string& key) {
     if (group == 0 || order < 0) return nullptr;
     std::lock_guard<std::mutex> lock(groups_mu_);
     auto it = groups_.find(group);
@@ -599,9 +599,10 @@ class CpuEngine final : public Engine {
     auto a = g.ahead.find(order);
     if (a == g.ahead.end()) return nullptr;
     std::shared_ptr<DiskTransfer> t = std::move(a->second.transfer);
+    const bool mine = a->second.key == key;
     g.ahead_held -= a->second.bytes;
     g.ahead.erase(a);
-    if (t->failed()) return nullptr;  // (a read that already failed is read again)
+    if (!mine || t->failed()) return nullptr;  // (read again; a failed read too)
     counters().read_ahead_used += 1;
     return t;
   }
@@ -613,7 +614,7 @@ class CpuEngine final : public Engine {
     if (group == 0 || order < 0) return;
     std::lock_guard<std::mutex> lock(groups_mu_);
     auto it = groups_.find(group);
-    if (it == groups_.end() || it->second.ahead_limit == 0) return;
+    if (it == groups_.end() || it->second.ahead_held >= it->second.ahead_limit) return;
     Group& g = it->second;
     auto m = g.members.upper_bound(order);
     for (size_t i = 0; i < g.members.size(); ++i, ++m) {
@@ -632,7 +633,7 @@ class CpuEngine final : public Engine {
       auto cache = live->cache.lock();
       if (cache && cache->contains(live->key)) continue;  // kept: nothing to read
       if (g.ahead_held + live->bytes > g.ahead_limit) break;
-      g.ahead[m->first] = Ahead{read_streamed(src), live->bytes};
+      g.ahead[m->first] = Ahead{read_streamed(src), live->bytes, live->key};
       g.ahead_held += live->bytes;
       counters().read_aheads += 1;
       counters().bytes_read_ahead += live->bytes;

@@ -76,10 +76,6 @@ class ExpertCache final : public ExpertCacheBase {
     limit_ = bytes;
     while (held_ > limit_ && !lru_.empty()) drop_locked(map_.find(lru_.front().key), out);
   }
-  size_t limit() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return std::min(capacity_, limit_);
-  }
 
   // Whether an entry is under `key` (its use order unchanged).
   bool contains(const std::string& key) const {

@@ -1,5 +1,6 @@
-"""The decode cache (issue 36, item 3): streamed weights (``--weight-tier disk``) of a range
-plan that the library keeps across runs wherever a run's dims leave room under the budget.
+"""The decode cache (issue 36, item 3; opt-in, ``--decode-cache``): streamed weights
+(``--weight-tier disk``) of a range plan that the library keeps across runs, or reads ahead,
+wherever a run's dims leave room under the budget.
 
 A range plan (``--dim seq=1..512 --dim past=0..4095``) holds its budget at the top of the
 ranges, where a prefill's activations fill it; a decode step (``seq`` = 1) needs far less,
@@ -8,26 +9,32 @@ each point of the ranges (the bottom, each named point, the top: ``range_points`
 known, so the room a run leaves is known from its dims: the budget less the larger of the
 plan's tensor peak and ORT's replayed arena there.
 
-* **What it keeps**: the streamed weights (a tier outside host memory; routed experts have
-  the expert cache instead) in the order their first reloads are issued, as many as the
-  point with the most room holds. A run keeps at most what the point covering its dims
-  leaves (the point with the most room among those whose every ranged dim is at least the
-  run's: peaks only grow with the dims); a run no named point covers keeps what the top
-  leaves (usually nothing).
-* **How the library does it** (``csrc/expert_cache.h``, ``kernel.cc``): the weights'
-  Prefetches go through the data file's cache (attributes ``expert_cache``, the capacity,
-  and ``cache_group``); each run's Guards narrow the points the run may use from its dims
-  and limit the group's caches to those bytes at once (a prefill empties it before its
-  activations are allocated). A miss is read as streamed and kept only where it fits (no
-  eviction: the weights of a step are read in the same order every step, where LRU would
-  evict each before its next use); a hit copies the kept bytes, nothing is read.
-* **Cost model**: at each point, the reloads of the weights its room holds are hits (the
-  steady state of consecutive runs there; the first run after a prefill reads them); its
-  peak is the plan's plus that room.
+* **What it does with a point's room**, split by the point's simulation (:func:`splits`,
+  :func:`timed`): *kept*, the streamed weights (a tier outside host memory; routed experts
+  have the expert cache instead) in the order their first reloads are issued, each that
+  still fits; *read ahead*, each Prefetch of the cache starts the next reloads' reads that
+  fit, wrapping around to the next run's first. A run uses the split of the point covering
+  its dims with the most room (among those whose every ranged dim is at least the run's:
+  peaks only grow with the dims); a run no named point covers uses the top's (usually
+  nothing).
+* **How the library does it** (``csrc/expert_cache.h``, ``cpu_engine.cc``, ``kernel.cc``):
+  every reload's Prefetch carries the plan's group (``cache_group``), its place among the
+  group's reloads (``cache_order``) and the capacity (``expert_cache``); the group has one
+  cache whatever file its weights are in; each run's Guards narrow the points the run may
+  use from its dims and the last one limits the cache and the reads ahead to that point's
+  bytes at once (a prefill empties both before its activations are allocated). A miss is
+  kept only where it fits (no eviction: the weights of a step are read in the same order
+  every step, where LRU would evict each before its next use); a hit copies the kept
+  bytes; a read ahead is taken only by the weight it was read for.
+* **Cost model**: at each point, the reloads of the weights kept there are hits (the steady
+  state of consecutive runs there; the first run after a prefill reads them), the others
+  issued as early as the reads ahead allow; its peak is the plan's plus that room.
 
-Concurrent runs share the cache: the latest run's Guards set the limit, so two runs at
-different points hold at most the larger room (memory for two runs is beyond a one-run
-budget anyway). On the CUDA EP the cache is not built (the CUDA engine streams every load).
+Opt-in because the room is the plan's, not the process's: ORT's CPU arena keeps what a
+prefill allocated, so the cache can come on top of it (docs/benchmarks.md). Concurrent runs
+share the cache: the latest run's Guards set the limit, so two runs at different points hold
+at most the larger room (memory for two runs is beyond a one-run budget anyway). On the
+CUDA EP the cache is not built (the CUDA engine streams every load).
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ def reloads(cache: DecodeCache, choice: OffloadChoice) -> list[tuple[str, int]]:
 
 def decide(choice: OffloadChoice, rooms: Sequence[Room]) -> DecodeCache | str:
     """The decode cache of ``choice`` given each point's room (all kept, none read ahead:
-    :func:`split` then weighs reading ahead), or why there is none."""
+    the pipeline then weighs :func:`splits` by simulation), or why there is none."""
     cands = candidates(choice)
     if not cands:
         return ("no weight of the main graph is reloaded from a streamed tier (--weight-tier "

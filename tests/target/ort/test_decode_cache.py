@@ -379,3 +379,41 @@ def test_inspect_marks_the_cache_s_transfers(models):
     assert shown.exit_code == 0 and "[decode cache]" in shown.output, shown.output
     assert "ho_onnx.decode_cache" not in shown.output and "decode_cache=" in shown.output
     assert "[decode cache]" not in CliRunner().invoke(main, ["inspect", str(plain)]).output
+
+
+def test_two_models_of_one_plan_interleaved_keep_their_own_weights(split_models, tmp_path):
+    """A model re-optimized in place beside a session of the old one: the same plan (one
+    decode cache group: the same weights' names, sizes and points) over other weight
+    bytes. Decode steps of the two, interleaved, each read ahead for the next step: each
+    must get its own bytes (a read ahead is taken only by the weight it was read for)."""
+    from ho_onnx.target.ort.generate import KvBuffers, _step, prefill
+
+    src, _, ahead_model = split_models
+    other = tmp_path / "other.onnx"
+    build_decoder(other, external_data=True, kv_cache=True, layers=2, hidden=128, heads=4,
+                  max_positions=512, vocab=4096, std=0.2, seed=1)
+    other_out = tmp_path / "other.ho.onnx"
+    optimize(other, other_out, OffloadOptions(budget=3_000_000, min_bytes=0, weight_tier="disk",
+                                              kv=True, decode_cache=True),
+             {}, dim_ranges=RANGES, dim_points=POINTS)
+
+    def group(path: Path) -> int:
+        m = onnx.load(str(path), load_external_data=False)
+        guard = next(n for n in m.graph.node if n.op_type == contract.GUARD)
+        return next(a.i for a in guard.attribute if a.name == contract.ATTR_CACHE_GROUP)
+
+    assert group(other_out) == group(ahead_model) and _points(other_out)["decode"][1] > 0
+    runs = []
+    for path in (ahead_model, other_out):
+        sess, layout = InferenceSession(path), kv_layout(path)
+        cache = KvBuffers(layout, len(PROMPT) + 10, device="cpu")
+        binding = sess.io_binding()
+        runs.append([sess, layout, cache, binding, [prefill(sess, binding, layout, cache,
+                                                            PROMPT)]])
+    reset_counters()
+    for _ in range(9):
+        for sess, layout, cache, binding, tokens in runs:
+            tokens.append(_step(sess, binding, layout, cache, [tokens[-1]]))
+    assert counters()["read_ahead_used"] > 0
+    assert runs[0][4] == _reference(src, PROMPT, 10)
+    assert runs[1][4] == _reference(other, PROMPT, 10)
