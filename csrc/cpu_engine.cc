@@ -493,7 +493,9 @@ class CpuEngine final : public Engine {
     // The staging buffer starts `pad` bytes into a 4096-aligned block so that file offsets
     // aligned for O_DIRECT land on aligned addresses (the whole read can bypass the cache).
     const size_t pad = static_cast<size_t>(w->offset() % kStagingAlign);
-    const uint64_t chunk = disk_chunk_bytes();
+    uint64_t total = 0;
+    for (const auto& r : ranges) total += r.second - r.first;
+    const uint64_t chunk = disk_chunk_for(total, disk_io_threads());
     size_t parts = 0;
     for (const auto& r : ranges) parts += Chunks{r.first, r.second, chunk}.count();
     auto t = std::make_shared<DiskTransfer>(staging_->acquire(bytes + pad), pad, parts);

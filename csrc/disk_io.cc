@@ -111,6 +111,14 @@ size_t disk_chunk_bytes() {
   return bytes;
 }
 
+uint64_t disk_chunk_for(uint64_t bytes, int threads) {
+  const uint64_t cap = disk_chunk_bytes();
+  const uint64_t floor = std::min<uint64_t>(cap, uint64_t{1} << 20);
+  const uint64_t n = static_cast<uint64_t>(std::max(threads, 1));
+  const uint64_t share = round_up((bytes + n - 1) / n, kBounceAlign);
+  return std::max(floor, std::min(cap, share));
+}
+
 int disk_io_threads() {
   static const int n = static_cast<int>(env_int("HO_ONNX_IO_THREADS", 2, 1, 16));
   return n;

@@ -31,9 +31,14 @@
 
 namespace ho {
 
-// Size of one disk read job (a transfer is split into chunks that the I/O threads serve in
-// FIFO order); also the size of each I/O thread's bounce buffer. HO_ONNX_DISK_CHUNK_KB.
+// Largest disk read job (a transfer is split into chunks that the I/O threads serve in FIFO
+// order); also the size of each I/O thread's bounce buffer. HO_ONNX_DISK_CHUNK_KB.
 size_t disk_chunk_bytes();
+// The chunk for a transfer of `bytes` on a channel of `threads` I/O threads: split so that a
+// lone read keeps every thread busy (bytes / threads, a multiple of 4096), within
+// [min(1 MiB, disk_chunk_bytes()), disk_chunk_bytes()]. At a decode step the few reads the
+// cache misses each wait alone; one 8 MiB job per read ran them on one thread.
+uint64_t disk_chunk_for(uint64_t bytes, int threads);
 // Number of I/O threads of a CPU engine's disk channel. HO_ONNX_IO_THREADS (1..16, default 2).
 int disk_io_threads();
 // Most data files whose descriptors the process keeps open while idle (each holds up to two

@@ -471,6 +471,39 @@ def test_chunked_and_buffered_configurations(tmp_path, env, direct):
         assert n_direct == 0 and n_buffered >= 4
 
 
+_SPLIT_CHILD = r"""
+import sys, numpy as np
+sys.path[:0] = sys.argv[1].split(':')
+from pathlib import Path
+import test_disk_tier as t
+from ho_onnx.target.ort import runtime
+d = Path(sys.argv[2])
+n = 1 << 20  # one 4 MiB weight, block-aligned: each chunk is one buffered pread
+w = t._data(d, n, 0)
+sess = runtime.InferenceSession(t._model(d, n=n))
+x = np.ones(n, np.float32)
+runtime.reset_counters()
+np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + w)
+c = runtime.counters()
+assert c["bytes_read_disk"] == 4 * n, c
+print(c["disk_buffered_reads"])
+"""
+
+
+@pytest.mark.parametrize(("threads", "chunks"), [(1, 1), (2, 2), (4, 4), (8, 4)])
+def test_a_lone_read_is_split_over_the_io_threads(tmp_path, threads, chunks):
+    """A read that waits alone (a decode step's cache miss) keeps every I/O thread busy: its
+    chunk is its share of the threads (never below 1 MiB), not one 8 MiB job on one thread."""
+    env = {**os.environ, "HO_ONNX_DISK_DIRECT": "0", "HO_ONNX_IO_THREADS": str(threads)}
+    env.pop("HO_ONNX_DISK_CHUNK_KB", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SPLIT_CHILD,
+         f"{Path(__file__).parent}:{Path(__file__).parents[2]}", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.split()[-1]) == chunks
+
+
 # --------------------------------------------------------------------------------------------
 # Speculation: a warm Prefetch starts a weight's read into the expert cache (issue 37 item 3)
 
