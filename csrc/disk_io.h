@@ -37,7 +37,7 @@ size_t disk_chunk_bytes();
 // The chunk for a transfer of `bytes` on a channel of `threads` I/O threads: split so that a
 // lone read keeps every thread busy (bytes / threads, a multiple of 4096), within
 // [min(1 MiB, disk_chunk_bytes()), disk_chunk_bytes()]. At a decode step the few reads the
-// cache misses each wait alone; one 8 MiB job per read ran them on one thread.
+// cache misses each wait alone; one 8 MiB job per read ran them on one thread. Both engines.
 uint64_t disk_chunk_for(uint64_t bytes, int threads);
 // Number of I/O threads of a CPU engine's disk channel. HO_ONNX_IO_THREADS (1..16, default 2).
 int disk_io_threads();

@@ -160,7 +160,7 @@ class CudaEngine final : public Engine {
     Pending& p = s->p;
     p.issued = std::make_shared<Completion>();
     p.cancelled = std::make_shared<std::atomic<bool>>(false);
-    const Chunks c = chunks_of(*w, disk_chunk_bytes());
+    const Chunks c = chunks_of(*w, disk_chunk_for(bytes, disk_io_threads()));
     Device* dp = &s->d;
     add_pending(dst, p, ctx.kernel);
     auto t = std::make_shared<StreamedTransfer>(p, c.count(), dp);
