@@ -43,10 +43,14 @@ class Target:
     values must share for one to take the other's freed buffer (None: never);
     ``replay(values, steps)``, the ``(start, end, bytes)`` of every buffer the allocator
     holds for ``values`` over ``steps`` steps; ``fusions(analysis)``, what the runtime's
-    own graph fusions change in the analysed graph's values (:class:`Fusions`)."""
+    own graph fusions change in the analysed graph's values (:class:`Fusions`);
+    ``in_use(analysis, buffers, steps)``, the bytes the allocator holds in use at each step
+    for those buffers of ``analysis``'s model (its rounding and the chunks it does not
+    split), or None (and None for the field): their bytes."""
 
     name: str
     alias_input: Callable[[str, str], int | None]
     reuse_key: Callable[[int | None, tuple | None], tuple | None]
     replay: Callable[[Mapping[str, ArenaValue], int], list[tuple[int, int, int]]]
     fusions: Callable[[Any], Fusions] = lambda analysis: Fusions()
+    in_use: Callable[[Any, list[tuple[int, int, int]], int], Any] | None = None

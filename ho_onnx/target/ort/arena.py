@@ -8,14 +8,17 @@ gives a node's output the buffer of an earlier value instead of a new one when
   input 1), or
 * a buffer on its free list has the same element size and the same shape (dim by dim: equal
   values or the same symbolic name; scalars never); the free list is searched most recently
-  freed first.
+  freed first. The shapes are those ORT infers when it loads the model, with the dims
+  symbolic (``GraphAnalysis.unbound_shape``: the keys :mod:`ho_onnx.schedule.arena` gives
+  :func:`reuse_key`), not those at the dims bound for planning.
 
 A reused buffer is released to the arena only after the last reader of the last value that
 used it, so it stays allocated across the gap between two users: ORT's arena can hold more
 than the live tensors (measured on an H100 with a 24-layer decoder at 2,048 tokens: a
 constant ~0.5 GB of attention scores kept for the next layer, docs/benchmarks.md).
 ``MayInplace`` reuse (an elementwise op writing into an input at its last use) is not
-modelled: it only lowers the count.
+modelled: it only lowers the count. What the allocator then holds for those buffers (its
+rounding, the chunks it does not split) is :func:`in_use` (:mod:`.bfc`).
 
 ORT also fuses nodes when it loads the model (:func:`fusions`, the ones that change which
 buffers exist): a ``Transpose`` of the last two axes into the ``MatMul`` that reads it
@@ -34,12 +37,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 from ...contract import DOMAIN
 from ...graph.analyse import GraphAnalysis, input_names, output_names
 from ...graph.dtypes import ELEMENT_BITS
 from ..base import ArenaValue, Fusions, Target
+from . import bfc
 
 # (domain, op_type) -> index of the input whose buffer output 0 takes.
 ALIAS_INPUT: dict[tuple[str, str], int] = {
@@ -201,4 +206,21 @@ def fusions(analysis: GraphAnalysis) -> Fusions:
     return Fusions(frozenset(gone), later)
 
 
-ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions)
+def grows_as_requested(analysis: GraphAnalysis) -> bool:
+    """Every graph input of ``analysis``'s model has a fixed shape: ho-onnx's sessions give
+    it an arena grown by what is requested (``runtime.arena_for``, ``cuda_arena_options``)."""
+    inputs = [t for t in analysis.tensors.values() if t.is_graph_input and not t.is_initializer]
+    return all((s := analysis.unbound_shape(t.name)) is not None
+               and all(isinstance(d, int) for d in s) for t in inputs)
+
+
+def in_use(analysis: GraphAnalysis, buffers: list[tuple[int, int, int]], steps: int
+           ) -> np.ndarray | None:
+    """Bytes ORT's arena holds in use at each step for ``buffers``: ORT's BFC arena replayed
+    (:mod:`.bfc`) where it grows by what is requested; None (the buffers' bytes) where it
+    grows by powers of two from runs of other sizes (symbolic dims: its chunks depend on
+    them)."""
+    return bfc.in_use(buffers, steps) if grows_as_requested(analysis) else None
+
+
+ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions, in_use)
