@@ -79,10 +79,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         last = max([o.last, *(fused.read_at(c) for c in t.consumers)])
         values[o.name] = ArenaValue(o.producer, last, o.nbytes, key(o.name))
     _alias(analysis, values, spans, moved_w, target)
-    # The cache ops of a step run before its node: their outputs (the reloads, named
-    # "<value>\0...") are allocated first (the order ORT's arena sees: it decides which
-    # free chunk each takes).
-    return dict(sorted(values.items(), key=lambda kv: "\0" not in kv[0])), static
+    return values, static
 
 
 def _alias(analysis: GraphAnalysis, values: dict[str, ArenaValue],
@@ -121,8 +118,13 @@ def arena_buffer_intervals(analysis: GraphAnalysis, choice: OffloadChoice | None
 def _runtime_buffers(analysis: GraphAnalysis, choice: OffloadChoice | None,
                      dims: Mapping[str, int] | None, residency: Residency | None,
                      target: Target) -> tuple[list[Interval], int]:
-    """:func:`arena_buffer_intervals` without the staging: the runtime allocator's buffers."""
+    """:func:`arena_buffer_intervals` without the staging: the runtime allocator's buffers,
+    in the order it allocates them."""
     values, static = _values(analysis, choice, dims, residency, target)
+    # The cache ops of a step run before its node: their outputs (the reloads, named
+    # "<value>\0...") are allocated first (ORT's arena then decides which free chunk each
+    # takes in that order).
+    values = dict(sorted(values.items(), key=lambda kv: "\0" not in kv[0]))
     return target.replay(values, len(analysis.order)), static
 
 
