@@ -31,6 +31,18 @@ def _gap(tmp_path):
     return graphs.save(_model(), tmp_path / "gap.onnx")
 
 
+def _predicted(src, out, dims=None) -> tuple[int, int]:
+    """``src`` optimized with its weights offloaded (each Wait samples the arena): the
+    replayed arena's peak and the tensors' peak, both without the resident initializers."""
+    r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=1),
+                 dims)
+    choice = r.decision.choice
+    assert "W" in [w.name for w in choice.weights], "W must be offloaded: a Wait samples"
+    _, held = arena_buffer_intervals(r.analysis, choice)
+    return (int(arena_memory(r.analysis, choice).max()) - held,
+            int(schedule_memory(r.analysis, choice).max()) - held)
+
+
 def test_a_reused_buffer_is_held_across_the_gap():
     a = analyse(_model())
     tensors = schedule_memory(a, None)
@@ -300,17 +312,8 @@ def test_a_fence_samples_the_arena_too(tmp_path):
 
 # GAP with a symbolic dim: t2 ([512, N]) and s1/s2 ([N, 512]) are the same size at N = 512,
 # but ORT, which plans with the shapes it infers when it loads the model, does not know it.
-GAP_N = """
-gap_n (float[N, 512] x) => (float[N, 512] y) {
-  t1 = Transpose<perm = [1, 0]>(x)
-  t2 = MatMul(t1, t1)
-  t3 = Concat<axis = 0>(t2, t2)
-  t4 = Transpose<perm = [1, 0]>(t3)
-  s1, s2 = Split<axis = 1>(t4)
-  m = MatMul(s1, W)
-  y = MatMul(m, s2)
-}
-"""
+GAP_N = GAP.replace("gap (float[512, 512] x) => (float[512, 512] y)",
+                    "gap_n (float[N, 512] x) => (float[N, 512] y)")
 
 
 def test_reuse_follows_the_shapes_ort_infers_not_the_planned_dims(tmp_path):
@@ -319,15 +322,10 @@ def test_reuse_follows_the_shapes_ort_infers_not_the_planned_dims(tmp_path):
     inferred, [512, N] against [N, 512]: no reuse, so its arena is the tensors' count, and so
     is the replay (keyed by the bound shapes it was the 2 MiB more: 66.9 MiB replayed
     against 43.0 measured on a decoder at 2k context)."""
+    assert "N" in GAP_N
     src = graphs.save(graphs.text_model(GAP_N, W=(512, 512)), tmp_path / "gap_n.onnx")
     out = tmp_path / "gap_n.ho.onnx"
-    r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=1),
-                 {"N": 512})
-    choice = r.decision.choice
-    assert [w.name for w in choice.weights] == ["W"]
-    _, held = arena_buffer_intervals(r.analysis, choice)
-    predicted = int(arena_memory(r.analysis, choice).max()) - held
-    tensors = int(schedule_memory(r.analysis, choice).max()) - held
+    predicted, tensors = _predicted(src, out, {"N": 512})
     x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
     measured, _ = _measured_arena(out, {"x": x})
     if measured is None:
@@ -382,12 +380,7 @@ def test_the_replay_takes_a_free_chunk_whole_as_ort_arena_does(tmp_path):
                               shape_c=np.array([1024, 2048], np.int64))
     src = graphs.save(model, tmp_path / "no_split.onnx")
     out = tmp_path / "no_split.ho.onnx"
-    r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=1))
-    choice = r.decision.choice
-    assert "W" in [w.name for w in choice.weights]
-    _, held = arena_buffer_intervals(r.analysis, choice)
-    predicted = int(arena_memory(r.analysis, choice).max()) - held
-    tensors = int(schedule_memory(r.analysis, choice).max()) - held
+    predicted, tensors = _predicted(src, out)
     proc = subprocess.run([sys.executable, "-c", _NO_SPLIT_CHILD, str(out)], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
