@@ -24,8 +24,7 @@ ORT also fuses nodes when it loads the model (:func:`fusions`, the ones that cha
 buffers exist): a ``Transpose`` of the last two axes into the ``MatMul`` that reads it
 (``MatmulTransposeFusion``: the MatMul reads the Transpose's input, and the Transpose is gone
 when only MatMuls read it) and a MatMul's scale by a scalar constant (``MatMulScaleFusion``:
-the product is gone; on an input read only by the MatMul, the scaled input is gone and the
-MatMul reads the unscaled one). Found at stop 49: an attention's ``K^T`` replayed as a buffer of its
+the product is gone). Found at stop 49: an attention's ``K^T`` replayed as a buffer of its
 own let the replay share it with the scores, while ORT kept the present key alive to the
 scores' FusedMatMul instead; the replay fell 3 MiB short on a 4-layer decoder at 4k
 context. These rules are :data:`ORT`, the
@@ -181,29 +180,6 @@ def _scale_of(analysis: GraphAnalysis, product: str) -> int | None:
     return c if other != product and _scalar_constant(analysis, other) else None
 
 
-def _input_scale(analysis: GraphAnalysis, value: str) -> int | None:
-    """The position of the Mul/Div that makes the MatMul input ``value`` by scaling another
-    value by a scalar constant, read by MatMuls only (MatMulScaleFusion on an input: the
-    FusedMatMul reads the unscaled value, found at stop 52 on a decoder's Gelu, whose last
-    ``* 0.5`` ORT folds into the next MatMul), else None."""
-    t = analysis.tensors.get(value)
-    if t is None or t.producer is None or t.is_graph_output or t.elem_type not in _SCALED \
-            or any(analysis.nodes[c].op_type != "MatMul" for c in t.consumers):
-        return None
-    node = analysis.nodes[t.producer]
-    ins = input_names(node)
-    if node.domain not in _ONNX or len(ins) != 2 or ins[0] == ins[1]:
-        return None
-    if node.op_type == "Mul":
-        scalars = [_scalar_constant(analysis, i) for i in ins]
-        if scalars.count(True) != 1 or _constant(analysis, ins[scalars.index(False)]):
-            return None
-    elif node.op_type != "Div" or not _scalar_constant(analysis, ins[1]) \
-            or _constant(analysis, ins[0]):
-        return None
-    return t.producer
-
-
 def fusions(analysis: GraphAnalysis) -> Fusions:
     """The values ORT's MatMul fusions remove, and the later reads they make (module
     docstring): a fused MatMul runs where its scale ran, reading the transposes' inputs."""
@@ -218,10 +194,6 @@ def fusions(analysis: GraphAnalysis) -> Fusions:
             gone.add(product)
             at = later[pos] = scale
         ins = input_names(node)[:2]
-        for i in ins if len(set(ins)) == 2 else ():
-            if (scale := _input_scale(analysis, i)) is not None:
-                gone.add(i)
-                later[scale] = max(later.get(scale, at), at)
         pairs = zip(ins, ins[::-1], strict=True) if len(set(ins)) == 2 else ()  # (no MatMul(t, t))
         for i, other in pairs:
             t = analysis.tensors.get(i)

@@ -103,50 +103,6 @@ g (float[8, 64] a, float[64, 16] b) => (float[8, 16] y) {
   q = Mul(p, c)
   y = Add(q, p)
 }""",
-    "a scale of the left input": """
-g (float[8, 64] a, float[64, 16] b) => (float[8, 16] y) {
-  c = Constant<value = float {0.5}>()
-  p = Mul(a, c)
-  y = MatMul(p, b)
-}""",
-    "a division of the right input": """
-g (float[8, 64] a, float[64, 16] b) => (float[8, 16] y) {
-  c = Constant<value = float[1] {4.0}>()
-  p = Div(b, c)
-  y = MatMul(a, p)
-}""",
-    "a scaled input read twice": """
-g (float[8, 64] a, float[64, 16] b) => (float[8, 16] y, float[8, 64] r) {
-  c = Constant<value = float {0.5}>()
-  p = Mul(c, a)
-  y = MatMul(p, b)
-  r = Relu(p)
-}""",
-    "a scaled input of two MatMuls": """
-g (float[8, 64] a, float[64, 16] b, float[64, 4] d) => (float[8, 16] y, float[8, 4] z) {
-  c = Constant<value = float {0.5}>()
-  p = Mul(a, c)
-  y = MatMul(p, b)
-  z = MatMul(p, d)
-}""",
-    "a scale by a vector of an input": """
-g (float[8, 64] a, float[64, 16] b) => (float[8, 16] y) {
-  c = Constant<value = float[64] {0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5}>()
-  p = Mul(a, c)
-  y = MatMul(p, b)
-}""",
-    "a gelu's last half into the next MatMul": """
-g (float[8, 64] x, float[64, 16] b) => (float[8, 16] y) {
-  s = Constant<value = float {0.70710677}>()
-  one = Constant<value = float {1.0}>()
-  half = Constant<value = float {0.5}>()
-  t = Mul(x, s)
-  e = Erf(t)
-  u = Add(e, one)
-  v = Mul(x, u)
-  g = Mul(v, half)
-  y = MatMul(g, b)
-}""",
     "attention scores": """
 g (float[1, 4, 8, 64] q, float[1, 4, 100, 64] k) => (float[1, 4, 8, 100] y) {
   c = Constant<value = float {0.125}>()
