@@ -8,9 +8,9 @@ gives a node's output the buffer of an earlier value instead of a new one when
   input 1), or
 * a buffer on its free list has the same element size and the same shape (dim by dim: equal
   values or the same symbolic name; scalars never); the free list is searched most recently
-  freed first. The shapes are those ORT infers when it loads the model, with the dims
-  symbolic (``GraphAnalysis.unbound_shape``: the keys :mod:`ho_onnx.schedule.arena` gives
-  :func:`reuse_key`), not those at the dims bound for planning.
+  freed first. ORT compares the shapes it infers, symbolic dims included; the replay
+  compares those at the dims bound for planning, so it reuses more where they differ (an
+  over-count; :mod:`ho_onnx.schedule.arena` says why it stays).
 
 A reused buffer is released to the arena only after the last reader of the last value that
 used it, so it stays allocated across the gap between two users: ORT's arena can hold more
