@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import graphs
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from graphs import GAP
@@ -70,12 +71,7 @@ def test_replay_matches_the_arena_ort_reports(tmp_path):
     CPU arena reports as MaxInUse; the tensor count falls short of it by at least 1 MiB."""
     src = _gap(tmp_path)
     out = tmp_path / "gap.ho.onnx"
-    r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=1))
-    assert r.decision.choice.weights, "W must be offloaded so that a Wait samples the arena"
-    choice = r.decision.choice
-    _, held = arena_buffer_intervals(r.analysis, choice)
-    predicted = int(arena_memory(r.analysis, choice).max()) - held
-    tensor_count = int(schedule_memory(r.analysis, choice).max()) - held
+    predicted, tensor_count = _predicted(src, out)
 
     so = ort.SessionOptions()
     so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
@@ -365,3 +361,19 @@ def test_the_replay_takes_a_free_chunk_whole_as_ort_arena_does(tmp_path):
         pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
     assert abs(measured - predicted) <= 64 << 10, (measured, predicted, tensors)
     assert predicted - tensors >= MIB - (64 << 10), (predicted, tensors)
+
+
+def test_the_replay_takes_the_arena_the_session_gets(tmp_path):
+    """The BFC replay applies where ho-onnx's session grows the arena by what is requested:
+    the replay's rule (``grows_as_requested``, on the analysis) and the session's
+    (``runtime.arena_for``, on the file) agree on a model of fixed shapes and on one with a
+    symbolic dim (two rules in two places: this keeps them one)."""
+    from ho_onnx.target.ort.arena import grows_as_requested
+
+    fixed = _gap(tmp_path)
+    symbolic = graphs.save(graphs.text_model(GAP.replace(
+        "gap (float[512, 512] x) => (float[512, 512] y)",
+        "gap (float[N, 512] x) => (float[N, 512] y)"), W=(512, 512)), tmp_path / "gap_n.onnx")
+    for path, dims, expected in ((fixed, None, True), (symbolic, {"N": 512}, False)):
+        assert grows_as_requested(analyse(onnx.load(str(path)), dims)) is expected
+        assert (runtime.arena_for(path) == "as_requested") is expected
