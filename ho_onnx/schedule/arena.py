@@ -27,19 +27,17 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             ) -> tuple[dict[str, ArenaValue], int]:
     """The values the allocator sees at each step of the schedule with ``choice``, and the
     bytes held for the whole run (the initializers that stay). Reuse is keyed by the shapes
-    at the bound dims: more reuse than ORT makes where its inferred shapes are symbolic
-    (an over-count: 66.9 MiB replayed against 43.0 at 2k context). Keyed by ORT's inferred
-    shapes instead, the replay met ORT's in-use bytes, but the over-count was what held a
-    hard memory limit: the 15 % plan of the 2.75 GB decoder was OOM-killed 3 times in 3
-    with them (docs/benchmarks.md, stop 52); the process's memory is the arena's reserved
-    regions, which no replay here counts."""
+    ORT infers when it loads the model (:meth:`GraphAnalysis.unbound_shape`: the dims bound
+    for planning are symbolic there, so two values of one size at the planned dims share a
+    buffer only where their symbolic shapes are provably equal; keyed by the bound shapes,
+    the replay had each layer's attention scores kept for the next layer, which ORT did not
+    do: 66.9 MiB replayed against 43.0 at 2k context, stop 49)."""
     fused = target.fusions(analysis)
     spans, sizes = residency or resident_intervals(analysis, dims, fusions=fused)
     n = len(analysis.order)
 
     def key(name: str) -> tuple | None:
-        t = analysis.tensors[name]
-        return target.reuse_key(t.elem_type, t.shape)
+        return target.reuse_key(analysis.tensors[name].elem_type, analysis.unbound_shape(name))
 
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}

@@ -44,9 +44,9 @@ class Target:
     ``replay(values, steps)``, the ``(start, end, bytes)`` of every buffer the allocator
     holds for ``values`` over ``steps`` steps; ``fusions(analysis)``, what the runtime's
     own graph fusions change in the analysed graph's values (:class:`Fusions`);
-    ``in_use(analysis, buffers, steps)``, the bytes the allocator holds in use at each step
-    for those buffers of ``analysis``'s model (its rounding and the chunks it does not
-    split), or None (and None for the field): their bytes."""
+    ``in_use(analysis, buffers, steps)``, the bytes the allocator holds at each step for
+    those buffers of ``analysis``'s model (its rounding, the chunks it does not split, the
+    regions it grows and keeps), or None (and None for the field): their bytes."""
 
     name: str
     alias_input: Callable[[str, str], int | None]

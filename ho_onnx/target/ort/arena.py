@@ -8,9 +8,9 @@ gives a node's output the buffer of an earlier value instead of a new one when
   input 1), or
 * a buffer on its free list has the same element size and the same shape (dim by dim: equal
   values or the same symbolic name; scalars never); the free list is searched most recently
-  freed first. ORT compares the shapes it infers, symbolic dims included; the replay
-  compares those at the dims bound for planning, so it reuses more where they differ (an
-  over-count; :mod:`ho_onnx.schedule.arena` says why it stays).
+  freed first. The shapes are those ORT infers when it loads the model, with the dims
+  symbolic (``GraphAnalysis.unbound_shape``: the keys :mod:`ho_onnx.schedule.arena` gives
+  :func:`reuse_key`), not those at the dims bound for planning.
 
 A reused buffer is released to the arena only after the last reader of the last value that
 used it, so it stays allocated across the gap between two users: ORT's arena can hold more
@@ -18,7 +18,8 @@ than the live tensors (measured on an H100 with a 24-layer decoder at 2,048 toke
 constant ~0.5 GB of attention scores kept for the next layer, docs/benchmarks.md).
 ``MayInplace`` reuse (an elementwise op writing into an input at its last use) is not
 modelled: it only lowers the count. What the allocator then holds for those buffers (its
-rounding, the chunks it does not split) is :func:`in_use` (:mod:`.bfc`).
+rounding, the chunks it does not split, the regions it grows and keeps) is :func:`in_use`
+(:mod:`.bfc`).
 
 ORT also fuses nodes when it loads the model (:func:`fusions`, the ones that change which
 buffers exist): a ``Transpose`` of the last two axes into the ``MatMul`` that reads it
@@ -215,12 +216,18 @@ def grows_as_requested(analysis: GraphAnalysis) -> bool:
 
 
 def in_use(analysis: GraphAnalysis, buffers: list[tuple[int, int, int]], steps: int
-           ) -> np.ndarray | None:
-    """Bytes ORT's arena holds in use at each step for ``buffers``: ORT's BFC arena replayed
-    (:mod:`.bfc`) where it grows by what is requested; None (the buffers' bytes) where it
-    grows by powers of two from runs of other sizes (symbolic dims: its chunks depend on
-    them)."""
-    return bfc.in_use(buffers, steps) if grows_as_requested(analysis) else None
+           ) -> np.ndarray:
+    """Bytes ORT's arena holds at each step for ``buffers``: its BFC arena replayed
+    (:mod:`.bfc`) run after run, its regions counted, not only the chunks in use. Where the
+    model's inputs have fixed shapes ho-onnx's sessions grow it by what is requested
+    (``runtime.arena_for``) and every run asks for the same sizes: its regions. Elsewhere
+    the larger of ORT's own arena (grown by powers of two: the bytes of its regions up to
+    the last chunk each handed out, the pages a CPU process touches) and the one grown by
+    what is requested (which a caller may choose: ``cpu_arena``, the CUDA helpers)."""
+    if grows_as_requested(analysis):
+        return bfc.held(buffers, steps, "as_requested")
+    return np.maximum(bfc.held(buffers, steps, "power_of_two", touched=True),
+                      bfc.held(buffers, steps, "as_requested"))
 
 
 ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions, in_use)

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("no_debug_hooks")
 RANGES = {"batch": (1, 1), "seq": (1, 64), "past": (0, 200)}
 POINTS = {"decode": {"seq": 1, "past": 200}}
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6] * 3
-BUDGET = 3_000_000  # (the plan at the top of the ranges offloads most weights to disk)
+BUDGET = 3_500_000  # (the plan at the top of the ranges offloads most weights to disk)
 
 
 @pytest.fixture(scope="module")
@@ -253,17 +253,21 @@ def test_runs_at_other_points_are_bit_exact(models):
     assert counters()["expert_cache_hits"] > 0
 
 
+AHEAD_BUDGET = 3_000_000
+
+
 @pytest.fixture(scope="module")
 def split_models(tmp_path_factory) -> tuple[Path, Path, Path]:
     """A decoder whose plan puts some of the cache's weights in a second data file (the
     rewriter's own, beside the model: the lm_head's blocks), the KV cache in host memory:
-    at 4 MB its decode point keeps weights, at 3 MB it reads ahead (the planner's split)."""
+    at 2.6 MB its decode point keeps weights from both files, at 3 MB it keeps more of
+    the first (the planner's split: both read ahead)."""
     tmp = tmp_path_factory.mktemp("decode_cache_split")
     src = tmp / "dec.onnx"
     build_decoder(src, external_data=True, kv_cache=True, layers=2, hidden=128, heads=4,
                   max_positions=512, vocab=4096, std=0.2)
     outs = []
-    for budget in (4_000_000, 3_000_000):
+    for budget in (2_600_000, AHEAD_BUDGET):
         out = tmp / f"dec.{budget}.ho.onnx"
         r = optimize(src, out, OffloadOptions(budget=budget, min_bytes=0, weight_tier="disk",
                                               kv=True, decode_cache=True),
@@ -286,8 +290,8 @@ def test_one_limit_holds_for_weights_of_two_data_files(split_models):
     room once per file: 1.5x it on the bench's decoder)."""
     src, kept_model, _ = split_models
     assert len(_cache_files(kept_model)) == 2
-    kept, ahead = _points(kept_model)["decode"]
-    assert kept > 0 and ahead == 0
+    kept, _ = _points(kept_model)["decode"]
+    assert kept > 0
     sess = InferenceSession(kept_model)
     reset_counters()
     assert greedy(sess, kv_layout(kept_model), PROMPT, 10) == _reference(src, PROMPT, 10)
@@ -332,7 +336,7 @@ def test_decode_steps_read_ahead_across_the_step_boundary(split_models):
     import gc
 
     src, kept_model, ahead_model = split_models
-    _, ahead = _points(ahead_model)["decode"]
+    kept, ahead = _points(ahead_model)["decode"]
     assert ahead > 0
     other = InferenceSession(kept_model)  # (keeps the library's engine beyond `sess`)
     base = _staging_settled()  # (the process's: caches of other live sessions)
@@ -345,7 +349,7 @@ def test_decode_steps_read_ahead_across_the_step_boundary(split_models):
     assert c["read_aheads"] > 0 and c["read_ahead_used"] > 0
     assert staged[0] == base  # (the prefill: nothing read ahead)
     held = [s - base for s in staged[2:]]
-    assert all(0 < h <= ahead + 64 * 1024 for h in held), held  # (staging pads)
+    assert all(0 < h <= kept + ahead + 64 * 1024 for h in held), held  # (staging pads)
     greedy(sess, layout, list(range(2, 50)), 1)  # a prefill of 48: no room
     assert _staging_settled() == base
     greedy(sess, layout, [7], 4)
@@ -393,7 +397,7 @@ def test_two_models_of_one_plan_interleaved_keep_their_own_weights(split_models,
     build_decoder(other, external_data=True, kv_cache=True, layers=2, hidden=128, heads=4,
                   max_positions=512, vocab=4096, std=0.2, seed=1)
     other_out = tmp_path / "other.ho.onnx"
-    optimize(other, other_out, OffloadOptions(budget=3_000_000, min_bytes=0, weight_tier="disk",
+    optimize(other, other_out, OffloadOptions(budget=AHEAD_BUDGET, min_bytes=0, weight_tier="disk",
                                               kv=True, decode_cache=True),
              {}, dim_ranges=RANGES, dim_points=POINTS)
 

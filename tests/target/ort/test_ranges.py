@@ -276,7 +276,7 @@ def test_a_range_plan_is_timed_where_compute_is_least(tmp_path):
     cs = CostSource("h100")
     peak = plan_model(src, OffloadOptions(budget=1 << 40), {"batch": 1}, cs,
                       dim_ranges=ranges)[2].baseline.peak_bytes
-    opts = OffloadOptions(budget=int(peak * 0.85))
+    opts = OffloadOptions(budget=int(peak * 0.8))
     _, a_r, ranged = plan_model(src, opts, {"batch": 1}, cs, dim_ranges=ranges)
     _, a_t, at_top = plan_model(src, opts, top, cs)
     assert ranged.costs is not None and "timed at the bottom of the ranges (batch=1,past=0," \
