@@ -66,7 +66,7 @@ def child(cfg: dict[str, Any]) -> None:
         if not cfg.get("prepack", True):
             so.add_session_config_entry("session.disable_prepacking", "1")
         sess = InferenceSession(cfg["model"], sess_options=so,
-                                cpu_arena=cfg.get("cpu_arena", "as_requested"))
+                                cpu_arena=cfg.get("cpu_arena", "auto"))
     else:
         so.add_session_config_entry("session.disable_prepacking", "1")
         sess = ort.InferenceSession(cfg["model"], so, providers=["CPUExecutionProvider"])
@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--workdir")
     ap.add_argument("--json")
-    ap.add_argument("--cpu-arena", choices=("as_requested", "ort"), default="as_requested",
-                    help="the ho rows' CPU arena (ho_onnx.InferenceSession's cpu_arena)")
+    ap.add_argument("--cpu-arena", choices=("auto", "as_requested", "ort"), default="auto",
+                    help="the ho rows' CPU arena (ho_onnx.InferenceSession's cpu_arena; "
+                         "auto: the one the plan counted)")
     ap.add_argument("--no-prepack-rows", action="store_true",
                     help="also run each ho row with ORT's pre-packing off ('ho F -pp'): the "
                          "resident weights stay mapped file pages the kernel can reclaim")

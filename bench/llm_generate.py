@@ -325,6 +325,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         runs = max(1, gen.runs - runs0)
         out["arena_max_in_use"] = c["ort_arena_max_in_use"] if c["ort_arena_max_in_use"] >= 0 \
             else None
+        # (the arena's regions at the last Wait: the most it reserved where nothing shrinks it)
+        out["arena_total_allocated"] = c["ort_arena_total_allocated"] \
+            if c["ort_arena_total_allocated"] >= 0 else None
         out["loaded_bytes_per_run"] = c["bytes_loaded"] // runs
         out["host_store_bytes"] = c["host_store_bytes"]
     if args.kind == "hf" and cuda:

@@ -218,16 +218,14 @@ def grows_as_requested(analysis: GraphAnalysis) -> bool:
 def in_use(analysis: GraphAnalysis, buffers: list[tuple[int, int, int]], steps: int
            ) -> np.ndarray:
     """Bytes ORT's arena holds at each step for ``buffers``: its BFC arena replayed
-    (:mod:`.bfc`) run after run, its regions counted, not only the chunks in use. Where the
-    model's inputs have fixed shapes ho-onnx's sessions grow it by what is requested
-    (``runtime.arena_for``) and every run asks for the same sizes: its regions. Elsewhere
-    the larger of ORT's own arena (grown by powers of two: the bytes of its regions up to
-    the last chunk each handed out, the pages a CPU process touches) and the one grown by
-    what is requested (which a caller may choose: ``cpu_arena``, the CUDA helpers)."""
+    (:mod:`.bfc`) run after run, its regions counted, not only the chunks in use, as
+    ho-onnx's sessions set it up (``runtime.arena_for``): for a model whose inputs all have
+    fixed shapes grown by what is requested (every run asks for the same sizes), else ORT's
+    own, grown by powers of two, counted up to the last request each region served (the
+    pages a CPU process touches of the regions it maps)."""
     if grows_as_requested(analysis):
         return bfc.held(buffers, steps, "as_requested")
-    return np.maximum(bfc.held(buffers, steps, "power_of_two", touched=True),
-                      bfc.held(buffers, steps, "as_requested"))
+    return bfc.held(buffers, steps, "power_of_two", touched=True)
 
 
 ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions, in_use)

@@ -78,7 +78,11 @@ def session_options(
     requested (one arena of the process, registered once: :func:`cpu_arena_shared`), not by
     powers of two, which reserved twice its peak on a disk-tier plan (257 MiB for 129 in
     use); ``"ort"`` leaves ORT's own per-session arena; ``"auto"`` (default) is
-    :func:`arena_for` of ``model_path`` (``"ort"`` without one). A ``base`` that sets
+    :func:`arena_for` of ``model_path`` (``"ort"`` without one), the arena a plan counts
+    (``target/ort/arena.py``): another can hold more than its budget (stop 53: a plan of
+    the 2.75 GB decoder at 15 % completed under its hard limit with ``"auto"`` and was
+    OOM-killed with ``"as_requested"``, which grows a region for each request no freed
+    chunk of its own size fits). A ``base`` that sets
     ``session.use_env_allocators`` itself is left as it is.
     """
     if cpu_arena not in ARENAS:
