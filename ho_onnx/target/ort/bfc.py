@@ -48,9 +48,8 @@ class _Chunk:
 
 class _Arena:
     """The arena's free chunks by (size, address), the bytes in use, and its regions: their
-    sizes (``reserved``) and the bytes of each up to the end of the last chunk it handed out
-    (``touched``: up to the end of the last request each served, the pages a CPU process
-    has written; the memory of a region is mapped lazily)."""
+    sizes (``reserved``) and their bytes up to the furthest end of a request each served
+    (``touched``: the pages a CPU process has written; a region is mapped lazily)."""
 
     def __init__(self, grow: str = "as_requested") -> None:
         self.free: list[tuple[int, int]] = []
