@@ -187,7 +187,8 @@ class Plan(Decision):
     def arena_summary(self) -> str:
         """ORT's predicted arena peak against the budget, for reports and logs."""
         mib = functools.partial(format_bytes, unit="MiB", digits=1)
-        line = (f"ORT arena {mib(self.arena_bytes)} predicted (its buffer reuse replayed"
+        line = (f"ORT arena {mib(self.arena_bytes)} predicted (its buffer reuse and the "
+                "regions it grows replayed"
                 + (", with the disk reads staged beside it)"
                    if any(w.staged for w in self.choice.weights) else ")"))
         if self.planned_for < self.budget:
