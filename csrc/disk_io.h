@@ -39,7 +39,8 @@ size_t disk_chunk_bytes();
 // [min(1 MiB, disk_chunk_bytes()), disk_chunk_bytes()]. At a decode step the few reads the
 // cache misses each wait alone; one 8 MiB job per read ran them on one thread. Both engines.
 uint64_t disk_chunk_for(uint64_t bytes, int threads);
-// Number of I/O threads of a CPU engine's disk channel. HO_ONNX_IO_THREADS (1..16, default 2).
+// Number of I/O threads of an engine's disk channel (both engines). HO_ONNX_IO_THREADS
+// (1..16, default 2).
 int disk_io_threads();
 // Most data files whose descriptors the process keeps open while idle (each holds up to two
 // descriptors). HO_ONNX_DISK_OPEN_FILES (1..65536); default: an eighth of the soft

@@ -140,14 +140,14 @@ def arena_memory(analysis: GraphAnalysis, choice: OffloadChoice | None = None,
                  dims: Mapping[str, int] | None = None,
                  residency: Residency | None = None, *, target: Target = ORT) -> np.ndarray:
     """Bytes ``target``'s arena holds per step of the schedule with ``choice`` (its buffer
-    reuse and its allocator replayed: :attr:`Target.in_use`), with the library's staging
+    reuse and its allocator replayed: :attr:`Target.held`), with the library's staging
     beside it and the resident initializers."""
     buffers, static = _runtime_buffers(analysis, choice, dims, residency, target)
     staging = _staging(choice)
     n = len(analysis.order)
     out = np.full(n, static, dtype=np.int64)
     if buffers:
-        held = target.in_use(analysis, buffers, n) if target.in_use else None
+        held = target.held(analysis, buffers, n) if target.held else None
         out += memory_profile(n, buffers) if held is None else held
     if staging:
         out += memory_profile(n, staging)

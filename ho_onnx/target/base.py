@@ -44,7 +44,7 @@ class Target:
     ``replay(values, steps)``, the ``(start, end, bytes)`` of every buffer the allocator
     holds for ``values`` over ``steps`` steps; ``fusions(analysis)``, what the runtime's
     own graph fusions change in the analysed graph's values (:class:`Fusions`);
-    ``in_use(analysis, buffers, steps)``, the bytes the allocator holds at each step for
+    ``held(analysis, buffers, steps)``, the bytes the allocator holds at each step for
     those buffers of ``analysis``'s model (its rounding, the chunks it does not split, the
     regions it grows and keeps), or None (and None for the field): their bytes."""
 
@@ -53,4 +53,4 @@ class Target:
     reuse_key: Callable[[int | None, tuple | None], tuple | None]
     replay: Callable[[Mapping[str, ArenaValue], int], list[tuple[int, int, int]]]
     fusions: Callable[[Any], Fusions] = lambda analysis: Fusions()
-    in_use: Callable[[Any, list[tuple[int, int, int]], int], Any] | None = None
+    held: Callable[[Any, list[tuple[int, int, int]], int], Any] | None = None

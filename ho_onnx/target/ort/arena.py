@@ -18,7 +18,7 @@ than the live tensors (measured on an H100 with a 24-layer decoder at 2,048 toke
 constant ~0.5 GB of attention scores kept for the next layer, docs/benchmarks.md).
 ``MayInplace`` reuse (an elementwise op writing into an input at its last use) is not
 modelled: it only lowers the count. What the allocator then holds for those buffers (its
-rounding, the chunks it does not split, the regions it grows and keeps) is :func:`in_use`
+rounding, the chunks it does not split, the regions it grows and keeps) is :func:`held`
 (:mod:`.bfc`).
 
 ORT also fuses nodes when it loads the model (:func:`fusions`, the ones that change which
@@ -215,8 +215,8 @@ def grows_as_requested(analysis: GraphAnalysis) -> bool:
                and all(isinstance(d, int) for d in s) for t in inputs)
 
 
-def in_use(analysis: GraphAnalysis, buffers: list[tuple[int, int, int]], steps: int
-           ) -> np.ndarray:
+def held(analysis: GraphAnalysis, buffers: list[tuple[int, int, int]], steps: int
+         ) -> np.ndarray:
     """Bytes ORT's arena holds at each step for ``buffers``: its BFC arena replayed
     (:mod:`.bfc`) run after run, its regions counted, not only the chunks in use, as
     ho-onnx's sessions set it up (``runtime.arena_for``): for a model whose inputs all have
@@ -228,4 +228,4 @@ def in_use(analysis: GraphAnalysis, buffers: list[tuple[int, int, int]], steps: 
     return bfc.held(buffers, steps, "power_of_two", touched=True)
 
 
-ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions, in_use)
+ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions, held)

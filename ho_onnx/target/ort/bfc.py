@@ -8,9 +8,8 @@ does not hand out exactly what a buffer needs:
   only when the chunk is at least twice the request or would waste 128 MiB or more
   (``FindChunkPtr``): a 9 MiB free chunk serves an 8 MiB request whole, and all 9 MiB count
   as in use (``MaxInUse``) until it is freed;
-* with no free chunk that fits it grows by a region of exactly the request
-  (``kSameAsRequested``), and a freed chunk coalesces only with its free neighbours in the
-  same region.
+* with no free chunk that fits it grows by a region (below), and a freed chunk coalesces
+  only with its free neighbours in the same region.
 
 Replayed from an empty arena, this is ORT's ``MaxInUse`` to the byte where a session's
 arena grows by what is requested and every run asks for the same sizes: the arena ho-onnx
