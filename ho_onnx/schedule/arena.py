@@ -11,7 +11,7 @@ prediction of its arena peak, which the planner then fits to the budget
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -35,10 +35,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
     fused = target.fusions(analysis)
     spans, sizes = residency or resident_intervals(analysis, dims, fusions=fused)
     n = len(analysis.order)
-
-    def key(name: str) -> tuple | None:
-        return target.reuse_key(analysis.tensors[name].elem_type, analysis.unbound_shape(name))
-
+    key, declared = _keys(analysis, choice, target)
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
     moved_in = {i.name: i for i in (choice.inputs if choice else ())}
@@ -57,7 +54,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             a, k = moved_a[name], key(name)
             b = a.nbytes or 0
             values[name] = ArenaValue(s, a.last_early, b, k)
-            values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, k)
+            values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, declared(name))
         elif not t.is_initializer:
             k = None if t.is_graph_output else key(name)
             values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
@@ -71,7 +68,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         for j, (c, p) in enumerate(zip(w.consumers, w.prefetch_at, strict=True)):
             values[f"{w.name}\0{j}"] = ArenaValue(p, c, w.nbytes, k)
     for i in moved_in.values():  # each Wait's output: a buffer the allocator may reuse
-        k = key(i.name)
+        k = declared(i.name)
         for j, (c, p) in enumerate(zip(i.consumers, i.prefetch_at, strict=True)):
             values[f"{i.name}\0{j}"] = ArenaValue(p, fused.read_at(c), i.nbytes, k)
     for o in moved_out.values():  # an intermediate until its Emit (then the caller's)
@@ -80,6 +77,38 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         values[o.name] = ArenaValue(o.producer, last, o.nbytes, key(o.name))
     _alias(analysis, values, spans, moved_w, target)
     return values, static
+
+
+def _keys(analysis: GraphAnalysis, choice: OffloadChoice | None, target: Target
+          ) -> tuple[Callable[[str], tuple | None], Callable[[str], tuple | None]]:
+    """The reuse key of a value in the model rewritten with ``choice``'s offloads, and that
+    of a cache op's output reloading it (which declares its shape)."""
+    dark = _shapeless(analysis, choice, target) if choice else frozenset()
+
+    def declared(name: str) -> tuple | None:
+        return target.reuse_key(analysis.tensors[name].elem_type, analysis.unbound_shape(name))
+
+    return (lambda name: None if name in dark else declared(name)), declared
+
+
+def _shapeless(analysis: GraphAnalysis, choice: OffloadChoice, target: Target
+               ) -> frozenset[str]:
+    """The values the runtime knows no shape of in the model rewritten with ``choice``'s
+    offloads (:attr:`Target.shapeless`): the outputs of the readers that become the
+    library's ops (``GatherRows``, ``HostMatMul``) and declare no shape (the rewrite keeps a
+    declared one), and what reads them; a reload's Wait declares the shape it reloads."""
+    opaque = []
+    for w in choice.weights:
+        for pos in (*w.row_readers, *w.host_readers):
+            out = analysis.nodes[pos].outputs[0]
+            if out.shape is None or any(not isinstance(d, int | str) and
+                                        getattr(d, "value", None) is None for d in out.shape):
+                opaque.append(pos)
+    if not opaque:
+        return frozenset()
+    declared = {a.name: a.late for a in choice.activations if analysis.unbound_shape(a.name)}
+    declared |= {i.name: i.consumers for i in choice.inputs if analysis.unbound_shape(i.name)}
+    return target.shapeless(analysis, opaque, declared)
 
 
 def _alias(analysis: GraphAnalysis, values: dict[str, ArenaValue],

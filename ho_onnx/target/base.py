@@ -46,7 +46,11 @@ class Target:
     own graph fusions change in the analysed graph's values (:class:`Fusions`);
     ``held(analysis, buffers, steps)``, the bytes the allocator holds at each step for
     those buffers of ``analysis``'s model (its rounding, the chunks it does not split, the
-    regions it grows and keeps), or None (and None for the field): their bytes."""
+    regions it grows and keeps), or None (and None for the field): their bytes;
+    ``shapeless(analysis, opaque, declared)``, the values whose shape the runtime does not
+    know once the ``opaque`` nodes are the library's ops that declare none (``declared``:
+    value -> the readers that read it through a cache op's output, which declares it): they
+    take and give no freed buffer."""
 
     name: str
     alias_input: Callable[[str, str], int | None]
@@ -54,3 +58,5 @@ class Target:
     replay: Callable[[Mapping[str, ArenaValue], int], list[tuple[int, int, int]]]
     fusions: Callable[[Any], Fusions] = lambda analysis: Fusions()
     held: Callable[[Any, list[tuple[int, int, int]], int], Any] | None = None
+    shapeless: Callable[[Any, Any, Mapping[str, Any]], frozenset[str]] = \
+        lambda analysis, opaque, declared: frozenset()

@@ -4,6 +4,7 @@ table never enters the fast tier and the floor can fall below it."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,9 @@ emb (int64[N] ids) => (float[N, {H}] y) {{
 
 def _runs(src: Path, out: Path):  # type: ignore[no-untyped-def]
     """Ids (some, negative ones, none) run on both models, outputs equal; yields each with
-    the counters of its run."""
+    the counters of its run. (The counters are the process's: an earlier test's sessions
+    still to be collected, with a read ahead staged, would show in them.)"""
+    gc.collect()
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     sess = InferenceSession(out)
     for ids in (np.array([3, 0, V - 1, 3], np.int64), np.array([-1, -V], np.int64),

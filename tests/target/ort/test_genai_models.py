@@ -261,7 +261,7 @@ def test_decode_cache_with_optimums_loop(exports, tmp_path):
     from ho_onnx.target.ort.folders import optimum_session_options
 
     out = tmp_path / "o2"
-    budget = str(_weight_bytes(exports["o2"] / "model.onnx") // 2)
+    budget = str(_weight_bytes(exports["o2"] / "model.onnx") * 5 // 8)
     said = _cli("optimize", str(exports["o2"]), str(out), "--budget", budget, "--weight-tier",
                 "disk", "--offload-kv", "--dim", "batch_size=1", "--dim",
                 "sequence_length=1..8", "--dim", "past_sequence_length=0..40", "--point",
