@@ -499,6 +499,14 @@ _RECOMPUTE_OPTION = click.option(
          "--json` says why each stored one was not.")
 
 
+_ORT_REUSE_HELP = (
+    "ORT's buffer reuse in the sessions that run the model (a freed buffer given to a later "
+    "value of the same shape, held across the gap: on a fixed-shape decoder up to ~2x the "
+    "tensors' peak). off plans for sessions without it, recorded in the model, which "
+    "ho-onnx's Python sessions then set; genai and Triton cannot (no C API call), so their "
+    "folders are refused.")
+
+
 def _planner_options(f):  # type: ignore[no-untyped-def]
     """Options shared by `optimize --budget` and `plan`."""
     opts = [
@@ -519,6 +527,8 @@ def _planner_options(f):  # type: ignore[no-untyped-def]
                      help="ORT's arena holds more than the live tensors (it keeps reused "
                           "buffers): while its replayed peak exceeds --budget, plan again for "
                           "a lower budget, at most this many times; 0 fits the tensors only."),
+        click.option("--ort-reuse", type=click.Choice(["on", "off"]), default="on",
+                     show_default=True, help=_ORT_REUSE_HELP),
         click.option("--max-blocks", type=int, default=_DEFAULTS.max_blocks, show_default=True,
                      help="A weight read whole by one MatMul/Gemm (an lm_head, a tied "
                           "embedding's) may be streamed in up to this many column blocks, "
@@ -593,7 +603,7 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
              profile_path: str | None, min_gap: int, weight_tier: str,
              host_budget: int | None, expert_cache: str, decode_cache: bool,
              speculate_experts: str,
-             arena_refits: int, max_blocks: int,
+             arena_refits: int, ort_reuse: str, max_blocks: int,
              refine_s: float, exact_s: float, recompute: str, offload_kv: bool,
              cpu_experts: str,
              dims: tuple[str, ...], shapes: tuple[str, ...], points: tuple[str, ...],
@@ -620,9 +630,9 @@ def optimize(input_model: str, output_model: str, budget: int | None, offload: s
         options = _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                            weight_tier=weight_tier, host_budget=host_budget,
                            prefetch_distance=prefetch_distance, arena_refits=arena_refits,
-                           max_blocks=max_blocks, kv=offload_kv, cpu_experts=cpu_experts,
-                           refine_s=refine_s, exact_s=exact_s, expert_cache=expert_cache,
-                           decode_cache=decode_cache,
+                           ort_reuse=ort_reuse == "on", max_blocks=max_blocks, kv=offload_kv,
+                           cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s,
+                           expert_cache=expert_cache, decode_cache=decode_cache,
                            speculate_experts=speculate_experts, recompute=recompute)
         costs = _costs(machine, profile_path)
         ranges: dict[str, tuple[int, int]] = {}
@@ -683,7 +693,7 @@ def _say_result(output_model: str, result: Any) -> None:
 def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, machine: str,
          profile_path: str | None, min_gap: int, weight_tier: str, host_budget: int | None,
          expert_cache: str, decode_cache: bool, speculate_experts: str, arena_refits: int,
-         max_blocks: int,
+         ort_reuse: str, max_blocks: int,
          refine_s: float,
          exact_s: float, recompute: str, offload_kv: bool, cpu_experts: str,
          dims: tuple[str, ...],
@@ -713,7 +723,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             _model_in(input_model),
             _options(offload, budget=budget, min_bytes=min_bytes, min_gap=min_gap,
                      weight_tier=weight_tier, host_budget=host_budget,
-                     arena_refits=arena_refits, max_blocks=max_blocks, kv=offload_kv,
+                     arena_refits=arena_refits, ort_reuse=ort_reuse == "on",
+                     max_blocks=max_blocks, kv=offload_kv,
                      cpu_experts=cpu_experts, refine_s=refine_s, exact_s=exact_s,
                      expert_cache=expert_cache, decode_cache=decode_cache,
                      speculate_experts=speculate_experts,
@@ -729,7 +740,8 @@ def plan(input_model: str, budget: int, offload: str, min_bytes: int | None, mac
             _log(f"wrote {plot_path}")
         moe = find_experts(analysis)
         figures = range_points(loaded, p.choice, bound, ranges, parse_shape_options(shapes),
-                               named, costs, cache_budget(p.options)) if ranges else {}
+                               named, costs, cache_budget(p.options),
+                               p.options.ort_reuse) if ranges else {}
     _print_plan(p, names, moe, ranges, named, figures, as_json)
 
 

@@ -128,3 +128,6 @@ CONFIG_SAMPLE_ARENA = "ho_onnx.sample_arena"
 
 # Keys of the plan recorded in the optimized model's metadata_props.
 META_PREFIX = "ho_onnx."
+# "0": planned for ORT sessions without buffer reuse (OffloadOptions.ort_reuse), which
+# ho-onnx's Python sessions then set; absent: ORT's default, reuse on.
+META_ORT_REUSE = "ort_reuse"

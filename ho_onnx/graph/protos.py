@@ -95,6 +95,21 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int, memoryview | int]]:
 
 
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _GRAPH_INPUT, _TENSOR_NAME = 7, 5, 11, 8
+_MODEL_METADATA, _ENTRY_KEY, _ENTRY_VALUE = 14, 1, 2
+
+
+def model_metadata(data: bytes | memoryview) -> dict[str, str]:
+    """The model's ``metadata_props``, read from a serialized ModelProto without parsing its
+    graph (skipped whole). ValueError where the bytes are not a well-formed message."""
+    out: dict[str, str] = {}
+    for field, wire, entry in _fields(memoryview(data)):
+        if field != _MODEL_METADATA or wire != 2:
+            continue
+        assert isinstance(entry, memoryview)
+        kv = {f: bytes(v).decode("utf-8", "replace") for f, w, v in _fields(entry)
+              if w == 2 and isinstance(v, memoryview)}
+        out[kv.get(_ENTRY_KEY, "")] = kv.get(_ENTRY_VALUE, "")
+    return out
 
 
 def graph_inputs(data: bytes | memoryview) -> list[onnx.ValueInfoProto]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from .. import contract
 from ..cost.source import CostSource
 from ..errors import Log, quiet
 from ..graph.analyse import GraphAnalysis, tool_proto
@@ -53,6 +54,7 @@ from ..schedule.types import (
     RunFacts,
     host_positions,
 )
+from ..target.base import without_reuse
 from ..target.ort.arena import ORT
 from ..units import format_bytes
 from .insert import RewrittenModel
@@ -215,11 +217,12 @@ class PointFigures:
 def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, int],
                  ranges: DimRanges, shapes: Mapping[str, Sequence[int]] | None = None,
                  points: DimPoints | None = None, costs: CostSource | None = None,
-                 budget: int | None = None) -> dict[str, PointFigures]:
+                 budget: int | None = None, reuse: bool = True) -> dict[str, PointFigures]:
     """``choice`` (a range plan's, made at the top of ``ranges``) at the bottom of every
     range, at each named point (``points``) and at the top, in that order: each binding
     analysed again (shapes inferred there), its peaks, with ``budget`` ORT's replayed arena,
-    and with ``costs`` its simulated time (a decode step's per-token time at a decode point).
+    and with ``costs`` its simulated time (a decode step's per-token time at a decode point);
+    ``reuse``: ORT's buffer reuse on in the sessions (``OffloadOptions.ort_reuse``).
 
     With ``budget`` (the plan's), first decides its decode cache (sets
     ``choice.decode_cache``, or ``decode_cache_skipped``): each point is then timed with the
@@ -237,7 +240,8 @@ def range_points(loaded: LoadedModel, choice: OffloadChoice, dims: Mapping[str, 
         a = _analysed_at(at, shapes, loaded.model)
         unmodified, planned = peaks_at(a, choice, at)
         arena = None if budget is None else int(  # (the room of the decode cache needs it)
-            arena_memory(a, resized_choice(a, choice, at), at).max(initial=0))
+            arena_memory(a, resized_choice(a, choice, at), at,
+                         target=ORT if reuse else without_reuse(ORT)).max(initial=0))
         seen[name] = (point, at, a, unmodified, planned, arena)
     split: dict[str, tuple[int, int]] = {}
     if budget is not None:
@@ -429,7 +433,7 @@ def optimize(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         with steps.step("rewrite"):
             run_steps(loaded.model, *rewrite_steps(
                 dims, loaded.base_dir, Path(out_path), checks=checks, ranges=ranges,
-                metadata={"range_points": format_points(figures)} if figures else None))
+                metadata=_metadata(figures, decider)))
             rewritten: RewrittenModel = loaded.model.meta[REWRITTEN]
             files: OutputFiles = loaded.model.meta[OUTPUT_FILES]
         _say_rewrite(steps, decision.choice, rewritten, ranges, guarded=bool(checks))
@@ -450,13 +454,24 @@ def _say_points(steps: _Steps, loaded: LoadedModel, decision: Decision, dims: Ma
     if not ranges:
         return {}
     costs = getattr(decider, "costs", None)
+    options = getattr(decider, "options", None)
     figures = range_points(loaded, decision.choice, dims, ranges, shapes, points,
                            costs if isinstance(costs, CostSource) else None,
-                           cache_budget(getattr(decider, "options", None)))
+                           cache_budget(options), getattr(options, "ort_reuse", True))
     steps.say("over the ranges: " + format_points(figures))
     if decision.choice.decode_cache is not None:
         steps.say(describe_decode_cache(decision.choice.decode_cache))
     return figures
+
+
+def _metadata(figures: Mapping[str, PointFigures], decider: Decider) -> dict[str, str] | None:
+    """The run's entries of the output's metadata beside the plan's: the range plan's
+    figures at its points, and the buffer reuse the plan counted when it is off
+    (``ho_onnx.ort_reuse``, which ho-onnx's sessions read: :func:`ort_reuse_of`)."""
+    out = {"range_points": format_points(figures)} if figures else {}
+    if not getattr(getattr(decider, "options", None), "ort_reuse", True):
+        out[contract.META_ORT_REUSE] = "0"
+    return out or None
 
 
 def cache_budget(options: OffloadOptions | None) -> int | None:

@@ -98,6 +98,14 @@ class OffloadOptions:
       replayed arena peak exceeds ``budget``, plan again for a budget lowered by the excess,
       at most this many times (0: fit the tensor count only). The replay is ORT's arena
       with memory patterns off, as ``ho_onnx.InferenceSession`` runs.
+      ``ort_reuse``: the sessions that run the model keep ORT's buffer reuse (a freed
+      buffer given to a later value of the same shape, held across the gap between them:
+      on a fixed-shape 4-layer decoder 40 MiB of arena regions for a 19 MiB tensor peak,
+      stop 54). False plans for sessions with it off (``enable_mem_reuse = False``: 23 MiB
+      there), written into the model (``ho_onnx.ort_reuse``), which ho-onnx's Python
+      sessions then set (``ho_onnx.InferenceSession``, ``session_options``, Optimum's); the
+      C API has no call for it, so genai and Triton folders are refused for such a model,
+      and a C host would hold more than the plan.
       ``refine_s``: seconds the refinement after the greedy may search (joint add, drop and
       swap of offloads and moves of Prefetch positions, each scored by the simulator:
       :mod:`~ho_onnx.schedule.refine`), a safety cap: a count of scored points that grows
@@ -133,6 +141,7 @@ class OffloadOptions:
     max_extra: int = 64
     max_extra_s: float = 2.0
     arena_refits: int = 4
+    ort_reuse: bool = True
     max_blocks: int = 32
     refine_s: float = 3.0
     exact_s: float = 0.0
@@ -208,7 +217,7 @@ class OffloadOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
                 raise ValueError(f"{name} must be a number, not {v!r}")
-        for name in ("weights", "activations", "kv", "routed", "decode_cache"):
+        for name in ("weights", "activations", "kv", "routed", "decode_cache", "ort_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
 

@@ -59,7 +59,7 @@ from ..cost.source import CostSource, TimedAt
 from ..errors import HoOnnxError, UnboundDimError, UnsupportedModelError
 from ..graph.analyse import GraphAnalysis, TensorInfo
 from ..graph.gcpause import gc_paused
-from ..target.base import Fusions, Target
+from ..target.base import Fusions, Target, without_reuse
 from ..target.ort.arena import ORT
 from ..units import format_bytes
 from .arena import arena_memory
@@ -187,7 +187,9 @@ class Plan(Decision):
     def arena_summary(self) -> str:
         """ORT's predicted arena peak against the budget, for reports and logs."""
         mib = functools.partial(format_bytes, unit="MiB", digits=1)
-        line = (f"ORT arena {mib(self.arena_bytes)} predicted (its buffer reuse and the "
+        reuse = ("its buffer reuse" if self.options.ort_reuse
+                 else "no buffer reuse: --ort-reuse off")
+        line = (f"ORT arena {mib(self.arena_bytes)} predicted ({reuse} and the "
                 "regions it grows replayed"
                 + (", with the disk reads staged beside it)"
                    if any(w.staged for w in self.choice.weights) else ")"))
@@ -724,7 +726,8 @@ def _make_room(ctx: _Context, sel: _Selection, choice: OffloadChoice, planned: S
 def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
          dims: Mapping[str, int] | None = None, *, target: Target = ORT) -> Plan:
     """Plan offloads so the simulated fast-tier peak fits ``opts.budget`` (module docstring;
-    ``target``: the runtime whose arena is replayed).
+    ``target``: the runtime whose arena is replayed, its buffer reuse off where
+    ``opts.ort_reuse`` is).
 
     Raises :class:`InfeasibleBudgetError` whose ``min_budget`` is a budget this planner
     meets (the smallest from the largest-gap estimate up, :func:`_met_budget`), and
@@ -732,6 +735,8 @@ def plan(analysis: GraphAnalysis, opts: OffloadOptions, costs: CostModel,
     if not analysis.order:  # (found by the fuzzer: an IndexError, also after ORT folded all)
         raise UnsupportedModelError("the main graph has no nodes: there is nothing to plan or "
                                     "offload under a budget")
+    if not opts.ort_reuse:
+        target = without_reuse(target)
     basis = _Basis.of(analysis, opts, costs, dims, target.fusions(analysis))  # (and refits)
     cache = asked(opts)
     inner = replace(opts, budget=opts.budget - cache, expert_cache=0) \

@@ -5,7 +5,7 @@ imports a runtime's knowledge itself."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -60,3 +60,15 @@ class Target:
     held: Callable[[Any, list[tuple[int, int, int]], int], Any] | None = None
     shapeless: Callable[[Any, Any, Mapping[str, Any]], frozenset[str]] = \
         lambda analysis, opaque, declared: frozenset()
+
+
+def without_reuse(target: Target) -> Target:
+    """``target`` with its runtime's buffer reuse off: no value takes a freed buffer (the
+    views and the allocator's rules stay; ``OffloadOptions.ort_reuse``)."""
+    if target.name.endswith(_NO_REUSE):
+        return target
+    return replace(target, name=target.name + _NO_REUSE,
+                   reuse_key=lambda elem_type, shape: None)
+
+
+_NO_REUSE = ", no buffer reuse"

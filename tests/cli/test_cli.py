@@ -81,6 +81,42 @@ def test_plan_reports_and_fits_ort_arena(tmp_path):
     assert r.exit_code == 2 and "-1" in r.output
 
 
+def test_ort_reuse_off_plans_for_sessions_without_it(tmp_path):
+    """``--ort-reuse off``: on a fixed-shape decoder ORT's buffer reuse holds buffers across
+    gaps; planned without it the replayed arena is at least 1 MiB smaller at the same budget,
+    the summary says which, and the written model records it (ho-onnx's sessions then turn
+    the reuse off). Any other value is a usage error."""
+    import json
+
+    import onnx
+
+    from ho_onnx.target.ort.runtime import session_options
+    from models.decoder import build_decoder
+
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, external_data=True, layers=2, hidden=256, heads=4, vocab=64, seq=128,
+                  batch=1, max_positions=128)
+    runner = CliRunner()
+    args = ["plan", str(src), "--budget", "12MiB", "--min-bytes", "200000", "--offload",
+            "weights", "--arena-refits", "0"]
+    arena = {}
+    for reuse in ("on", "off"):
+        r = runner.invoke(main, [*args, "--ort-reuse", reuse, "--json"])
+        assert r.exit_code == 0, r.output
+        arena[reuse] = json.loads(r.output[r.output.index("{"):])["arena_bytes"]
+    assert arena["on"] - arena["off"] >= 1 << 20, arena
+    r = runner.invoke(main, [*args, "--ort-reuse", "off"])
+    assert "predicted (no buffer reuse: --ort-reuse off" in r.output, r.output
+    out = tmp_path / "dec.ho.onnx"
+    r = runner.invoke(main, ["optimize", str(src), str(out), *args[2:], "--ort-reuse", "off"])
+    assert r.exit_code == 0, r.output
+    meta = {p.key: p.value for p in onnx.load(str(out), load_external_data=False).metadata_props}
+    assert meta["ho_onnx.ort_reuse"] == "0"
+    assert not session_options(out).enable_mem_reuse
+    r = runner.invoke(main, [*args, "--ort-reuse", "maybe"])
+    assert r.exit_code == 2 and "maybe" in r.output
+
+
 def test_a_misspelt_dim_is_named(tmp_path):
     """``--dim btach=4`` (found by hand: ignored without a word): beside the missing
     ``batch`` in the error (exit 2), a note on stderr when the run needs no more; the

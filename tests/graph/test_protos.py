@@ -3,13 +3,15 @@ parsing its initializers (what ``cpu_arena="auto"`` reads before a session is ma
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import onnx
 import pytest
 from graphs import chain_model, text_model
 from onnx import helper, numpy_helper
 
-from ho_onnx.graph.protos import graph_inputs
+from ho_onnx.graph.protos import graph_inputs, model_metadata
 
 
 def _full(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -49,9 +51,26 @@ def test_truncated_bytes_are_a_value_error(cut):
         graph_inputs(data[:-cut] + b"\x3a\xff\xff\xff\x0f")  # (a field longer than the rest)
 
 
+def test_the_metadata_is_what_a_full_parse_finds():
+    """``model_metadata`` (what a session reads of a model it is asked to load: the buffer
+    reuse its plan counted) equals the parsed ``metadata_props``; truncated bytes are a
+    ValueError, and ``runtime.ort_reuse_of`` takes an unreadable model for ORT's default."""
+    from ho_onnx.target.ort.runtime import ort_reuse_of
+
+    m = text_model("g (float[4] x) => (float[4] y) { y = Mul(x, W) }", W=(4,))
+    helper.set_model_props(m, {"ho_onnx.ort_reuse": "0", "other": "é"})
+    data = m.SerializeToString()
+    assert model_metadata(data) == {p.key: p.value for p in m.metadata_props}
+    assert not ort_reuse_of(data) and ort_reuse_of(chain_model().SerializeToString())
+    with pytest.raises(ValueError):
+        model_metadata(data[:-3] + b"\x72\xff\xff\xff\x0f")
+    assert ort_reuse_of(b"\x72\xff") and ort_reuse_of(None)
+
+
 def test_mutated_bytes_give_inputs_or_a_value_error():
-    """Hostile bytes (flipped bytes, cuts, splices of a real model): a list or ValueError,
-    never another exception (the reader runs on any file a session is asked to load)."""
+    """Hostile bytes (flipped bytes, cuts, splices of a real model): a list (the metadata
+    reader: a dict) or ValueError, never another exception (the reader runs on any file a
+    session is asked to load)."""
     rng = np.random.default_rng(0)
     seed = text_model("g (float[N, 16] x, int64[2] s) => (float[N, 16] y) "
                       "{ y = MatMul(x, W) }", W=(16, 16)).SerializeToString()
@@ -72,4 +91,6 @@ def test_mutated_bytes_give_inputs_or_a_value_error():
             outcomes["list"] += 1
         except ValueError:
             outcomes["ValueError"] += 1
+        with contextlib.suppress(ValueError):  # (the metadata reader: a dict, or ValueError)
+            assert isinstance(model_metadata(bytes(data)), dict)
     assert outcomes["list"] and outcomes["ValueError"], outcomes

@@ -532,3 +532,75 @@ def test_a_fixed_shape_decoder_with_its_embedding_read_in_place(tmp_path):
     assert abs(total - held) <= 64 << 10, (total, held)
     assert abs(max_in_use - int(bfc.in_use(buffers, n).max())) <= 256 << 10
     assert int(bfc.held(as_planned, n, "as_requested").max()) - total >= MIB
+
+
+_NO_REUSE_CHILD = r"""
+import sys, numpy as np, onnxruntime as ort
+from ho_onnx import _ops
+from ho_onnx.contract import CONFIG_SAMPLE_ARENA
+from ho_onnx.target.ort import runtime
+so = ort.SessionOptions()
+so.add_session_config_entry(CONFIG_SAMPLE_ARENA, "1")
+so.add_session_config_entry("session.disable_prepacking", "1")
+s = runtime.InferenceSession(sys.argv[1], sess_options=so, providers=["CPUExecutionProvider"],
+                             **({} if sys.argv[2] == "model" else {"buffer_reuse": True}))
+assert s.get_session_options().enable_mem_reuse is (sys.argv[2] != "model")
+feeds = {"input_ids": np.ones((1, 128), np.int64)}
+_ops.set_trace(arena_trace=True)
+s.run(None, feeds)
+_ops.arena_trace()
+s.run(None, feeds)
+t = _ops.arena_trace()[0]
+print(t["total_allocated"], t["max_in_use"])
+"""
+
+
+def test_a_plan_without_ort_buffer_reuse_holds_in_the_sessions_it_asks_for(tmp_path):
+    """``ort_reuse=False``: a fixed-shape decoder (its embedding resident, so ORT knows every
+    activation's shape) planned for sessions without ORT's buffer reuse, which the plan
+    records and ho-onnx's session then sets: ORT's arena regions are the replay's (no value
+    takes a freed buffer; ORT's in-place writes aside); the same model in a session that
+    keeps the reuse holds at least 1 MiB more, which the plan did not count."""
+    import subprocess
+    import sys
+
+    from ho_onnx.target.ort.arena import ORT, ORT_NO_REUSE
+    from models.decoder import build_decoder
+
+    src = tmp_path / "dec.onnx"
+    build_decoder(src, external_data=True, layers=2, hidden=256, heads=4, vocab=64, seq=128,
+                  batch=1, max_positions=128)  # (the tables under min_bytes: resident)
+    out = tmp_path / "dec.ho.onnx"
+    a = analyse(onnx.load(str(src), load_external_data=False))
+    n = len(a.order)
+    peak = int(schedule_memory(a, None).max())
+    options = OffloadOptions(budget=peak * 3 // 4, min_bytes=200_000, activations=False,
+                             ort_reuse=False, arena_refits=0)
+    r = optimize(src, out, options)
+    choice = r.decision.choice
+    assert choice.weights and not any(w.row_readers for w in choice.weights)
+    assert "no buffer reuse" in r.decision.arena_summary()
+    assert r.decision.arena_bytes == int(arena_memory(r.analysis, choice,
+                                                      target=ORT_NO_REUSE).max())
+    assert not runtime.session_options(out).enable_mem_reuse
+    assert runtime.session_options(out, buffer_reuse=True).enable_mem_reuse
+    assert runtime.session_options(src).enable_mem_reuse  # (nothing recorded: ORT's default)
+    buffers, _ = arena_buffer_intervals(r.analysis, choice, target=ORT_NO_REUSE)
+    held = int(bfc.held(buffers, n, "as_requested").max())
+    reused, _ = arena_buffer_intervals(r.analysis, choice, target=ORT)
+    assert int(bfc.held(reused, n, "as_requested").max()) - held >= MIB
+
+    def measured(session: str) -> int:  # ("reuse": the plan's record overridden)
+        proc = subprocess.run([sys.executable, "-c", _NO_REUSE_CHILD, str(out), session],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout.split()[-2])
+
+    total = measured("model")
+    if total < 0:
+        pytest.skip("this onnxruntime reports no arena statistics (needs >= 1.23)")
+    # (ORT writes an elementwise output in place where the kernel allows, which the replay
+    # does not count: it may hold one [1, 128, 256] activation less, 128 KiB, never more)
+    assert -(64 << 10) <= held - total <= 256 << 10, (total, held)
+    assert measured("reuse") - total >= MIB
+

@@ -44,7 +44,7 @@ import onnx
 from ...contract import DOMAIN
 from ...graph.analyse import GraphAnalysis, TensorInfo, input_names, output_names
 from ...graph.dtypes import ELEMENT_BITS
-from ..base import ArenaValue, Fusions, Target
+from ..base import ArenaValue, Fusions, Target, without_reuse
 from . import bfc
 
 # (domain, op_type) -> index of the input whose buffer output 0 takes.
@@ -279,3 +279,5 @@ def held(analysis: GraphAnalysis, buffers: list[tuple[int, int, int]], steps: in
 
 
 ORT = Target("onnxruntime", alias_input, reuse_key, replay, fusions, held, shapeless)
+# ORT with its buffer reuse off (``SessionOptions.enable_mem_reuse = False``).
+ORT_NO_REUSE = without_reuse(ORT)

@@ -325,6 +325,9 @@ def _fill_folder(folder: ModelFolder, out: Path, files: list[_Entry],
     result.session_config = _plan_entries(out_model)
     if folder.kind == "genai":
         assert library is not None  # (optimize_folder's default, checked there)
+        from .runtime import ort_reuse_of, refuse_no_reuse
+
+        refuse_no_reuse(ort_reuse_of(out_model), "onnxruntime-genai")
         lib = Path(library)
         result.library = out / lib.name
         if result.library.is_symlink() or (result.library.exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import onnxruntime as ort
@@ -61,6 +62,7 @@ def session_options(
     model_dir: str | os.PathLike[str] | None = None,
     memory_patterns: bool = False,
     cpu_arena: str = "auto",
+    buffer_reuse: bool | None = None,
 ) -> ort.SessionOptions:
     """Session options that load the ho-onnx ops.
 
@@ -82,18 +84,14 @@ def session_options(
     (``target/ort/arena.py``): another can hold more than its budget (stop 53: a plan of
     the 2.75 GB decoder at 15 % completed under its hard limit with ``"auto"`` and was
     OOM-killed with ``"as_requested"``, which grows a region for each request no freed
-    chunk of its own size fits). A ``base`` that sets
-    ``session.use_env_allocators`` itself is left as it is.
+    chunk of its own size fits). A ``base`` that sets ``session.use_env_allocators`` itself
+    is left as it is. ``buffer_reuse`` False turns ORT's buffer reuse off
+    (``enable_mem_reuse``); None, where ``model_path``'s plan counted none
+    (:func:`ort_reuse_of`); True leaves ``base``'s.
     """
-    if cpu_arena not in ARENAS:
-        raise ValueError(f"cpu_arena must be one of {', '.join(map(repr, ARENAS))}, got "
-                         f"{cpu_arena!r}")
+    _check_choices(cpu_arena, execution_order)
     if cpu_arena == "auto":
         cpu_arena = arena_for(model_path)
-    if execution_order not in _ORDERS:
-        raise ValueError(
-            f"execution_order must be one of {sorted(_ORDERS)}, got {execution_order!r}"
-        )
     if model_dir is None and model_path is not None:
         model_dir = os.path.dirname(os.path.abspath(os.fspath(model_path)))
     so = ort.SessionOptions()
@@ -104,6 +102,8 @@ def session_options(
     elif base is None:
         so.execution_order = _ORDERS["default"]
     so.enable_mem_pattern = memory_patterns
+    if not (ort_reuse_of(model_path) if buffer_reuse is None else buffer_reuse):
+        so.enable_mem_reuse = False
     if cpu_arena == "as_requested" and not _config(so, _USE_ENV_ALLOCATORS) \
             and cpu_arena_shared():
         so.add_session_config_entry(_USE_ENV_ALLOCATORS, "1")
@@ -112,6 +112,15 @@ def session_options(
     # The config entry must be set before registering: the library reads it then.
     so.register_custom_ops_library(library_path())
     return so
+
+
+def _check_choices(cpu_arena: str, execution_order: str) -> None:
+    if cpu_arena not in ARENAS:
+        raise ValueError(f"cpu_arena must be one of {', '.join(map(repr, ARENAS))}, got "
+                         f"{cpu_arena!r}")
+    if execution_order not in _ORDERS:
+        raise ValueError(f"execution_order must be one of {sorted(_ORDERS)}, got "
+                         f"{execution_order!r}")
 
 
 _USE_ENV_ALLOCATORS = "session.use_env_allocators"
@@ -127,20 +136,10 @@ def arena_for(model: str | os.PathLike[str] | bytes | None) -> str:
     offloaded) run as Optimum runs it (its presents returned, fed back as the past), 40 MiB
     more every step (ORT's own arena: 251 MiB, flat; docs/benchmarks.md). ``ho_onnx``'s own
     generation loop shrinks it after every run (:func:`ho_onnx.target.ort.generate.greedy`)."""
-    if model is None:
-        return "ort"
-    import mmap
-
     from ...graph.protos import graph_inputs
 
-    try:
-        if isinstance(model, bytes):
-            inputs = graph_inputs(model)
-        else:  # (mapped: the weights' pages are skipped, never read)
-            with open(os.fspath(model), "rb") as f, \
-                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                inputs = graph_inputs(m)
-    except Exception:  # (ORT reports an unreadable model when it loads it)
+    inputs = _read(model, graph_inputs)
+    if inputs is None:
         return "ort"
     for v in inputs:
         t = v.type.tensor_type
@@ -148,6 +147,52 @@ def arena_for(model: str | os.PathLike[str] | bytes | None) -> str:
                 not d.HasField("dim_value") or d.dim_value < 0 for d in t.shape.dim):
             return "ort"
     return "as_requested"
+
+
+def ort_reuse_of(model: str | os.PathLike[str] | bytes | None) -> bool:
+    """Whether ``model``'s plan counted ORT's buffer reuse: False where it was planned for
+    sessions without it (``ho_onnx.ort_reuse`` = 0: ``OffloadOptions.ort_reuse``), which
+    :func:`session_options` then turns off; True for any other model (ORT's default)."""
+    from ...graph.protos import model_metadata
+
+    meta = _read(model, model_metadata)
+    return meta is None or planned_reuse(meta)
+
+
+def planned_reuse(metadata: Mapping[str, str]) -> bool:
+    """Whether a model of these ``metadata_props`` was planned with ORT's buffer reuse."""
+    from ...contract import META_ORT_REUSE, META_PREFIX
+
+    return metadata.get(META_PREFIX + META_ORT_REUSE) != "0"
+
+
+def refuse_no_reuse(reuse: bool, host: str, error: type[Exception] = ModelLoadError) -> None:
+    """Raise ``error`` for a model planned without ORT's buffer reuse (``reuse`` False:
+    :func:`ort_reuse_of`, :func:`planned_reuse`) that is to run in ``host``, which cannot
+    turn it off (ORT's C API has no call for it): its arena would hold more than counted."""
+    if not reuse:
+        raise error(f"the model was planned for ONNX Runtime sessions without buffer reuse "
+                    f"(--ort-reuse off), which {host} cannot turn off (ORT's C API has no "
+                    f"call for it), so its arena would exceed the plan: optimize it again "
+                    f"with --ort-reuse on (the default)")
+
+
+def _read(model: str | os.PathLike[str] | bytes | None, read: Callable[[Any], Any]) -> Any:
+    """``read`` of ``model``'s serialized bytes (a file mapped: the weights' pages are
+    skipped, never read), or None for no model or one unreadable (ORT reports that when it
+    loads it)."""
+    import mmap
+
+    if model is None:
+        return None
+    try:
+        if isinstance(model, bytes):
+            return read(model)
+        with open(os.fspath(model), "rb") as f, \
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return read(m)
+    except Exception:  # (any failure: ORT's load says what is wrong)
+        return None
 
 
 def _config(so: ort.SessionOptions, key: str) -> str:
@@ -314,6 +359,7 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     device_limit: int | None = None,
     memory_patterns: bool = False,
     cpu_arena: str = "auto",
+    buffer_reuse: bool | None = None,
     **kw: Any,
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` that runs ho-onnx's cache operators.
@@ -324,7 +370,9 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
     what is requested, not by powers of two, where the CPU arena does (``cpu_arena``,
     :func:`session_options`; ``"auto"``: only for a model of fixed input shapes,
     :func:`arena_for`), and ``device_limit`` (bytes) caps it (:func:`cuda_arena_options`).
-    ORT's memory patterns are off unless ``memory_patterns``.
+    ORT's memory patterns are off unless ``memory_patterns``; its buffer reuse is off
+    where the model's plan counted none, or ``buffer_reuse`` is False
+    (:func:`session_options`).
     """
     model_path = None if isinstance(path, bytes) else path
     if isinstance(path, bytes) and model_dir is None and not _has_model_dir(sess_options):
@@ -333,7 +381,8 @@ def InferenceSession(  # mirrors onnxruntime.InferenceSession
         cpu_arena = arena_for(path)
     so = session_options(model_path, base=sess_options, execution_order=execution_order,
                          model_dir=model_dir, memory_patterns=memory_patterns,
-                         cpu_arena=cpu_arena)
+                         cpu_arena=cpu_arena,
+                         buffer_reuse=ort_reuse_of(path) if buffer_reuse is None else buffer_reuse)
     model = path if isinstance(path, bytes) else os.fspath(path)
     return ort.InferenceSession(
         model, sess_options=so,

@@ -246,6 +246,14 @@ def _fill(vdir: Path, src: Path, data: list[str], lib_src: Path | None,
     return files
 
 
+def _refuse_no_reuse(model: onnx.ModelProto) -> None:
+    """A model planned without ORT's buffer reuse: the backend cannot turn it off."""
+    from .runtime import planned_reuse, refuse_no_reuse
+
+    refuse_no_reuse(planned_reuse({p.key: p.value for p in model.metadata_props}),
+                    "Triton's onnxruntime backend", TritonEntryError)
+
+
 def write_triton_entry(model_path: str | os.PathLike[str], repo: str | os.PathLike[str],
                        name: str, *, version: int = 1, triton_release: str | None = None,
                        ort_version: str | None = None, container_repo: str = "/models",
@@ -266,6 +274,7 @@ def write_triton_entry(model_path: str | os.PathLike[str], repo: str | os.PathLi
     if not src.is_file():
         raise ModelLoadError(f"{str(src)!r} is not a model file")
     model = read_proto(src)
+    _refuse_no_reuse(model)
     lib_src = None
     if any(n.domain == contract.DOMAIN for n in iter_nodes(model)):
         check_ort_version(ort_v)

@@ -600,3 +600,25 @@ def test_any_folder_is_optimized_or_refused_cleanly(kind, config, entries, out_e
                 if p.is_file() and p.stat().st_size < 4096:
                     assert p.read_bytes() != _SECRET.encode(), p
         assert _snapshot(src) == before
+
+
+def test_genai_and_triton_refuse_a_plan_without_ort_buffer_reuse(tmp_path):
+    """ORT's C API has no call to turn its buffer reuse off: a model planned without it is
+    refused for a genai folder and a Triton entry, in one clear error, nothing written."""
+    from ho_onnx.errors import ModelLoadError
+    from ho_onnx.target.ort.triton import TritonEntryError, write_triton_entry
+
+    options = OffloadOptions(activations=False, min_bytes=0, ort_reuse=False)
+    src = genai_folder(tmp_path / "g")
+    out = tmp_path / "g.out"
+    with pytest.raises(ModelLoadError, match="onnxruntime-genai cannot turn off"):
+        optimize_folder(src, out, lambda i, o: optimize(i, o, options),
+                        library=library_path())
+    assert not out.exists() or not any(out.iterdir())
+    model = tmp_path / "m.ho.onnx"
+    optimize(src / "model.onnx", model, options)
+    with pytest.raises(TritonEntryError, match="Triton's onnxruntime backend cannot turn"):
+        write_triton_entry(model, tmp_path / "repo", "m", ort_version="1.24.4")
+    assert not (tmp_path / "repo" / "m").exists()
+    optimize(src / "model.onnx", model, OffloadOptions(activations=False, min_bytes=0))
+    write_triton_entry(model, tmp_path / "repo", "m", ort_version="1.24.4")  # (reuse on)
