@@ -59,7 +59,7 @@ s = runtime.InferenceSession(path, sess_options=so, providers=["CPUExecutionProv
 assert s.get_session_options().enable_mem_reuse is reuse.endswith("on"), reuse
 feeds = {"input_ids": (np.arange(seq, dtype=np.int64) % 97)[None, :]}
 _ops.set_trace(arena_trace=True)
-out = s.run(None, feeds)[0]
+out = s.run(None, feeds)[0].copy()  # (a copy: the returned array may hold an arena chunk)
 _ops.arena_trace()
 times = []
 for _ in range(runs):
