@@ -268,3 +268,27 @@ def test_the_command_line_computes_experts_on_the_host(tmp_path):
     r = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "p.onnx"),
                                   "--cpu-experts", "auto", "--dim", "N=1"])
     assert r.exit_code != 0 and "--cpu-experts" in r.output and "budget" in r.output
+
+
+def test_what_a_host_matmul_computes_has_no_shape_for_ort(tmp_path):
+    """A HostMatMul declares no output shape (the library gives ORT no inference): the arena
+    replay keys neither its output nor what reads it (``schedule.arena._shapeless``); the
+    experts streamed instead keep their keys."""
+    from ho_onnx.schedule.arena import _shapeless
+    from ho_onnx.target.ort.arena import ORT
+
+    src = moe_model(tmp_path)
+    r = optimize(src, tmp_path / "moe.ho.onnx", OffloadOptions(
+        activations=False, min_bytes=0, cpu_experts="all"), {"N": 1})
+    a = r.analysis
+    host = [p for w in r.choice.weights for p in w.host_readers]
+    assert host
+    dark = _shapeless(a, r.choice, ORT)
+    outs = {t.name for t in a.tensors.values() if t.producer in host}
+    assert outs and outs <= dark
+    readers = {a.tensors[o].consumers[0] for o in outs if a.tensors[o].consumers}
+    assert all(any(t.producer == c for t in a.tensors.values() if t.name in dark)
+               for c in readers)
+    none = optimize(src, tmp_path / "moe.streamed.onnx", OffloadOptions(
+        activations=False, min_bytes=0), {"N": 1})
+    assert not _shapeless(none.analysis, none.choice, ORT)  # (no op that declares none)
