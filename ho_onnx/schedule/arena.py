@@ -36,6 +36,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
     spans, sizes = residency or resident_intervals(analysis, dims, fusions=fused)
     n = len(analysis.order)
     key, declared = _keys(analysis, choice, target)
+    folded = _still_folded(analysis, fused.folded, choice)
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
     moved_in = {i.name: i for i in (choice.inputs if choice else ())}
@@ -55,6 +56,8 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             b = a.nbytes or 0
             values[name] = ArenaValue(s, a.last_early, b, k)
             values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, declared(name))
+        elif name in folded:  # (a constant once ORT loads the model, if still read)
+            static += sizes[name] if _read_unfolded(t, folded, analysis) else 0
         elif not t.is_initializer:
             k = None if t.is_graph_output else key(name)
             values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
@@ -77,6 +80,29 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
         values[o.name] = ArenaValue(o.producer, last, o.nbytes, key(o.name))
     _alias(analysis, values, spans, moved_w, target)
     return values, static
+
+
+def _still_folded(analysis: GraphAnalysis, folded: frozenset[str],
+                  choice: OffloadChoice | None) -> frozenset[str]:
+    """``folded`` less what reads an offloaded weight, directly or through another folded
+    value: a Wait's (or GatherRows') output is no constant to the runtime (found at stop 54:
+    a position table read by GatherRows was replayed as a constant, 2 MiB short)."""
+    moved = {w.name for w in (choice.weights if choice else ())}
+    if not moved or not folded:
+        return folded
+    lost: set[str] = set()
+    for name in sorted(folded, key=lambda n: analysis.tensors[n].producer or 0):
+        node = analysis.nodes[analysis.tensors[name].producer]
+        if any(i in moved or i in lost for i in input_names(node)):
+            lost.add(name)
+    return folded - lost
+
+
+def _read_unfolded(t, folded: frozenset[str], analysis: GraphAnalysis) -> bool:
+    """A node the runtime does not fold reads ``t`` (a folded value), which stays then (a
+    node is folded with all its outputs)."""
+    nodes = {analysis.tensors[name].producer for name in folded}
+    return bool(t.implicit_consumers) or any(c not in nodes for c in t.consumers)
 
 
 def _keys(analysis: GraphAnalysis, choice: OffloadChoice | None, target: Target

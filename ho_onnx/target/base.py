@@ -26,10 +26,13 @@ class ArenaValue:
 class Fusions:
     """What a runtime's graph fusions change in a graph's values: ``gone``, values no node
     writes once their producer is merged into its consumer; ``later``, a node's position and
-    the later one at which the fused node that replaces it reads its inputs."""
+    the later one at which the fused node that replaces it reads its inputs; ``folded``,
+    values it computes when it loads the model (constants then, held for the whole run
+    outside its arena)."""
 
     gone: frozenset[str] = frozenset()
     later: Mapping[int, int] = field(default_factory=dict)
+    folded: frozenset[str] = frozenset()
 
     def read_at(self, pos: int) -> int:
         """Where the inputs of the node at ``pos`` are last read."""

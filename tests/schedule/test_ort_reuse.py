@@ -518,6 +518,12 @@ def test_a_fixed_shape_decoder_with_its_embedding_read_in_place(tmp_path):
     r = optimize(src, out, OffloadOptions(activations=False, min_bytes=0, prefetch_distance=1))
     choice = r.decision.choice
     assert any(w.row_readers for w in choice.weights), "the embedding must be read in place"
+    from ho_onnx.schedule.arena import _still_folded
+    from ho_onnx.target.ort.arena import fusions
+
+    fresh = analyse(onnx.load(str(src), load_external_data=False))  # (r's is rewritten)
+    folded = fusions(fresh).folded  # (the positions' rows: a constant, unless offloaded)
+    assert "embed.pos" in folded and "embed.pos" not in _still_folded(fresh, folded, choice)
     n = len(r.analysis.order)
     buffers, _ = arena_buffer_intervals(r.analysis, choice)
     held = int(bfc.held(buffers, n, "as_requested").max())

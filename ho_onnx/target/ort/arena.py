@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from ...contract import DOMAIN
 from ...graph.analyse import GraphAnalysis, TensorInfo, input_names, output_names
@@ -204,7 +205,47 @@ def fusions(analysis: GraphAnalysis) -> Fusions:
             if all(analysis.nodes[c].op_type == "MatMul" for c in t.consumers):
                 gone.add(i)
             later[t.producer] = max(later.get(t.producer, at), at)
-    return Fusions(frozenset(gone), later)
+    return Fusions(frozenset(gone), later, _folded(analysis))
+
+
+# Ops ORT's constant folding leaves alone: random ones, and the quantization pair it keeps
+# for QDQ fusions.
+_UNFOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                       "Multinomial", "Bernoulli", "QuantizeLinear", "DequantizeLinear"})
+
+
+def _folded(analysis: GraphAnalysis) -> frozenset[str]:
+    """The values ORT's ConstantFolding computes when it loads the model (initializers from
+    then on, not its arena's): the outputs of a default-domain node without subgraphs whose
+    outputs are no graph output and whose inputs are all constants (initializers,
+    ``Constant``s, values folded before it), and of a ``Shape``/``Size`` of a value whose
+    shape is fixed at every binding. Found at stop 54: a fixed-shape decoder's causal mask
+    (``Shape`` of the ids through ``ConstantOfShape``, ``Trilu`` and a ``Mul``: three
+    4 MiB values at 1,024 tokens) replayed as activations, 8 MiB over ORT's regions."""
+    outputs: dict[int, list[TensorInfo]] = {}
+    for t in analysis.tensors.values():
+        if t.producer is not None:
+            outputs.setdefault(t.producer, []).append(t)
+    folded: set[str] = set()
+    for pos, node in enumerate(analysis.nodes):
+        outs = outputs.get(pos, [])
+        if node.domain not in _ONNX or node.op_type in _UNFOLDED or not outs \
+                or any(t.is_graph_output for t in outs) or _has_subgraph(node):
+            continue
+        ins = [i for i in input_names(node) if i]
+        if node.op_type in ("Shape", "Size"):
+            shape = analysis.unbound_shape(ins[0]) if ins else None
+            ok = shape is not None and all(isinstance(d, int) for d in shape)
+        else:
+            ok = bool(ins) and all(i in folded or _constant(analysis, i) for i in ins)
+        if ok:
+            folded.update(t.name for t in outs)
+    return frozenset(folded)
+
+
+def _has_subgraph(node) -> bool:
+    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+               for a in node.attributes.values())
 
 
 def shapeless(analysis: GraphAnalysis, opaque: Collection[int],

@@ -223,3 +223,52 @@ def test_the_planner_counts_the_tensors_of_the_fused_graph():
     assert "kt (" not in floors["fused"][1], floors["fused"][1]
     assert floors["fused"][0] == (1 << 20) + (320 << 10)  # k, p and o at the last MatMul
     assert floors["written"][0] > floors["fused"][0]
+
+
+# A causal mask built from a fixed shape (Shape through ConstantOfShape and Trilu), as a
+# decoder exported with static shapes computes it, added to attention scores.
+MASK = """
+g (float[1, 16, 8] x) => (float[1, 16, 8] y) {
+  s = Shape(x)
+  n = Gather<axis = 0>(s, one)
+  d = Unsqueeze(n, zero1)
+  dd = Concat<axis = 0>(d, d)
+  o = ConstantOfShape<value = float[1] {1.0}>(dd)
+  u = Trilu<upper = 1>(o)
+  m = Mul(u, neg)
+  t = Transpose<perm = [0, 2, 1]>(x)
+  sc = MatMul(x, t)
+  a = Add(sc, m)
+  y = MatMul(a, x)
+}
+"""
+
+
+def _mask_model(x: str = "float[1, 16, 8] x") -> onnx.ModelProto:
+    return graphs.text_model(MASK.replace("float[1, 16, 8] x", x), one=np.array(1, np.int64),
+                             zero1=np.array([0], np.int64), neg=np.array(-1e9, np.float32))
+
+
+def test_the_values_ort_folds_when_it_loads_are_the_ones_replayed_as_constants(tmp_path):
+    """ORT's ConstantFolding computes the mask at load (every value whose inputs are
+    constants, a Shape of a fixed shape among them): ``fusions().folded`` are the values
+    ORT's optimized model no longer computes; with a symbolic dim nothing folds. The replay
+    counts the one a computed node still reads (``m``) for the whole run, beside the arena,
+    and none of the others."""
+    from ho_onnx.schedule.arena import _values
+
+    model = _mask_model()
+    a = analyse(model)
+    folded = fusions(a).folded
+    src, opt = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    onnx.save(model, str(src))
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(opt)
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    computed = {v for n in onnx.load(str(opt)).graph.node for v in n.output}
+    assert folded == {v for n in model.graph.node for v in n.output} - computed - fusions(a).gone
+    assert folded == {"s", "n", "d", "dd", "o", "u", "m"}
+    values, static = _values(a, None, None, None, ORT)
+    assert not folded & set(values)
+    assert static == 16 * 16 * 4 + 8 + 8 + 4  # m (and the initializers the mask reads)
+    assert not fusions(analyse(_mask_model("float[N, 16, 8] x"), {"N": 1})).folded
