@@ -122,14 +122,15 @@ def target(reuse: bool) -> Any:
 
 def replayed(path: Path, reuse: bool) -> int:
     """The arena the replay gives the unmodified model (ho-onnx's for fixed shapes: regions
-    grown as requested), its initializers included."""
+    grown as requested), without what it holds beside it (initializers, folded values)."""
     import onnx
 
     from ho_onnx.graph.analyse import analyse
-    from ho_onnx.schedule.arena import arena_memory
+    from ho_onnx.schedule.arena import arena_buffer_intervals, arena_memory
 
     a = analyse(onnx.load(str(path), load_external_data=False))
-    return int(arena_memory(a, None, target=target(reuse)).max())
+    _, static = arena_buffer_intervals(a, None, target=target(reuse))
+    return int(arena_memory(a, None, target=target(reuse)).max()) - static
 
 
 def one(cfg: str, work: Path, budgets: list[int], runs: int) -> list[dict[str, Any]]:
@@ -157,7 +158,7 @@ def one(cfg: str, work: Path, budgets: list[int], runs: int) -> list[dict[str, A
         m = measure(base, reuse, seq, runs, None if reuse else ref)
         resident[reuse] = m
         rows.append({"config": cfg, "row": "resident", "reuse": reuse,
-                     "tensor_peak": tensors, "replayed": replayed(src, reuse) - weights,
+                     "tensor_peak": tensors, "replayed": replayed(src, reuse),
                      "regions": m["total_allocated"], "max_in_use": m["max_in_use"],
                      "ms": m["ms"], "exact": m["exact"], "offloaded": 0,
                      "predicted_s": None})
