@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ..graph.analyse import GraphAnalysis, input_names, output_names
+from ..graph.analyse import GraphAnalysis, TensorInfo, input_names, output_names
 from ..target.base import ArenaValue, Target
 from ..target.ort.arena import ORT
 from .lifetimes import Interval, Residency, memory_profile, resident_intervals
@@ -98,7 +98,7 @@ def _still_folded(analysis: GraphAnalysis, folded: frozenset[str],
     return folded - lost
 
 
-def _read_unfolded(t, folded: frozenset[str], analysis: GraphAnalysis) -> bool:
+def _read_unfolded(t: TensorInfo, folded: frozenset[str], analysis: GraphAnalysis) -> bool:
     """A node the runtime does not fold reads ``t`` (a folded value), which stays then (a
     node is folded with all its outputs)."""
     nodes = {analysis.tensors[name].producer for name in folded}
