@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="ORT's memory patterns (SessionOptions.enable_mem_pattern) in the "
                          "baseline and ho rows: 'auto' as each is run by default (ORT: on; "
                          "ho_onnx's session helper: off); 'both': each row twice, side by side")
+    ap.add_argument("--ort-reuse", choices=["on", "off", "both"], default="on",
+                    help="ORT's buffer reuse the ho rows are planned for and run with "
+                         "(OffloadOptions.ort_reuse; the model records it and ho-onnx's "
+                         "session sets it): 'both': each ho row twice, side by side")
     ap.add_argument("--profile-costs", action="store_true",
                     help="plan with compute measured on the device: ORT's profile of the "
                          "unmodified model on the CUDA EP (ho-onnx profile), which also times "
@@ -420,14 +424,20 @@ def main(argv: list[str] | None = None) -> int:
     two = acts + 2 * sizes["per_layer_bytes"] + max(sizes["embedding_bytes"],
                                                     sizes["head_bytes"])
     budgets.append(("ho 2 layers", two))
-    for name, budget in budgets:
-        out = work / f"decoder.{name.split()[-1].replace('%', 'pct')}.onnx"
+    reuses = [True, False] if args.ort_reuse == "both" else [args.ort_reuse == "on"]
+    for (name, budget), reuse in ((b, x) for b in budgets for x in reuses):
+        label = name + ("" if reuse else " no-reuse")
+        out = work / f"decoder.{name.split()[-1].replace('%', 'pct')}" \
+                     f"{'' if reuse else '.noreuse'}.onnx"
         try:
-            r = optimize(src, out, OffloadOptions(budget=budget), costs=costs)
+            r = optimize(src, out, OffloadOptions(budget=budget, ort_reuse=reuse), costs=costs)
         except Exception as e:  # the planner refuses an impossible budget: say so
-            rows.append({"name": name, "budget_bytes": budget, "error": f"plan: {e}"})
+            rows.append({"name": label, "budget_bytes": budget, "error": f"plan: {e}"})
             continue
-        measure(name, out, True, r.plan, budget, host_s=host_ahead_s(r.analysis, r.plan))
+        first = len(rows)
+        measure(label, out, True, r.plan, budget, host_s=host_ahead_s(r.analysis, r.plan))
+        for row in rows[first:]:
+            row["ort_reuse"] = reuse
 
     for f in (x for x in args.ort_partition.split(",") if x.strip()):
         measure(f"ort partition {float(f):.0%}", src, False, budget=int(float(f) * base_peak),
