@@ -37,6 +37,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
     n = len(analysis.order)
     key, declared = _keys(analysis, choice, target)
     folded = _still_folded(analysis, fused.folded, choice)
+    folding = {analysis.tensors[name].producer for name in folded}  # (the nodes ORT folds)
     moved_w = {w.name: w for w in (choice.weights if choice else ())}
     moved_a = {a.name: a for a in (choice.activations if choice else ())}
     moved_in = {i.name: i for i in (choice.inputs if choice else ())}
@@ -57,7 +58,7 @@ def _values(analysis: GraphAnalysis, choice: OffloadChoice | None,
             values[name] = ArenaValue(s, a.last_early, b, k)
             values[name + "\0reload"] = ArenaValue(a.prefetch_at, max(a.late), b, declared(name))
         elif name in folded:  # (a constant once ORT loads the model, if still read)
-            static += sizes[name] if _read_unfolded(t, folded, analysis) else 0
+            static += sizes[name] if _read_unfolded(t, folding) else 0
         elif not t.is_initializer:
             k = None if t.is_graph_output else key(name)
             values[name] = ArenaValue(s, n - 1 if t.is_graph_output else e, sizes[name], k)
@@ -98,11 +99,10 @@ def _still_folded(analysis: GraphAnalysis, folded: frozenset[str],
     return folded - lost
 
 
-def _read_unfolded(t: TensorInfo, folded: frozenset[str], analysis: GraphAnalysis) -> bool:
-    """A node the runtime does not fold reads ``t`` (a folded value), which stays then (a
-    node is folded with all its outputs)."""
-    nodes = {analysis.tensors[name].producer for name in folded}
-    return bool(t.implicit_consumers) or any(c not in nodes for c in t.consumers)
+def _read_unfolded(t: TensorInfo, folding: set[int | None]) -> bool:
+    """A node the runtime does not fold (not in ``folding``) reads ``t`` (a folded value),
+    which stays then."""
+    return bool(t.implicit_consumers) or any(c not in folding for c in t.consumers)
 
 
 def _keys(analysis: GraphAnalysis, choice: OffloadChoice | None, target: Target

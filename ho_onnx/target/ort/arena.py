@@ -208,6 +208,16 @@ def fusions(analysis: GraphAnalysis) -> Fusions:
     return Fusions(frozenset(gone), later, _folded(analysis))
 
 
+def _outputs_by_node(analysis: GraphAnalysis) -> dict[int, list[TensorInfo]]:
+    """Each node position's output values (the analysis' own: a rewritten model's renamed
+    outputs are not followed)."""
+    outputs: dict[int, list[TensorInfo]] = {}
+    for t in analysis.tensors.values():
+        if t.producer is not None:
+            outputs.setdefault(t.producer, []).append(t)
+    return outputs
+
+
 # Ops ORT's constant folding leaves alone: random ones, and the quantization pair it keeps
 # for QDQ fusions.
 _UNFOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
@@ -222,10 +232,7 @@ def _folded(analysis: GraphAnalysis) -> frozenset[str]:
     shape is fixed at every binding. Found at stop 54: a fixed-shape decoder's causal mask
     (``Shape`` of the ids through ``ConstantOfShape``, ``Trilu`` and a ``Mul``: three
     4 MiB values at 1,024 tokens) replayed as activations, 8 MiB over ORT's regions."""
-    outputs: dict[int, list[TensorInfo]] = {}
-    for t in analysis.tensors.values():
-        if t.producer is not None:
-            outputs.setdefault(t.producer, []).append(t)
+    outputs = _outputs_by_node(analysis)
     folded: set[str] = set()
     for pos, node in enumerate(analysis.nodes):
         outs = outputs.get(pos, [])
@@ -260,10 +267,7 @@ def shapeless(analysis: GraphAnalysis, opaque: Collection[int],
     left every activation of a fixed-shape decoder without a shape for ORT, whose arena then
     reused only the weights' reload buffers; keyed by the shapes of the model as planned,
     the replay held 1.4-2x ORT's chunks in use (6.8 vs 4.3 MiB)."""
-    outputs: dict[int, list[TensorInfo]] = {}
-    for t in analysis.tensors.values():
-        if t.producer is not None:
-            outputs.setdefault(t.producer, []).append(t)
+    outputs = _outputs_by_node(analysis)
     dark: set[str] = set()
     reads_dark: set[int] = set(opaque)
     for pos, node in enumerate(analysis.nodes):
